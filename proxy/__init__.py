@@ -1,0 +1,3 @@
+"""quota-proxy: one quota for the whole fleet."""
+
+__version__ = "0.1.0"

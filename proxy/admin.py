@@ -1,0 +1,131 @@
+"""The admin listener: /metrics, /healthz, /readyz, /status.
+
+/readyz is what a load balancer routes on: 503 while the store is unreachable
+(the proxy would only defer) and while draining for shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy import __version__
+from proxy.handler import Deps
+from proxy.limiter import StoreUnavailable
+
+DepsGetter = Callable[[], Deps]
+
+
+class AdminState:
+    """What the admin endpoints read: the live deps, and whether we are draining."""
+
+    def __init__(self, deps: DepsGetter) -> None:
+        self.deps = deps
+        self.draining = False
+
+
+ADMIN = web.AppKey("admin", AdminState)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body, indent=2) + "\n", status=status, content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    deps = request.app[ADMIN].deps()
+    return web.Response(body=generate_latest(deps.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok", "version": __version__})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[ADMIN]
+    if state.draining:
+        return _json({"status": "draining"}, 503)
+    deps = state.deps()
+    try:
+        async with asyncio.timeout(max(deps.policy.store.timeout * 4, 0.25)):
+            await deps.limiter.ping()
+    except (StoreUnavailable, TimeoutError) as exc:
+        return _json({"status": "store unavailable", "detail": str(exc) or type(exc).__name__}, 503)
+    return _json({"status": "ready", "vendors": [v.name for v in deps.policy.vendors]})
+
+
+def _finite(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None
+
+
+async def status(request: web.Request) -> web.Response:
+    deps = request.app[ADMIN].deps()
+    limiter = deps.limiter
+    vendors: list[dict[str, Any]] = []
+    for vendor in deps.policy.vendors:
+        entry: dict[str, Any] = {
+            "name": vendor.name,
+            "hosts": list(vendor.hosts),
+            "route": vendor.route,
+            "upstream": vendor.upstream,
+            "on_limit": {"action": vendor.on_limit.action, "max_hold": vendor.on_limit.max_hold},
+        }
+        try:
+            buckets, levels = await limiter.peek(vendor)
+            entry["buckets"] = [
+                {"bucket": b.label, "key": b.key, "rate_per_second": b.rate, "burst": b.burst,
+                 "tokens": _finite(level)}
+                for b, level in zip(buckets.all, levels, strict=True)
+            ]
+            entry["tokens_available"] = _finite(min(levels)) if levels else None
+        except StoreUnavailable as exc:
+            entry["buckets"] = None
+            entry["store_error"] = str(exc)
+        recent = deps.recent
+        entry["held_now"] = deps.held.get(vendor.name, 0)
+        entry["blocked_for_seconds"] = round(limiter.blocked_for(vendor.name), 3)
+        entry["recent"] = {
+            "window_seconds": 10,
+            "forwarded_per_second": recent.rate(vendor.name, "forwarded") + recent.rate(vendor.name, "held"),
+            "held_per_second": recent.rate(vendor.name, "held"),
+            "deferred_per_second": recent.rate(vendor.name, "deferred"),
+            "shed_per_second": recent.rate(vendor.name, "shed"),
+            "vendor_429_last_minute": recent.total(vendor.name, "vendor_429"),
+            "deferred_last_minute": recent.total(vendor.name, "deferred"),
+        }
+        vendors.append(entry)
+    return _json({
+        "version": __version__,
+        "policy": deps.policy.source,
+        "store": {
+            "url": _mask(deps.policy.store.url),
+            "on_failure": deps.policy.store.on_failure,
+            "breaker": limiter.breaker.state,
+        },
+        "vendors": vendors,
+    })
+
+
+def _mask(url: str) -> str:
+    """Hide a password in a store URL."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}" if ":" in creds else url
+
+
+def admin_app(state: AdminState) -> web.Application:
+    app = web.Application()
+    app[ADMIN] = state
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    return app

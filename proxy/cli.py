@@ -1,0 +1,142 @@
+"""The ``quota-proxy`` command: run, check, mock-vendor.
+
+Precedence: flag > environment (QUOTA_PROXY_CONFIG, QUOTA_PROXY_STORE) > file.
+Bad configuration never starts a server: exit 2, one line per problem on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy import __version__
+from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
+
+EXIT_CONFIG = 2
+
+log = logging.getLogger("quota_proxy")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quota-proxy", description="An egress proxy that keeps a worker fleet inside a vendor's API quota."
+    )
+    parser.add_argument("--version", action="version", version=f"quota-proxy {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="serve the proxy and its admin endpoints")
+    _config_arg(run)
+    run.add_argument("--listen", metavar="HOST:PORT", help="where workers connect (overrides the file)")
+    run.add_argument("--admin-listen", metavar="HOST:PORT", help="/metrics /healthz /readyz /status")
+    run.add_argument("--store", metavar="URL", help="memory:// | redis://host:6379/0 | rediss://... | "
+                     "redis+cluster://host:port (default: $QUOTA_PROXY_STORE, then the file)")
+    run.add_argument("--log-level", default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
+                     choices=["debug", "info", "warning", "error"])
+
+    check = sub.add_parser("check", help="validate a policy and print its summary")
+    _config_arg(check)
+
+    sub.add_parser("mock-vendor", help="a local vendor that enforces its own quota (for demos and tests)",
+                   add_help=False)
+    return parser
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", metavar="FILE", default=os.environ.get("QUOTA_PROXY_CONFIG"),
+                   help="policy file (default: $QUOTA_PROXY_CONFIG)")
+
+
+def _load(path: str | None) -> Policy | None:
+    if not path:
+        print("quota-proxy: no policy: give -c FILE or set QUOTA_PROXY_CONFIG", file=sys.stderr)
+        return None
+    try:
+        return load_policy(path)
+    except ConfigErrors as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        return None
+
+
+def _apply_overrides(policy: Policy, args: argparse.Namespace) -> Policy | None:
+    problems: list[str] = []
+    changes: dict[str, object] = {}
+    for flag, field in (("listen", "listen"), ("admin_listen", "admin_listen")):
+        value = getattr(args, flag)
+        if value is not None:
+            try:
+                changes[field] = parse_address(value)
+            except ValueError as exc:
+                problems.append(f"--{flag.replace('_', '-')}: {exc}")
+    store_url = args.store if args.store is not None else os.environ.get("QUOTA_PROXY_STORE")
+    if store_url is not None:
+        origin = "--store" if args.store is not None else "QUOTA_PROXY_STORE"
+        try:
+            changes["store"] = dataclasses.replace(policy.store, url=parse_store_url(store_url))
+        except ValueError as exc:
+            problems.append(f"{origin}: {exc}")
+    for problem in problems:
+        print(f"quota-proxy: {problem}", file=sys.stderr)
+    if problems:
+        return None
+    return dataclasses.replace(policy, **changes) if changes else policy  # type: ignore[arg-type]
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    policy = _load(args.config)
+    if policy is None:
+        return EXIT_CONFIG
+    policy = _apply_overrides(policy, args)
+    if policy is None:
+        return EXIT_CONFIG
+    _setup_logging(args.log_level)
+    logging.getLogger("quota_proxy.access").disabled = not policy.access_log
+    if not policy.tls.upstream_verify:
+        log.warning("tls.upstream_verify is false: vendors' certificates are NOT verified")
+    from proxy.server import serve
+
+    return _asyncio_run(serve(policy, policy.listen, policy.admin_listen))
+
+
+def _asyncio_run(coro: object) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)  # type: ignore[arg-type]
+
+
+def _check(args: argparse.Namespace) -> int:
+    policy = _load(args.config)
+    if policy is None:
+        return EXIT_CONFIG
+    print(summarize(policy))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "mock-vendor":
+        from proxy.mockvendor import main as mock_main
+
+        return mock_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "check":
+        return _check(args)
+    raise AssertionError(args.command)

@@ -1,0 +1,86 @@
+"""What to do with a request, from the policy, the worker's X-Quota-* headers and the
+store's answer. Pure: no I/O, no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy import headers as h
+from proxy.limiter.store import AcquireResult
+from proxy.policy.durations import parse_duration
+from proxy.policy.model import ACTIONS, Action, OnLimit
+from proxy.refusals import BadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Wish:
+    """The effective on-limit choice for one request."""
+
+    action: Action
+    max_hold: float
+
+    @property
+    def max_wait(self) -> float:
+        """How long the store may make this request wait for a reservation."""
+        return self.max_hold if self.action == "hold" else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    wait: float
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    retry_after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    retry_after: float
+
+
+Decision = Forward | Hold | Defer | Shed
+
+FORWARD = Forward()
+
+_DEFAULT_WISHES: dict[OnLimit, Wish] = {}
+
+
+def request_wish(on_limit: OnLimit, headers: Mapping[str, str]) -> Wish:
+    """The vendor's on_limit, overridden per request by X-Quota-On-Limit and
+    X-Quota-Max-Hold (the latter capped by the vendor's max_hold)."""
+    action_text = headers.get(h.ON_LIMIT)
+    hold_text = headers.get(h.MAX_HOLD)
+    if action_text is None and hold_text is None:
+        wish = _DEFAULT_WISHES.get(on_limit)
+        if wish is None:
+            wish = _DEFAULT_WISHES[on_limit] = Wish(on_limit.action, on_limit.max_hold)
+        return wish
+    action = on_limit.action
+    if action_text is not None:
+        action_text = action_text.strip().lower()
+        if action_text not in ACTIONS:
+            raise BadRequest(f"bad {h.ON_LIMIT} {action_text[:40]!r}: expected hold, defer or shed")
+        action = action_text
+    max_hold = on_limit.max_hold
+    if hold_text is not None:
+        try:
+            max_hold = min(parse_duration(hold_text.strip()), on_limit.max_hold)
+        except ValueError:
+            raise BadRequest(f"bad {h.MAX_HOLD} {hold_text[:40]!r}: expected a duration like 250ms") from None
+    return Wish(action, max_hold)
+
+
+def decide(result: AcquireResult, wish: Wish) -> Decision:
+    if result.granted:
+        return FORWARD if result.wait <= 0 else Hold(result.wait)
+    if wish.action == "shed":
+        return Shed(result.wait)
+    return Defer(result.wait)  # hold falls back to defer when the wait exceeds max_hold

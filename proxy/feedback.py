@@ -1,0 +1,96 @@
+"""The vendor's own answers, fed back into the fleet's shared buckets.
+
+A 429 blocks the vendor's global buckets for its Retry-After (seconds or an
+HTTP-date; ``retry_after_default`` when absent or unreadable, capped at
+``max_retry_after``). A remaining-quota header below ``low_watermark`` drains
+them to empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy.limiter import Limiter
+from proxy.policy.model import Feedback, Vendor
+
+
+def parse_retry_after(value: str | None, date: str | None = None, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After value, or None if absent or unreadable.
+
+    An HTTP-date is measured against the vendor's own Date header when it sent
+    one, so a skewed clock on either side does not stretch or shrink the block.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    reference = now if now is not None else time.time()
+    if date:
+        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+            reference = email.utils.parsedate_to_datetime(date).timestamp()
+    return max(when - reference, 0.0)
+
+
+def block_seconds(feedback: Feedback, headers: Mapping[str, str]) -> float:
+    """How long a vendor 429 with these headers blocks the vendor."""
+    seconds = parse_retry_after(headers.get("Retry-After"), headers.get("Date"))
+    if seconds is None:
+        seconds = feedback.retry_after_default
+    return min(seconds, feedback.max_retry_after)
+
+
+def remaining_is_low(feedback: Feedback, headers: Mapping[str, str]) -> bool:
+    if feedback.low_watermark <= 0 or feedback.remaining_header is None:
+        return False
+    raw = headers.get(feedback.remaining_header)
+    if raw is None:
+        return False
+    try:
+        remaining = float(raw.strip())
+    except ValueError:
+        return False
+    return remaining < feedback.low_watermark
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What a vendor response did to the shared state."""
+
+    blocked_for: float = 0.0
+    drained: bool = False
+    added_retry_after: str | None = None
+    """Retry-After the proxy adds to a vendor 429 that carried none."""
+
+
+NOTHING = Applied()
+
+
+async def apply_feedback(limiter: Limiter, vendor: Vendor, status: int, headers: Mapping[str, str]) -> Applied:
+    """Feed one vendor response back; costs a store call only on a 429 or low quota."""
+    feedback = vendor.feedback
+    if status == 429:
+        seconds = block_seconds(feedback, headers)
+        if seconds <= 0:
+            await limiter.drain(vendor)
+            return Applied(drained=True)
+        until = await limiter.block(vendor, seconds)
+        added = None if "Retry-After" in headers else str(max(1, math.ceil(until)))
+        return Applied(blocked_for=until, added_retry_after=added)
+    if remaining_is_low(feedback, headers):
+        await limiter.drain(vendor)
+        return Applied(drained=True)
+    return NOTHING

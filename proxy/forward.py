@@ -1,0 +1,140 @@
+"""Sending a granted request to its vendor and streaming the answer back.
+
+One pooled keep-alive ClientSession per vendor, so a slow vendor cannot exhaust
+another's connections. Bodies stream both ways in chunks with backpressure; a
+50 MB upload or download costs a few buffers, not 50 MB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from proxy.headers import downstream_response_headers, upstream_request_headers
+from proxy.policy.model import Policy, TlsSettings, Vendor
+from proxy.refusals import UpstreamFailed
+
+log = logging.getLogger("quota_proxy.forward")
+
+_CHUNK = 64 * 1024
+
+
+def upstream_ssl_context(tls: TlsSettings) -> ssl.SSLContext | bool:
+    """Verification on unless the policy turns it off; an extra CA bundle for private CAs."""
+    if not tls.upstream_verify:
+        return False
+    ctx = ssl.create_default_context()
+    if tls.upstream_ca_file:
+        ctx.load_verify_locations(cafile=tls.upstream_ca_file)
+    return ctx
+
+
+class Upstreams:
+    """The client sessions, one per vendor, created at start and closed at shutdown."""
+
+    def __init__(self, policy: Policy) -> None:
+        ssl_ctx = upstream_ssl_context(policy.tls)
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        for vendor in policy.vendors:
+            connector = aiohttp.TCPConnector(
+                ssl=ssl_ctx,
+                limit=0,  # concurrency is the limiter's job; the pool only reuses connections
+                keepalive_timeout=30,
+                ttl_dns_cache=60,
+            )
+            self._sessions[vendor.name] = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+
+    def session(self, vendor: Vendor) -> aiohttp.ClientSession:
+        return self._sessions[vendor.name]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._sessions.values()))
+
+
+async def _body(request: web.BaseRequest) -> AsyncIterator[bytes]:
+    async for chunk in request.content.iter_chunked(_CHUNK):
+        yield chunk
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    vendor: Vendor,
+    request: web.BaseRequest,
+    url: str,
+    tenant_header: str,
+) -> aiohttp.ClientResponse:
+    """Send the worker's request upstream; return once the vendor's headers are in."""
+    headers = upstream_request_headers(request.headers, tenant_header)
+    data = _body(request) if request.body_exists else None
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=vendor.timeouts.connect, sock_read=vendor.timeouts.read
+    )
+    try:
+        return await session.request(
+            request.method,
+            url,
+            headers=headers,
+            data=data,
+            allow_redirects=False,
+            timeout=timeout,
+            compress=None,
+        )
+    except aiohttp.ClientConnectorCertificateError as exc:
+        raise UpstreamFailed(502, "upstream-tls", f"{vendor.name}: certificate verification failed: "
+                                                  f"{exc.certificate_error}") from exc
+    except aiohttp.ClientSSLError as exc:
+        raise UpstreamFailed(502, "upstream-tls", f"{vendor.name}: TLS error: {exc}") from exc
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamFailed(504, "upstream-timeout", f"{vendor.name} did not answer in time") from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: cannot connect: {exc.os_error}") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: {type(exc).__name__}: {exc}") from exc
+
+
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+async def relay(
+    upstream: aiohttp.ClientResponse,
+    request: web.BaseRequest,
+    extra_headers: dict[str, str] | None = None,
+) -> tuple[web.StreamResponse, str | None]:
+    """Stream the vendor's answer to the worker; returns the response and, if the
+    vendor broke off mid-body, why. Then the worker's connection is aborted: a
+    truncated body must never look complete."""
+    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    resp.headers.extend(downstream_response_headers(upstream.headers))
+    if extra_headers:
+        resp.headers.update(extra_headers)
+    no_body = request.method == "HEAD" or upstream.status in _NO_BODY_STATUS or upstream.status < 200
+    if not no_body and upstream.content_length is None and "Content-Length" not in resp.headers:
+        resp.enable_chunked_encoding()
+    try:
+        await resp.prepare(request)
+        if not no_body:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        upstream.close()
+        resp.force_close()
+        if request.transport is not None:
+            request.transport.abort()
+        return resp, f"upstream broke off mid-response: {type(exc).__name__}: {exc}"
+    except BaseException:
+        upstream.close()  # the worker went away: drop the half-read upstream connection
+        raise
+    upstream.release()
+    return resp, None

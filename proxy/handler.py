@@ -1,0 +1,192 @@
+"""The request path: accept → match vendor and tenant → take tokens → forward → feed back → respond.
+
+Every refusal is a typed exception turned into a response in one place
+(responses.py); every request ends in exactly one outcome, one metric increment
+and one access-log line. No error path forwards: a request reaches the vendor
+only after the store granted it, or when the store is down and the policy
+explicitly fails open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from proxy.accesslog import AccessRecord
+from proxy.clock import Clock
+from proxy.decide import Defer, Hold, Shed, Wish, decide, request_wish
+from proxy.feedback import apply_feedback
+from proxy.forward import Upstreams, relay, send
+from proxy.limiter import Limiter, StoreUnavailable
+from proxy.match import Match, Router
+from proxy.metrics import NO_VENDOR, Metrics
+from proxy.policy.model import Policy
+from proxy.recent import Recent
+from proxy.refusals import BadRequest, Denied, Limited, Refusal, StoreDown, UpstreamFailed
+from proxy.responses import refusal_response
+from proxy.target import parse_target
+
+log = logging.getLogger("quota_proxy")
+
+CONNECT_REFUSED = (
+    "CONNECT (HTTPS_PROXY) is not enabled on this proxy: call the vendor over http:// through HTTP_PROXY "
+    "and give the vendor `upstream: https://...` in the policy, so the proxy originates the TLS itself"
+)
+
+
+@dataclass
+class Deps:
+    """Everything the request path needs; swapped as a whole on reload."""
+
+    policy: Policy
+    router: Router
+    limiter: Limiter
+    upstreams: Upstreams
+    metrics: Metrics
+    clock: Clock
+    recent: Recent
+    held: dict[str, int] = field(default_factory=dict)
+    """Requests being held right now, per vendor."""
+
+
+def _outcome(refusal: Refusal) -> str:
+    if isinstance(refusal, Limited):
+        return "shed" if refusal.action == "shed" else "deferred"
+    if isinstance(refusal, StoreDown):
+        return "deferred"
+    if isinstance(refusal, BadRequest | Denied):
+        return "denied"
+    return "error"
+
+
+class ProxyHandler:
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self._fail_open_warned = -1.0
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        deps = self.deps  # one policy generation for the whole request
+        clock = deps.clock
+        started = clock.monotonic()
+        rec = AccessRecord(request.method, "", request.message.path)
+        vendor_name: str | None = None
+        tenant = "-"
+        status: int | None = None
+        try:
+            if request.method == "CONNECT":
+                rec.host = request.message.path
+                raise Denied(CONNECT_REFUSED, request.message.path)
+            target = parse_target(request)
+            rec.host = target.host
+            match = deps.router.match(target, request.headers)
+            vendor_name, tenant = match.vendor.name, match.tenant
+            rec.vendor, rec.tenant = vendor_name, tenant
+            wish = request_wish(match.vendor.on_limit, request.headers)
+            resp = await self._limited(deps, request, match, wish, rec)
+            status = resp.status
+            return resp
+        except Refusal as refusal:
+            rec.outcome = _outcome(refusal)
+            if isinstance(refusal, Limited | StoreDown):
+                assert vendor_name is not None
+                deps.recent.add(vendor_name, rec.outcome)
+                (deps.metrics.shed if rec.outcome == "shed" else deps.metrics.deferred).labels(vendor_name).inc()
+            if isinstance(refusal, StoreDown | UpstreamFailed | BadRequest | Denied):
+                rec.detail = refusal.detail
+            resp = refusal_response(refusal, vendor_name)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            rec.outcome, rec.detail = "error", "the worker went away"
+            raise
+        finally:
+            rec.status = status
+            rec.duration = clock.monotonic() - started
+            deps.metrics.count_request(vendor_name or NO_VENDOR, tenant, rec.outcome)
+            rec.emit()
+
+    async def _limited(
+        self, deps: Deps, request: web.BaseRequest, match: Match, wish: Wish, rec: AccessRecord
+    ) -> web.StreamResponse:
+        vendor = match.vendor
+        limiter = deps.limiter
+        outcome = "forwarded"
+        try:
+            result = await limiter.acquire(vendor, match.tenant, wish.max_wait)
+        except StoreUnavailable as exc:
+            if deps.policy.store.on_failure != "open":
+                raise StoreDown(limiter.breaker.retry_after(), f"store unavailable: {exc}") from None
+            self._warn_fail_open(deps, vendor.name, exc)
+            deps.metrics.fail_open.labels(vendor.name).inc()
+            rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
+        else:
+            decision = decide(result, wish)
+            if isinstance(decision, Defer | Shed):
+                bucket = limiter.buckets(vendor, match.tenant).all[result.binding]
+                raise Limited("shed" if isinstance(decision, Shed) else "defer", decision.retry_after,
+                              bucket.scope, bucket.label)
+            if isinstance(decision, Hold):
+                await self._hold(deps, vendor.name, decision.wait, rec)
+                outcome = "held"
+        return await self._forward(deps, request, match, rec, outcome)
+
+    async def _hold(self, deps: Deps, vendor: str, wait: float, rec: AccessRecord) -> None:
+        """Sleep until the reservation matures. The store spaced reservations one
+        refill interval apart, so held requests leave in order and evenly paced."""
+        mark = deps.limiter.mark(vendor)
+        deps.held[vendor] = deps.held.get(vendor, 0) + 1
+        gauge = deps.metrics.held_now.labels(vendor)
+        gauge.inc()
+        try:
+            await deps.clock.sleep(wait)
+        finally:
+            deps.held[vendor] -= 1
+            gauge.dec()
+            rec.hold = wait
+        deps.metrics.hold_seconds.labels(vendor).observe(wait)
+        # A vendor 429 that arrived while we slept blocks us too: the reservation
+        # predates it, the vendor's Retry-After does not.
+        blocked = deps.limiter.blocked_since(vendor, mark)
+        if blocked > 0:
+            raise Limited("defer", blocked, "global", "vendor block (vendor answered 429)")
+
+    async def _forward(
+        self, deps: Deps, request: web.BaseRequest, match: Match, rec: AccessRecord, outcome: str
+    ) -> web.StreamResponse:
+        vendor = match.vendor
+        sent = deps.clock.monotonic()
+        upstream = await send(
+            deps.upstreams.session(vendor), vendor, request, match.origin + match.path_qs, deps.policy.tenant.header
+        )
+        rec.upstream_status = upstream.status
+        deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()
+        deps.recent.add(vendor.name, outcome)
+        if upstream.status == 429:
+            deps.recent.add(vendor.name, "vendor_429")
+        try:
+            applied = await apply_feedback(deps.limiter, vendor, upstream.status, upstream.headers)
+        except BaseException:
+            upstream.close()
+            raise
+        if applied.blocked_for > 0:
+            deps.metrics.vendor_blocks.labels(vendor.name).inc()
+            log.warning("vendor %s answered 429: its global buckets are blocked for %.3fs fleet-wide",
+                        vendor.name, applied.blocked_for)
+        elif applied.drained:
+            deps.metrics.drains.labels(vendor.name).inc()
+        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else None
+        resp, broken = await relay(upstream, request, extra)
+        deps.metrics.upstream_seconds.labels(vendor.name).observe(deps.clock.monotonic() - sent)
+        rec.outcome = outcome
+        if broken:
+            rec.outcome, rec.detail = "error", broken
+        return resp
+
+    def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
+        now = deps.clock.monotonic()
+        if now - self._fail_open_warned >= 1.0:  # loud, but one line a second, not one per request
+            self._fail_open_warned = now
+            log.warning("store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor)

@@ -1,0 +1,65 @@
+"""Header names the proxy reads or writes, and the hop-by-hop set (RFC 9110 §7.6.1)."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+ON_LIMIT = "X-Quota-On-Limit"
+MAX_HOLD = "X-Quota-Max-Hold"
+QUOTA_PREFIX = "x-quota-"
+
+ACTION = "X-Quota-Action"
+LIMITER = "X-Quota-Limiter"
+REASON = "X-Quota-Reason"
+RETRY_AFTER_MS = "X-Quota-Retry-After-Ms"
+SCOPE = "X-Quota-Scope"
+ERROR = "X-Quota-Error"
+RETRY_AFTER = "Retry-After"
+
+# Connection-specific: meaningful for one hop only, never forwarded either way.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+# Request headers the proxy consumes or recomputes itself.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+    tokens: set[str] = set()
+    for value in headers.getall("Connection", ()):
+        tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return tokens
+
+
+def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str) -> CIMultiDict[str]:
+    """The worker's headers minus hop-by-hop ones, ``Host`` (set from the upstream URL),
+    the tenant header and every ``X-Quota-*`` header."""
+    drop = _REQUEST_DROP | _connection_tokens(headers) | {tenant_header.lower()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        low = name.lower()
+        if low in drop or low.startswith(QUOTA_PREFIX):
+            continue
+        out.add(name, value)
+    return out
+
+
+def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The vendor's headers minus hop-by-hop ones, for the worker."""
+    drop = HOP_BY_HOP | _connection_tokens(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out

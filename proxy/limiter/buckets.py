@@ -1,0 +1,65 @@
+"""Which buckets a request draws from, and what their store keys are.
+
+Keys share the hash tag ``{vendor}`` so one vendor's buckets live in one Redis
+Cluster slot (a script may only touch keys of one slot). The limit itself is
+part of the key: a changed limit starts a fresh bucket, an unchanged one keeps
+its state across reloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.limiter.store import BucketSpec
+from proxy.policy.model import Limit, Vendor
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """Every bucket of one (vendor, tenant): tenant buckets first, then global."""
+
+    all: tuple[BucketSpec, ...]
+    tenant_count: int
+
+    @property
+    def global_part(self) -> tuple[BucketSpec, ...]:
+        return self.all[self.tenant_count :]
+
+
+def vendor_namespace(prefix: str, vendor: str) -> str:
+    return f"{prefix}:{{{vendor}}}"
+
+
+def block_channel(prefix: str, vendor: str) -> str:
+    return f"{vendor_namespace(prefix, vendor)}:block"
+
+
+def block_channel_pattern(prefix: str) -> str:
+    return f"{prefix}:{{*}}:block"
+
+
+def vendor_of_channel(channel: str) -> str | None:
+    start, end = channel.find("{"), channel.rfind("}")
+    return channel[start + 1 : end] if 0 <= start < end else None
+
+
+def global_buckets(prefix: str, vendor: Vendor) -> tuple[BucketSpec, ...]:
+    ns = vendor_namespace(prefix, vendor.name)
+    return tuple(
+        BucketSpec(f"{ns}:g:{lim.key}", lim.per_second, lim.burst, "global", f"global {lim.label}")
+        for lim in vendor.limits
+    )
+
+
+def tenant_buckets(prefix: str, vendor: Vendor, tenant: str) -> tuple[BucketSpec, ...]:
+    ns = vendor_namespace(prefix, vendor.name)
+    limits: tuple[Limit, ...] = vendor.tenant_limits.for_tenant(tenant)
+    return tuple(
+        BucketSpec(f"{ns}:t:{tenant}:{lim.key}", lim.per_second, lim.burst, "tenant", f"tenant {tenant} {lim.label}")
+        for lim in limits
+    )
+
+
+def buckets_for(prefix: str, vendor: Vendor, tenant: str) -> Buckets:
+    tenant_part = tenant_buckets(prefix, vendor, tenant)
+    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part))

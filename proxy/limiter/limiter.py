@@ -1,0 +1,201 @@
+"""The limiter: buckets of a (vendor, tenant), taken in one store call, behind a breaker.
+
+It also remembers what the store last said about each vendor's global buckets
+(so the tokens gauge costs no extra round trip) and which vendors are blocked
+after a vendor 429, locally or as announced by other replicas, so that a held
+request whose reservation predates the block does not go out during it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from proxy.clock import Clock
+from proxy.limiter.breaker import Breaker
+from proxy.limiter.buckets import (
+    Buckets,
+    block_channel,
+    block_channel_pattern,
+    buckets_for,
+    global_buckets,
+    vendor_of_channel,
+)
+from proxy.limiter.store import AcquireResult, BlockResult, BucketStore, StoreUnavailable
+from proxy.policy.model import Vendor
+
+log = logging.getLogger("quota_proxy.limiter")
+
+_CACHE_MAX = 10_000  # (vendor, tenant) bucket lists kept; tenants are unbounded
+
+
+@dataclass(slots=True)
+class Observation:
+    """Global bucket levels as the store last reported them, and when (local clock)."""
+
+    levels: tuple[float, ...]
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMark:
+    """What a held request remembers: which block generation it reserved under."""
+
+    generation: int
+
+
+class Limiter:
+    def __init__(
+        self,
+        store: BucketStore,
+        clock: Clock,
+        *,
+        key_prefix: str,
+        breaker: Breaker,
+        on_store_error: Callable[[StoreUnavailable], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.breaker = breaker
+        self.key_prefix = key_prefix
+        self._on_store_error = on_store_error
+        self._cache: dict[tuple[str, str], tuple[Vendor, Buckets]] = {}
+        self._observed: dict[str, Observation] = {}
+        self._blocked_until: dict[str, float] = {}
+        self._block_generation: dict[str, int] = {}
+
+    # -- buckets ---------------------------------------------------------------
+
+    def buckets(self, vendor: Vendor, tenant: str) -> Buckets:
+        key = (vendor.name, tenant)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is vendor:
+            return hit[1]
+        if len(self._cache) >= _CACHE_MAX:
+            self._cache.clear()
+        b = buckets_for(self.key_prefix, vendor, tenant)
+        self._cache[key] = (vendor, b)
+        return b
+
+    # -- store calls -----------------------------------------------------------
+
+    async def acquire(self, vendor: Vendor, tenant: str, max_wait: float, cost: float = 1.0) -> AcquireResult:
+        """Take ``cost`` from every bucket of (vendor, tenant) now or within ``max_wait``, or from none.
+
+        Raises StoreUnavailable when the store fails or the breaker is open.
+        """
+        b = self.buckets(vendor, tenant)
+        if not self.breaker.allow():
+            raise StoreUnavailable("circuit breaker open")
+        try:
+            result = await self.store.acquire(b.all, cost, max_wait)
+        except StoreUnavailable as exc:
+            self._store_failed(exc)
+            raise
+        except BaseException:
+            self.breaker.release()
+            raise
+        self.breaker.success()
+        if b.tenant_count < len(result.levels):
+            self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
+        return result
+
+    async def block(self, vendor: Vendor, seconds: float) -> float:
+        """A vendor 429: block its global buckets fleet-wide; returns the block's length.
+
+        Never raises: the block is also kept locally, so this replica honours it
+        even when the store cannot record it.
+        """
+        buckets = global_buckets(self.key_prefix, vendor)
+        until = seconds
+        try:
+            channel = block_channel(self.key_prefix, vendor.name)
+            result = await self._feedback(self.store.block(buckets, seconds, channel))
+        except StoreUnavailable:
+            result = None
+        if result is not None:
+            until = result.until
+            self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
+        self.note_block(vendor.name, until)
+        return until
+
+    async def drain(self, vendor: Vendor) -> None:
+        """Remaining quota below the low watermark: empty the global buckets now."""
+        buckets = global_buckets(self.key_prefix, vendor)
+        try:
+            result = await self._feedback(self.store.drain(buckets))
+        except StoreUnavailable:
+            return
+        self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
+
+    async def peek(self, vendor: Vendor, tenant: str | None = None) -> tuple[Buckets, tuple[float, ...]]:
+        """Levels of the vendor's global buckets (and the tenant's, if given), taking nothing."""
+        b = Buckets(global_buckets(self.key_prefix, vendor), 0) if tenant is None else self.buckets(vendor, tenant)
+        levels = await self.store.peek(b.all)
+        if len(levels) > b.tenant_count:
+            self._observed[vendor.name] = Observation(levels[b.tenant_count :], self.clock.monotonic())
+        return b, levels
+
+    async def ping(self) -> None:
+        await self.store.ping()
+
+    async def _feedback(self, call: Awaitable[BlockResult]) -> BlockResult:
+        # Feedback bypasses the breaker's gate (it is rare and must not be lost to a
+        # half-open probe slot) but its failures still count.
+        try:
+            result = await call
+        except StoreUnavailable as exc:
+            self._store_failed(exc)
+            raise
+        self.breaker.success()
+        return result
+
+    def _store_failed(self, exc: StoreUnavailable) -> None:
+        self.breaker.failure()
+        if self._on_store_error is not None:
+            self._on_store_error(exc)
+
+    # -- what we know without asking -------------------------------------------
+
+    def tokens_available(self, vendor: Vendor) -> float | None:
+        """The fullest-possible estimate of the scarcest global bucket, extrapolated
+        from the last store answer by refill; None before any answer."""
+        obs = self._observed.get(vendor.name)
+        if obs is None:
+            return None
+        elapsed = self.clock.monotonic() - obs.at
+        return min(
+            min(lim.burst, level + elapsed * lim.per_second)
+            for lim, level in zip(vendor.limits, obs.levels, strict=False)
+        )
+
+    def note_block(self, vendor: str, seconds: float) -> None:
+        """Record a block of ``vendor`` for ``seconds`` from now (ours or another replica's)."""
+        until = self.clock.monotonic() + seconds
+        if until > self._blocked_until.get(vendor, 0.0):
+            self._blocked_until[vendor] = until
+        self._block_generation[vendor] = self._block_generation.get(vendor, 0) + 1
+
+    def mark(self, vendor: str) -> BlockMark:
+        return BlockMark(self._block_generation.get(vendor, 0))
+
+    def blocked_since(self, vendor: str, mark: BlockMark) -> float:
+        """Seconds of block left if a block began after ``mark`` was taken, else 0."""
+        if self._block_generation.get(vendor, 0) == mark.generation:
+            return 0.0
+        return max(self._blocked_until.get(vendor, 0.0) - self.clock.monotonic(), 0.0)
+
+    def blocked_for(self, vendor: str) -> float:
+        """Seconds until the last known block of ``vendor`` ends (0 if none)."""
+        return max(self._blocked_until.get(vendor, 0.0) - self.clock.monotonic(), 0.0)
+
+    async def watch_blocks(self) -> None:
+        """Follow other replicas' blocks until cancelled."""
+
+        def on_block(channel: str, seconds: float) -> None:
+            vendor = vendor_of_channel(channel)
+            if vendor is not None:
+                self.note_block(vendor, seconds)
+
+        await self.store.watch_blocks(block_channel_pattern(self.key_prefix), on_block)

@@ -1,0 +1,105 @@
+"""memory://: the bucket store for one process, with the Lua scripts' semantics.
+
+Each method runs without awaiting, so it is atomic on the event loop: no lock is
+needed. Time comes from the injected Clock. Keys expire once their bucket would
+have refilled, as Redis keys do, so idle tenants leave nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from proxy.clock import Clock
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec
+
+_SWEEP_EVERY = 4096  # operations between sweeps of expired keys
+
+
+class MemoryStore:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        # key -> [tokens, ts, expires_at]; ts and expires_at on the clock, seconds
+        self._state: dict[str, list[float]] = {}
+        self._ops = 0
+
+    def __len__(self) -> int:
+        """Live keys (after sweeping the expired ones)."""
+        self._sweep(self._clock.monotonic())
+        return len(self._state)
+
+    def _level(self, b: BucketSpec, now: float) -> float:
+        st = self._state.get(b.key)
+        if st is None or st[2] <= now:
+            return b.burst
+        return min(b.burst, st[0] + (now - st[1]) * b.rate)
+
+    def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
+        # Same expiry as the scripts: once refilled the key equals a missing one.
+        self._state[b.key] = [tokens, ts, ts + (b.burst - tokens) / b.rate + 1.0]
+
+    def _tick(self, now: float) -> None:
+        self._ops += 1
+        if self._ops % _SWEEP_EVERY == 0:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        for key in [k for k, st in self._state.items() if st[2] <= now]:
+            del self._state[key]
+
+    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+        now = self._clock.monotonic()
+        self._tick(now)
+        levels = [self._level(b, now) for b in buckets]
+        wait, binding = 0.0, -1
+        for i, (b, level) in enumerate(zip(buckets, levels, strict=True)):
+            need = (cost - level) / b.rate
+            if need > wait:
+                wait, binding = need, i
+        if wait > max_wait:
+            return AcquireResult(False, wait, binding, tuple(levels))
+        for i, b in enumerate(buckets):
+            levels[i] -= cost
+            self._store(b, levels[i], now)
+        return AcquireResult(True, wait, binding, tuple(levels))
+
+    async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
+        now = self._clock.monotonic()
+        levels: list[float] = []
+        longest = 0.0
+        for b in buckets:
+            level = self._level(b, now)
+            ts = max(now + seconds, now + max(0.0, -level) / b.rate)
+            self._store(b, 0.0, ts)
+            levels.append(-(ts - now) * b.rate)
+            longest = max(longest, ts - now)
+        return BlockResult(longest, tuple(levels))
+
+    async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
+        now = self._clock.monotonic()
+        levels: list[float] = []
+        for b in buckets:
+            level = min(self._level(b, now), 0.0)
+            self._store(b, level, now)
+            levels.append(level)
+        return BlockResult(0.0, tuple(levels))
+
+    async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
+        now = self._clock.monotonic()
+        return tuple(self._level(b, now) for b in buckets)
+
+    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
+        return  # one process: the limiter already knows every block it made
+
+    async def ping(self) -> None:
+        return
+
+    async def close(self) -> None:
+        self._state.clear()
+
+    def ttl(self, key: str) -> float | None:
+        """Seconds until ``key`` expires, None when absent (the scripts' PTTL, for tests)."""
+        st = self._state.get(key)
+        now = self._clock.monotonic()
+        if st is None or st[2] <= now:
+            return None
+        return st[2] - now

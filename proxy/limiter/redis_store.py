@@ -1,0 +1,128 @@
+"""redis:// rediss:// redis+cluster://: bucket state shared by every replica.
+
+Each operation is one registered Lua script (EVALSHA; redis-py reloads it on
+NOSCRIPT), so a request costs one round trip and the clock is Redis ``TIME``.
+Every failure (refused connection, timeout, OOM, READONLY...) surfaces as
+StoreUnavailable: the caller then fails closed or open, never half-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from proxy.limiter.scripts import script
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StoreUnavailable
+
+log = logging.getLogger("quota_proxy.store")
+
+T = TypeVar("T")
+
+_MS = 1000.0
+
+
+def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
+    """A client for ``url``; ``redis+cluster://`` selects Redis Cluster."""
+    options: dict[str, Any] = {
+        "socket_timeout": max(timeout, 0.001),
+        "socket_connect_timeout": max(timeout, 0.001),
+        "health_check_interval": 0,
+    }
+    if url.startswith("redis+cluster://"):
+        return RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"), **options)
+    return aioredis.from_url(url, **options)
+
+
+class RedisStore:
+    def __init__(self, url: str, timeout: float) -> None:
+        self._url = url
+        self._timeout = timeout
+        self._client = connect(url, timeout)
+        self._acquire = self._client.register_script(script("acquire"))
+        self._feedback = self._client.register_script(script("feedback"))
+        self._peek = self._client.register_script(script("peek"))
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        return self._client
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await op()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+        keys = [b.key for b in buckets]
+        args: list[float] = [cost, max_wait * _MS]
+        for b in buckets:
+            args += (b.rate / _MS, b.burst)
+        out = await self._call(lambda: self._acquire(keys=keys, args=args))
+        binding = int(out[2]) - 1
+        return AcquireResult(
+            out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[3:])
+        )
+
+    async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
+        return await self._feedback_call(buckets, "block", seconds, channel)
+
+    async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
+        return await self._feedback_call(buckets, "drain", 0.0, "")
+
+    async def _feedback_call(
+        self, buckets: tuple[BucketSpec, ...], mode: str, seconds: float, channel: str
+    ) -> BlockResult:
+        keys = [b.key for b in buckets]
+        args: list[float | str] = [mode, seconds * _MS, channel]
+        for b in buckets:
+            args += (b.rate / _MS, b.burst)
+        out = await self._call(lambda: self._feedback(keys=keys, args=args))
+        return BlockResult(float(out[0]) / _MS, tuple(float(x) for x in out[1:]))
+
+    async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
+        keys = [b.key for b in buckets]
+        args: list[float] = []
+        for b in buckets:
+            args += (b.rate / _MS, b.burst)
+        out = await self._call(lambda: self._peek(keys=keys, args=args))
+        return tuple(float(x) for x in out)
+
+    async def ping(self) -> None:
+        await self._call(self._client.ping)
+
+    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
+        """Follow blocks announced by feedback.lua; reconnects until cancelled."""
+        backoff = 0.1
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.psubscribe(pattern)
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is None or msg.get("type") != "pmessage":
+                        continue
+                    channel = msg["channel"]
+                    name = channel.decode() if isinstance(channel, bytes) else str(channel)
+                    try:
+                        on_block(name, float(msg["data"]) / _MS)
+                    except ValueError:
+                        log.warning("ignoring malformed block announcement on %s: %r", name, msg["data"])
+            except (RedisError, OSError) as exc:
+                log.debug("block watch lost its connection (%s); retrying in %.1fs", exc, backoff)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,81 @@
+"""The storage contract every bucket store honours (memory:// and redis://).
+
+A bucket is a token bucket with reservations: its level may go negative while
+holds have reserved tokens that have not matured, and a vendor block pushes its
+refill start into the future. All times a store returns are relative (seconds
+from "now" on the store's own clock), so callers never compare clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+Scope = Literal["tenant", "global"]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """One bucket as a store sees it."""
+
+    key: str
+    rate: float
+    """Refill, tokens per second."""
+    burst: float
+    """Capacity, tokens."""
+    scope: Scope
+    label: str
+    """For people: e.g. ``tenant acme 20/1s burst 20``."""
+
+
+class AcquireResult(NamedTuple):
+    granted: bool
+    """True: ``cost`` was taken from every bucket. False: from none."""
+    wait: float
+    """Seconds. Granted: until the reservation matures (0 = go now).
+    Refused: until every bucket could grant without waiting."""
+    binding: int
+    """Index of the bucket with the longest wait, -1 when none waits."""
+    levels: tuple[float, ...]
+    """Tokens in each bucket now, after the take when granted."""
+
+
+class BlockResult(NamedTuple):
+    until: float
+    """Seconds from now until the blocked buckets grant again (0 for a drain)."""
+    levels: tuple[float, ...]
+
+
+class StoreUnavailable(Exception):
+    """The store could not answer in time; the caller must not forward."""
+
+
+class BucketStore(Protocol):
+    """Where bucket state lives. Every method is one atomic step on the store's clock."""
+
+    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+        """Take ``cost`` from every bucket, or from none.
+
+        Granted when every bucket has ``cost`` tokens now, or will have within
+        ``max_wait`` seconds (a reservation: the caller waits ``wait``).
+        """
+
+    async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
+        """Grant nothing for ``seconds`` (or until outstanding reservations mature),
+        then refill from empty; announce the block on ``channel`` if the store can."""
+
+    async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
+        """Drop every positive level to zero now; reservations are kept."""
+
+    async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
+        """Levels now, taking nothing."""
+
+    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
+        """Call ``on_block(channel, seconds)`` for every block other processes announce on
+        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
+
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless the store answers."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,89 @@
+"""Which vendor and tenant a request belongs to, and the origin it goes to.
+
+Built once per policy: host lookups are dict hits, route prefixes a short scan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy.policy.model import Policy, Vendor
+from proxy.refusals import BadRequest, Denied
+from proxy.target import RequestTarget, parse_authority
+
+TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    vendor: Vendor
+    tenant: str
+    origin: str
+    """``scheme://host[:port]`` the request is sent to."""
+    path_qs: str
+
+
+class Router:
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._by_host: dict[str, Vendor] = {}
+        self._by_host_port: dict[tuple[str, int], Vendor] = {}
+        self._routes: list[tuple[str, Vendor]] = []
+        for vendor in policy.vendors:
+            for entry in vendor.hosts:
+                host, port = parse_authority(entry)
+                if port is None:
+                    self._by_host[host] = vendor
+                else:
+                    self._by_host_port[(host, port)] = vendor
+            if vendor.route:
+                self._routes.append((vendor.route, vendor))
+        # Longest prefix first, so /api/v2 wins over /api.
+        self._routes.sort(key=lambda rv: len(rv[0]), reverse=True)
+        self._tenant_header = policy.tenant.header
+        self._tenant_default = policy.tenant.default
+
+    def vendor_for_host(self, host: str, port: int | None) -> Vendor | None:
+        if port is not None:
+            vendor = self._by_host_port.get((host, port))
+            if vendor is not None:
+                return vendor
+        return self._by_host.get(host)
+
+    def match(self, target: RequestTarget, headers: Mapping[str, str]) -> Match:
+        vendor: Vendor | None = None
+        path_qs = target.path_qs
+        if not target.absolute:
+            path = path_qs.split("?", 1)[0]
+            for prefix, candidate in self._routes:
+                if path == prefix or path.startswith(prefix + "/"):
+                    vendor = candidate
+                    rest = path_qs[len(prefix) :]
+                    path_qs = rest if rest.startswith("/") else "/" + rest
+                    break
+        if vendor is None and target.host:
+            vendor = self.vendor_for_host(target.host, target.port)
+        if vendor is None:
+            shown = target.host + (f":{target.port}" if target.port else "")
+            raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
+        return Match(vendor, self._tenant(headers), self._origin(vendor, target), path_qs)
+
+    def _tenant(self, headers: Mapping[str, str]) -> str:
+        value = headers.get(self._tenant_header)
+        if value is None:
+            if self._tenant_default is None:
+                raise BadRequest(f"missing {self._tenant_header} header (this policy has no default tenant)")
+            return self._tenant_default
+        value = value.strip()
+        if not TENANT.match(value):
+            raise BadRequest(f"bad {self._tenant_header} header: letters, digits and ._:@- only, at most 128")
+        return value
+
+    @staticmethod
+    def _origin(vendor: Vendor, target: RequestTarget) -> str:
+        if vendor.upstream:
+            return vendor.upstream
+        host = f"[{target.host}]" if ":" in target.host else target.host
+        return f"{target.scheme}://{host}" + (f":{target.port}" if target.port else "")

@@ -1,0 +1,111 @@
+"""Every metric the proxy exports, declared once on an injected registry.
+
+Label ``limiter`` is the vendor name. Each request is counted exactly once in
+``ratelimit_requests_total`` under one outcome:
+
+    forwarded  sent to the vendor without waiting
+    held       sent to the vendor after a hold
+    deferred   answered 429 + Retry-After (limit reached, or store down and failing closed)
+    shed       answered 503
+    denied     answered 403 (no vendor) or 400 (malformed)
+    error      upstream unreachable or timed out, or the worker went away
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+OUTCOMES = ("forwarded", "held", "deferred", "shed", "denied", "error")
+NO_VENDOR = "none"  # the limiter label of requests that matched no vendor
+OTHER_TENANTS = "_other"
+_MAX_TENANT_LABELS = 500  # distinct tenant label values before the rest share one
+
+_HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "ratelimit_requests", "Requests by vendor, tenant and outcome (each counted once).",
+            ["limiter", "tenant", "outcome"], registry=registry,
+        )
+        self.deferred = Counter(
+            "ratelimit_deferred", "Requests answered 429 + Retry-After by the proxy.", ["limiter"], registry=registry
+        )
+        self.shed = Counter("ratelimit_shed", "Requests answered 503 by the proxy.", ["limiter"], registry=registry)
+        self.hold_seconds = Histogram(
+            "ratelimit_hold_seconds", "Time requests were held before being forwarded.", ["limiter"],
+            buckets=_HOLD_BUCKETS, registry=registry,
+        )
+        self.store_errors = Counter(
+            "ratelimit_store_errors", "Store calls that failed or timed out.", registry=registry
+        )
+        self.fail_open = Counter(
+            "ratelimit_fail_open", "Requests forwarded unlimited because the store was down (on_failure: open).",
+            ["limiter"], registry=registry,
+        )
+        self.vendor_blocks = Counter(
+            "ratelimit_vendor_blocks", "Vendor 429s that blocked the vendor's global buckets.", ["limiter"],
+            registry=registry,
+        )
+        self.drains = Counter(
+            "ratelimit_low_watermark_drains", "Drains of the global buckets on low remaining quota.", ["limiter"],
+            registry=registry,
+        )
+        self.held_now = Gauge(
+            "ratelimit_held_requests", "Requests being held right now.", ["limiter"], registry=registry
+        )
+        self.responses = Counter(
+            "http_client_responses", "Vendor responses by status code.", ["limiter", "code"], registry=registry
+        )
+        self.upstream_seconds = Histogram(
+            "http_client_request_duration_seconds", "Vendor exchange time, request sent to body relayed.",
+            ["limiter"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self._children: dict[tuple[str, str, str], Counter] = {}
+        self._tenants: set[str] = set()
+
+    def count_request(self, limiter: str, tenant: str, outcome: str) -> None:
+        key = (limiter, tenant, outcome)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) > 4 * _MAX_TENANT_LABELS * len(OUTCOMES):
+                self._children.clear()
+            child = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
+            self._children[key] = child
+        child.inc()
+
+    def _tenant_label(self, tenant: str) -> str:
+        # Tenants come from workers' headers: bound the label's cardinality.
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) >= _MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        self._tenants.add(tenant)
+        return tenant
+
+    def add_gauges(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+
+class GaugeCollector(Collector):
+    """A gauge computed at scrape time from the proxy's own state (no store call)."""
+
+    def __init__(self, name: str, doc: str, labels: list[str],
+                 read: Callable[[], Iterable[tuple[list[str], float]]]) -> None:
+        self._name, self._doc, self._labels, self._read = name, doc, labels, read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._name, self._doc, labels=self._labels)
+        for values, value in self._read():
+            family.add_metric(values, value)
+        yield family
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._doc, labels=self._labels)

@@ -1,0 +1,663 @@
+"""A mock third-party vendor API that enforces its own quota and answers like a real one.
+
+Used by ``quota-proxy mock-vendor``, by the test suite and by the benchmarks. It keeps a
+token bucket (capacity ``burst``, refilled at ``rate`` per second) and answers every
+normal request either ``200`` with a small JSON body or ``429`` with ``Retry-After``.
+It records what arrived so a test can check the rate the proxy let through and the
+headers it forwarded.
+
+Normal requests (any method, any path not under ``/__mock/``) take one token. Every
+answer to them carries ``X-RateLimit-Limit`` (the rate) and ``X-RateLimit-Remaining``
+(whole tokens left after this request), unless the vendor is unlimited: then it sends
+no quota headers at all, because any number would be made up. A refusal is ``429``,
+``Retry-After: <whole seconds, >= 1>`` and ``{"error": "rate_limited"}``.
+
+Special paths, quota-limited like any other:
+
+- ``/echo``: streams the request body back chunk by chunk (never buffered whole);
+  the request's ``Content-Length``, if any, comes back in ``X-Request-Content-Length``
+  and as the response's own ``Content-Length``.
+- ``/bytes/{n}``: ``n`` bytes of a repeating ``bytes(range(256))`` pattern, streamed in
+  64 KiB chunks with ``Content-Length: n``.
+- ``/sha256`` (POST/PUT): reads the body in chunks; ``{"sha256": hex, "bytes": n}``.
+- ``/delay/{ms}``: answers ``200`` after ``ms`` milliseconds.
+- ``/status/{code}``: answers ``code`` (200-599), with the quota headers.
+
+Control endpoints (never quota-limited, never recorded):
+
+- ``GET /__mock/stats``: ``{"accepted", "rejected", "arrivals", "rate", "burst",
+  "tokens", "scripted"}``.
+- ``GET /__mock/requests``: recorded requests, ``[{"method", "path_qs", "headers"}]``.
+- ``POST /__mock/reset``: clears counters, arrivals, recorded requests and pending
+  scripts; refills the bucket.
+- ``POST /__mock/config`` ``{"rate": r, "burst": b}``: a new quota (``null`` or ``0``
+  rate = unlimited; a missing key keeps its value, except that ``burst`` follows a new
+  ``rate`` when not given). The bucket starts full.
+- ``POST /__mock/script`` ``{"status": 429, "retry_after": "2", "remaining": 3,
+  "count": 1}``: the next ``count`` normal requests get that answer. Scripts queue in
+  order of arrival.
+
+Accounting. ``accepted`` counts normal requests answered with anything but 429 and
+``arrivals`` holds their arrival times (the ``clock``, ``time.monotonic()`` by
+default); ``rejected`` counts those answered 429 (by the quota, by a script or by
+``/status/429``). A scripted answer replaces the whole answer and takes no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import hashlib
+import json
+import math
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypedDict
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+from yarl import URL
+
+__all__ = [
+    "DEFAULT_LISTEN",
+    "MAX_ARRIVALS",
+    "MAX_RECORDED",
+    "MOCK_VENDOR_KEY",
+    "MockVendor",
+    "RecordedRequest",
+    "main",
+]
+
+DEFAULT_LISTEN: Final = "127.0.0.1:8081"
+MAX_RECORDED: Final = 10_000
+MAX_ARRIVALS: Final = 200_000
+
+_CHUNK_SIZE: Final = 64 * 1024
+_PATTERN: Final = bytes(range(256)) * (_CHUNK_SIZE // 256)
+# A bucket refilled by float arithmetic can sit a hair below a whole token when a
+# client paces at exactly the rate; a real vendor's integer clock would not refuse it.
+_EPSILON: Final = 1e-9
+_GRANT_AT: Final = 1.0 - _EPSILON
+
+_LIMIT: Final = "X-RateLimit-Limit"
+_REMAINING: Final = "X-RateLimit-Remaining"
+_JSON: Final = "application/json"
+_RATE_LIMITED_BODY: Final = b'{"error": "rate_limited"}'
+_CONTROL_PREFIX: Final = "/__mock/"
+
+Clock = Callable[[], float]
+_Raw = tuple[tuple[bytes, bytes], ...]
+
+
+class RecordedRequest(TypedDict):
+    method: str
+    path_qs: str
+    headers: dict[str, str]
+
+
+class Stats(TypedDict):
+    accepted: int
+    rejected: int
+    arrivals: list[float]
+    rate: float | None
+    burst: float | None
+    tokens: float | None
+    scripted: int
+
+
+@dataclass(slots=True)
+class _Script:
+    status: int
+    retry_after: str | None
+    remaining: int | None
+    count: int
+
+
+class _BadRequest(Exception):
+    """A control request or a special path that cannot be served as asked."""
+
+
+def _format_number(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=json.dumps(payload).encode(), content_type=_JSON, headers=headers)
+
+
+def _decode_headers(raw: _Raw) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name_b, value_b in raw:
+        name = name_b.decode("latin-1").lower()
+        value = value_b.decode("latin-1")
+        previous = headers.get(name)
+        headers[name] = value if previous is None else f"{previous}, {value}"
+    return headers
+
+
+async def _continue(request: web.BaseRequest) -> None:
+    """Send ``100 Continue`` when the client waits for it; only before reading a body."""
+    if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
+
+async def _no_expect_handler(request: web.Request) -> None:
+    """The vendor decides itself whether to send ``100 Continue`` (only when it reads the body)."""
+    return None
+
+
+def _check_quota(rate: float | None, burst: float | None) -> tuple[float | None, float | None]:
+    if rate is None:
+        return None, None
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"rate must be a positive number or None, not {rate!r}")
+    if burst is None:
+        burst = max(rate, 1.0)
+    if not math.isfinite(burst) or burst < 1:
+        raise ValueError(f"burst must be at least 1 (one request), not {burst!r}")
+    return float(rate), float(burst)
+
+
+class MockVendor:
+    """A vendor API with a token-bucket quota; see the module docstring for the endpoints.
+
+    ``rate`` is requests per second (``None``: unlimited); ``burst`` is the bucket's
+    capacity, by default the rate (at least 1). ``clock`` returns seconds; it drives the
+    bucket and stamps ``arrivals``, so tests can pass a clock they move by hand.
+
+    Attributes: ``accepted``, ``rejected`` (counters), ``arrivals`` (deque of arrival
+    times of accepted requests, the last ``max_arrivals``), ``requests`` (recorded
+    requests, the last ``max_recorded``), ``rate``, ``burst``.
+    """
+
+    def __init__(
+        self,
+        rate: float | None,
+        burst: float | None = None,
+        clock: Clock = time.monotonic,
+        *,
+        max_recorded: int = MAX_RECORDED,
+        max_arrivals: int = MAX_ARRIVALS,
+    ) -> None:
+        self._clock = clock
+        self.accepted = 0
+        self.rejected = 0
+        self.arrivals: deque[float] = deque(maxlen=max_arrivals)
+        self._recorded: deque[tuple[str, URL, _Raw]] = deque(maxlen=max_recorded)
+        self._scripts: deque[_Script] = deque()
+        self._rate: float | None = None
+        self._burst: float | None = None
+        self._tokens = 0.0
+        self._stamp = clock()
+        self._limit_header = ""
+        self.configure(rate, burst)
+
+    # -- quota -------------------------------------------------------------------------
+
+    @property
+    def rate(self) -> float | None:
+        return self._rate
+
+    @property
+    def burst(self) -> float | None:
+        return self._burst
+
+    def configure(self, rate: float | None, burst: float | None = None) -> None:
+        """Set a new quota; the bucket starts full. Raises ``ValueError`` on a bad quota."""
+        self._rate, self._burst = _check_quota(rate, burst)
+        self._limit_header = "" if self._rate is None else _format_number(self._rate)
+        self._refill_full()
+
+    def _refill_full(self) -> None:
+        self._tokens = self._burst if self._burst is not None else 0.0
+        self._stamp = self._clock()
+
+    def _refill(self, now: float) -> float:
+        """Bring the bucket to ``now`` and return its tokens (limited vendors only)."""
+        assert self._rate is not None and self._burst is not None
+        tokens = self._tokens
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            tokens += elapsed * self._rate
+            if tokens > self._burst:
+                tokens = self._burst
+            self._tokens = tokens
+            self._stamp = now
+        return tokens
+
+    def tokens(self) -> float | None:
+        """Tokens in the bucket now (``None`` when unlimited)."""
+        if self._rate is None:
+            return None
+        return self._refill(self._clock())
+
+    # -- in-process helpers ------------------------------------------------------------
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """The recorded requests, oldest first: method, path with query, lower-cased headers.
+
+        A header sent more than once appears once, its values joined with ``", "``.
+        """
+        return [
+            {"method": method, "path_qs": str(url), "headers": _decode_headers(raw)}
+            for method, url, raw in self._recorded
+        ]
+
+    def stats(self) -> Stats:
+        tokens = self.tokens()
+        return {
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "arrivals": list(self.arrivals),
+            "rate": self._rate,
+            "burst": self._burst,
+            "tokens": tokens,
+            "scripted": sum(s.count for s in self._scripts),
+        }
+
+    def reset(self) -> None:
+        """Clear counters, arrivals, recorded requests and pending scripts; refill the bucket."""
+        self.accepted = 0
+        self.rejected = 0
+        self.arrivals.clear()
+        self._recorded.clear()
+        self._scripts.clear()
+        if self._rate is not None:
+            self._refill_full()
+
+    def script(
+        self,
+        status: int = 429,
+        retry_after: str | float | None = None,
+        remaining: int | None = None,
+        count: int = 1,
+    ) -> None:
+        """Answer the next ``count`` normal requests with ``status``, taking no token.
+
+        ``Retry-After`` is sent only when ``retry_after`` is not ``None``; ``remaining``
+        overrides ``X-RateLimit-Remaining`` (sent even by an unlimited vendor).
+        Several calls queue up and are served in order.
+        """
+        if isinstance(status, bool) or not isinstance(status, int) or not 200 <= status <= 599:
+            raise ValueError(f"status must be an integer in 200..599, not {status!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive integer, not {count!r}")
+        if remaining is not None and (isinstance(remaining, bool) or not isinstance(remaining, int)):
+            raise ValueError(f"remaining must be an integer or None, not {remaining!r}")
+        if retry_after is not None and not isinstance(retry_after, str):
+            if isinstance(retry_after, bool) or not isinstance(retry_after, int | float):
+                raise ValueError(f"retry_after must be a string, a number or None, not {retry_after!r}")
+            retry_after = _format_number(retry_after)
+        self._scripts.append(_Script(status, retry_after, remaining, count))
+
+    def measured_rate(self, since: float | None = None, until: float | None = None) -> float:
+        """Accepted requests per second among the arrivals in ``[since, until]``.
+
+        Computed as ``(n - 1) / (last - first)`` over the ``n`` arrivals in the window:
+        the mean inter-arrival rate, which does not depend on where the window's edges
+        fall between two arrivals (``n / window`` would be off by up to one request per
+        window). Pass ``since`` after the initial burst to measure the steady rate.
+        Returns 0.0 with fewer than two arrivals and ``inf`` if they all share one instant.
+        """
+        arrivals = list(self.arrivals)
+        lo = 0 if since is None else bisect.bisect_left(arrivals, since)
+        hi = len(arrivals) if until is None else bisect.bisect_right(arrivals, until)
+        n = hi - lo
+        if n < 2:
+            return 0.0
+        span = arrivals[hi - 1] - arrivals[lo]
+        if span <= 0:
+            return math.inf
+        return (n - 1) / span
+
+    # -- serving -----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """An application answering every path with :meth:`handle`."""
+        app = web.Application()
+        app[MOCK_VENDOR_KEY] = self
+        app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=_no_expect_handler)
+        return app
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The whole vendor; usable as a low-level ``web.Server`` handler."""
+        path = request.path
+        if path.startswith(_CONTROL_PREFIX):
+            return await self._control(request, path)
+        now = self._clock()
+        self._recorded.append((request.method, request.rel_url, request.raw_headers))
+        if self._scripts:
+            return self._scripted(request, now)
+
+        headers: dict[str, str]
+        if self._rate is None:
+            headers = {}
+        else:
+            tokens = self._refill(now)
+            if tokens < _GRANT_AT:
+                self.rejected += 1
+                wait = (1.0 - tokens) / self._rate
+                return web.Response(
+                    status=429,
+                    body=_RATE_LIMITED_BODY,
+                    content_type=_JSON,
+                    headers={
+                        "Retry-After": str(max(1, math.ceil(wait - _EPSILON))),
+                        _LIMIT: self._limit_header,
+                        _REMAINING: "0",
+                    },
+                )
+            tokens = tokens - 1.0 if tokens > 1.0 else 0.0
+            self._tokens = tokens
+            headers = {_LIMIT: self._limit_header, _REMAINING: str(int(tokens))}
+
+        if path == "/echo":
+            self._accept(now)
+            return await self._echo(request, headers)
+        if path.startswith("/bytes/"):
+            return await self._bytes(request, path[7:], headers, now)
+        if path == "/sha256":
+            return await self._sha256(request, headers, now)
+        if path.startswith("/delay/"):
+            return await self._delay(request, path[7:], headers, now)
+        if path.startswith("/status/"):
+            return self._status(request, path[8:], headers, now)
+        self._accept(now)
+        return _json(200, {"ok": True, "method": request.method, "path": path, "n": self.accepted}, headers)
+
+    def _accept(self, now: float) -> None:
+        self.accepted += 1
+        self.arrivals.append(now)
+
+    def _scripted(self, request: web.BaseRequest, now: float) -> web.Response:
+        script = self._scripts[0]
+        script.count -= 1
+        if script.count <= 0:
+            self._scripts.popleft()
+        headers: dict[str, str] = {}
+        if self._rate is not None:
+            headers[_LIMIT] = self._limit_header
+            headers[_REMAINING] = str(int(self._refill(now)))
+        if script.remaining is not None:
+            headers[_REMAINING] = str(script.remaining)
+        if script.retry_after is not None:
+            headers["Retry-After"] = script.retry_after
+        status = script.status
+        if status == 429:
+            self.rejected += 1
+            return web.Response(status=429, body=_RATE_LIMITED_BODY, content_type=_JSON, headers=headers)
+        self._accept(now)
+        if status in (204, 304):
+            return web.Response(status=status, headers=headers)
+        payload = {
+            "ok": status < 400,
+            "scripted": True,
+            "status": status,
+            "method": request.method,
+            "path": request.path,
+            "n": self.accepted,
+        }
+        return _json(status, payload, headers)
+
+    async def _echo(self, request: web.BaseRequest, headers: dict[str, str]) -> web.StreamResponse:
+        response = web.StreamResponse(headers=headers)
+        response.headers["Content-Type"] = request.headers.get("Content-Type", "application/octet-stream")
+        length = request.content_length
+        if length is not None:
+            response.headers["X-Request-Content-Length"] = str(length)
+            response.content_length = length
+        if request.method == "HEAD":
+            await response.prepare(request)
+            await response.write_eof()
+            return response
+        await _continue(request)
+        await response.prepare(request)
+        async for chunk in request.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def _bytes(
+        self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float
+    ) -> web.StreamResponse:
+        self._accept(now)
+        if not (arg.isascii() and arg.isdigit()):
+            return _json(400, {"error": "bad_request", "detail": "/bytes/{n} needs a whole number"}, headers)
+        n = int(arg)
+        response = web.StreamResponse(headers=headers)
+        response.content_type = "application/octet-stream"
+        response.content_length = n
+        await response.prepare(request)
+        if request.method != "HEAD":
+            pattern = memoryview(_PATTERN)
+            while n >= _CHUNK_SIZE:
+                await response.write(pattern)
+                n -= _CHUNK_SIZE
+            if n:
+                await response.write(pattern[:n])
+        await response.write_eof()
+        return response
+
+    async def _sha256(self, request: web.BaseRequest, headers: dict[str, str], now: float) -> web.Response:
+        self._accept(now)
+        if request.method not in ("POST", "PUT"):
+            headers["Allow"] = "POST, PUT"
+            return _json(405, {"error": "method_not_allowed"}, headers)
+        await _continue(request)
+        digest = hashlib.sha256()
+        size = 0
+        async for chunk in request.content.iter_any():
+            digest.update(chunk)
+            size += len(chunk)
+        return _json(200, {"sha256": digest.hexdigest(), "bytes": size}, headers)
+
+    async def _delay(
+        self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float
+    ) -> web.Response:
+        self._accept(now)
+        try:
+            ms = float(arg)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms >= 0):
+            return _json(400, {"error": "bad_request", "detail": "/delay/{ms} needs milliseconds"}, headers)
+        await asyncio.sleep(ms / 1000.0)
+        payload = {
+            "ok": True,
+            "method": request.method,
+            "path": request.path,
+            "delay_ms": ms,
+            "n": self.accepted,
+        }
+        return _json(200, payload, headers)
+
+    def _status(
+        self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float
+    ) -> web.Response:
+        code = int(arg) if arg.isascii() and arg.isdigit() and len(arg) == 3 else 0
+        if not 200 <= code <= 599:
+            self._accept(now)
+            return _json(400, {"error": "bad_request", "detail": "/status/{code} needs 200..599"}, headers)
+        if code == 429:
+            self.rejected += 1
+        else:
+            self._accept(now)
+        if code in (204, 304):
+            return web.Response(status=code, headers=headers)
+        return _json(code, {"ok": code < 400, "status": code, "method": request.method}, headers)
+
+    # -- control -----------------------------------------------------------------------
+
+    async def _control(self, request: web.BaseRequest, path: str) -> web.Response:
+        name = path[len(_CONTROL_PREFIX) :]
+        method = request.method
+        allowed = _CONTROL_METHODS.get(name)
+        if allowed is None:
+            return _json(404, {"error": "not_found", "path": path})
+        if method != allowed:
+            return _json(405, {"error": "method_not_allowed", "allow": allowed}, {"Allow": allowed})
+        try:
+            if name == "stats":
+                return _json(200, self.stats())
+            if name == "requests":
+                return _json(200, self.requests)
+            if name == "reset":
+                self.reset()
+                return _json(200, {"ok": True})
+            body = await _read_json_object(request)
+            if name == "config":
+                self._configure_from(body)
+                return _json(200, {"ok": True, "rate": self._rate, "burst": self._burst})
+            self.script(
+                status=_get(body, "status", int, 429),
+                retry_after=_get(body, "retry_after", (str, int, float), None),
+                remaining=_get(body, "remaining", int, None),
+                count=_get(body, "count", int, 1),
+            )
+            return _json(200, {"ok": True, "scripted": sum(s.count for s in self._scripts)})
+        except (_BadRequest, ValueError) as exc:
+            return _json(400, {"error": "bad_request", "detail": str(exc)})
+
+    def _configure_from(self, body: dict[str, Any]) -> None:
+        unknown = set(body) - {"rate", "burst"}
+        if unknown:
+            raise _BadRequest(f"unknown keys: {', '.join(sorted(unknown))}")
+        rate = _get(body, "rate", (int, float), self._rate) if "rate" in body else self._rate
+        if rate == 0:
+            rate = None
+        burst = _get(body, "burst", (int, float), None) if "burst" in body else None if "rate" in body else self._burst
+        self.configure(None if rate is None else float(rate), None if burst is None else float(burst))
+
+
+_CONTROL_METHODS: Final[dict[str, str]] = {
+    "stats": "GET",
+    "requests": "GET",
+    "reset": "POST",
+    "config": "POST",
+    "script": "POST",
+}
+
+
+async def _read_json_object(request: web.BaseRequest) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise _BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest("body must be a JSON object")
+    return body
+
+
+def _get(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise _BadRequest(f"{key}: unexpected value {value!r}")
+    return value
+
+
+MOCK_VENDOR_KEY: Final = web.AppKey("mock_vendor", MockVendor)
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port_s = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host, int(port_s)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quota-proxy mock-vendor",
+        description="Serve a mock vendor API that enforces its own token-bucket quota.",
+    )
+    parser.add_argument(
+        "--listen",
+        type=_parse_listen,
+        default=_parse_listen(DEFAULT_LISTEN),
+        metavar="HOST:PORT",
+        help=f"where to listen (default {DEFAULT_LISTEN}; port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)"
+    )
+    parser.add_argument("--burst", type=float, default=None, help="bucket capacity (default: the rate)")
+    return parser
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def _serve(vendor: MockVendor, host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.ServerRunner(web.Server(vendor.handle, access_log=None), shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        try:
+            await site.start()
+        except OSError as exc:
+            print(f"mock-vendor: cannot listen on {_url_host(host)}:{port}: {exc}", file=sys.stderr)
+            return 1
+        bound_port = runner.addresses[0][1]
+        if vendor.rate is None:
+            quota = "rate unlimited, burst unlimited"
+        else:
+            assert vendor.burst is not None
+            quota = f"rate {_format_number(vendor.rate)}/s, burst {_format_number(vendor.burst)}"
+        print(f"mock-vendor listening on http://{_url_host(host)}:{bound_port} ({quota})", flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        await runner.cleanup()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``quota-proxy mock-vendor``: serve until SIGTERM or SIGINT, then exit 0."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    host, port = args.listen
+    rate: float = args.rate
+    burst: float | None = args.burst
+    if not math.isfinite(rate) or rate < 0:
+        parser.error("--rate must be 0 (unlimited) or a positive number")
+    if burst is not None and (not math.isfinite(burst) or burst < 1):
+        parser.error("--burst must be at least 1")
+    vendor = MockVendor(None if rate == 0 else rate, burst)
+
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+    except ImportError:
+        pass
+    else:
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(vendor, host, port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

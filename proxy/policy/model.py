@@ -1,0 +1,188 @@
+"""The policy as the running proxy uses it: frozen, typed, validated once by the loader.
+
+Every field has the default an operator gets when the YAML leaves it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["hold", "defer", "shed"]
+ConnectMode = Literal["intercept", "tunnel", "deny"]
+FailureMode = Literal["closed", "open"]
+
+ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
+CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
+FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open")
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """A listen address; port 0 asks the OS for a free port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One token bucket: ``rate`` tokens every ``per`` seconds, holding at most ``burst``."""
+
+    rate: float
+    per: float
+    burst: float
+
+    @property
+    def per_second(self) -> float:
+        """Refill speed in tokens per second."""
+        return self.rate / self.per
+
+    @property
+    def label(self) -> str:
+        """Short human form, e.g. ``80/1s burst 40``."""
+        return f"{_num(self.rate)}/{_duration(self.per)} burst {_num(self.burst)}"
+
+    @property
+    def key(self) -> str:
+        """The part of a store key that names this limit; a changed limit gets a fresh bucket."""
+        return f"{_num(self.rate)}/{_num(self.per)}/{_num(self.burst)}"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Per-tenant buckets, nested inside the vendor's global buckets."""
+
+    default: tuple[Limit, ...] = ()
+    overrides: tuple[tuple[str, tuple[Limit, ...]], ...] = ()
+    """(tenant, limits) pairs, in file order; tenant names are unique."""
+
+    def for_tenant(self, tenant: str) -> tuple[Limit, ...]:
+        for name, limits in self.overrides:
+            if name == tenant:
+                return limits
+        return self.default
+
+
+@dataclass(frozen=True, slots=True)
+class OnLimit:
+    """What happens when a bucket is empty."""
+
+    action: Action = "hold"
+    max_hold: float = 0.5
+    """Seconds; hold only when the wait is at most this, else defer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """How the vendor's own answers feed back into the shared buckets."""
+
+    remaining_header: str | None = "X-RateLimit-Remaining"
+    low_watermark: float = 0
+    """Remaining below this drains the global buckets; 0 disables the drain."""
+    retry_after_default: float = 10.0
+    """Seconds to block after a vendor 429 that carries no usable Retry-After."""
+    max_retry_after: float = 3600.0
+    """Longest block a vendor's Retry-After can impose, in seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Upstream timeouts, seconds."""
+
+    connect: float = 5.0
+    read: float = 30.0
+    """Longest silence while waiting for the vendor's response headers or body."""
+
+
+@dataclass(frozen=True, slots=True)
+class Vendor:
+    name: str
+    """The ``limiter`` label in metrics and the namespace of its store keys."""
+    hosts: tuple[str, ...] = ()
+    """Lower-case host names, optionally ``host:port``; without a port any port matches."""
+    route: str | None = None
+    """Path prefix for origin-form requests, e.g. ``/payments-api``; needs ``upstream``."""
+    upstream: str | None = None
+    """Origin to send to (``scheme://host[:port]``, no path); None = the requested origin."""
+    limits: tuple[Limit, ...] = ()
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    on_limit: OnLimit = field(default_factory=OnLimit)
+    feedback: Feedback = field(default_factory=Feedback)
+    connect: ConnectMode = "deny"
+    """Resolved by the loader: ``intercept`` when ``tls.ca_cert`` is set, else ``deny``, unless given."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_tunnels: int = 100
+    """Concurrent ``connect: tunnel`` connections allowed for this vendor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Breaker:
+    """Circuit breaker around the store."""
+
+    failures: int = 3
+    """Consecutive store failures that open the breaker."""
+    cooloff: float = 1.0
+    """Seconds the breaker stays open before one probe is let through."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    url: str = "memory://"
+    timeout: float = 0.05
+    """Seconds allowed for one store call."""
+    on_failure: FailureMode = "closed"
+    key_prefix: str = "quota-proxy"
+    breaker: Breaker = field(default_factory=Breaker)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    header: str = "X-Tenant-Id"
+    default: str | None = "default"
+    """Tenant when the header is absent; None means such a request gets 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    upstream_verify: bool = True
+    upstream_ca_file: str | None = None
+    ca_cert: str | None = None
+    ca_key: str | None = None
+    leaf_validity: float = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    version: int = 1
+    listen: Address = Address("127.0.0.1", 8080)
+    admin_listen: Address = Address("127.0.0.1", 9090)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    tenant: TenantSettings = field(default_factory=TenantSettings)
+    vendors: tuple[Vendor, ...] = ()
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    drain_timeout: float = 10.0
+    """Seconds SIGTERM waits for in-flight requests before closing them."""
+    access_log: bool = True
+    source: str = "<memory>"
+    """The file the policy came from, for messages."""
+
+    def vendor(self, name: str) -> Vendor:
+        for v in self.vendors:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{int(seconds / size)}{unit}"
+    return f"{_num(seconds * 1000)}ms"

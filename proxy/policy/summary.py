@@ -1,0 +1,111 @@
+"""The one-screen text ``quota-proxy check`` prints for a valid policy.
+
+It shows what the proxy will actually enforce, defaults filled in, so an
+operator can read the effective policy rather than the YAML they meant.
+Passwords in the store URL are masked: this text ends up in CI logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from proxy.policy.durations import format_duration
+from proxy.policy.loader import mask_password
+from proxy.policy.model import Feedback, Limit, Policy, TenantLimits, Vendor
+
+_WIDTH = 14  # label column, so values line up
+
+
+def summarize(policy: Policy) -> str:
+    lines = [f"OK {policy.source}: {len(policy.vendors)} vendor(s)"]
+    lines += _general(policy)
+    for vendor in policy.vendors:
+        lines.append("")
+        lines += _vendor(vendor)
+    return "\n".join(lines) + "\n"
+
+
+def _row(label: str, value: str, indent: str = "") -> str:
+    return f"{indent}{label:<{_WIDTH - len(indent)}}{value}"
+
+
+def _general(policy: Policy) -> list[str]:
+    store, tls = policy.store, policy.tls
+    on_failure = "closed" if store.on_failure == "closed" else "open (store down = NO LIMITS)"
+    cooloff = format_duration(store.breaker.cooloff)
+    breaker = f"breaker opens after {store.breaker.failures} failures, probes after {cooloff}"
+    default = (
+        f'"{policy.tenant.default}"' if policy.tenant.default is not None else "none (400 without header)"
+    )
+    verify = "on" if tls.upstream_verify else "OFF (vendor certificates are NOT verified)"
+    ca = f"{tls.ca_cert}, leaf validity {format_duration(tls.leaf_validity)}" if tls.ca_cert else "none"
+    return [
+        _row("listen", str(policy.listen)),
+        _row("admin", str(policy.admin_listen)),
+        _row("store", mask_password(store.url)),
+        _row("", f"timeout {format_duration(store.timeout)}, on_failure {on_failure}"),
+        _row("", f"key_prefix {store.key_prefix}, {breaker}"),
+        _row("tenant", f"header {policy.tenant.header}, default {default}"),
+        _row(
+            "tls",
+            f"upstream_verify {verify}"
+            + (f", CA file {tls.upstream_ca_file}" if tls.upstream_ca_file else ""),
+        ),
+        _row("intercept CA", ca),
+        _row(
+            "drain",
+            f"{format_duration(policy.drain_timeout)}, access_log {'on' if policy.access_log else 'off'}",
+        ),
+    ]
+
+
+def _vendor(vendor: Vendor) -> list[str]:
+    indent = "  "
+    rows = [
+        f"vendor {vendor.name}",
+        _row("hosts", ", ".join(vendor.hosts) or "(none)", indent),
+        _row("route", vendor.route or "(none)", indent),
+        _row("upstream", vendor.upstream or "(the requested origin)", indent),
+        _row("limits", _limits(vendor.limits), indent),
+    ]
+    rows += [
+        _row("tenants" if i == 0 else "", text, indent)
+        for i, text in enumerate(_tenants(vendor.tenant_limits))
+    ]
+    on_limit = vendor.on_limit
+    rows.append(_row("on_limit", f"{on_limit.action}, max_hold {format_duration(on_limit.max_hold)}", indent))
+    rows.append(_row("feedback", _feedback(vendor.feedback), indent))
+    connect = vendor.connect + (
+        f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else ""
+    )
+    rows.append(_row("connect", connect, indent))
+    timeouts = vendor.timeouts
+    rows.append(
+        _row(
+            "timeouts",
+            f"connect {format_duration(timeouts.connect)}, read {format_duration(timeouts.read)}",
+            indent,
+        )
+    )
+    return rows
+
+
+def _limits(limits: Iterable[Limit]) -> str:
+    return "; ".join(limit.label for limit in limits) or "(none)"
+
+
+def _tenants(tenant_limits: TenantLimits) -> list[str]:
+    rows = [f"default {_limits(tenant_limits.default)}"]
+    rows += [f"{tenant}: {_limits(limits)}" for tenant, limits in tenant_limits.overrides]
+    return rows
+
+
+def _feedback(feedback: Feedback) -> str:
+    retry = (
+        f"429 without Retry-After blocks {format_duration(feedback.retry_after_default)}"
+        f" (at most {format_duration(feedback.max_retry_after)})"
+    )
+    if feedback.remaining_header is None:
+        return f"no remaining header; {retry}"
+    watermark = f"drain below {feedback.low_watermark:g}" if feedback.low_watermark > 0 else "no drain"
+    return f"{feedback.remaining_header} ({watermark}); {retry}"

@@ -1,0 +1,154 @@
+"""Shared fixtures: a real redis-server per test session, stores, clocks, registries.
+
+The Redis that may run on 6379 is never used: the suite starts its own server on
+a free port, and fails (never skips) when ``redis-server`` is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+
+from proxy.clock import ManualClock
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.redis_store import RedisStore
+from proxy.limiter.store import BucketStore
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process the tests own: it can be killed, restarted, paused."""
+
+    binary: str
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+                "--loglevel", "warning",
+                "--logfile", str(self.log),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        client = sync_redis.Redis(port=self.port, socket_timeout=0.5)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.log.read_text(errors="replace")
+                    raise RuntimeError(f"redis-server exited at start: {err}")
+                try:
+                    if client.ping():
+                        return
+                except sync_redis.RedisError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the port still accepts connections, nothing answers (a slow Redis)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def client(self) -> sync_redis.Redis:
+        return sync_redis.Redis(port=self.port, socket_timeout=2)
+
+
+def _redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: the limiter is tested against a real Redis "
+                    "(apt-get install redis-server); refusing to skip")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(_redis_binary(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """The session server, emptied after the test."""
+    yield redis_server.url
+    if redis_server.proc is not None:
+        with redis_server.client() as c:
+            c.flushall()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test alone, for killing, restarting and pausing."""
+    server = RedisServer(_redis_binary(), tmp_path)
+    server.start()
+    yield server
+    if server.proc is not None:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    server.kill()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
+    """Each store implementation, for the shared contract suite."""
+    if request.param == "memory":
+        s: BucketStore = MemoryStore(clock)
+    else:
+        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
+    yield s
+    await s.close()

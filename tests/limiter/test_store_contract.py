@@ -1,0 +1,163 @@
+"""One contract, two stores: every assertion here holds for memory:// and redis://.
+
+The memory store runs on a ManualClock; Redis runs on its own TIME, so time is
+moved with real (short) sleeps there, and assertions allow for the few
+milliseconds a real round trip takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.store import BucketSpec, BucketStore
+
+TOL = 0.05  # seconds of real time a Redis-backed assertion may drift
+
+
+def bucket(key: str, rate: float, burst: float, scope: str = "global") -> BucketSpec:
+    return BucketSpec(f"test:{{v}}:{key}", rate, burst, scope, key)  # type: ignore[arg-type]
+
+
+async def advance(store: BucketStore, clock: ManualClock, seconds: float) -> None:
+    if isinstance(store, MemoryStore):
+        await clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
+async def test_fresh_bucket_grants_its_burst_then_refuses(store: BucketStore) -> None:
+    b = (bucket("a", rate=1, burst=3),)
+    grants = [await store.acquire(b, 1, 0) for _ in range(3)]
+    assert all(r.granted and r.wait == 0 for r in grants)
+    assert [round(r.levels[0]) for r in grants] == [2, 1, 0]
+    refused = await store.acquire(b, 1, 0)
+    assert not refused.granted
+    assert refused.binding == 0
+    assert refused.wait == pytest.approx(1.0, abs=TOL)
+
+
+async def test_refusal_takes_nothing_from_any_bucket(store: BucketStore) -> None:
+    tenant = bucket("t", rate=0.001, burst=5, scope="tenant")
+    glob = bucket("g", rate=0.001, burst=2)
+    both = (tenant, glob)
+    assert (await store.acquire(both, 1, 0)).granted
+    assert (await store.acquire(both, 1, 0)).granted
+    for _ in range(20):
+        r = await store.acquire(both, 1, 0)
+        assert not r.granted
+        assert r.binding == 1  # the global bucket refused
+    levels = await store.peek(both)
+    assert levels[0] == pytest.approx(3, abs=0.01)  # the tenant paid only for the two grants
+    assert levels[1] == pytest.approx(0, abs=0.01)
+
+
+async def test_holds_are_reservations_paced_one_interval_apart(store: BucketStore) -> None:
+    b = (bucket("h", rate=10, burst=1),)
+    waits = []
+    for _ in range(4):
+        r = await store.acquire(b, 1, 0.35)
+        assert r.granted
+        waits.append(r.wait)
+    assert waits[0] == 0
+    for expected, got in zip([0.1, 0.2, 0.3], waits[1:], strict=True):
+        assert got == pytest.approx(expected, abs=TOL)
+    refused = await store.acquire(b, 1, 0.35)
+    assert not refused.granted
+    assert refused.wait == pytest.approx(0.4, abs=TOL)
+
+
+async def test_every_window_binds(store: BucketStore, clock: ManualClock) -> None:
+    per_second = bucket("s", rate=10, burst=2)
+    per_minute = bucket("m", rate=3 / 60, burst=3)
+    both = (per_second, per_minute)
+    assert (await store.acquire(both, 1, 0)).granted
+    assert (await store.acquire(both, 1, 0)).granted
+    r = await store.acquire(both, 1, 0)
+    assert not r.granted and r.binding == 0  # the per-second bucket is empty first
+    await advance(store, clock, 0.25)
+    assert (await store.acquire(both, 1, 0)).granted  # per-second refilled; third of the minute
+    await advance(store, clock, 0.25)
+    r = await store.acquire(both, 1, 0)
+    assert not r.granted and r.binding == 1  # now the per-minute bucket binds
+    assert r.wait == pytest.approx((1 - 0.5 * 3 / 60) * 20, abs=0.05)  # 19.5 s
+
+
+async def test_refill_is_linear_and_capped_at_burst(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("r", rate=20, burst=4),)
+    for _ in range(4):
+        assert (await store.acquire(b, 1, 0)).granted
+    await advance(store, clock, 0.1)
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(2, abs=20 * TOL)
+    await advance(store, clock, 1.0)
+    assert await store.peek(b) == (4,)
+
+
+async def test_block_grants_nothing_then_refills_from_empty(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("blk", rate=20, burst=10),)
+    result = await store.block(b, 0.3, "")
+    assert result.until == pytest.approx(0.3, abs=0.001)
+    r = await store.acquire(b, 1, 0)
+    assert not r.granted
+    assert r.wait == pytest.approx(0.3 + 1 / 20, abs=TOL)
+    await advance(store, clock, 0.3)
+    (level,) = await store.peek(b)
+    # No burst at the edge: the bucket starts from empty when the block ends.
+    assert -0.5 <= level <= 20 * TOL
+    await advance(store, clock, 0.2)
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(4, abs=20 * TOL)
+
+
+async def test_block_keeps_reservations_already_made(store: BucketStore) -> None:
+    b = (bucket("res", rate=10, burst=1),)
+    for _ in range(6):
+        assert (await store.acquire(b, 1, 1.0)).granted  # reserves up to 0.5 s ahead
+    result = await store.block(b, 0.1, "")
+    # The block lasts until the reservations have matured, not just 0.1 s.
+    assert result.until == pytest.approx(0.5, abs=TOL)
+
+
+async def test_drain_empties_but_refills_normally(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("dr", rate=10, burst=10),)
+    assert (await store.drain(b)).levels == (0,)
+    assert not (await store.acquire(b, 1, 0)).granted
+    await advance(store, clock, 0.3)
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(3, abs=10 * TOL)
+
+
+async def test_drain_keeps_reservations(store: BucketStore) -> None:
+    b = (bucket("drr", rate=10, burst=1),)
+    for _ in range(3):
+        assert (await store.acquire(b, 1, 1.0)).granted
+    (level,) = (await store.drain(b)).levels
+    assert level == pytest.approx(-2, abs=10 * TOL)
+
+
+async def test_peek_takes_nothing(store: BucketStore) -> None:
+    b = (bucket("p", rate=0.001, burst=2),)
+    for _ in range(5):
+        assert await store.peek(b) == (2,)
+    assert (await store.acquire(b, 1, 0)).granted
+
+
+async def test_keys_expire_once_refilled(store: BucketStore, clock: ManualClock, request: pytest.FixtureRequest) -> None:
+    b = (bucket("ttl", rate=10, burst=2),)
+    assert (await store.acquire(b, 1, 0)).granted
+    if isinstance(store, MemoryStore):
+        ttl = store.ttl(b[0].key)
+        assert ttl == pytest.approx(0.1 + 1.0)
+        await clock.advance(1.2)
+        assert len(store) == 0
+    else:
+        server = request.getfixturevalue("redis_server")
+        with server.client() as c:
+            pttl = c.pttl(b[0].key)
+            assert 1000 < pttl <= 1100
+            await asyncio.sleep(1.2)
+            assert c.exists(b[0].key) == 0
