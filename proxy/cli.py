@@ -93,6 +93,13 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # The access log is one JSON object per line, nothing around it, for log pipelines.
+    access = logging.getLogger("quota_proxy.access")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
+    access.setLevel(logging.INFO)
 
 
 def _run(args: argparse.Namespace) -> int:

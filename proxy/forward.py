@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from proxy.headers import downstream_response_headers, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
@@ -83,7 +84,7 @@ async def send(
     try:
         return await session.request(
             request.method,
-            url,
+            URL(url, encoded=True),  # byte for byte: re-encoding could break a signed URL
             headers=headers,
             data=data,
             allow_redirects=False,

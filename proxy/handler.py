@@ -71,16 +71,16 @@ class ProxyHandler:
         deps = self.deps  # one policy generation for the whole request
         clock = deps.clock
         started = clock.monotonic()
-        rec = AccessRecord(request.method, "", request.message.path)
+        rec = AccessRecord(request.method, "", request.raw_path)
         vendor_name: str | None = None
         tenant = "-"
         status: int | None = None
         try:
             if request.method == "CONNECT":
-                rec.host = request.message.path
-                raise Denied(CONNECT_REFUSED, request.message.path)
+                rec.host = request.raw_path
+                raise Denied(CONNECT_REFUSED, request.raw_path)
             target = parse_target(request)
-            rec.host = target.host
+            rec.host, rec.path = target.host, target.path_qs
             match = deps.router.match(target, request.headers)
             vendor_name, tenant = match.vendor.name, match.tenant
             rec.vendor, rec.tenant = vendor_name, tenant

@@ -66,7 +66,7 @@ def _port(text: str) -> int:
 
 
 def parse_target(request: web.BaseRequest) -> RequestTarget:
-    raw = request.message.path
+    raw = request.raw_path
     lower = raw[:8].lower()
     if lower.startswith(("http://", "https://")):
         scheme, rest = raw.split("://", 1)

@@ -10,19 +10,27 @@ import os
 import shutil
 import signal
 import socket
+import string
 import subprocess
+import textwrap
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as sync_redis
+from prometheus_client import CollectorRegistry
 
-from proxy.clock import ManualClock
+from proxy.app import Runtime
+from proxy.clock import Clock, ManualClock
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketStore
+from proxy.mockvendor import MockVendor
+from proxy.policy import Policy, parse_policy
+from proxy.server import ProxyServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,10 +91,9 @@ class RedisServer:
             client.close()
 
     def kill(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         self.proc = None
 
     def pause(self) -> None:
@@ -152,3 +159,73 @@ async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIter
         s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
     yield s
     await s.close()
+
+
+# -- a mock vendor and in-process proxies -------------------------------------------
+
+
+@dataclass
+class Vendor:
+    """A MockVendor served on loopback."""
+
+    mock: MockVendor
+    url: str
+    """``http://127.0.0.1:PORT``"""
+
+
+@pytest.fixture
+async def vendor(aiohttp_server: Any) -> Vendor:
+    """An unlimited mock vendor; tests give it a quota with ``vendor.mock.configure``."""
+    mock = MockVendor(rate=None)
+    server = await aiohttp_server(mock.app())
+    return Vendor(mock, str(server.make_url("")).rstrip("/"))
+
+
+def make_policy(text: str, **values: object) -> Policy:
+    """A policy from YAML with ``$name`` placeholders (braces stay free for YAML)."""
+    body = string.Template(textwrap.dedent(text)).substitute({k: str(v) for k, v in values.items()})
+    return parse_policy(body, "test-policy.yaml", base_dir=ROOT)
+
+
+def vendor_policy(upstream: str, *, limits: str = "[{rate: 1000, per: 1s}]", store: str = "memory://",
+                  extra_vendor: str = "", extra_top: str = "", tenant_limits: str = "",
+                  on_limit: str = "{action: hold, max_hold: 500ms}") -> Policy:
+    """One vendor ``payments`` on hosts api.payments.example, route /payments, at ``upstream``."""
+    text = f"""
+        version: 1
+        listen: 127.0.0.1:0
+        admin_listen: 127.0.0.1:0
+        store: {{url: "{store}", timeout: 250ms}}
+        {extra_top}
+        vendors:
+          - name: payments
+            hosts: [api.payments.example]
+            route: /payments
+            upstream: {upstream}
+            limits: {limits}
+            on_limit: {on_limit}
+            {tenant_limits}
+            {extra_vendor}
+    """
+    return parse_policy(textwrap.dedent(text), "test-policy.yaml", base_dir=ROOT)
+
+
+ProxyFactory = Callable[..., Awaitable[ProxyServer]]
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[ProxyFactory]:
+    """Start in-process proxies (both listeners on free ports); all stopped after the test."""
+    started: list[ProxyServer] = []
+
+    async def start(policy: Policy, *, clock: Clock | None = None, registry: CollectorRegistry | None = None,
+                    store: BucketStore | None = None) -> ProxyServer:
+        runtime = Runtime(policy, clock=clock, registry=registry, store=store)
+        server = ProxyServer(runtime, policy.listen, policy.admin_listen)
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in reversed(started):
+        await server.stop()

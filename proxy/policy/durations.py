@@ -36,8 +36,8 @@ def format_duration(seconds: float) -> str:
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
         if seconds >= size and (seconds / size).is_integer():
             return f"{int(seconds / size)}{unit}"
-    millis = seconds * 1000
-    return f"{int(millis)}ms" if float(millis).is_integer() else f"{seconds!r}s"
+    millis = round(seconds * 1000, 6)  # 0.07 * 1000 is 70.00000000000001
+    return f"{int(millis)}ms" if millis.is_integer() else f"{seconds!r}s"
 
 
 def show(value: object) -> str:

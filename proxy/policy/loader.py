@@ -670,7 +670,7 @@ def _check_listeners(m: _Mapping, listen: Address, admin: Address) -> None:
     if listen.host == admin.host or listen.host in wildcard or admin.host in wildcard:
         key = "admin_listen" if m.has("admin_listen") else "listen"
         node = m.node_of(key) or m.node
-        m.walk.error(node, m.child(key), f"listen and admin_listen must differ ({listen} and {admin})")
+        m.walk.error(node, m.child(key), f"listen {listen} and admin_listen {admin} use the same port")
 
 
 def _store(walk: _Walk, node: yaml.Node, path: str) -> StoreSettings:
@@ -718,9 +718,7 @@ def _tls(walk: _Walk, node: yaml.Node, path: str) -> TlsSettings:
         walk.error(m.node_of(key) or m.node, m.child(key), "ca_cert and ca_key must be set together")
     return TlsSettings(
         upstream_verify=m.get("upstream_verify", _boolean, _TLS.upstream_verify),
-        upstream_ca_file=m.get(
-            "upstream_ca_file", _file_path(walk.base_dir, must_exist=True), _TLS.upstream_ca_file
-        ),
+        upstream_ca_file=m.get("upstream_ca_file", _file_path(walk.base_dir, must_exist=True), _TLS.upstream_ca_file),
         ca_cert=ca_cert,
         ca_key=ca_key,
         leaf_validity=m.get("leaf_validity", _positive_duration, _TLS.leaf_validity),
@@ -733,9 +731,17 @@ class _Claims:
 
     names: dict[str, int] = field(default_factory=dict)
     """Vendor name → line of its first use."""
-    hosts: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    """Host name without port → (entry as written, owning vendor) pairs."""
-    routes: dict[str, str] = field(default_factory=dict)
+    hosts: dict[str, list[tuple[str, _Owner]]] = field(default_factory=dict)
+    """Host name without port → (normalised entry, owner) pairs."""
+    routes: dict[str, _Owner] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """A vendor as claims see it: by position, since two vendors may (wrongly) share a name."""
+
+    path: str
+    name: str
 
 
 def _vendors(walk: _Walk, node: yaml.Node, path: str, tls: TlsSettings) -> tuple[Vendor, ...]:
@@ -756,7 +762,7 @@ def _vendor(walk: _Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _
     name = m.require("name", _vendor_name, "")
     if name:
         _claim_name(m, name, claims)
-    hosts, route = _targets(m, name or path, claims)
+    hosts, route = _targets(m, _Owner(path, name or path), claims)
     return Vendor(
         name=name,
         hosts=hosts,
@@ -772,7 +778,7 @@ def _vendor(walk: _Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _
     )
 
 
-def _targets(m: _Mapping, owner: str, claims: _Claims) -> tuple[tuple[str, ...], str | None]:
+def _targets(m: _Mapping, owner: _Owner, claims: _Claims) -> tuple[tuple[str, ...], str | None]:
     """The vendor's hosts and route, each claimed for this vendor alone."""
     hosts = m.section("hosts", lambda w, n, p: _hosts(w, n, p, owner, claims), _VENDOR.hosts)
     route = m.get("route", _nullable(_route), None)
@@ -780,8 +786,8 @@ def _targets(m: _Mapping, owner: str, claims: _Claims) -> tuple[tuple[str, ...],
         _claim_route(m, route, owner, claims)
         if not m.has("upstream"):  # origin-form requests name no origin to fall back on
             m.walk.error(m.node_of("route") or m.node, m.child("route"), f'route "{route}" needs an upstream')
-    hosts_node = m.node_of("hosts")
-    if route is None and not (isinstance(hosts_node, yaml.SequenceNode) and hosts_node.value):
+    # Judged on what was written, so a malformed route or hosts list is reported only once.
+    if _absent(m.node_of("route")) and _absent(m.node_of("hosts")):
         m.walk.error(m.node, m.path, "a vendor needs hosts or a route")
     return hosts, route
 
@@ -807,14 +813,18 @@ def _claim_name(m: _Mapping, name: str, claims: _Claims) -> None:
         m.walk.error(node, m.child("name"), f'duplicate vendor name "{name}" (first at line {first})')
 
 
-def _claim_route(m: _Mapping, route: str, owner: str, claims: _Claims) -> None:
+def _absent(node: yaml.Node | None) -> bool:
+    return node is None or _is_null(node) or (isinstance(node, yaml.SequenceNode) and not node.value)
+
+
+def _claim_route(m: _Mapping, route: str, owner: _Owner, claims: _Claims) -> None:
     other = claims.routes.setdefault(route, owner)
     if other != owner:
         node = m.node_of("route") or m.node
-        m.walk.error(node, m.child("route"), f'route "{route}" already belongs to vendor "{other}"')
+        m.walk.error(node, m.child("route"), f'route "{route}" already belongs to vendor "{other.name}"')
 
 
-def _hosts(walk: _Walk, node: yaml.Node, path: str, owner: str, claims: _Claims) -> tuple[str, ...]:
+def _hosts(walk: _Walk, node: yaml.Node, path: str, owner: _Owner, claims: _Claims) -> tuple[str, ...]:
     items = walk.sequence(node, path)
     hosts: list[str] = []
     for i, item in enumerate(items or ()):
@@ -826,7 +836,7 @@ def _hosts(walk: _Walk, node: yaml.Node, path: str, owner: str, claims: _Claims)
     return tuple(hosts)
 
 
-def _claim_host(walk: _Walk, node: yaml.Node, path: str, host: str, owner: str, claims: _Claims) -> bool:
+def _claim_host(walk: _Walk, node: yaml.Node, path: str, host: str, owner: _Owner, claims: _Claims) -> bool:
     """A host without a port matches every port, so it overlaps any entry for the same name."""
     name, port = _split_known_host(host)
     for entry, other in claims.hosts.get(name, []):
@@ -835,7 +845,7 @@ def _claim_host(walk: _Walk, node: yaml.Node, path: str, host: str, owner: str, 
             walk.error(node, path, f'host "{host}" is listed twice')
             return False
         if other != owner and (port is None or other_port is None or port == other_port):
-            walk.error(node, path, f'host "{host}" already belongs to vendor "{other}"')
+            walk.error(node, path, f'host "{host}" already belongs to vendor "{other.name}"')
             return False
     claims.hosts.setdefault(name, []).append((host, owner))
     return True

@@ -34,9 +34,7 @@ def _general(policy: Policy) -> list[str]:
     on_failure = "closed" if store.on_failure == "closed" else "open (store down = NO LIMITS)"
     cooloff = format_duration(store.breaker.cooloff)
     breaker = f"breaker opens after {store.breaker.failures} failures, probes after {cooloff}"
-    default = (
-        f'"{policy.tenant.default}"' if policy.tenant.default is not None else "none (400 without header)"
-    )
+    default = f'"{policy.tenant.default}"' if policy.tenant.default is not None else "none (400 without header)"
     verify = "on" if tls.upstream_verify else "OFF (vendor certificates are NOT verified)"
     ca = f"{tls.ca_cert}, leaf validity {format_duration(tls.leaf_validity)}" if tls.ca_cert else "none"
     return [
@@ -48,8 +46,7 @@ def _general(policy: Policy) -> list[str]:
         _row("tenant", f"header {policy.tenant.header}, default {default}"),
         _row(
             "tls",
-            f"upstream_verify {verify}"
-            + (f", CA file {tls.upstream_ca_file}" if tls.upstream_ca_file else ""),
+            f"upstream_verify {verify}" + (f", CA file {tls.upstream_ca_file}" if tls.upstream_ca_file else ""),
         ),
         _row("intercept CA", ca),
         _row(
@@ -68,16 +65,11 @@ def _vendor(vendor: Vendor) -> list[str]:
         _row("upstream", vendor.upstream or "(the requested origin)", indent),
         _row("limits", _limits(vendor.limits), indent),
     ]
-    rows += [
-        _row("tenants" if i == 0 else "", text, indent)
-        for i, text in enumerate(_tenants(vendor.tenant_limits))
-    ]
+    rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(_tenants(vendor.tenant_limits))]
     on_limit = vendor.on_limit
     rows.append(_row("on_limit", f"{on_limit.action}, max_hold {format_duration(on_limit.max_hold)}", indent))
     rows.append(_row("feedback", _feedback(vendor.feedback), indent))
-    connect = vendor.connect + (
-        f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else ""
-    )
+    connect = vendor.connect + (f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else "")
     rows.append(_row("connect", connect, indent))
     timeouts = vendor.timeouts
     rows.append(
