@@ -1,0 +1,369 @@
+"""The policy loader: good files become frozen model objects; each bad file in
+``bad/`` gives its exact ``file:line: path: message`` (one fixture per failure)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from proxy.policy import (
+    Address,
+    Breaker,
+    ConfigError,
+    ConfigErrors,
+    Feedback,
+    Limit,
+    OnLimit,
+    Policy,
+    StoreSettings,
+    TenantLimits,
+    TenantSettings,
+    Timeouts,
+    TlsSettings,
+    Vendor,
+    load_policy,
+    parse_address,
+    parse_policy,
+    parse_store_url,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+BAD = "tests/policy/bad"
+
+MINIMAL = """\
+version: 1
+vendors:
+  - name: a
+    hosts: [api.a.example]
+    limits: [{rate: 10}]
+"""
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch):
+    # Paths in messages are the paths as given, so load them the way `quota-proxy check` would.
+    monkeypatch.chdir(ROOT)
+
+
+def problems(path: str) -> list[str]:
+    with pytest.raises(ConfigErrors) as raised:
+        load_policy(path)
+    return str(raised.value).splitlines()
+
+
+# ---------------------------------------------------------------- good files
+
+
+def test_example_policy_loads_into_the_model():
+    assert load_policy("config/example.yaml") == Policy(
+        version=1,
+        listen=Address("127.0.0.1", 8080),
+        admin_listen=Address("127.0.0.1", 9090),
+        store=StoreSettings(url="memory://", timeout=0.05, on_failure="closed"),
+        tenant=TenantSettings(header="X-Tenant-Id", default="default"),
+        vendors=(
+            Vendor(
+                name="mock-vendor",
+                hosts=("api.mock-vendor.example",),
+                route="/mock-vendor",
+                upstream="http://127.0.0.1:8081",
+                limits=(Limit(rate=80, per=1, burst=20), Limit(rate=4000, per=60, burst=4000)),
+                tenant_limits=TenantLimits(default=(Limit(rate=40, per=1, burst=40),)),
+                on_limit=OnLimit(action="hold", max_hold=0.5),
+                feedback=Feedback(remaining_header="X-RateLimit-Remaining", low_watermark=10, retry_after_default=30),
+                connect="deny",
+            ),
+        ),
+        source="config/example.yaml",
+    )
+
+
+def test_payments_policy_loads_with_overrides_and_several_vendors():
+    policy = load_policy(Path("config/payments.yaml"))
+    assert policy.source == "config/payments.yaml"
+    assert policy.store.url == "redis://127.0.0.1:6379/0"
+    assert policy.store.breaker == Breaker(failures=3, cooloff=1.0)
+    assert [v.name for v in policy.vendors] == ["payments-api", "crm", "mail-api"]
+
+    payments = policy.vendor("payments-api")
+    assert payments.upstream == "https://api.payments.example"
+    assert payments.limits == (Limit(80, 1, 40), Limit(4000, 60, 4000))
+    assert payments.tenant_limits.for_tenant("acme") == (Limit(20, 1, 20),)
+    assert payments.tenant_limits.for_tenant("globex") == (Limit(12, 1, 12), Limit(500, 60, 500))
+    assert payments.tenant_limits.for_tenant("someone-else") == (Limit(8, 1, 8),)
+    assert payments.feedback.max_retry_after == 600
+    assert payments.timeouts == Timeouts(connect=3, read=30)
+
+    assert policy.vendor("crm").on_limit.action == "defer"
+    mail = policy.vendor("mail-api")
+    assert (mail.on_limit.action, mail.connect, mail.max_tunnels) == ("shed", "tunnel", 20)
+    assert mail.feedback.remaining_header is None
+    assert mail.upstream is None and mail.route is None
+
+
+def test_spec_example_with_a_ca_defaults_connect_to_intercept():
+    text = """\
+version: 1
+vendors:
+  - name: payments-api
+    hosts: [api.payments.example]
+    limits: [{rate: 80, per: 1s, burst: 40}]
+  - name: crm
+    hosts: [api.crm.example]
+    limits: [{rate: 10}]
+    connect: tunnel
+tls:
+  ca_cert: /etc/quota-proxy/ca.pem
+  ca_key: /etc/quota-proxy/ca-key.pem
+  leaf_validity: 1d
+"""
+    policy = parse_policy(text, "spec.yaml")
+    assert [v.connect for v in policy.vendors] == ["intercept", "tunnel"]
+    assert policy.tls == TlsSettings(
+        ca_cert="/etc/quota-proxy/ca.pem", ca_key="/etc/quota-proxy/ca-key.pem", leaf_validity=86400
+    )
+
+
+def test_omitted_settings_take_the_model_defaults():
+    policy = parse_policy(MINIMAL, "minimal.yaml")
+    vendor = Vendor(name="a", hosts=("api.a.example",), limits=(Limit(10, 1, 10),))
+    assert policy == Policy(vendors=(vendor,), source="minimal.yaml")
+    assert policy.vendors[0].connect == "deny"  # no CA: CONNECT is refused, never tunnelled blindly
+
+
+def test_policy_objects_are_frozen():
+    policy = load_policy("config/example.yaml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.listen = Address("0.0.0.0", 1)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.vendors[0].limits[0].rate = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.vendors[0].on_limit.action = "shed"  # type: ignore[misc]
+
+
+def test_hosts_and_upstream_are_normalised():
+    text = """\
+version: 1
+vendors:
+  - name: a
+    hosts: [API.A.Example., "api.a.example:8443", "::1", "[::1]:8080", 10.0.0.1, my_service]
+    route: /a/v1
+    upstream: "HTTPS://API.A.example:8443/"
+    limits: [{rate: 10}]
+"""
+    vendor = parse_policy(text, "x.yaml").vendors[0]
+    assert vendor.hosts == ("api.a.example", "api.a.example:8443", "[::1]", "[::1]:8080", "10.0.0.1", "my_service")
+    assert vendor.upstream == "https://api.a.example:8443"
+    assert vendor.route == "/a/v1"
+
+
+def test_burst_defaults_to_rate_but_never_below_one_token():
+    text = MINIMAL.replace("[{rate: 10}]", "[{rate: 0.5, per: 1s}, {rate: 300, per: 5m}]")
+    assert parse_policy(text, "x.yaml").vendors[0].limits == (Limit(0.5, 1, 1), Limit(300, 300, 300))
+
+
+def test_tls_paths_resolve_against_the_policy_directory(tmp_path):
+    (tmp_path / "certs").mkdir()
+    (tmp_path / "certs" / "vendors.pem").write_text("bundle")
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        MINIMAL + "tls:\n  upstream_ca_file: certs/vendors.pem\n  ca_cert: ca.pem\n  ca_key: /abs/ca-key.pem\n"
+    )
+    tls = load_policy(policy_file).tls
+    assert tls.upstream_ca_file == str(tmp_path / "certs" / "vendors.pem")
+    assert tls.ca_cert == str(tmp_path / "ca.pem")  # need not exist yet: `quota-proxy ca init` makes it
+    assert tls.ca_key == "/abs/ca-key.pem"
+
+
+def test_null_sections_mean_defaults_and_anchors_merge():
+    text = """\
+version: 1
+store:            # every key commented out
+tenant:
+vendors:
+  - &base
+    name: a
+    hosts: [api.a.example]
+    limits: [{rate: 10}]
+    on_limit: {action: defer}
+  - <<: *base
+    name: b
+    hosts: [api.b.example]
+"""
+    policy = parse_policy(text, "x.yaml")
+    assert policy.store == StoreSettings() and policy.tenant == TenantSettings()
+    assert [(v.name, v.hosts, v.on_limit.action) for v in policy.vendors] == [
+        ("a", ("api.a.example",), "defer"),
+        ("b", ("api.b.example",), "defer"),
+    ]
+
+
+def test_listeners_on_port_zero_may_coincide():
+    text = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n" + MINIMAL
+    assert parse_policy(text, "x.yaml").listen == Address("127.0.0.1", 0)
+
+
+# ---------------------------------------------------------------- bad files: one per failure
+
+BAD_FILES = {
+    "unknown_key": '2: ratelimit: unknown key "ratelimit"',
+    "misspelled_key": '5: vendors[0].upstrem: unknown key "upstrem" (did you mean "upstream"?)',
+    "duplicate_key": '6: vendors[0].limits: duplicate key "limits"',
+    "bad_duration": '7: vendors[0].limits[1].per: "1x" is not a duration',
+    "nonpositive_rate": "6: vendors[0].limits[0].rate: rate must be a positive number",
+    "burst_below_one": "6: vendors[0].limits[0].burst: burst must be at least 1",
+    "duplicate_limit": "7: vendors[0].limits[1]: limit 10/1s burst 10 is listed twice",
+    "duplicate_vendor_name": '6: vendors[1].name: duplicate vendor name "a" (first at line 3)',
+    "duplicate_host": '7: vendors[1].hosts[1]: host "api.a.example:443" already belongs to vendor "a"',
+    "duplicate_route": '8: vendors[1].route: route "/api" already belongs to vendor "a"',
+    "bad_host": '4: vendors[0].hosts[1]: "api a.example" is not a host name or IP address',
+    "upstream_not_http": '5: vendors[0].upstream: upstream "ftp://api.a.example" must be an http:// or https:// origin',
+    "upstream_with_path": (
+        '5: vendors[0].upstream: upstream "https://api.a.example/v1" must be an http:// or https:// origin,'
+        " without a path, query or fragment"
+    ),
+    "route_without_upstream": '4: vendors[0].route: route "/a" needs an upstream',
+    "route_trailing_slash": '4: vendors[0].route: route "/a/" must not end with "/"',
+    "vendor_without_target": "3: vendors[0]: a vendor needs hosts or a route",
+    "missing_vendors": '2: missing required key "vendors"',
+    "empty_vendors": "2: vendors: at least one vendor is required",
+    "missing_limits": '3: vendors[0]: missing required key "limits"',
+    "wrong_version": "1: version: version must be 1, got 2",
+    "bad_listen": '2: listen: "localhost" is not HOST:PORT (e.g. 127.0.0.1:8080 or [::1]:8080)',
+    "bad_port": '3: admin_listen: "[::1]:70000": port must be 0..65535',
+    "listen_clash": "3: admin_listen: listen 127.0.0.1:8080 and admin_listen 127.0.0.1:8080 use the same port",
+    "bad_store_url": (
+        '3: store.url: url must be memory://, redis://, rediss:// or redis+cluster://, got "postgres://db:5432/quota"'
+    ),
+    "store_password_masked": (
+        "3: store.url: url must be memory://, redis://, rediss:// or redis+cluster://,"
+        ' got "http://user:***@redis.internal:6379/0"'
+    ),
+    "bad_on_failure": '4: store.on_failure: on_failure must be closed or open, got "ignore"',
+    "bad_action": '7: vendors[0].on_limit.action: action must be hold, defer or shed, got "wait"',
+    "bad_tenant_name": (
+        '13: vendors[0].tenant_limits.overrides."big corp": "big corp" is not a valid tenant name'
+        " (letters, digits and ._:@-, at most 128)"
+    ),
+    "bad_header": '3: tenant.header: "X Tenant" is not a valid header name',
+    "not_a_mapping": "1: expected a mapping, got a list",
+    "empty": "1: the policy is empty",
+    "syntax_error": "5: invalid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence at line 4)",
+    "two_documents": (
+        "2: invalid YAML: expected a single document in the stream at line 1, but found another document"
+    ),
+    "intercept_without_ca": "6: vendors[0].connect: connect: intercept needs tls.ca_cert and tls.ca_key",
+    "ca_cert_without_key": "7: tls.ca_cert: ca_cert and ca_key must be set together",
+    "retry_after_above_max": (
+        "7: vendors[0].feedback.retry_after_default: retry_after_default (2h) exceeds max_retry_after (1h)"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_file_reports_file_line_path_and_message(name):
+    assert problems(f"{BAD}/{name}.yaml") == [f"{BAD}/{name}.yaml:{BAD_FILES[name]}"]
+
+
+def test_every_bad_fixture_is_asserted():
+    on_disk = {p.stem for p in (ROOT / BAD).glob("*.yaml")}
+    assert on_disk == set(BAD_FILES) | {"missing_ca_file", "wrong_type", "several_problems"}
+
+
+def test_missing_ca_bundle_names_where_it_looked():
+    looked = ROOT / BAD / "no-such-bundle.pem"
+    assert problems(f"{BAD}/missing_ca_file.yaml") == [
+        f'{BAD}/missing_ca_file.yaml:7: tls.upstream_ca_file: "no-such-bundle.pem" is not a file (looked at {looked})'
+    ]
+
+
+def test_wrong_types_are_named():
+    assert problems(f"{BAD}/wrong_type.yaml") == [
+        f'{BAD}/wrong_type.yaml:2: store: expected a mapping, got "memory://"',
+        f"{BAD}/wrong_type.yaml:4: vendors[0].name: expected a string, got 12",
+        f'{BAD}/wrong_type.yaml:5: vendors[0].hosts: expected a list, got "api.a.example"',
+        f'{BAD}/wrong_type.yaml:6: vendors[0].limits[0].rate: expected a number, got "10/s"',
+    ]
+
+
+def test_all_problems_are_reported_at_once_in_line_order():
+    f = f"{BAD}/several_problems.yaml"
+    assert problems(f) == [
+        f'{f}:2: listen: "127.0.0.1:99999": port must be 0..65535',
+        f"{f}:5: store.timeout: timeout must be greater than 0",
+        f'{f}:11: vendors[0].limits[1].per: "1x" is not a duration',
+        f'{f}:12: vendors[0].on_limit.action: action must be hold, defer or shed, got "wait"',
+        f'{f}:13: vendors[1].name: duplicate vendor name "payments-api" (first at line 7)',
+        f'{f}:14: vendors[1].hosts[0]: host "api.payments.example" already belongs to vendor "payments-api"',
+        f"{f}:15: vendors[1].limits[0].rate: rate must be a positive number",
+        f'{f}:16: vendors[1].colour: unknown key "colour"',
+    ]
+
+
+def test_errors_are_values_carried_by_one_exception():
+    with pytest.raises(ConfigErrors) as raised:
+        load_policy(f"{BAD}/bad_duration.yaml")
+    assert raised.value.errors == (
+        ConfigError(f"{BAD}/bad_duration.yaml", 7, "vendors[0].limits[1].per", '"1x" is not a duration'),
+    )
+
+
+def test_unreadable_file_has_no_line():
+    assert problems("config/nope.yaml") == ["config/nope.yaml: cannot read policy: No such file or directory"]
+
+
+def test_overrides_path_for_a_plain_tenant():
+    text = MINIMAL + "    tenant_limits:\n      overrides:\n        acme: [{rate: 0}]\n"
+    with pytest.raises(ConfigErrors) as raised:
+        parse_policy(text, "p.yaml")
+    assert (
+        str(raised.value) == "p.yaml:8: vendors[0].tenant_limits.overrides.acme[0].rate: rate must be a positive number"
+    )
+
+
+def test_unsupported_tags_are_refused():
+    with pytest.raises(ConfigErrors) as raised:
+        parse_policy(MINIMAL.replace("rate: 10", "rate: !!python/object:os.system 10"), "p.yaml")
+    assert "p.yaml:5: vendors[0].limits[0].rate: could not determine a constructor" in str(raised.value)
+
+
+# ---------------------------------------------------------------- pieces the command line reuses
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("127.0.0.1:8080", Address("127.0.0.1", 8080)),
+        ("[::1]:8080", Address("::1", 8080)),
+        ("0.0.0.0:0", Address("0.0.0.0", 0)),
+        ("LocalHost:80", Address("localhost", 80)),
+    ],
+)
+def test_parse_address(text, address):
+    assert parse_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["localhost", ":8080", "::1:8080", "[::1]", "host:http", "[1.2.3.4]:80", "h:65536"])
+def test_parse_address_rejects(text):
+    with pytest.raises(ValueError):
+        parse_address(text)
+
+
+@pytest.mark.parametrize(
+    "url", ["memory://", "redis://127.0.0.1:6379/0", "rediss://:pw@cache:6380", "redis+cluster://node1:7000"]
+)
+def test_parse_store_url_accepts(url):
+    assert parse_store_url(url) == url
+
+
+@pytest.mark.parametrize(
+    "url", ["memory://x", "redis://", "redis://h:6379/db", "redis+cluster://h:7000/3", "unix:///tmp/r.sock", "redis:h"]
+)
+def test_parse_store_url_rejects(url):
+    with pytest.raises(ValueError):
+        parse_store_url(url)
+
+
+def test_config_error_formats_without_path_or_line():
+    assert str(ConfigError("p.yaml", 3, "", "the policy is empty")) == "p.yaml:3: the policy is empty"
+    assert str(ConfigError("p.yaml", None, "", "cannot read policy: x")) == "p.yaml: cannot read policy: x"

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+
+from proxy.policy import load_policy, parse_policy, summarize
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+
+
+def test_example_summary_is_one_screen_with_effective_values():
+    text = summarize(load_policy("config/example.yaml"))
+    lines = text.splitlines()
+    assert lines[0] == "OK config/example.yaml: 1 vendor(s)"
+    assert len(lines) <= 40
+    for expected in [
+        "listen        127.0.0.1:8080",
+        "admin         127.0.0.1:9090",
+        "store         memory://",
+        "              timeout 50ms, on_failure closed",
+        'tenant        header X-Tenant-Id, default "default"',
+        "vendor mock-vendor",
+        "  hosts       api.mock-vendor.example",
+        "  route       /mock-vendor",
+        "  upstream    http://127.0.0.1:8081",
+        "  limits      80/1s burst 20; 4000/1m burst 4000",
+        "  tenants     default 40/1s burst 40",
+        "  on_limit    hold, max_hold 500ms",
+        "  connect     deny",
+    ]:
+        assert expected in lines
+
+
+def test_summary_masks_the_store_password_and_lists_overrides():
+    policy = parse_policy(
+        """\
+version: 1
+store: {url: "redis://app:s3cret@redis.internal:6379/0", on_failure: open}
+vendors:
+  - name: crm
+    hosts: [api.crm.example]
+    limits: [{rate: 10, per: 1s, burst: 5}]
+    tenant_limits:
+      overrides: {acme: [{rate: 2}], exempt: []}
+    on_limit: {action: defer}
+tls: {upstream_verify: false}
+""",
+        "p.yaml",
+    )
+    text = summarize(policy)
+    assert "s3cret" not in text
+    assert "store         redis://app:***@redis.internal:6379/0" in text
+    assert "on_failure open (store down = NO LIMITS)" in text
+    assert "upstream_verify OFF" in text
+    assert "              acme: 2/1s burst 2" in text.splitlines()
+    assert "              exempt: (none)" in text.splitlines()
+    assert "  on_limit    defer, max_hold 500ms" in text.splitlines()
