@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy import __version__
 from proxy.handler import Deps
 from proxy.limiter import StoreUnavailable
+from proxy.policy import mask_password
 
 DepsGetter = Callable[[], Deps]
 
@@ -103,22 +104,12 @@ async def status(request: web.Request) -> web.Response:
         "version": __version__,
         "policy": deps.policy.source,
         "store": {
-            "url": _mask(deps.policy.store.url),
+            "url": mask_password(deps.policy.store.url),
             "on_failure": deps.policy.store.on_failure,
             "breaker": limiter.breaker.state,
         },
         "vendors": vendors,
     })
-
-
-def _mask(url: str) -> str:
-    """Hide a password in a store URL."""
-    scheme, sep, rest = url.partition("://")
-    if "@" not in rest:
-        return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{host}" if ":" in creds else url
 
 
 def admin_app(state: AdminState) -> web.Application:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy.admin import admin_app
 from proxy.app import Runtime
+from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
 
 log = logging.getLogger("quota_proxy")
@@ -93,7 +94,7 @@ async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_li
     if ready_line:
         print(
             f"quota-proxy listening on {server.url} (admin {server.admin_url}, store "
-            f"{_store_name(policy)}, {len(policy.vendors)} vendor(s))",
+            f"{mask_password(policy.store.url)}, {len(policy.vendors)} vendor(s))",
             flush=True,
         )
     await stop.wait()
@@ -101,9 +102,4 @@ async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_li
     await server.stop()
     log.info("stopped")
     return 0
-
-
-def _store_name(policy: Policy) -> str:
-    url = policy.store.url
-    return url.split("@", 1)[-1] if "@" in url else url
 

@@ -7,9 +7,12 @@ half-open: one probe call goes through; success closes, failure re-opens.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from proxy.clock import Clock
+
+log = logging.getLogger("quota_proxy.store")
 
 State = Literal["closed", "open", "half-open"]
 
@@ -47,6 +50,8 @@ class Breaker:
         return False
 
     def success(self) -> None:
+        if self._state != "closed":
+            log.warning("store recovered: circuit breaker closed")
         self._failures = 0
         self._probing = False
         self._state = "closed"
@@ -55,6 +60,9 @@ class Breaker:
         self._failures += 1
         self._probing = False
         if self._state != "closed" or self._failures >= self._threshold:
+            if self._state == "closed":
+                log.error("store failing: circuit breaker opened after %d consecutive failures; "
+                          "probing every %.1fs", self._failures, self.cooloff)
             self._state = "open"
             self._opened_at = self._clock.monotonic()
 
