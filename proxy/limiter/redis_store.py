@@ -27,6 +27,11 @@ T = TypeVar("T")
 
 _MS = 1000.0
 
+# Store calls in flight per replica; more wait their turn (inside the store timeout).
+# redis-py's pools refuse the 101st connection outright (MaxConnectionsError), which
+# would surface as a store failure with Redis perfectly healthy.
+_MAX_IN_FLIGHT = 64
+
 
 def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
     """A client for ``url``; ``redis+cluster://`` selects Redis Cluster."""
@@ -48,6 +53,7 @@ class RedisStore:
         self._acquire = self._client.register_script(script("acquire"))
         self._feedback = self._client.register_script(script("feedback"))
         self._peek = self._client.register_script(script("peek"))
+        self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -55,7 +61,7 @@ class RedisStore:
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self._timeout), self._in_flight:
                 return await op()
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc

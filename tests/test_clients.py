@@ -1,0 +1,156 @@
+"""Real HTTP clients configured the way workers are: only through the HTTP_PROXY environment.
+
+Each client (requests, httpx, aiohttp, curl) sends a GET and a 2 MiB POST that must reach
+the vendor through the in-process proxy with the tenant and X-Quota-* headers stripped,
+then sees a proxy defer as 429 + Retry-After + X-Quota-Action, and a 403 for a host no
+vendor owns. ``api.payments.example`` does not resolve: the vendor is only reachable
+through the proxy, so a request that arrives there came through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+import requests
+
+from tests.conftest import vendor_policy
+
+VENDOR_URL = "http://api.payments.example"
+FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
+BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
+PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+              "NO_PROXY", "no_proxy")
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    seconds: float = 0.0
+
+
+Client = Callable[[str, str, dict[str, str], bytes | None, Path], Awaitable[Answer]]
+
+
+def _lower(items) -> dict[str, str]:
+    return {k.lower(): v for k, v in items}
+
+
+async def via_requests(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
+    def call() -> Answer:
+        with requests.Session() as s:
+            s.trust_env = True
+            r = s.request(method, url, headers=headers, data=body, timeout=20)
+            return Answer(r.status_code, _lower(r.headers.items()), r.content)
+
+    return await asyncio.to_thread(call)
+
+
+async def via_httpx(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
+    async with httpx.AsyncClient(trust_env=True, timeout=20) as c:
+        r = await c.request(method, url, headers=headers, content=body)
+        return Answer(r.status_code, _lower(r.headers.items()), r.content)
+
+
+async def via_aiohttp(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
+    data = None if body is None else io.BytesIO(body)  # raw bytes this large draw a ResourceWarning
+    async with aiohttp.ClientSession(trust_env=True) as s, s.request(method, url, headers=headers, data=data) as r:
+        return Answer(r.status, _lower(r.headers.items()), await r.read())
+
+
+async def via_curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
+    out = tmp / "curl-body"
+    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--request", method, "--dump-header", "-",
+            "--output", str(out)]
+    for name, value in headers.items():
+        argv += ["--header", f"{name}: {value}"]
+    if body is not None:
+        src = tmp / "curl-upload"
+        src.write_bytes(body)
+        argv += ["--data-binary", f"@{src}", "--header", "Content-Type: application/octet-stream"]
+    argv.append(url)
+    # No env= override: the monkeypatched os.environ (lower-case http_proxy, no no_proxy) is inherited.
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode(errors="replace")
+    # The last header block is the final answer (a 100 Continue block may precede it).
+    blocks = [b for b in stdout.decode("latin-1").split("\r\n\r\n") if b.strip()]
+    status_line, *lines = blocks[-1].split("\r\n")
+    status = int(status_line.split()[1])
+    hdrs = _lower(line.split(":", 1) for line in lines if ":" in line)
+    return Answer(status, {k: v.strip() for k, v in hdrs.items()}, out.read_bytes())
+
+
+CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp,
+                              "curl": via_curl}
+
+
+@pytest.mark.parametrize("name", list(CLIENTS))
+async def test_client_through_http_proxy(name, vendor, start_proxy, monkeypatch, tmp_path):
+    client = CLIENTS[name]
+    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 2, per: 1h, burst: 2}]",
+                                            on_limit="{action: defer}"))
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    monkeypatch.setenv("http_proxy", proxy.url)  # curl reads only the lower-case one
+    assert "NO_PROXY" not in os.environ and "no_proxy" not in os.environ
+    sent = {"X-Tenant-Id": "acme", "X-Quota-On-Limit": "defer", "X-Kept": name}
+
+    # A GET reaches the vendor.
+    got = await client("GET", f"{VENDOR_URL}/v1/charges?client={name}", sent, None, tmp_path)
+    assert got.status == 200, got
+    assert json.loads(got.body)["path"] == "/v1/charges"
+    assert "x-quota-action" not in got.headers
+
+    # A POST with a 2 MiB body reaches the vendor whole, and its echo comes back whole.
+    started = time.monotonic()
+    posted = await client("POST", f"{VENDOR_URL}/echo", sent, BODY, tmp_path)
+    elapsed = time.monotonic() - started
+    assert posted.status == 200, (posted.status, posted.headers)
+    assert hashlib.sha256(posted.body).hexdigest() == hashlib.sha256(BODY).hexdigest()
+    assert len(posted.body) == len(BODY)
+    # curl waits 1 s for "100 Continue" before sending a body over 1 MiB unless someone answers it.
+    assert elapsed < 0.9, f"{name}: the POST took {elapsed:.2f}s"
+
+    seen = vendor.mock.requests
+    assert [(r["method"], r["path_qs"]) for r in seen] == [("GET", f"/v1/charges?client={name}"), ("POST", "/echo")]
+    for r in seen:
+        assert r["headers"]["x-kept"] == name
+        assert "x-tenant-id" not in r["headers"]
+        assert not [h for h in r["headers"] if h.startswith("x-quota-")], r["headers"]
+        assert "proxy-connection" not in r["headers"]
+    assert seen[1]["headers"].get("content-length") == str(len(BODY)) or "chunked" in seen[1]["headers"].get(
+        "transfer-encoding", ""), seen[1]["headers"]
+    forwarded = proxy.runtime.registry.get_sample_value(
+        "ratelimit_requests_total", {"limiter": "payments", "tenant": "acme", "outcome": "forwarded"})
+    assert forwarded == 2  # the proxy saw the tenant before stripping it
+
+    # The bucket (2 per hour) is empty: the proxy defers, and the client sees it as such.
+    deferred = await client("GET", f"{VENDOR_URL}/v1/charges", sent, None, tmp_path)
+    assert deferred.status == 429
+    assert deferred.headers["x-quota-action"] == "defer"
+    assert int(deferred.headers["retry-after"]) >= 1
+    assert int(deferred.headers["x-quota-retry-after-ms"]) >= 1000
+    assert json.loads(deferred.body)["action"] == "defer"
+    assert len(vendor.mock.requests) == 2
+
+    # A host no vendor owns: 403, never forwarded anywhere.
+    denied = await client("GET", FOREIGN_URL, {}, None, tmp_path)
+    assert denied.status == 403
+    assert denied.headers["x-quota-action"] == "deny"
+    assert json.loads(denied.body)["action"] == "deny"
+    assert len(vendor.mock.requests) == 2
