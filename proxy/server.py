@@ -72,9 +72,22 @@ class ProxyServer:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close everything."""
         self.runtime.admin.draining = True
-        await self._proxy_runner.cleanup()
+        # aiohttp waits shutdown_timeout for in-flight handlers, then up to as long again after
+        # merely *asking* them to stop (a handler awaiting its vendor never notices): close what
+        # is still open at the bound ourselves, so the drain really ends at drain_timeout.
+        cut = asyncio.get_running_loop().call_later(self.runtime.policy.drain_timeout, self._cut_in_flight)
+        try:
+            await self._proxy_runner.cleanup()
+        finally:
+            cut.cancel()
         await self._admin_runner.cleanup()
         await self.runtime.close()
+
+    def _cut_in_flight(self) -> None:
+        server = self._proxy_runner.server
+        if server is not None:
+            for connection in server.connections:
+                connection.force_close()  # connection_lost cancels the handler (handler_cancellation)
 
 
 async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_line: bool = True) -> int:

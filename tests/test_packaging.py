@@ -1,0 +1,368 @@
+"""Packaging (SPEC §2): a real wheel, installed non-editable into a fresh venv, finds its Lua
+scripts and runs ``quota-proxy`` from outside the checkout. And the Dockerfile, which no
+engine builds here, checked for what the image must be.
+
+The wheel is built offline with the interpreter's own hatchling when it has one
+(``--no-build-isolation``); otherwise pip fetches the build backend from the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import configparser
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import proxy
+from proxy.limiter.scripts import NAMES
+from proxy.policy import parse_policy
+from tests.conftest import vendor_policy
+from tests.test_cli import EXAMPLE, ROOT, clean_env, free_port, run_cli
+
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+IMAGE_POLICY = "/etc/quota-proxy/policy.yaml"
+
+
+# -- the wheel -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--wheel-dir", str(out)]
+    if importlib.util.find_spec("hatchling") is not None:
+        cmd.append("--no-build-isolation")
+    cmd.append(str(ROOT))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(checkout=False),
+                            cwd=out, stdin=subprocess.DEVNULL, check=False)
+    assert result.returncode == 0, f"pip wheel failed:\n{result.stdout}\n{result.stderr}"
+    (built,) = out.glob("quota_proxy-*.whl")
+    return built
+
+
+def _dist_info(names: list[str]) -> str:
+    (dist_info,) = {n.split("/", 1)[0] for n in names if n.split("/", 1)[0].endswith(".dist-info")}
+    return dist_info
+
+
+def test_every_lua_script_in_the_checkout_is_one_the_code_loads() -> None:
+    assert {p.stem for p in (ROOT / "lua").glob("*.lua")} == set(NAMES) == {"acquire", "feedback", "peek"}
+
+
+def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> None:
+    assert wheel.name == f"quota_proxy-{proxy.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        for name in NAMES:
+            packaged = zf.read(f"proxy/lua/{name}.lua")
+            assert packaged == (ROOT / "lua" / f"{name}.lua").read_bytes(), name
+        dist_info = _dist_info(names)
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
+        metadata = zf.read(f"{dist_info}/METADATA").decode()
+
+    assert entry_points["console_scripts"]["quota-proxy"] == "proxy.cli:main"
+    assert "Name: quota-proxy\n" in metadata
+    assert f"Version: {proxy.__version__}\n" in metadata
+    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py"):
+        assert module in names
+    assert not [n for n in names if n.startswith(("lua/", "tests/", "config/")) or "__pycache__" in n], names
+
+
+@dataclass(frozen=True)
+class Venv:
+    root: Path
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+    def bin(self, name: str) -> Path:
+        return self.root / "bin" / name
+
+
+def _fresh_venv(path: Path) -> Venv:
+    """A new venv that sees the running interpreter's installed dependencies but not the checkout."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=120,
+                   capture_output=True, stdin=subprocess.DEVNULL)
+    venv = Venv(path)
+    if sys.prefix != sys.base_prefix:
+        # The tests run inside a virtualenv (CI's .venv): its packages are not the base
+        # interpreter's "system" ones. List its site directories as plain path lines, so none of
+        # its .pth files (an editable install of this checkout among them) is processed.
+        outer = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        site = subprocess.run([str(venv.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        (Path(site) / "zz_outer_env.pth").write_text("".join(f"{p}\n" for p in outer))
+    return venv
+
+
+SHOW_INSTALLED = """
+import json, pathlib, sys
+import proxy
+import proxy.limiter.scripts as scripts
+print(json.dumps({
+    "prefix": sys.prefix,
+    "proxy": proxy.__file__,
+    "scripts_module": scripts.__file__,
+    "checkout_fallback": str(pathlib.Path(scripts.__file__).resolve().parents[2] / "lua"),
+    "scripts": {name: scripts.script(name) for name in scripts.NAMES},
+}))
+"""
+
+
+def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
+    venv = _fresh_venv(tmp_path / "venv")
+    install = subprocess.run(
+        [str(venv.python), "-m", "pip", "install", "--no-deps", "--no-index", "--no-cache-dir", str(wheel)],
+        capture_output=True, text=True, timeout=300, env=clean_env(checkout=False), stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = clean_env(checkout=False)
+
+    shown = subprocess.run([str(venv.python), "-c", SHOW_INSTALLED], capture_output=True, text=True, timeout=60,
+                           cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    venv_root = venv.root.resolve()
+    assert Path(info["prefix"]).resolve() == venv_root
+    for module in (info["proxy"], info["scripts_module"]):
+        assert Path(module).resolve().is_relative_to(venv_root), module
+        assert not Path(module).resolve().is_relative_to(ROOT), module
+    # No checkout lua/ beside the installed package: the scripts came from the wheel's proxy/lua.
+    assert not Path(info["checkout_fallback"]).exists()
+    for name in NAMES:
+        assert info["scripts"][name] == (ROOT / "lua" / f"{name}.lua").read_text(encoding="utf-8"), name
+
+    console = venv.bin("quota-proxy")
+    assert console.is_file()
+    checked = subprocess.run([str(console), "check", "-c", str(EXAMPLE)], capture_output=True, text=True,
+                             timeout=60, cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines()[0] == f"OK {EXAMPLE}: 1 vendor(s)"
+
+    version = subprocess.run([str(console), "--version"], capture_output=True, text=True, timeout=60,
+                             cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    assert version.stdout == f"quota-proxy {proxy.__version__}\n"
+
+
+# -- the Dockerfile --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    args: str
+    line: int
+
+    def exec_form(self) -> list[str]:
+        value = json.loads(self.args)
+        assert isinstance(value, list) and all(isinstance(v, str) for v in value), self
+        return value
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """Instructions with continuation lines joined and comments dropped."""
+    instructions: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending.append(stripped[:-1].strip())
+            continue
+        pending.append(stripped)
+        keyword, _, args = " ".join(p for p in pending if p).partition(" ")
+        instructions.append(Instruction(keyword.upper(), args.strip(), start))
+        pending = []
+    assert not pending, "a continuation line runs off the end of the Dockerfile"
+    return instructions
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[Instruction]:
+    return parse_dockerfile(DOCKERFILE.read_text())
+
+
+def only(instructions: list[Instruction], keyword: str) -> Instruction:
+    (found,) = [i for i in instructions if i.keyword == keyword]
+    return found
+
+
+def _healthcheck_argv(dockerfile: list[Instruction]) -> list[str]:
+    health = only(dockerfile, "HEALTHCHECK")
+    options, sep, command = health.args.partition("CMD ")
+    assert sep, health
+    for option in shlex.split(options):
+        assert re.fullmatch(r"--(interval|timeout|start-period|start-interval|retries)=\w+", option), option
+    return Instruction("CMD", command, health.line).exec_form()
+
+
+def _glob_regex(pattern: str) -> str:
+    """A .dockerignore pattern as a regex: ``*`` and ``?`` stay within a path segment, ``**`` does not."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out.append(pattern[i : end + 1])
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
+
+
+def _dockerignore_excludes(path: str) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides."""
+    excluded = False
+    for raw in DOCKERIGNORE.read_text().splitlines():
+        pattern = raw.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        regex = _glob_regex(pattern.lstrip("!").strip("/"))
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if any(re.fullmatch(regex, prefix) for prefix in prefixes):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerfile_builds_a_non_root_image_that_drains_on_sigterm(dockerfile: list[Instruction]) -> None:
+    keywords = [i.keyword for i in dockerfile]
+    (base,) = [i.args for i in dockerfile if i.keyword == "FROM"]
+    assert base == "python:3.11-slim"
+
+    users = [i for i in dockerfile if i.keyword == "USER"]
+    assert users, "the image must not run as root"
+    user = users[-1].args.split(":", 1)[0]
+    assert user not in ("root", "0")
+    runs = [i for i in dockerfile if i.keyword == "RUN"]
+    assert any(re.search(rf"useradd\b.*\b{re.escape(user)}\s*$", r.args) for r in runs), "the user is created"
+    assert keywords.index("CMD") > dockerfile.index(users[-1])
+    assert all(r.line < users[-1].line for r in runs), "nothing runs as root after USER"
+
+    assert any(re.search(r"\bpip install \.(\s|$)", r.args) for r in runs), "a real, non-editable install"
+    assert only(dockerfile, "STOPSIGNAL").args == "SIGTERM"
+    assert set(only(dockerfile, "EXPOSE").args.split()) == {"8080", "9090"}
+    assert only(dockerfile, "CMD").exec_form() == ["quota-proxy", "run", "-c", IMAGE_POLICY]
+
+    argv = _healthcheck_argv(dockerfile)
+    assert argv[:2] == ["python", "-c"], "no curl in the slim image"
+    assert "/healthz" in argv[2]
+
+
+def test_dockerfile_copies_only_what_exists_and_the_context_keeps(dockerfile: list[Instruction]) -> None:
+    copies = [i for i in dockerfile if i.keyword in ("COPY", "ADD")]
+    assert copies
+    sources: list[str] = []
+    for copy in copies:
+        assert copy.keyword == "COPY", "ADD fetches and unpacks: COPY is what is meant"
+        *srcs, _dest = shlex.split(copy.args)
+        assert srcs, copy
+        sources += srcs
+    for source in sources:
+        assert not source.startswith("--"), f"{source}: no --from stages expected"
+        path = ROOT / source
+        assert path.exists(), f"the Dockerfile copies {source}, which is not in the repository"
+        assert not _dockerignore_excludes(source.rstrip("/")), f".dockerignore drops {source}"
+        for inner in (path.rglob("*") if path.is_dir() else []):
+            rel = inner.relative_to(ROOT).as_posix()
+            if inner.is_file() and "__pycache__" not in rel and not rel.endswith(".pyc"):
+                assert not _dockerignore_excludes(rel), f".dockerignore drops {rel}"
+    for needed in ("pyproject.toml", "README.md", "proxy", "lua", "config"):
+        assert needed in {s.rstrip("/") for s in sources}, needed
+    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/conftest.py", "proxy/__pycache__/cli.cpython-311.pyc",
+                     ".mypy_cache/x", "bench/run.py"):
+        assert _dockerignore_excludes(kept_out), kept_out
+
+
+def _image_policy(dockerfile: list[Instruction]) -> tuple[str, str]:
+    """The text of /etc/quota-proxy/policy.yaml as the RUN line makes it, and its source file."""
+    copies = {shlex.split(c.args)[-1].rstrip("/"): shlex.split(c.args)[0].rstrip("/")
+              for c in dockerfile if c.keyword == "COPY"}
+    (make,) = [r for r in dockerfile if r.keyword == "RUN" and f"> {IMAGE_POLICY}" in r.args]
+    sed = re.search(rf"sed((?:\s+-e\s+'[^']*')+)\s+(\S+)\s+>\s+{re.escape(IMAGE_POLICY)}", make.args)
+    assert sed, make.args
+    image_source = sed.group(2)
+    directory, _, filename = image_source.rpartition("/")
+    assert directory in copies, f"{image_source} is not copied in"
+    repo_source = f"{copies[directory]}/{filename}"
+    text = (ROOT / repo_source).read_text()
+    expressions = re.findall(r"-e\s+'([^']*)'", sed.group(1))
+    for expression in expressions:
+        match = re.fullmatch(r"s/((?:[^/\\]|\\.)*)/((?:[^/\\]|\\.)*)/", expression)
+        assert match, expression
+        text, count = re.subn(match[1], match[2], text, count=1, flags=re.MULTILINE)
+        assert count == 1, f"{expression} changes nothing in {repo_source}"
+    # The real sed agrees with that reading of its expressions.
+    real = subprocess.run(["sed", *(a for e in expressions for a in ("-e", e)), str(ROOT / repo_source)],
+                          capture_output=True, text=True, timeout=30, check=True)
+    assert real.stdout == text
+    assert f"quota-proxy check -c {IMAGE_POLICY}" in make.args, "the build validates the policy"
+    return text, repo_source
+
+
+def test_image_policy_is_the_example_listening_on_every_interface(dockerfile: list[Instruction],
+                                                                  tmp_path: Path) -> None:
+    text, source = _image_policy(dockerfile)
+    assert source == "config/example.yaml"
+    policy = parse_policy(text, IMAGE_POLICY, base_dir=ROOT)
+    assert (policy.listen.host, policy.listen.port) == ("0.0.0.0", 8080)
+    assert (policy.admin_listen.host, policy.admin_listen.port) == ("0.0.0.0", 9090)
+    assert {str(policy.listen.port), str(policy.admin_listen.port)} == set(only(dockerfile, "EXPOSE").args.split())
+    (default_url,) = re.findall(r"http://127\.0\.0\.1:(\d+)/healthz", _healthcheck_argv(dockerfile)[2])
+    assert int(default_url) == policy.admin_listen.port
+
+    # What `quota-proxy check` in the build will say about it.
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    checked = run_cli("check", "-c", str(path))
+    assert checked.returncode == 0, checked.stderr
+
+
+async def test_healthcheck_command_probes_the_admin_listener(dockerfile, vendor, start_proxy) -> None:
+    argv = [sys.executable, *_healthcheck_argv(dockerfile)[1:]]
+    server = await start_proxy(vendor_policy(vendor.url))
+
+    def probe(url: str) -> int:
+        env = clean_env({"QUOTA_PROXY_HEALTHCHECK_URL": url}, checkout=False)
+        return subprocess.run(argv, env=env, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+                              check=False).returncode
+
+    assert await asyncio.to_thread(probe, f"{server.admin_url}/healthz") == 0
+    assert await asyncio.to_thread(probe, f"http://127.0.0.1:{free_port()}/healthz") == 1
