@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from yarl import URL
 
 from proxy.headers import downstream_response_headers, upstream_request_headers
@@ -63,7 +64,21 @@ class Upstreams:
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
 
 
+async def _continue(request: web.BaseRequest) -> None:
+    """Answer ``Expect: 100-continue`` ourselves, once the body is really wanted.
+
+    ``Expect`` is hop-by-hop in practice and is not forwarded; a worker that waits
+    for ``100 Continue`` (curl does, for bodies over 1 MB) would otherwise stall
+    until its own timeout. It is sent only when the upstream starts reading the
+    body, so a request the proxy refuses never invites a body it will not read."""
+    if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim answer is not part of the response body
+
+
 async def _body(request: web.BaseRequest) -> AsyncIterator[bytes]:
+    await _continue(request)
     async for chunk in request.content.iter_chunked(_CHUNK):
         yield chunk
 
@@ -107,35 +122,55 @@ async def send(
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
+class _UpstreamBroke(Exception):
+    """The vendor's body ended early, failed to parse, or went silent past the read timeout."""
+
+
+async def _upstream_chunk(upstream: aiohttp.ClientResponse) -> bytes:
+    """The next piece of the vendor's body (``b""`` at its end); upstream faults become
+    ``_UpstreamBroke`` so they are never confused with the worker's connection failing."""
+    try:
+        return await upstream.content.readany()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _UpstreamBroke(f"{type(exc).__name__}: {exc}") from exc
+
+
 async def relay(
     upstream: aiohttp.ClientResponse,
     request: web.BaseRequest,
     extra_headers: dict[str, str] | None = None,
 ) -> tuple[web.StreamResponse, str | None]:
     """Stream the vendor's answer to the worker; returns the response and, if the
-    vendor broke off mid-body, why. Then the worker's connection is aborted: a
-    truncated body must never look complete."""
+    relay did not complete, why.
+
+    If the vendor broke off mid-body, the worker's connection is aborted: a
+    truncated body must never look complete. If the worker went away, the
+    half-read upstream connection is dropped rather than returned to the pool."""
     resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     resp.headers.extend(downstream_response_headers(upstream.headers))
     if extra_headers:
         resp.headers.update(extra_headers)
     no_body = request.method == "HEAD" or upstream.status in _NO_BODY_STATUS or upstream.status < 200
-    if not no_body and upstream.content_length is None and "Content-Length" not in resp.headers:
-        resp.enable_chunked_encoding()
+    # Framing is this hop's business: with the vendor's Content-Length the body is
+    # sent as is; without one aiohttp chunks it for an HTTP/1.1 worker and delimits
+    # it by closing the connection for an HTTP/1.0 one (which cannot take chunks).
     try:
         await resp.prepare(request)
         if not no_body:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await _upstream_chunk(upstream):
                 await resp.write(chunk)
         await resp.write_eof()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except _UpstreamBroke as exc:
         upstream.close()
         resp.force_close()
         if request.transport is not None:
             request.transport.abort()
-        return resp, f"upstream broke off mid-response: {type(exc).__name__}: {exc}"
+        return resp, f"upstream broke off mid-response: {exc}"
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError: writing to a closed worker
+        upstream.close()
+        return resp, "the worker went away mid-response"
     except BaseException:
-        upstream.close()  # the worker went away: drop the half-read upstream connection
+        upstream.close()  # cancelled (the worker went away): drop the half-read upstream connection
         raise
     upstream.release()
     return resp, None

@@ -25,7 +25,7 @@ from proxy.match import Match, Router
 from proxy.metrics import NO_VENDOR, Metrics
 from proxy.policy.model import Policy
 from proxy.recent import Recent
-from proxy.refusals import BadRequest, Denied, Limited, Refusal, StoreDown, UpstreamFailed
+from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
 from proxy.responses import refusal_response
 from proxy.target import parse_target
 
@@ -102,6 +102,14 @@ class ProxyHandler:
         except asyncio.CancelledError:
             rec.outcome, rec.detail = "error", "the worker went away"
             raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.raw_path[:200])
+            rec.outcome, rec.detail = "error", "internal proxy error"
+            if request.writer is not None and request.writer.output_size > 0:
+                raise  # the answer had begun: aiohttp drops the connection, never a spliced body
+            resp = refusal_response(InternalError("internal proxy error"), vendor_name)
+            status = resp.status
+            return resp
         finally:
             rec.status = status
             rec.duration = clock.monotonic() - started

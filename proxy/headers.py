@@ -56,10 +56,15 @@ def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str)
 
 
 def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """The vendor's headers minus hop-by-hop ones, for the worker."""
+    """The vendor's headers minus hop-by-hop ones and any ``X-Quota-*`` header, for the worker.
+
+    ``X-Quota-*`` is the proxy's namespace: a worker must be able to trust that
+    ``X-Quota-Action`` came from the proxy, so a vendor's 429 never carries it (SPEC §5)."""
     drop = HOP_BY_HOP | _connection_tokens(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
+        low = name.lower()
+        if low in drop or low.startswith(QUOTA_PREFIX):
+            continue
+        out.add(name, value)
     return out

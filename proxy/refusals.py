@@ -5,7 +5,8 @@
     ├── Denied                403  no vendor matches (the proxy is never an open proxy)
     ├── Limited               429 defer / 503 shed, the buckets are empty
     ├── StoreDown             429  store unavailable and on_failure: closed
-    └── UpstreamFailed        502 unreachable / 504 timed out
+    ├── UpstreamFailed        502 unreachable / 504 timed out
+    └── InternalError         500  a bug in the proxy (logged with its traceback)
 
 ``responses.refusal_response`` turns each into the worker-facing answer.
 """
@@ -60,4 +61,11 @@ class UpstreamFailed(Refusal):
 
     status: int
     kind: str
+    detail: str
+
+
+@dataclass
+class InternalError(Refusal):
+    """The proxy itself failed: 500, never forwarded."""
+
     detail: str

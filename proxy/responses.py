@@ -11,7 +11,7 @@ import math
 from aiohttp import web
 
 from proxy import headers as h
-from proxy.refusals import BadRequest, Denied, Limited, Refusal, StoreDown, UpstreamFailed
+from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
 
 
 def retry_after_seconds(wait: float) -> int:
@@ -53,6 +53,9 @@ def refusal_response(refusal: Refusal, limiter: str | None) -> web.Response:
             {"error": refusal.kind.replace("-", "_"), "limiter": limiter, "detail": refusal.detail},
             {h.ERROR: refusal.kind, **extra},
         )
+    if isinstance(refusal, InternalError):
+        return _json(500, {"error": "proxy_error", "limiter": limiter, "detail": refusal.detail},
+                     {h.ERROR: "proxy-error"})
     raise TypeError(f"unknown refusal {refusal!r}")
 
 
