@@ -34,10 +34,11 @@ class Breaker:
         return self._state
 
     def retry_after(self) -> float:
-        """Seconds until the breaker lets a call through again (at least the cool-off while not closed)."""
-        if self._state == "closed":
-            return self.cooloff
-        return max(self.cooloff - (self._clock.monotonic() - self._opened_at), 0.0) or self.cooloff
+        """Seconds a request deferred for a store failure should wait: the cool-off.
+
+        Never less, even when the open breaker is about to probe: the probe may fail
+        and re-open it for a whole cool-off."""
+        return self.cooloff
 
     def allow(self) -> bool:
         """May a call go to the store now? In half-open, only the single probe may."""

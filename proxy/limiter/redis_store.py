@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.limiter.scripts import script
@@ -42,7 +44,11 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
     }
     if url.startswith("redis+cluster://"):
         return RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"), **options)
-    return aioredis.from_url(url, **options)
+    # A pooled connection may be dead (Redis restarted or failed over while it sat idle):
+    # retry once, at once, on a fresh connection; _call's timeout still bounds the whole call.
+    # Should a connection break after Redis ran the script, the retry takes a token twice:
+    # that errs towards sending less, never more.
+    return aioredis.from_url(url, retry=Retry(NoBackoff(), 1), **options)
 
 
 class RedisStore:

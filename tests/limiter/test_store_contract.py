@@ -146,7 +146,9 @@ async def test_peek_takes_nothing(store: BucketStore) -> None:
     assert (await store.acquire(b, 1, 0)).granted
 
 
-async def test_keys_expire_once_refilled(store: BucketStore, clock: ManualClock, request: pytest.FixtureRequest) -> None:
+async def test_keys_expire_once_refilled(
+    store: BucketStore, clock: ManualClock, request: pytest.FixtureRequest
+) -> None:
     b = (bucket("ttl", rate=10, burst=2),)
     assert (await store.acquire(b, 1, 0)).granted
     if isinstance(store, MemoryStore):
