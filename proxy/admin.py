@@ -28,6 +28,8 @@ class AdminState:
 
     def __init__(self, deps: DepsGetter) -> None:
         self.deps = deps
+        self.serving = False
+        """True once the proxy listener is bound."""
         self.draining = False
 
 
@@ -51,6 +53,8 @@ async def readyz(request: web.Request) -> web.Response:
     state = request.app[ADMIN]
     if state.draining:
         return _json({"status": "draining"}, 503)
+    if not state.serving:
+        return _json({"status": "starting"}, 503)
     deps = state.deps()
     try:
         async with asyncio.timeout(max(deps.policy.store.timeout * 4, 0.25)):

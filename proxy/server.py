@@ -60,6 +60,7 @@ class ProxyServer:
             raise
         self.address = _bound(self._proxy_runner)
         self.admin_address = _bound(self._admin_runner)
+        self.runtime.admin.serving = True
 
     @property
     def url(self) -> str:
@@ -94,16 +95,18 @@ async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_li
     """Run until SIGTERM or SIGINT; returns the exit status."""
     runtime = Runtime(policy)
     server = ProxyServer(runtime, listen, admin_listen)
+    # Handlers first: /readyz may answer while the proxy listener is still binding,
+    # and a SIGTERM from whoever saw it ready must drain, not kill.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
     except OSError as exc:
         log.error("cannot listen: %s", exc)
         await runtime.close()
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready_line:
         print(
             f"quota-proxy listening on {server.url} (admin {server.admin_url}, store "
