@@ -1,0 +1,70 @@
+"""feedback.py: reading a vendor's Retry-After and remaining-quota headers."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.feedback import apply_feedback, block_seconds, parse_retry_after, remaining_is_low
+from proxy.limiter import Breaker, Limiter
+from proxy.limiter.memory_store import MemoryStore
+from proxy.policy.model import Feedback, Limit, Vendor
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("2", 2.0), (" 30 ", 30.0), ("0", 0.0), ("1.5", 1.5), ("-3", None), ("soon", None), (None, None),
+     ("nan", None), ("inf", None)],
+)
+def test_retry_after_in_seconds(value: str | None, expected: float | None) -> None:
+    assert parse_retry_after(value) == expected
+
+
+def test_retry_after_as_http_date_is_measured_against_the_vendors_date() -> None:
+    # The vendor's clock says 12:00:00 and asks for 12:00:45: 45 s, whatever our clock says.
+    when = "Mon, 30 Nov 2026 12:00:45 GMT"
+    assert parse_retry_after(when, date="Mon, 30 Nov 2026 12:00:00 GMT") == 45.0
+    # Without a Date header, our own clock is the reference.
+    now = 1796040000.0  # 2026-11-30 12:00:00 UTC
+    assert parse_retry_after(when, now=now) == 45.0
+    assert parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now=now) == 0.0  # in the past
+
+
+def test_block_length_defaults_and_is_capped() -> None:
+    fb = Feedback(retry_after_default=7.0, max_retry_after=60.0)
+    assert block_seconds(fb, {}) == 7.0
+    assert block_seconds(fb, {"Retry-After": "garbage"}) == 7.0
+    assert block_seconds(fb, {"Retry-After": "3"}) == 3.0
+    assert block_seconds(fb, {"Retry-After": "86400"}) == 60.0
+
+
+def test_low_watermark() -> None:
+    fb = Feedback(remaining_header="X-RateLimit-Remaining", low_watermark=10)
+    assert remaining_is_low(fb, {"X-RateLimit-Remaining": "9"})
+    assert not remaining_is_low(fb, {"X-RateLimit-Remaining": "10"})
+    assert not remaining_is_low(fb, {"X-RateLimit-Remaining": "n/a"})
+    assert not remaining_is_low(fb, {})
+    assert not remaining_is_low(Feedback(low_watermark=0), {"X-RateLimit-Remaining": "0"})
+
+
+async def test_apply_feedback_blocks_drains_and_adds_retry_after() -> None:
+    clock = ManualClock()
+    limiter = Limiter(MemoryStore(clock), clock, key_prefix="t", breaker=Breaker(clock, 3, 1.0))
+    vendor = Vendor("v", hosts=("v.example",), limits=(Limit(10, 1, 10),),
+                    feedback=Feedback(low_watermark=5, retry_after_default=4.0))
+    applied = await apply_feedback(limiter, vendor, 429, {})
+    assert applied.blocked_for == pytest.approx(4.0)
+    assert applied.added_retry_after == "4"
+    assert limiter.blocked_for("v") == pytest.approx(4.0)
+    assert not (await limiter.acquire(vendor, "x", 0)).granted
+
+    applied = await apply_feedback(limiter, vendor, 429, {"Retry-After": "2"})
+    assert applied.added_retry_after is None  # the vendor's own stays
+
+    await clock.advance(10)
+    assert (await limiter.acquire(vendor, "x", 0)).granted
+    applied = await apply_feedback(limiter, vendor, 200, {"X-RateLimit-Remaining": "1"})
+    assert applied.drained
+    _, levels = await limiter.peek(vendor)
+    assert levels == (0.0,)
+    assert not (await apply_feedback(limiter, vendor, 200, {"X-RateLimit-Remaining": "50"})).drained

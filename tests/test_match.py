@@ -1,0 +1,89 @@
+"""target.py and match.py: where a request goes, which vendor and tenant it belongs to."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.match import Router
+from proxy.refusals import BadRequest, Denied
+from proxy.target import RequestTarget, parse_authority
+from tests.conftest import make_policy
+
+POLICY = make_policy("""
+    version: 1
+    tenant: {header: X-Tenant-Id, default: null}
+    vendors:
+      - name: api
+        hosts: [api.example, "[::1]"]
+        route: /api
+        upstream: https://api.example
+        limits: [{rate: 1, per: 1s}]
+      - name: api-v2
+        hosts: ["api2.example:8443"]
+        route: /api/v2
+        upstream: http://127.0.0.1:9999
+        limits: [{rate: 1, per: 1s}]
+      - name: local
+        hosts: [localhost]
+        limits: [{rate: 1, per: 1s}]
+""")
+ROUTER = Router(POLICY)
+ACME = {"X-Tenant-Id": "acme"}
+
+
+@pytest.mark.parametrize(
+    ("authority", "expected"),
+    [("API.Example", ("api.example", None)), ("api.example:8080", ("api.example", 8080)),
+     ("[::1]:80", ("::1", 80)), ("[::1]", ("::1", None)), ("10.0.0.1:1", ("10.0.0.1", 1)),
+     ("example.com.", ("example.com", None))],
+)
+def test_authorities(authority: str, expected: tuple[str, int | None]) -> None:
+    assert parse_authority(authority) == expected
+
+
+@pytest.mark.parametrize("bad", ["user@host", "host:0", "host:99999", "host:x", "[::1", "bad host", ""])
+def test_bad_authorities(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_authority(bad)
+
+
+def target(host: str, port: int | None = None, path: str = "/x", absolute: bool = True) -> RequestTarget:
+    return RequestTarget(absolute, "http", host, port, path)
+
+
+def test_host_without_port_matches_any_port_host_with_port_only_that_port() -> None:
+    assert ROUTER.match(target("api.example"), ACME).vendor.name == "api"
+    assert ROUTER.match(target("api.example", 8080), ACME).vendor.name == "api"
+    assert ROUTER.match(target("api2.example", 8443), ACME).vendor.name == "api-v2"
+    assert ROUTER.match(target("::1", 80), ACME).vendor.name == "api"
+    for other in (target("api2.example"), target("api2.example", 443)):
+        with pytest.raises(Denied):
+            ROUTER.match(other, ACME)
+
+
+def test_upstream_or_requested_origin() -> None:
+    assert ROUTER.match(target("api.example"), ACME).origin == "https://api.example"
+    m = ROUTER.match(target("localhost", 8081, "/a?b=%2F"), ACME)
+    assert (m.origin, m.path_qs) == ("http://localhost:8081", "/a?b=%2F")
+
+
+def test_longest_route_prefix_wins_and_is_cut() -> None:
+    m = ROUTER.match(target("", None, "/api/v2/charges?x=1", absolute=False), ACME)
+    assert (m.vendor.name, m.path_qs) == ("api-v2", "/charges?x=1")
+    m = ROUTER.match(target("", None, "/api?x=1", absolute=False), ACME)
+    assert (m.vendor.name, m.path_qs) == ("api", "/?x=1")
+    with pytest.raises(Denied):
+        ROUTER.match(target("", None, "/apix", absolute=False), ACME)
+
+
+def test_absolute_form_ignores_routes_and_denies_unknown_hosts() -> None:
+    with pytest.raises(Denied):
+        ROUTER.match(target("elsewhere.example", None, "/api/x"), ACME)
+
+
+def test_tenants() -> None:
+    assert ROUTER.match(target("api.example"), {"X-Tenant-Id": " acme "}).tenant == "acme"
+    for bad in ({}, {"X-Tenant-Id": ""}, {"X-Tenant-Id": "a b"}, {"X-Tenant-Id": "x" * 129},
+                {"X-Tenant-Id": "{slot}"}):
+        with pytest.raises(BadRequest):
+            ROUTER.match(target("api.example"), bad)
