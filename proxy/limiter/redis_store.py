@@ -20,6 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
 from proxy.limiter.scripts import script
 from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StoreUnavailable
 
@@ -60,6 +61,13 @@ class RedisStore:
         self._feedback = self._client.register_script(script("feedback"))
         self._peek = self._client.register_script(script("peek"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
+        # The per-request script goes over one auto-pipelined connection (no pool, so no
+        # in-flight cap either); Cluster's slot routing stays with redis-py.
+        self._pipe: PipelinedConnection | None = None
+        self._acquire_fast: PipelinedScript | None = None
+        if not url.startswith("redis+cluster://"):
+            self._pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
+            self._acquire_fast = PipelinedScript(self._pipe, script("acquire"))
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -72,12 +80,24 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
+    async def _call_fast(self, fast: PipelinedScript, keys: list[str], args: list[float]) -> Any:
+        assert self._pipe is not None
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await fast(keys, args)
+        except (PipelineError, OSError, TimeoutError) as exc:
+            self._pipe.drop_if_stuck(self._timeout)
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
     async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
         keys = [b.key for b in buckets]
         args: list[float] = [cost, max_wait * _MS]
         for b in buckets:
             args += (b.rate / _MS, b.burst)
-        out = await self._call(lambda: self._acquire(keys=keys, args=args))
+        if self._acquire_fast is not None:
+            out = await self._call_fast(self._acquire_fast, keys, args)
+        else:
+            out = await self._call(lambda: self._acquire(keys=keys, args=args))
         binding = int(out[2]) - 1
         return AcquireResult(
             out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[3:])
@@ -137,4 +157,6 @@ class RedisStore:
             backoff = min(backoff * 2, 5.0)
 
     async def close(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
         await self._client.aclose()

@@ -1,0 +1,93 @@
+"""The auto-pipelined connection the acquire script rides on (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
+from tests.conftest import RedisServer
+
+ECHO = "return ARGV[1]"
+
+
+async def test_concurrent_callers_get_their_own_replies_in_order(redis_url: str) -> None:
+    conn = PipelinedConnection(redis_url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        replies = await asyncio.gather(*(echo([], [str(i)]) for i in range(500)))
+        assert replies == [str(i).encode() for i in range(500)]
+    finally:
+        conn.close()
+
+
+async def test_a_caller_that_gives_up_does_not_shift_later_replies(redis_url: str) -> None:
+    conn = PipelinedConnection(redis_url, connect_timeout=1.0)
+    slow = PipelinedScript(conn, "local t = redis.call('TIME'); while true do "
+                                 "local u = redis.call('TIME'); if (u[1]-t[1])*1e6 + (u[2]-t[2]) > 50000 "
+                                 "then break end end; return 'slow'")
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        await echo([], ["warm"])
+        waiting = asyncio.ensure_future(slow([], []))
+        for _ in range(3):  # let it write its command on the warm connection
+            await asyncio.sleep(0)
+        waiting.cancel()
+        assert await echo([], ["after"]) == b"after"  # not 'slow'
+    finally:
+        conn.close()
+
+
+async def test_errors_and_noscript(redis_url: str, redis_server: RedisServer) -> None:
+    conn = PipelinedConnection(redis_url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        assert await echo([], ["1"]) == b"1"
+        with redis_server.client() as c:
+            c.script_flush()
+        assert await echo([], ["2"]) == b"2"  # reloaded on NOSCRIPT
+        with pytest.raises(PipelineError, match="ERR"):
+            await conn.execute("NOSUCHCOMMAND")
+        assert await echo([], ["3"]) == b"3"
+    finally:
+        conn.close()
+
+
+async def test_reconnects_after_redis_restarts(own_redis: RedisServer) -> None:
+    conn = PipelinedConnection(own_redis.url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        assert await echo([], ["a"]) == b"a"
+        own_redis.kill()
+        with pytest.raises((PipelineError, OSError)):
+            await echo([], ["b"])
+        own_redis.start()
+        assert await echo([], ["c"]) == b"c"
+    finally:
+        conn.close()
+
+
+async def test_a_peer_that_never_answers_cannot_hold_callers_forever() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    conn = PipelinedConnection(f"redis://127.0.0.1:{port}/0", connect_timeout=0.2)
+    PipelinedScript(conn, ECHO)  # a script to load at connect: the set-up never gets an answer
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await conn.execute("PING")
+        assert time.monotonic() - started < 1.0
+        assert accepted  # it did connect; the silence is what timed out
+    finally:
+        conn.close()
+        for w in accepted:
+            w.close()
+        server.close()
+        await server.wait_closed()
