@@ -6,6 +6,8 @@ a free port, and fails (never skips) when ``redis-server`` is missing.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import signal
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis as sync_redis
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import Runtime
 from proxy.clock import Clock, ManualClock
@@ -229,3 +233,42 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
     yield start
     for server in reversed(started):
         await server.stop()
+
+
+# -- small helpers shared by the end-to-end tests ------------------------------------
+
+
+async def eventually(probe: Callable[[], bool | Awaitable[bool]], what: str, deadline: float = 10.0) -> float:
+    """Poll ``probe`` (sync or async) until it is true: a synchronisation point, not a
+    guessed delay. Returns the seconds it took; fails the test after ``deadline``."""
+    started = time.monotonic()
+    while True:
+        ok = probe()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return time.monotonic() - started
+        if time.monotonic() - started > deadline:
+            raise AssertionError(f"not within {deadline}s: {what}")
+        await asyncio.sleep(0.005)
+
+
+def client_session() -> aiohttp.ClientSession:
+    """A worker-side session without the default 100-connection cap."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30))
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def metric_samples(text: str) -> Samples:
+    """Prometheus text → {(sample name, labels): value}."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -15,7 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.metrics import OUTCOMES
 from proxy.server import ProxyServer
-from tests.conftest import RedisServer, free_port, make_policy, vendor_policy
+from tests.conftest import (
+    RedisServer,
+    Samples,
+    eventually,
+    free_port,
+    make_policy,
+    metric_samples,
+    value,
+    vendor_policy,
+)
 
 DEADLINE = 10.0
 
@@ -75,7 +83,6 @@ async def admin_json(s: aiohttp.ClientSession, proxy: ProxyServer, path: str) ->
         return r.status, await r.json()
 
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 async def scrape(s: aiohttp.ClientSession, proxy: ProxyServer) -> tuple[dict[str, Any], Samples]:
@@ -84,20 +91,8 @@ async def scrape(s: aiohttp.ClientSession, proxy: ProxyServer) -> tuple[dict[str
         assert r.content_type == "text/plain"
         text = await r.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    samples = {(x.name, frozenset(x.labels.items())): x.value for f in families.values() for x in f.samples}
+    samples = metric_samples(text)
     return families, samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-async def eventually(probe: Callable[[], Awaitable[bool]], what: str) -> None:
-    end = time.monotonic() + DEADLINE
-    while not await probe():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {DEADLINE}s: {what}")
-        await asyncio.sleep(0.02)
 
 
 # -- /metrics --------------------------------------------------------------------------

@@ -8,7 +8,6 @@ vendor receives and what the workers are told, measured on the vendor's side.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import json
 import math
@@ -19,12 +18,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec
 from proxy.server import ProxyServer
-from tests.conftest import RedisServer, make_policy
+from tests.conftest import RedisServer, Samples, eventually, make_policy, metric_samples, value
 
 pytestmark = pytest.mark.slow
 
@@ -88,34 +86,11 @@ async def admin(session: aiohttp.ClientSession, proxy: ProxyServer, path: str) -
         return r.status, await r.text()
 
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 async def scrape(session: aiohttp.ClientSession, proxy: ProxyServer) -> Samples:
     _, text = await admin(session, proxy, "/metrics")
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-async def eventually(probe: Callable[[], bool | Awaitable[bool]], what: str, deadline: float = DEADLINE) -> float:
-    """Poll ``probe`` (sync or async) until true; returns the seconds it took."""
-    started = time.monotonic()
-    while True:
-        ok = probe()
-        if inspect.isawaitable(ok):
-            ok = await ok
-        if ok:
-            return time.monotonic() - started
-        if time.monotonic() - started > deadline:
-            raise AssertionError(f"not within {deadline}s: {what}")
-        await asyncio.sleep(0.02)
+    return metric_samples(text)
 
 
 def assert_store_down_answer(a: Answer, min_retry_after: float = 1.0) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,7 @@ from aiohttp import web
 
 from proxy.mockvendor import MockVendor
 from proxy.server import ProxyServer
-from tests.conftest import make_policy, vendor_policy
+from tests.conftest import client_session, eventually, make_policy, vendor_policy
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +33,6 @@ TARGET = "http://api.payments.example/v1/charges"
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll a condition (a synchronisation point, not a guessed delay)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
-def session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30))
 
 
 def is_proxy_defer(status: int, headers: Any) -> bool:
@@ -109,7 +95,7 @@ async def test_aggregate_rate_holds_with_4_then_40_workers_through_2_replicas(ve
     proxies = await replicas(start_proxy, policy)
     duration, warmup = 3.5, 0.5
     results: dict[int, tuple[float, Tally, int, int]] = {}
-    async with session() as s:
+    async with client_session() as s:
         for workers in (4, 40):
             tally = Tally()
             accepted0, rejected0 = vendor.mock.accepted, vendor.mock.rejected
@@ -163,7 +149,7 @@ async def test_200_concurrent_requests_against_a_10_token_bucket_forward_exactly
             await r.read()
             return tenant, r.status, r.headers
 
-    async with session() as s:
+    async with client_session() as s:
         tasks = [asyncio.ensure_future(one(s, i)) for i in range(200)]
         go.set()
         answers = await asyncio.gather(*tasks)
@@ -238,14 +224,14 @@ async def test_a_vendor_429_stops_every_replica_for_its_retry_after(aiohttp_serv
                 if is_proxy_defer(r.status, r.headers):
                     await asyncio.sleep(retry_after_ms(r.headers) / 1000)
 
-    async with session() as s:
+    async with client_session() as s:
         tasks = [asyncio.ensure_future(worker(s, i % 2)) for i in range(8)]
         try:
-            await wait_until(lambda: mock.accepted >= 40, 10, "steady traffic before the 429")
+            await eventually(lambda: mock.accepted >= 40, deadline=10, what="steady traffic before the 429")
             mock.script(status=429, retry_after="2", count=1)
-            await wait_until(lambda: bool(mock.rejected_at), 5, "the scripted vendor 429")
+            await eventually(lambda: bool(mock.rejected_at), deadline=5, what="the scripted vendor 429")
             t429 = mock.rejected_at[0]
-            await wait_until(lambda: time.monotonic() > t429 + block + 1.2, 10, "traffic after the block")
+            await eventually(lambda: time.monotonic() > t429 + block + 1.2, deadline=10, what="traffic after the block")
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -312,7 +298,7 @@ async def test_deferred_workers_that_honour_retry_after_all_finish(vendor, redis
         finished[i] = time.monotonic()
 
     start = time.monotonic()
-    async with session() as s:
+    async with client_session() as s:
         await asyncio.wait_for(asyncio.gather(*(worker(s, i) for i in range(workers))), timeout=bound)
     elapsed = max(finished) - start
 
@@ -335,7 +321,7 @@ async def test_a_deferred_worker_that_waits_retry_after_is_not_refused_again(ven
     policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 5, per: 1s, burst: 1}]",
                            on_limit="{action: defer}")
     proxies = await replicas(start_proxy, policy)
-    async with session() as s:
+    async with client_session() as s:
         async with s.get(TARGET, proxy=proxies[0].url) as r:
             assert r.status == 200
         for cycle in range(5):

@@ -13,31 +13,17 @@ import asyncio
 import itertools
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
 from proxy.server import ProxyServer
-from tests.conftest import vendor_policy
+from tests.conftest import client_session, eventually, vendor_policy
 
 pytestmark = pytest.mark.slow
 
 BASE = "http://api.payments.example"
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll a condition (a synchronisation point, not a guessed delay)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
-def session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30))
 
 
 def arrivals_by_path(mock) -> dict[str, list[float]]:
@@ -108,7 +94,7 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
                 quiet_deferred += 1
                 await asyncio.sleep(int(headers["X-Quota-Retry-After-Ms"]) / 1000)
 
-    async with session() as s:
+    async with client_session() as s:
         await asyncio.gather(*(flooder(s, i) for i in range(8)), *(quiet(s, i) for i in range(4)))
 
     seen = arrivals_by_path(vendor.mock)
@@ -147,7 +133,7 @@ async def test_a_global_refusal_costs_the_tenant_nothing(vendor, redis_url, star
         _, lv = await runtime.limiter.peek(cfg, tenant)
         return lv[0], lv[1]  # (tenant, global)
 
-    async with session() as s:
+    async with client_session() as s:
         # A tenant refusal costs the global bucket nothing either.
         answers = [await get(s, proxies[i % 2], f"/x{i}", **{"X-Tenant-Id": "tiny"}) for i in range(3)]
         assert [a[0] for a in answers] == [200, 429, 429]
@@ -196,7 +182,7 @@ async def test_tenant_overrides_apply(vendor, redis_url, start_proxy):
             assert status == 200, (path, status)  # 4 workers never queue beyond max_hold
 
     tenants = {"/acme": {"X-Tenant-Id": "acme"}, "/beta": {"X-Tenant-Id": "beta"}, "/nobody": {}}
-    async with session() as s:
+    async with client_session() as s:
         await asyncio.gather(*(worker(s, p, h) for p, h in tenants.items() for _ in range(4)))
 
     seen = arrivals_by_path(vendor.mock)
@@ -223,7 +209,7 @@ async def test_per_second_and_per_minute_windows_both_bind(vendor, redis_url, st
             refusals.append((time.monotonic(), int(headers["X-Quota-Retry-After-Ms"]), body["bucket"]))
         return status
 
-    async with session() as s:
+    async with client_session() as s:
         start = time.monotonic()
         # At once: the per-second window binds first (its burst is 10, the minute's is 15).
         first = await asyncio.gather(*(one(s, i) for i in range(30)))
@@ -255,7 +241,7 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
     policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 2, per: 1s, burst: 1}]",
                            on_limit="{action: hold, max_hold: 600ms}")
     proxy = await start_proxy(policy)
-    async with session() as s:
+    async with client_session() as s:
         assert (await get(s, proxy, "/r1"))[0] == 200  # the one token
 
         status, headers, body = await get(s, proxy, "/shed", **{"X-Quota-On-Limit": "shed"})
@@ -274,7 +260,7 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
         ask = {"X-Quota-On-Limit": "hold", "X-Quota-Max-Hold": "10s"}
         started = time.monotonic()
         first = asyncio.ensure_future(get(s, proxy, "/held", **ask))
-        await wait_until(lambda: held([proxy]) == 1, 5, "the first request to be held")
+        await eventually(lambda: held([proxy]) == 1, deadline=5, what="the first request to be held")
         status, headers, _ = await get(s, proxy, "/capped", **ask)
         assert status == 429 and headers["X-Quota-Action"] == "defer", status
         assert int(headers["X-Quota-Retry-After-Ms"]) > 600
@@ -296,15 +282,15 @@ async def test_held_requests_leave_in_arrival_order_evenly_paced(vendor, redis_u
     policy = vendor_policy(vendor.url, store=redis_url, limits=f"[{{rate: {rate:g}, per: 1s, burst: 1}}]",
                            on_limit="{action: hold, max_hold: 3s}")
     proxies = [await start_proxy(policy), await start_proxy(policy)]
-    async with session() as s:
+    async with client_session() as s:
         assert (await get(s, proxies[0], "/o0"))[0] == 200  # takes the burst: the rest must wait
         tasks = []
         for i in range(1, n):
             tasks.append(asyncio.ensure_future(get(s, proxies[i % 2], f"/o{i}")))
             # Request i reaches the proxy and takes its place in the queue (it is held, or
             # already gone to the vendor) before request i + 1 is sent.
-            await wait_until(lambda i=i: held(proxies) + vendor.mock.accepted - 1 >= i, 5,
-                             f"request {i} to be held")
+            await eventually(lambda i=i: held(proxies) + vendor.mock.accepted - 1 >= i, deadline=5,
+                             what=f"request {i} to be held")
         answers = await asyncio.gather(*tasks)
     assert [a[0] for a in answers] == [200] * (n - 1)
 
