@@ -25,8 +25,6 @@ from tests.conftest import (
     vendor_policy,
 )
 
-DEADLINE = 10.0
-
 # SPEC §7, exactly: sample name -> (family type, label names)
 SPEC_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "ratelimit_requests_total": ("counter", frozenset({"limiter", "tenant", "outcome"})),

@@ -26,7 +26,6 @@ from tests.conftest import RedisServer, Samples, eventually, make_policy, metric
 
 pytestmark = pytest.mark.slow
 
-DEADLINE = 10.0  # seconds any "eventually" may take on a loaded machine
 
 
 def fault_policy(upstream: str, store: str, *, on_failure: str = "closed", timeout: str = "100ms",
