@@ -62,7 +62,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def start(self, extra: list[str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [
                 self.binary,
@@ -73,6 +73,7 @@ class RedisServer:
                 "--dir", str(self.workdir),
                 "--loglevel", "warning",
                 "--logfile", str(self.log),
+                *(extra or []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
