@@ -92,6 +92,7 @@ async def status(request: web.Request) -> web.Response:
             entry["buckets"] = None
             entry["store_error"] = str(exc)
         recent = deps.recent
+        entry["breaker"] = limiter.breaker.state
         entry["held_now"] = deps.held.get(vendor.name, 0)
         entry["blocked_for_seconds"] = round(limiter.blocked_for(vendor.name), 3)
         entry["recent"] = {
