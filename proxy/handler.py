@@ -23,7 +23,7 @@ from proxy.forward import Upstreams, relay, send
 from proxy.limiter import Limiter, StoreUnavailable
 from proxy.match import Match, Router
 from proxy.metrics import NO_VENDOR, Metrics
-from proxy.policy.model import Policy
+from proxy.policy.model import Policy, Vendor
 from proxy.recent import Recent
 from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
 from proxy.responses import refusal_response
@@ -89,14 +89,7 @@ class ProxyHandler:
             status = resp.status
             return resp
         except Refusal as refusal:
-            rec.outcome = _outcome(refusal)
-            if isinstance(refusal, Limited | StoreDown):
-                assert vendor_name is not None
-                deps.recent.add(vendor_name, rec.outcome)
-                (deps.metrics.shed if rec.outcome == "shed" else deps.metrics.deferred).labels(vendor_name).inc()
-            if isinstance(refusal, StoreDown | UpstreamFailed | BadRequest | Denied):
-                rec.detail = refusal.detail
-            resp = refusal_response(refusal, vendor_name)
+            resp = self.refuse(deps, refusal, vendor_name, rec)
             status = resp.status
             return resp
         except asyncio.CancelledError:
@@ -116,30 +109,44 @@ class ProxyHandler:
             deps.metrics.count_request(vendor_name or NO_VENDOR, tenant, rec.outcome)
             rec.emit()
 
+    def refuse(self, deps: Deps, refusal: Refusal, vendor: str | None, rec: AccessRecord) -> web.Response:
+        """Account for a refusal (outcome, counters, log detail) and build its answer."""
+        rec.outcome = _outcome(refusal)
+        if isinstance(refusal, Limited | StoreDown) and vendor is not None:
+            deps.recent.add(vendor, rec.outcome)
+            (deps.metrics.shed if rec.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
+        if isinstance(refusal, StoreDown | UpstreamFailed | BadRequest | Denied | InternalError):
+            rec.detail = refusal.detail
+        return refusal_response(refusal, vendor)
+
     async def _limited(
         self, deps: Deps, request: web.BaseRequest, match: Match, wish: Wish, rec: AccessRecord
     ) -> web.StreamResponse:
-        vendor = match.vendor
+        outcome = await self.admit(deps, match.vendor, match.tenant, wish, rec)
+        return await self._forward(deps, request, match, rec, outcome)
+
+    async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> str:
+        """Take the request's tokens, holding if the decision says so; returns the outcome
+        to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
-        outcome = "forwarded"
         try:
-            result = await limiter.acquire(vendor, match.tenant, wish.max_wait)
+            result = await limiter.acquire(vendor, tenant, wish.max_wait)
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 raise StoreDown(limiter.breaker.retry_after(), f"store unavailable: {exc}") from None
             self._warn_fail_open(deps, vendor.name, exc)
             deps.metrics.fail_open.labels(vendor.name).inc()
             rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
-        else:
-            decision = decide(result, wish)
-            if isinstance(decision, Defer | Shed):
-                bucket = limiter.buckets(vendor, match.tenant).all[result.binding]
-                raise Limited("shed" if isinstance(decision, Shed) else "defer", decision.retry_after,
-                              bucket.scope, bucket.label)
-            if isinstance(decision, Hold):
-                await self._hold(deps, vendor.name, decision.wait, rec)
-                outcome = "held"
-        return await self._forward(deps, request, match, rec, outcome)
+            return "forwarded"
+        decision = decide(result, wish)
+        if isinstance(decision, Defer | Shed):
+            bucket = limiter.buckets(vendor, tenant).all[result.binding]
+            raise Limited("shed" if isinstance(decision, Shed) else "defer", decision.retry_after,
+                          bucket.scope, bucket.label)
+        if isinstance(decision, Hold):
+            await self._hold(deps, vendor.name, decision.wait, rec)
+            return "held"
+        return "forwarded"
 
     async def _hold(self, deps: Deps, vendor: str, wait: float, rec: AccessRecord) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
