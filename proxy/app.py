@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +22,9 @@ from proxy.metrics import GaugeCollector, Metrics
 from proxy.policy.model import Policy
 from proxy.recent import Recent
 from proxy.tasks import spawn
+
+if TYPE_CHECKING:
+    from proxy.tlsca import LeafMinter
 
 log = logging.getLogger("quota_proxy")
 
@@ -55,6 +59,7 @@ class Runtime:
             recent=Recent(self.clock),
         )
         self.handler = ProxyHandler(self.deps)
+        self.contexts = self._leaf_minter(policy)
         self.admin = AdminState(lambda: self.handler.deps)
         self.metrics.add_gauges(GaugeCollector(
             "ratelimit_tokens_available",
@@ -66,6 +71,16 @@ class Runtime:
             lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)],
         ))
         self._watch = spawn(self.limiter.watch_blocks(), name="watch-vendor-blocks")
+
+    def _leaf_minter(self, policy: Policy) -> LeafMinter | None:
+        """The interception CA's leaf factory, when the policy names a CA."""
+        if not (policy.tls.ca_cert and policy.tls.ca_key):
+            return None
+        from proxy.tlsca import CertificateAuthority, LeafMinter  # cryptography: only when intercepting
+
+        ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)
+        return LeafMinter(ca, policy.tls.leaf_validity,
+                          on_mint=lambda host, seconds: self.metrics.leaf_mint_seconds.observe(seconds))
 
     @property
     def policy(self) -> Policy:
@@ -85,5 +100,7 @@ class Runtime:
 
     async def close(self) -> None:
         self._watch.cancel()
+        if self.contexts is not None:
+            self.contexts.close()
         await self.deps.upstreams.close()
         await self.store.close()

@@ -27,14 +27,12 @@ from proxy.policy.model import Policy, Vendor
 from proxy.recent import Recent
 from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
 from proxy.responses import refusal_response
-from proxy.target import parse_target
+from proxy.target import parse_target, parse_tunneled_target
+from proxy.tunnel import tunnel_of
 
 log = logging.getLogger("quota_proxy")
 
-CONNECT_REFUSED = (
-    "CONNECT (HTTPS_PROXY) is not enabled on this proxy: call the vendor over http:// through HTTP_PROXY "
-    "and give the vendor `upstream: https://...` in the policy, so the proxy originates the TLS itself"
-)
+CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the proxy"
 
 
 @dataclass
@@ -76,14 +74,20 @@ class ProxyHandler:
         tenant = "-"
         status: int | None = None
         try:
-            if request.method == "CONNECT":
+            if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
                 rec.host = request.raw_path
                 raise Denied(CONNECT_REFUSED, request.raw_path)
-            target = parse_target(request)
+            tunnel = tunnel_of(request)
+            if tunnel is None:
+                target = parse_target(request)
+                match = deps.router.match(target, request.headers)
+            else:
+                target = parse_tunneled_target(request, tunnel.host, tunnel.port)
+                match = deps.router.match(target, request.headers, default_tenant=tunnel.tenant)
             rec.host, rec.path = target.host, target.path_qs
-            match = deps.router.match(target, request.headers)
             vendor_name, tenant = match.vendor.name, match.tenant
             rec.vendor, rec.tenant = vendor_name, tenant
+            deps.metrics.count_mode(vendor_name, "plain" if tunnel is None else "intercept")
             wish = request_wish(match.vendor.on_limit, request.headers)
             resp = await self._limited(deps, request, match, wish, rec)
             status = resp.status

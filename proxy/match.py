@@ -52,7 +52,19 @@ class Router:
                 return vendor
         return self._by_host.get(host)
 
-    def match(self, target: RequestTarget, headers: Mapping[str, str]) -> Match:
+    def vendor_for_connect(self, host: str, port: int) -> Vendor | None:
+        """The vendor a ``CONNECT host:port`` is for: a host listed with a port matches
+        that port only; one listed without matches the TLS port, 443."""
+        vendor = self._by_host_port.get((host, port))
+        if vendor is None and port == 443:
+            vendor = self._by_host.get(host)
+        return vendor
+
+    def tenant(self, headers: Mapping[str, str], default: str | None = None) -> str:
+        """The tenant a request names, else ``default``, else the policy's default (or 400)."""
+        return self._tenant(headers, default)
+
+    def match(self, target: RequestTarget, headers: Mapping[str, str], default_tenant: str | None = None) -> Match:
         vendor: Vendor | None = None
         path_qs = target.path_qs
         if not target.absolute:
@@ -68,11 +80,13 @@ class Router:
         if vendor is None:
             shown = target.host + (f":{target.port}" if target.port else "")
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
-        return Match(vendor, self._tenant(headers), self._origin(vendor, target), path_qs)
+        return Match(vendor, self._tenant(headers, default_tenant), self._origin(vendor, target), path_qs)
 
-    def _tenant(self, headers: Mapping[str, str]) -> str:
+    def _tenant(self, headers: Mapping[str, str], default: str | None) -> str:
         value = headers.get(self._tenant_header)
         if value is None:
+            if default is not None:
+                return default
             if self._tenant_default is None:
                 raise BadRequest(f"missing {self._tenant_header} header (this policy has no default tenant)")
             return self._tenant_default
@@ -86,4 +100,6 @@ class Router:
         if vendor.upstream:
             return vendor.upstream
         host = f"[{target.host}]" if ":" in target.host else target.host
-        return f"{target.scheme}://{host}" + (f":{target.port}" if target.port else "")
+        default_port = 443 if target.scheme == "https" else 80
+        port = f":{target.port}" if target.port and target.port != default_port else ""
+        return f"{target.scheme}://{host}{port}"

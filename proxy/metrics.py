@@ -68,7 +68,32 @@ class Metrics:
             "http_client_request_duration_seconds", "Vendor exchange time, request sent to body relayed.",
             ["limiter"], buckets=_LATENCY_BUCKETS, registry=registry,
         )
+        self.by_mode = Counter(
+            "ratelimit_requests_by_mode",
+            "Requests that matched a vendor, by how they came: plain HTTP, inside an intercepted CONNECT, "
+            "or a CONNECT tunnel (one per tunnel).",
+            ["limiter", "mode"], registry=registry,
+        )
+        self.connects = Counter(
+            "ratelimit_connects", "CONNECT requests by vendor, mode and result.", ["limiter", "mode", "result"],
+            registry=registry,
+        )
+        self.tls_errors = Counter(
+            "ratelimit_tls_errors",
+            "TLS failures: workers' handshakes with the proxy (e.g. a worker that does not trust its CA) "
+            "and the proxy's with vendors (reason upstream_*).",
+            ["limiter", "reason"], registry=registry,
+        )
+        self.tunnels_open = Gauge(
+            "ratelimit_tunnels_open", "CONNECT tunnels open right now (connect: tunnel).", ["limiter"],
+            registry=registry,
+        )
+        self.leaf_mint_seconds = Histogram(
+            "ratelimit_leaf_mint_seconds", "Time to mint a leaf certificate for an intercepted host.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=registry,
+        )
         self._children: dict[tuple[str, str, str], Counter] = {}
+        self._modes: dict[tuple[str, str], Counter] = {}
         self._tenants: set[str] = set()
 
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:
@@ -79,6 +104,12 @@ class Metrics:
                 self._children.clear()
             child = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
             self._children[key] = child
+        child.inc()
+
+    def count_mode(self, limiter: str, mode: str) -> None:
+        child = self._modes.get((limiter, mode))
+        if child is None:
+            child = self._modes[(limiter, mode)] = self.by_mode.labels(limiter, mode)
         child.inc()
 
     def _tenant_label(self, tenant: str) -> str:

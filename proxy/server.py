@@ -7,38 +7,44 @@ held requests finish (bounded by ``drain_timeout``), then the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
+from collections.abc import Iterable
 
 from aiohttp import web
 
 from proxy.admin import admin_app
 from proxy.app import Runtime
+from proxy.connect import ConnectGate
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
 
 log = logging.getLogger("quota_proxy")
 
 
-def _bound(runner: web.BaseRunner) -> Address:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            host, port = server.sockets[0].getsockname()[:2]
-            return Address(host, port)
+def _bound(sockets: Iterable[socket.socket]) -> Address:
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        return Address(host, port)
     raise RuntimeError("listener is not bound")
 
 
 class ProxyServer:
-    """Both listeners of one Runtime. ``start`` binds, ``stop`` drains."""
+    """Both listeners of one Runtime. ``start`` binds, ``stop`` drains.
+
+    The proxy listener's connections go through the ConnectGate: plain HTTP is handed
+    to aiohttp's low-level server, CONNECT is answered by the gate.
+    """
 
     def __init__(self, runtime: Runtime, listen: Address, admin_listen: Address) -> None:
         self.runtime = runtime
         self._listen = listen
         self._admin_listen = admin_listen
-        drain = runtime.policy.drain_timeout
-        server = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
-        self._proxy_runner = web.ServerRunner(server, shutdown_timeout=drain, handle_signals=False)
+        self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
+        self.gate = ConnectGate(runtime.handler, self._web, runtime.contexts)
+        self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(admin_app(runtime.admin), access_log=None, handle_signals=False,
                                            shutdown_timeout=1.0)
         self.address = listen
@@ -46,20 +52,20 @@ class ProxyServer:
 
     async def start(self) -> None:
         await self._admin_runner.setup()
-        await self._proxy_runner.setup()
         try:
             admin_site = web.TCPSite(self._admin_runner, self._admin_listen.host, self._admin_listen.port,
                                      reuse_address=True)
             await admin_site.start()
-            proxy_site = web.TCPSite(self._proxy_runner, self._listen.host, self._listen.port,
-                                     reuse_address=True, backlog=1024)
-            await proxy_site.start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                self.gate.protocol, self._listen.host, self._listen.port, reuse_address=True, backlog=1024
+            )
         except OSError:
-            await self._proxy_runner.cleanup()
             await self._admin_runner.cleanup()
             raise
-        self.address = _bound(self._proxy_runner)
-        self.admin_address = _bound(self._admin_runner)
+        self.address = _bound(self._listener.sockets)
+        self.admin_address = _bound(
+            s for site in self._admin_runner.sites for s in getattr(getattr(site, "_server", None), "sockets", ())
+        )
         self.runtime.admin.serving = True
 
     @property
@@ -71,24 +77,36 @@ class ProxyServer:
         return f"http://{self.admin_address}"
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), then close everything."""
+        """Stop accepting, let in-flight requests and tunnels finish (bounded by
+        drain_timeout), then close everything."""
         self.runtime.admin.draining = True
-        # aiohttp waits shutdown_timeout for in-flight handlers, then up to as long again after
-        # merely *asking* them to stop (a handler awaiting its vendor never notices): close what
-        # is still open at the bound ourselves, so the drain really ends at drain_timeout.
-        cut = asyncio.get_running_loop().call_later(self.runtime.policy.drain_timeout, self._cut_in_flight)
+        drain = self.runtime.policy.drain_timeout
+        if self._listener is not None:
+            self._listener.close()
+        # Let requests that arrived just before the close start being handled.
+        await asyncio.sleep(0)
+        self.gate.close_idle()
+        self._web.pre_shutdown()  # idle keep-alive connections close now
+        # aiohttp waits its timeout for in-flight handlers, then up to as long again after
+        # merely *asking* them to stop (a handler awaiting its vendor never notices): close
+        # what is still open at the bound ourselves, so the drain really ends at drain_timeout.
+        cut = asyncio.get_running_loop().call_later(drain, self._cut_in_flight)
         try:
-            await self._proxy_runner.cleanup()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain):
+                    await asyncio.gather(self._web.shutdown(drain), self.gate.drained())
         finally:
             cut.cancel()
+            self._cut_in_flight()
+        if self._listener is not None:
+            await self._listener.wait_closed()
         await self._admin_runner.cleanup()
         await self.runtime.close()
 
     def _cut_in_flight(self) -> None:
-        server = self._proxy_runner.server
-        if server is not None:
-            for connection in server.connections:
-                connection.force_close()  # connection_lost cancels the handler (handler_cancellation)
+        for connection in self._web.connections:
+            connection.force_close()  # connection_lost cancels the handler (handler_cancellation)
+        self.gate.cut()
 
 
 async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_line: bool = True) -> int:

@@ -90,3 +90,16 @@ def parse_target(request: web.BaseRequest) -> RequestTarget:
         except ValueError as exc:
             raise BadRequest(f"bad Host header: {exc}") from None
     return RequestTarget(False, "http", host, port, raw)
+
+
+def parse_tunneled_target(request: web.BaseRequest, host: str, port: int) -> RequestTarget:
+    """A request inside an intercepted CONNECT tunnel: the tunnel names the
+    destination (the worker asked for ``host:port``); the request line names the path.
+    An absolute-form target inside the tunnel must name the same host."""
+    raw = request.raw_path
+    if raw.startswith("/"):
+        return RequestTarget(True, "https", host, port, raw)
+    target = parse_target(request)
+    if not target.absolute or target.host != host:
+        raise BadRequest(f"request target {raw[:100]!r} does not match the tunnel to {host}:{port}")
+    return RequestTarget(True, "https", host, port, target.path_qs)

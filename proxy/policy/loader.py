@@ -105,8 +105,12 @@ _MAP_TAG = "tag:yaml.org,2002:map"
 # ---------------------------------------------------------------- entry points
 
 
-def load_policy(path: str | os.PathLike[str]) -> Policy:
-    """Read and validate a policy file; ConfigErrors lists every problem found."""
+def load_policy(path: str | os.PathLike[str], *, check_ca: bool = True) -> Policy:
+    """Read and validate a policy file; ConfigErrors lists every problem found.
+
+    ``check_ca=False`` skips loading the files ``tls.ca_cert`` and ``tls.ca_key`` name
+    (``quota-proxy ca init -c`` reads the policy to create them).
+    """
     source = os.fspath(path)
     try:
         text = Path(source).read_text(encoding="utf-8")
@@ -116,16 +120,20 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     except UnicodeDecodeError as exc:
         message = f"cannot read policy: not UTF-8 ({exc.reason} at byte {exc.start})"
         raise ConfigErrors([ConfigError(source, None, "", message)]) from None
-    return parse_policy(text, source)
+    return parse_policy(text, source, check_ca=check_ca)
 
 
-def parse_policy(text: str, source: str, *, base_dir: str | os.PathLike[str] | None = None) -> Policy:
+def parse_policy(
+    text: str, source: str, *, base_dir: str | os.PathLike[str] | None = None, check_ca: bool = True
+) -> Policy:
     """Validate policy text; ``source`` names it in messages and becomes ``Policy.source``.
 
     Relative TLS file paths resolve against ``base_dir``, by default the directory of ``source``.
+    When both ``tls.ca_cert`` and ``tls.ca_key`` are set, the files must hold a usable CA
+    (``proxy.tlsca.CertificateAuthority.load``), unless ``check_ca`` is false.
     """
     root = _compose(text, source)
-    walk = _Walk(source, Path(base_dir) if base_dir is not None else Path(source).parent)
+    walk = _Walk(source, Path(base_dir) if base_dir is not None else Path(source).parent, check_ca=check_ca)
     policy = _policy(walk, root)
     errors = walk.errors()
     if errors:
@@ -247,9 +255,10 @@ def _is_null(node: yaml.Node) -> bool:
 class _Walk:
     """One load in progress: where the text came from and every problem found so far."""
 
-    def __init__(self, source: str, base_dir: Path) -> None:
+    def __init__(self, source: str, base_dir: Path, *, check_ca: bool = True) -> None:
         self.source = source
         self.base_dir = base_dir
+        self.check_ca = check_ca
         self.found: list[tuple[int, ConfigError]] = []
         """(column, problem) pairs; the column orders problems that share a line."""
         self._constructor = yaml.constructor.SafeConstructor()
@@ -716,6 +725,8 @@ def _tls(walk: _Walk, node: yaml.Node, path: str) -> TlsSettings:
     if (ca_cert is None) != (ca_key is None):
         key = "ca_cert" if ca_cert is not None else "ca_key"
         walk.error(m.node_of(key) or m.node, m.child(key), "ca_cert and ca_key must be set together")
+    elif ca_cert is not None and ca_key is not None and walk.check_ca:
+        _check_ca_files(m, ca_cert, ca_key)
     return TlsSettings(
         upstream_verify=m.get("upstream_verify", _boolean, _TLS.upstream_verify),
         upstream_ca_file=m.get("upstream_ca_file", _file_path(walk.base_dir, must_exist=True), _TLS.upstream_ca_file),
@@ -723,6 +734,26 @@ def _tls(walk: _Walk, node: yaml.Node, path: str) -> TlsSettings:
         ca_key=ca_key,
         leaf_validity=m.get("leaf_validity", _positive_duration, _TLS.leaf_validity),
     )
+
+
+def _check_ca_files(m: _Mapping, ca_cert: str, ca_key: str) -> None:
+    """The CA must load as the proxy will load it; each problem goes on the line of the file
+    it is about, and a bad certificate does not hide a bad key."""
+    from proxy.tlsca import CAError, CertificateAuthority, load_ca_key  # cryptography only when a CA is set
+
+    def report(exc: CAError) -> None:
+        key = "ca_key" if exc.role == "key" else "ca_cert"
+        m.walk.error(m.node_of(key) or m.node, m.child(key), f"{exc.path}: {exc.problem}")
+
+    try:
+        CertificateAuthority.load(ca_cert, ca_key)
+    except CAError as exc:
+        report(exc)
+        if exc.role == "certificate":
+            try:
+                load_ca_key(ca_key)
+            except CAError as key_exc:
+                report(key_exc)
 
 
 @dataclass
