@@ -411,9 +411,11 @@ class _Pipe(asyncio.Protocol):
             self._peer.write(data)
 
     def eof_received(self) -> bool:
-        if self._peer is not None and self._peer.can_write_eof():
-            self._peer.write_eof()
-            return True  # half-close: the other direction may still carry the answer
+        # One side is done: end the tunnel. close() still flushes what is buffered for
+        # the peer. (A half-open tunnel would wait on a peer that may never close: a TLS
+        # server still waiting for its ClientHello does not.)
+        if self._peer is not None:
+            self._peer.close()
         return False
 
     # Flow control: when our transport's buffer fills, stop reading from the peer.

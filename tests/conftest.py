@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import string
 import subprocess
 import textwrap
@@ -24,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis as sync_redis
+import trustme
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -273,3 +275,37 @@ def metric_samples(text: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+# -- TLS: a test CA (trustme) and an HTTPS mock vendor ------------------------------------
+
+
+@dataclass
+class HttpsVendor:
+    mock: MockVendor
+    url: str
+    """``https://127.0.0.1:PORT``"""
+    port: int
+    ca_file: Path
+    """PEM of the CA that signed the vendor's certificate."""
+
+
+@pytest.fixture(scope="session")
+def vendor_ca(tmp_path_factory: pytest.TempPathFactory) -> tuple[trustme.CA, Path]:
+    """A test CA (never the proxy's own) that signs the HTTPS mock vendors' certificates."""
+    ca = trustme.CA(organization_name="quota-proxy tests: vendor CA")
+    path = tmp_path_factory.mktemp("vendor-ca") / "vendor-ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return ca, path
+
+
+@pytest.fixture
+async def https_vendor(vendor_ca: tuple[trustme.CA, Path], aiohttp_server: Any) -> HttpsVendor:
+    """An unlimited mock vendor over TLS, its certificate valid for api.payments.example,
+    localhost and 127.0.0.1."""
+    ca, path = vendor_ca
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("api.payments.example", "localhost", "127.0.0.1").configure_cert(ctx)
+    mock = MockVendor(rate=None)
+    server = await aiohttp_server(mock.app(), ssl=ctx)
+    return HttpsVendor(mock, f"https://127.0.0.1:{server.port}", server.port, path)
