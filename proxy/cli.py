@@ -43,7 +43,32 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("mock-vendor", help="a local vendor that enforces its own quota (for demos and tests)",
                    add_help=False)
+
+    ca = sub.add_parser("ca", help="the proxy's own CA, for HTTPS_PROXY interception")
+    ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="CA_COMMAND")
+    ca_init = ca_sub.add_parser("init", help="create DIR/ca.pem and DIR/ca-key.pem (mode 0600)")
+    ca_init.add_argument("--out", required=True, metavar="DIR", help="directory to write to (created if missing)")
+    # No $QUOTA_PROXY_CONFIG default here: name constraints are baked into the CA for years,
+    # so only an explicit -c decides them.
+    ca_init.add_argument("-c", "--config", metavar="FILE",
+                         help="constrain the CA to this policy's vendor hosts (name constraints)")
+    ca_init.add_argument("--name", default="quota-proxy CA", metavar="CN", help="the CA's common name")
+    ca_init.add_argument("--days", type=_positive_int, default=3650, metavar="N", help="validity (default 3650)")
+    ca_init.add_argument("--rsa", action="store_true", help="RSA-2048 instead of EC P-256")
+    ca_init.add_argument("--force", action="store_true", help="overwrite existing files")
+    ca_show = ca_sub.add_parser("show", help="print the configured CA's fingerprint and expiry")
+    _config_arg(ca_show)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _config_arg(p: argparse.ArgumentParser) -> None:
@@ -135,6 +160,66 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ca_init(args: argparse.Namespace) -> int:
+    from proxy.tlsca import CAError, init_ca, trust_instructions
+
+    hosts: list[str] = []
+    if args.config:
+        try:  # the CA files the policy names need not exist yet: this command makes them
+            policy = load_policy(args.config, check_ca=False)
+        except ConfigErrors as exc:
+            for error in exc.errors:
+                print(error, file=sys.stderr)
+            return EXIT_CONFIG
+        hosts = _vendor_hosts(policy)
+        if not hosts:
+            print(f"quota-proxy: {args.config} lists no vendor hosts: the CA is not name-constrained",
+                  file=sys.stderr)
+    try:
+        cert_path, key_path = init_ca(args.out, common_name=args.name, days=args.days,
+                                      key_type="rsa" if args.rsa else "ec", permitted_hosts=hosts, force=args.force)
+    except (CAError, ValueError) as exc:
+        print(f"quota-proxy: ca init: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {cert_path} (the CA certificate, for workers)")
+    print(f"wrote {key_path} (the CA private key, mode 0600: keep it on the proxy)")
+    if hosts:
+        print(f"name constraints: the CA can only vouch for {', '.join(hosts)} (and their subdomains)")
+    print()
+    print(trust_instructions(cert_path), end="")
+    return 0
+
+
+def _vendor_hosts(policy: Policy) -> list[str]:
+    """Every vendor host without its port (and IPv6 without brackets), once, in file order."""
+    hosts: list[str] = []
+    for vendor in policy.vendors:
+        for entry in vendor.hosts:
+            host = entry[1:].partition("]")[0] if entry.startswith("[") else entry.partition(":")[0]
+            if host not in hosts:
+                hosts.append(host)
+    return hosts
+
+
+def _ca_show(args: argparse.Namespace) -> int:
+    policy = _load(args.config)
+    if policy is None:
+        return EXIT_CONFIG
+    if policy.tls.ca_cert is None or policy.tls.ca_key is None:
+        print(f"quota-proxy: {policy.source}: no CA configured (set tls.ca_cert and tls.ca_key; "
+              "`quota-proxy ca init --out DIR` creates one)", file=sys.stderr)
+        return EXIT_CONFIG
+    from proxy.tlsca import CAError, CertificateAuthority, describe
+
+    try:
+        ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)
+    except CAError as exc:  # the loader checked it; the files may have changed since
+        print(f"quota-proxy: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(describe(ca))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "mock-vendor":
@@ -146,4 +231,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     if args.command == "check":
         return _check(args)
+    if args.command == "ca":
+        return _ca_init(args) if args.ca_command == "init" else _ca_show(args)
     raise AssertionError(args.command)

@@ -280,6 +280,9 @@ class ConnectGate:
             ctx = self.contexts.context_for(tunnel.host)
         except ValueError as exc:
             raise BadRequest(f"cannot intercept {tunnel.host!r}: {exc}") from None
+        except Exception as exc:  # CAError: expired CA, host outside its name constraints
+            deps.metrics.tls_errors.labels(tunnel.vendor.name, "leaf").inc()
+            raise Denied(f"cannot intercept {tunnel.host}: {exc}", tunnel.host) from None
         transport.write(_ESTABLISHED)
         door.release()
         pending = _Pending()

@@ -16,10 +16,11 @@ Three parts:
 
 Name constraints: a CA made with ``permitted_hosts`` carries a critical
 NameConstraints extension, so even a stolen ``ca-key.pem`` cannot vouch for other
-hosts. OpenSSL-based clients enforce it on the trust anchor itself: Python's
-``ssl`` (and so requests, httpx, aiohttp, urllib), curl, Node.js; so do Go and the
-major browsers. A client that ignored it would still accept the leaves the proxy
-mints, which are only ever for permitted hosts.
+hosts. OpenSSL-based clients enforce it on the trust anchor itself: Python's ``ssl``
+(and so requests, httpx, aiohttp, urllib), curl, Node.js (all checked). Java's default
+trust manager ignores a trust anchor's constraints (checked on OpenJDK 17); other
+stacks vary. The constraints only limit what the CA *could* sign: the proxy itself
+only ever mints leaves for permitted hosts (``LeafMinter`` refuses others).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ REMINT_FRACTION: Final = 0.1
 _CN_MAX: Final = 64  # ub-common-name, RFC 5280
 _DNS_LABEL_RE: Final = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 _RSA_BITS: Final = 2048
+_PEM_CERT: Final = b"-----BEGIN CERTIFICATE-----"
 _ALL_IPV4: Final = ipaddress.ip_network("0.0.0.0/0")
 _ALL_IPV6: Final = ipaddress.ip_network("::/0")
 
@@ -158,14 +160,16 @@ def load_ca_certificate(path: str | os.PathLike[str], *, now: dt.datetime | None
     data = _read(where, "certificate")
     try:
         certs = x509.load_pem_x509_certificates(data)
-    except ValueError as exc:
-        problem = "no PEM certificate in the file" if b"-----BEGIN" not in data else f"not a valid PEM certificate ({exc})"
-        raise CAError(problem, path=where, role="certificate") from None
+    except ValueError:
+        unreadable = (
+            "no PEM certificate in the file" if _PEM_CERT not in data else "the PEM certificate cannot be parsed"
+        )
+        raise CAError(unreadable, path=where, role="certificate") from None
     if len(certs) != 1:
         raise CAError(f"holds {len(certs)} certificates; give the CA certificate alone", path=where, role="certificate")
     cert = certs[0]
     problem = _not_a_ca(cert) or _outside_validity(cert, now or dt.datetime.now(dt.UTC))
-    if problem:
+    if problem is not None:
         raise CAError(problem, path=where, role="certificate")
     return cert
 
@@ -265,9 +269,7 @@ class CertificateAuthority:
         cert = load_ca_certificate(cert_path, now=now)
         key = load_ca_key(key_path)
         if _spki(key.public_key()) != _spki(cert):
-            raise CAError(
-                f"does not match the certificate in {os.fspath(cert_path)}", path=key_path, role="key"
-            )
+            raise CAError(f"does not match the certificate in {os.fspath(cert_path)}", path=key_path, role="key")
         return cls(cert, key)
 
     @property
@@ -379,8 +381,8 @@ def init_ca(
     NameConstraints extension: the CA can then only vouch for those names (and their
     subdomains) and those exact addresses (/32, /128); an address family with no permitted
     address is excluded whole, so the CA vouches for no IP at all when only names are
-    given. OpenSSL-based clients honour it (Python ssl, requests, httpx, aiohttp, curl,
-    Node.js), as do Go and the major browsers.
+    given. OpenSSL-based clients honour it on the trust anchor (Python ssl, requests,
+    httpx, aiohttp, curl, Node.js); Java's default trust manager does not.
 
     Files are written to a temporary name in ``out_dir`` and moved into place, the key
     created with mode 0600 from the start (never readable by others, not even briefly).

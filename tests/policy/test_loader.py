@@ -26,6 +26,7 @@ from proxy.policy import (
     parse_policy,
     parse_store_url,
 )
+from proxy.tlsca import init_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD = "tests/policy/bad"
@@ -117,7 +118,7 @@ tls:
   ca_key: /etc/quota-proxy/ca-key.pem
   leaf_validity: 1d
 """
-    policy = parse_policy(text, "spec.yaml")
+    policy = parse_policy(text, "spec.yaml", check_ca=False)  # the CA files are checked in test_ca_files.py
     assert [v.connect for v in policy.vendors] == ["intercept", "tunnel"]
     assert policy.tls == TlsSettings(
         ca_cert="/etc/quota-proxy/ca.pem", ca_key="/etc/quota-proxy/ca-key.pem", leaf_validity=86400
@@ -165,14 +166,23 @@ def test_burst_defaults_to_rate_but_never_below_one_token():
 def test_tls_paths_resolve_against_the_policy_directory(tmp_path):
     (tmp_path / "certs").mkdir()
     (tmp_path / "certs" / "vendors.pem").write_text("bundle")
+    _, key = init_ca(tmp_path / "ca")
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(
-        MINIMAL + "tls:\n  upstream_ca_file: certs/vendors.pem\n  ca_cert: ca.pem\n  ca_key: /abs/ca-key.pem\n"
+        MINIMAL + f"tls:\n  upstream_ca_file: certs/vendors.pem\n  ca_cert: ca/ca.pem\n  ca_key: {key}\n"
     )
     tls = load_policy(policy_file).tls
     assert tls.upstream_ca_file == str(tmp_path / "certs" / "vendors.pem")
-    assert tls.ca_cert == str(tmp_path / "ca.pem")  # need not exist yet: `quota-proxy ca init` makes it
-    assert tls.ca_key == "/abs/ca-key.pem"
+    assert tls.ca_cert == str(tmp_path / "ca" / "ca.pem")
+    assert tls.ca_key == str(key)
+
+
+def test_ca_paths_need_not_exist_when_the_ca_is_not_checked(tmp_path):
+    # `quota-proxy ca init -c` reads the policy to make the very files it names.
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(MINIMAL + "tls:\n  ca_cert: ca.pem\n  ca_key: /abs/ca-key.pem\n")
+    tls = load_policy(policy_file, check_ca=False).tls
+    assert (tls.ca_cert, tls.ca_key) == (str(tmp_path / "ca.pem"), "/abs/ca-key.pem")
 
 
 def test_null_sections_mean_defaults_and_anchors_merge():
