@@ -28,6 +28,8 @@ class AdminState:
 
     def __init__(self, deps: DepsGetter) -> None:
         self.deps = deps
+        self.tunnels_open: Callable[[str], int] = lambda vendor: 0
+        """Open blind tunnels of a vendor (the listener's gate sets this)."""
         self.serving = False
         """True once the proxy listener is bound."""
         self.draining = False
@@ -79,7 +81,13 @@ async def status(request: web.Request) -> web.Response:
             "route": vendor.route,
             "upstream": vendor.upstream,
             "on_limit": {"action": vendor.on_limit.action, "max_hold": vendor.on_limit.max_hold},
+            "connect": vendor.connect,
         }
+        entry["requests_by_mode"] = {
+            mode: deps.metrics.mode_totals.get((vendor.name, mode), 0) for mode in ("plain", "intercept", "tunnel")
+        }
+        if vendor.connect == "tunnel":
+            entry["tunnels"] = {"open": request.app[ADMIN].tunnels_open(vendor.name), "max": vendor.max_tunnels}
         try:
             buckets, levels = await limiter.peek(vendor)
             entry["buckets"] = [

@@ -254,7 +254,7 @@ class ConnectGate:
         self._tunnels[vendor.name] = self._tunnels.get(vendor.name, 0) + 1
         deps.metrics.tunnels_open.labels(vendor.name).inc()
         deps.metrics.connects.labels(vendor.name, "tunnel", "established").inc()
-        deps.metrics.by_mode.labels(vendor.name, "tunnel").inc()
+        deps.metrics.count_mode(vendor.name, "tunnel")
         rec.status = 200
 
         def closed() -> None:

@@ -121,6 +121,8 @@ class ProxyHandler:
             (deps.metrics.shed if rec.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
         if isinstance(refusal, StoreDown | UpstreamFailed | BadRequest | Denied | InternalError):
             rec.detail = refusal.detail
+        if isinstance(refusal, UpstreamFailed) and refusal.kind == "upstream-tls" and vendor is not None:
+            deps.metrics.tls_errors.labels(vendor, "upstream_verify").inc()
         return refusal_response(refusal, vendor)
 
     async def _limited(

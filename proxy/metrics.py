@@ -94,6 +94,8 @@ class Metrics:
         )
         self._children: dict[tuple[str, str, str], Counter] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
+        self.mode_totals: dict[tuple[str, str], int] = {}
+        """(limiter, mode) → requests since start, for /status."""
         self._tenants: set[str] = set()
 
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:
@@ -107,10 +109,12 @@ class Metrics:
         child.inc()
 
     def count_mode(self, limiter: str, mode: str) -> None:
-        child = self._modes.get((limiter, mode))
+        key = (limiter, mode)
+        child = self._modes.get(key)
         if child is None:
-            child = self._modes[(limiter, mode)] = self.by_mode.labels(limiter, mode)
+            child = self._modes[key] = self.by_mode.labels(limiter, mode)
         child.inc()
+        self.mode_totals[key] = self.mode_totals.get(key, 0) + 1
 
     def _tenant_label(self, tenant: str) -> str:
         # Tenants come from workers' headers: bound the label's cardinality.

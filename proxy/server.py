@@ -44,6 +44,7 @@ class ProxyServer:
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
         self.gate = ConnectGate(runtime.handler, self._web, runtime.contexts)
+        runtime.admin.tunnels_open = self.gate.tunnels_open
         self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(admin_app(runtime.admin), access_log=None, handle_signals=False,
                                            shutdown_timeout=1.0)

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -50,6 +50,9 @@ from proxy.policy.model import (
     TlsSettings,
     Vendor,
 )
+
+if TYPE_CHECKING:
+    from proxy.tlsca import CertificateAuthority
 
 __all__ = ["load_policy", "mask_password", "parse_address", "parse_policy", "parse_store_url"]
 
@@ -259,6 +262,8 @@ class _Walk:
         self.source = source
         self.base_dir = base_dir
         self.check_ca = check_ca
+        self.ca: CertificateAuthority | None = None
+        """The interception CA, once loaded: intercepted hosts must be within its name constraints."""
         self.found: list[tuple[int, ConfigError]] = []
         """(column, problem) pairs; the column orders problems that share a line."""
         self._constructor = yaml.constructor.SafeConstructor()
@@ -746,7 +751,7 @@ def _check_ca_files(m: _Mapping, ca_cert: str, ca_key: str) -> None:
         m.walk.error(m.node_of(key) or m.node, m.child(key), f"{exc.path}: {exc.problem}")
 
     try:
-        CertificateAuthority.load(ca_cert, ca_key)
+        m.walk.ca = CertificateAuthority.load(ca_cert, ca_key)
     except CAError as exc:
         report(exc)
         if exc.role == "certificate":
@@ -794,6 +799,9 @@ def _vendor(walk: _Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _
     if name:
         _claim_name(m, name, claims)
     hosts, route = _targets(m, _Owner(path, name or path), claims)
+    connect = _connect(m, tls)
+    if connect == "intercept":
+        _check_constraints(m, hosts)
     return Vendor(
         name=name,
         hosts=hosts,
@@ -803,7 +811,7 @@ def _vendor(walk: _Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _
         tenant_limits=m.section("tenant_limits", _tenant_limits, TenantLimits()),
         on_limit=m.section("on_limit", _on_limit, _ON_LIMIT),
         feedback=m.section("feedback", _feedback, _FEEDBACK),
-        connect=_connect(m, tls),
+        connect=connect,
         timeouts=m.section("timeouts", _timeouts, _TIMEOUTS),
         max_tunnels=m.get("max_tunnels", _integer_at_least(1), _VENDOR.max_tunnels),
     )
@@ -833,6 +841,21 @@ def _connect(m: _Mapping, tls: TlsSettings) -> ConnectMode:
 
 
 _INTERCEPT_NEEDS_CA = "connect: intercept needs tls.ca_cert and tls.ca_key"
+
+
+def _check_constraints(m: _Mapping, hosts: tuple[str, ...]) -> None:
+    """An intercepted host the CA may not vouch for would only show up as failed
+    handshakes: say so here, on the host's own line."""
+    ca = m.walk.ca
+    node = m.node_of("hosts")
+    if ca is None or not isinstance(node, yaml.SequenceNode):
+        return
+    for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
+        host = _split_host_port(entry)[0]
+        if not ca.permits(host):
+            m.walk.error(item, f"{m.child('hosts')}[{i}]",
+                         f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
+                         "(re-create it with: quota-proxy ca init -c POLICY)")
 
 
 def _claim_name(m: _Mapping, name: str, claims: _Claims) -> None:

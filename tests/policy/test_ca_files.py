@@ -135,3 +135,20 @@ def test_relative_paths_are_reported_resolved(tmp_path):
 def test_check_ca_false_skips_the_files(tmp_path):
     policy = write(tmp_path, tmp_path / "nope.pem", tmp_path / "nope-key.pem")
     assert load_policy(policy, check_ca=False).tls.ca_cert == str(tmp_path / "nope.pem")
+
+
+def test_intercepted_hosts_must_be_within_the_cas_name_constraints(tmp_path):
+    cert, key = init_ca(tmp_path / "narrow", permitted_hosts=["api.other.example"])
+    policy = write(tmp_path, cert, key)
+    assert problems(policy) == [
+        f'{policy}:4: vendors[0].hosts[0]: host "api.payments.example" is outside the name constraints of the '
+        "CA in tls.ca_cert (re-create it with: quota-proxy ca init -c POLICY)",
+    ]
+
+
+def test_tunnelled_hosts_need_no_constraint(tmp_path):
+    cert, key = init_ca(tmp_path / "narrow", permitted_hosts=["api.other.example"])
+    policy = tmp_path / "tunnel.yaml"
+    policy.write_text(POLICY.format(cert=cert, key=key, per="1s").replace(
+        "    limits:", "    connect: tunnel\n    limits:"))
+    assert load_policy(policy).vendors[0].connect == "tunnel"
