@@ -70,6 +70,16 @@ class Runtime:
             "ratelimit_breaker_open", "1 while the store circuit breaker is open or half-open.", [],
             lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)],
         ))
+        self.metrics.add_gauges(GaugeCollector(
+            "ratelimit_max_hold_seconds", "Each vendor's on_limit.max_hold, for alerts on hold times.",
+            ["limiter"], lambda: [([v.name], v.on_limit.max_hold) for v in self.policy.vendors],
+        ))
+        self.metrics.add_gauges(GaugeCollector(
+            "ratelimit_configured_rate",
+            "Requests per second each vendor's global limits allow in the long run (the slowest window).",
+            ["limiter"],
+            lambda: [([v.name], min((lim.per_second for lim in v.limits), default=0.0)) for v in self.policy.vendors],
+        ))
         self._watch = spawn(self.limiter.watch_blocks(), name="watch-vendor-blocks")
 
     def _leaf_minter(self, policy: Policy) -> LeafMinter | None:
