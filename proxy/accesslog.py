@@ -26,6 +26,11 @@ DURATION_MS = "duration_ms"
 DETAIL = "detail"
 
 
+def enable(on: bool) -> None:
+    """The policy's ``access_log`` switch."""
+    log.disabled = not on
+
+
 class AccessRecord:
     """Filled in along the request path, written once at the end."""
 

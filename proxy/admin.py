@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,9 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy import __version__
 from proxy.handler import Deps
 from proxy.limiter import StoreUnavailable
-from proxy.policy import mask_password
+from proxy.policy import Policy, mask_password
 
 DepsGetter = Callable[[], Deps]
+
+
+class ReloadOutcome(Protocol):
+    @property
+    def ok(self) -> bool: ...
+
+    def as_json(self, policy: Policy) -> dict[str, object]: ...
 
 
 class AdminState:
@@ -28,6 +37,8 @@ class AdminState:
 
     def __init__(self, deps: DepsGetter) -> None:
         self.deps = deps
+        self.reload: Callable[[str], Awaitable[ReloadOutcome]] | None = None
+        """Reload the policy (set by serve(); None when this process cannot reload)."""
         self.tunnels_open: Callable[[str], int] = lambda vendor: 0
         """Open blind tunnels of a vendor (the listener's gate sets this)."""
         self.serving = False
@@ -100,9 +111,23 @@ async def status(request: web.Request) -> web.Response:
             entry["buckets"] = None
             entry["store_error"] = str(exc)
         recent = deps.recent
+        entry["limits"] = [
+            {"rate": lim.rate, "per": lim.per, "burst": lim.burst, "rate_per_second": lim.per_second}
+            for lim in vendor.limits
+        ]
         entry["breaker"] = limiter.breaker.state
+        latency = deps.sizing.latency(vendor.name)
+        entry["sizing"] = {
+            "configured_rate_per_second": deps.sizing.rate(vendor),
+            "upstream_latency_seconds": None if latency is None else round(latency, 4),
+            "recommended_concurrency": deps.sizing.recommended_concurrency(vendor),
+        }
         entry["held_now"] = deps.held.get(vendor.name, 0)
-        entry["blocked_for_seconds"] = round(limiter.blocked_for(vendor.name), 3)
+        blocked = limiter.blocked_for(vendor.name)
+        entry["blocked_for_seconds"] = round(blocked, 3)
+        entry["blocked_until"] = (
+            datetime.fromtimestamp(time.time() + blocked, UTC).isoformat(timespec="milliseconds") if blocked else None
+        )
         entry["recent"] = {
             "window_seconds": 10,
             "forwarded_per_second": recent.rate(vendor.name, "forwarded") + recent.rate(vendor.name, "held"),
@@ -125,6 +150,14 @@ async def status(request: web.Request) -> web.Response:
     })
 
 
+async def reload(request: web.Request) -> web.Response:
+    state = request.app[ADMIN]
+    if state.reload is None:
+        return _json({"result": "failure", "errors": ["this process was not started with a policy file"]}, 501)
+    outcome = await state.reload("POST /reload")
+    return _json(outcome.as_json(state.deps().policy), 200 if outcome.ok else 400)
+
+
 def admin_app(state: AdminState) -> web.Application:
     app = web.Application()
     app[ADMIN] = state
@@ -132,4 +165,5 @@ def admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
+    app.router.add_post("/reload", reload)
     return app

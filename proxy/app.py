@@ -2,12 +2,20 @@
 
 Nothing here serves; server.py binds the listeners. Tests build the same object
 with a ManualClock or a fresh registry.
+
+A new policy (reload) swaps the handler's Deps in one assignment: requests in
+flight or held keep the generation they started with; new requests see the new
+one. What did not change is kept: the store and its bucket state, the upstream
+connection pools, the CA's leaf cache. What was replaced is closed only after a
+grace period long enough for the requests that still use it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -43,44 +51,47 @@ class Runtime:
         self.clock = clock or SystemClock()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.store = store or open_store(policy.store.url, policy.store.timeout, self.clock)
-        breaker = Breaker(self.clock, policy.store.breaker.failures, policy.store.breaker.cooloff)
-        self.limiter = Limiter(
-            self.store, self.clock, key_prefix=policy.store.key_prefix, breaker=breaker,
-            on_store_error=self._store_error,
-        )
-        self.deps = Deps(
+        limiter = self._limiter(policy, store)
+        self.handler = ProxyHandler(Deps(
             policy=policy,
             router=Router(policy),
-            limiter=self.limiter,
+            limiter=limiter,
             upstreams=Upstreams(policy),
             metrics=self.metrics,
             clock=self.clock,
             recent=Recent(self.clock),
-        )
-        self.handler = ProxyHandler(self.deps)
+        ))
         self.contexts = self._leaf_minter(policy)
         self.admin = AdminState(lambda: self.handler.deps)
-        self.metrics.add_gauges(GaugeCollector(
-            "ratelimit_tokens_available",
-            "Tokens in the scarcest global bucket of each vendor, as last seen by this replica.",
-            ["limiter"], self._tokens,
-        ))
-        self.metrics.add_gauges(GaugeCollector(
-            "ratelimit_breaker_open", "1 while the store circuit breaker is open or half-open.", [],
-            lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)],
-        ))
-        self.metrics.add_gauges(GaugeCollector(
-            "ratelimit_max_hold_seconds", "Each vendor's on_limit.max_hold, for alerts on hold times.",
-            ["limiter"], lambda: [([v.name], v.on_limit.max_hold) for v in self.policy.vendors],
-        ))
-        self.metrics.add_gauges(GaugeCollector(
-            "ratelimit_configured_rate",
-            "Requests per second each vendor's global limits allow in the long run (the slowest window).",
-            ["limiter"],
-            lambda: [([v.name], min((lim.per_second for lim in v.limits), default=0.0)) for v in self.policy.vendors],
-        ))
-        self._watch = spawn(self.limiter.watch_blocks(), name="watch-vendor-blocks")
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
+        self._declare_gauges()
+
+    # -- what the rest of the proxy reads ------------------------------------------
+
+    @property
+    def deps(self) -> Deps:
+        return self.handler.deps
+
+    @property
+    def policy(self) -> Policy:
+        return self.handler.deps.policy
+
+    @property
+    def limiter(self) -> Limiter:
+        return self.handler.deps.limiter
+
+    # -- building ------------------------------------------------------------------
+
+    def _limiter(self, policy: Policy, store: BucketStore | None = None) -> Limiter:
+        settings = policy.store
+        return Limiter(
+            store or open_store(settings.url, settings.timeout, self.clock),
+            self.clock,
+            key_prefix=settings.key_prefix,
+            breaker=Breaker(self.clock, settings.breaker.failures, settings.breaker.cooloff),
+            on_store_error=self._store_error,
+        )
 
     def _leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""
@@ -92,9 +103,82 @@ class Runtime:
         return LeafMinter(ca, policy.tls.leaf_validity,
                           on_mint=lambda host, seconds: self.metrics.leaf_mint_seconds.observe(seconds))
 
-    @property
-    def policy(self) -> Policy:
-        return self.handler.deps.policy
+    # -- reload --------------------------------------------------------------------
+
+    def apply(self, policy: Policy) -> list[str]:
+        """Serve ``policy`` from the next request on; returns notes for the operator
+        about what a reload cannot change."""
+        old = self.handler.deps
+        notes: list[str] = []
+        if (policy.listen, policy.admin_listen) != (old.policy.listen, old.policy.admin_listen):
+            notes.append("listen and admin_listen take effect only on restart; still serving on "
+                         f"{old.policy.listen} and {old.policy.admin_listen}")
+            policy = _keep_listeners(policy, old.policy)
+        limiter = old.limiter
+        if policy.store != old.policy.store:
+            limiter = self._limiter(policy)
+            self._watch.cancel()
+            self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
+            self._retire(old.limiter.store.close, policy)
+            notes.append("store settings changed: new store connection; bucket state lives on in the store itself")
+        upstreams, dropped = old.upstreams.updated(policy)
+        for session_close in dropped:
+            self._retire(session_close, policy)
+        if policy.tls != old.policy.tls:
+            minter, self.contexts = self.contexts, self._leaf_minter(policy)
+            if minter is not None:
+                self._retire(_as_async(minter.close), policy)
+        self.handler.deps = Deps(
+            policy=policy,
+            router=Router(policy),
+            limiter=limiter,
+            upstreams=upstreams,
+            metrics=old.metrics,
+            clock=old.clock,
+            recent=old.recent,
+            sizing=old.sizing,
+            held=old.held,
+        )
+        return notes
+
+    def _retire(self, close: Callable[[], Awaitable[None]], policy: Policy) -> None:
+        """Close something the previous policy used once no request can still need it."""
+        grace = policy.drain_timeout + max(
+            (v.on_limit.max_hold + v.timeouts.connect + v.timeouts.read for v in policy.vendors), default=0.0
+        )
+
+        async def later() -> None:
+            try:
+                await self.clock.sleep(grace)
+            finally:
+                await close()
+
+        task = spawn(later(), name="retire-after-reload")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    # -- gauges computed at scrape time ----------------------------------------------
+
+    def _declare_gauges(self) -> None:
+        Read = Callable[[], Iterable[tuple[list[str], float]]]
+        gauges: tuple[tuple[str, str, list[str], Read], ...] = (
+            ("ratelimit_tokens_available",
+             "Tokens in the scarcest global bucket of each vendor, as last seen by this replica.",
+             ["limiter"], self._tokens),
+            ("ratelimit_breaker_open", "1 while the store circuit breaker is open or half-open.", [],
+             lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)]),
+            ("ratelimit_max_hold_seconds", "Each vendor's on_limit.max_hold, for alerts on hold times.",
+             ["limiter"], lambda: [([v.name], v.on_limit.max_hold) for v in self.policy.vendors]),
+            ("ratelimit_configured_rate",
+             "Requests per second each vendor's global limits allow in the long run (the slowest window).",
+             ["limiter"], lambda: [([v.name], self.deps.sizing.rate(v)) for v in self.policy.vendors]),
+            ("ratelimit_recommended_concurrency",
+             "Workers that keep each vendor's quota busy: configured rate x observed upstream latency "
+             "(Little's law); cap the autoscaler here.",
+             ["limiter"], self._recommended),
+        )
+        for name, doc, labels, read in gauges:
+            self.metrics.add_gauges(GaugeCollector(name, doc, labels, read))
 
     def _tokens(self) -> Iterator[tuple[list[str], float]]:
         deps = self.handler.deps
@@ -104,13 +188,35 @@ class Runtime:
                 tokens = min((lim.burst for lim in vendor.limits), default=0.0)
             yield [vendor.name], tokens
 
+    def _recommended(self) -> Iterator[tuple[list[str], float]]:
+        deps = self.handler.deps
+        for vendor in deps.policy.vendors:
+            workers = deps.sizing.recommended_concurrency(vendor)
+            if workers is not None:
+                yield [vendor.name], float(workers)
+
     def _store_error(self, exc: StoreUnavailable) -> None:
         self.metrics.store_errors.inc()
         log.debug("store error: %s", exc)
 
     async def close(self) -> None:
         self._watch.cancel()
+        for task in list(self._retiring):
+            task.cancel()  # their finally blocks close what they held
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         if self.contexts is not None:
             self.contexts.close()
-        await self.deps.upstreams.close()
-        await self.store.close()
+        deps = self.handler.deps
+        await deps.upstreams.close()
+        await deps.limiter.store.close()
+
+
+def _keep_listeners(policy: Policy, old: Policy) -> Policy:
+    return dataclasses.replace(policy, listen=old.listen, admin_listen=old.admin_listen)
+
+
+def _as_async(close: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        close()
+
+    return run

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--admin-listen", metavar="HOST:PORT", help="/metrics /healthz /readyz /status")
     run.add_argument("--store", metavar="URL", help="memory:// | redis://host:6379/0 | rediss://... | "
                      "redis+cluster://host:port (default: $QUOTA_PROXY_STORE, then the file)")
+    run.add_argument("--watch", action="store_true",
+                     help="reload the policy when the file changes (SIGHUP and POST /reload always do)")
     run.add_argument("--log-level", default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
                      choices=["debug", "info", "warning", "error"])
 
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("mock-vendor", help="a local vendor that enforces its own quota (for demos and tests)",
                    add_help=False)
+    sub.add_parser("demo", help="see per-process limits break a quota and the shared bucket hold it", add_help=False)
 
     ca = sub.add_parser("ca", help="the proxy's own CA, for HTTPS_PROXY interception")
     ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="CA_COMMAND")
@@ -88,7 +91,9 @@ def _load(path: str | None) -> Policy | None:
         return None
 
 
-def _apply_overrides(policy: Policy, args: argparse.Namespace) -> Policy | None:
+def _overridden(policy: Policy, args: argparse.Namespace) -> Policy:
+    """The policy with the command line's and the environment's overrides; ValueError
+    lists every bad one."""
     problems: list[str] = []
     changes: dict[str, object] = {}
     for flag, field in (("listen", "listen"), ("admin_listen", "admin_listen")):
@@ -105,11 +110,18 @@ def _apply_overrides(policy: Policy, args: argparse.Namespace) -> Policy | None:
             changes["store"] = dataclasses.replace(policy.store, url=parse_store_url(store_url))
         except ValueError as exc:
             problems.append(f"{origin}: {exc}")
-    for problem in problems:
-        print(f"quota-proxy: {problem}", file=sys.stderr)
     if problems:
-        return None
+        raise ValueError("\n".join(problems))
     return dataclasses.replace(policy, **changes) if changes else policy  # type: ignore[arg-type]
+
+
+def _apply_overrides(policy: Policy, args: argparse.Namespace) -> Policy | None:
+    try:
+        return _overridden(policy, args)
+    except ValueError as exc:
+        for problem in str(exc).splitlines():
+            print(f"quota-proxy: {problem}", file=sys.stderr)
+        return None
 
 
 def _setup_logging(level: str) -> None:
@@ -135,12 +147,17 @@ def _run(args: argparse.Namespace) -> int:
     if policy is None:
         return EXIT_CONFIG
     _setup_logging(args.log_level)
-    logging.getLogger("quota_proxy.access").disabled = not policy.access_log
     if not policy.tls.upstream_verify:
         log.warning("tls.upstream_verify is false: vendors' certificates are NOT verified")
+
+    def reload() -> Policy:
+        """What SIGHUP, POST /reload and --watch load: the file, then the same overrides."""
+        return _overridden(load_policy(args.config), args)
+
     from proxy.server import serve
 
-    return _asyncio_run(serve(policy, policy.listen, policy.admin_listen))
+    return _asyncio_run(serve(policy, policy.listen, policy.admin_listen, load=reload,
+                              watch=args.config if args.watch else None))
 
 
 def _asyncio_run(coro: object) -> int:
@@ -226,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.mockvendor import main as mock_main
 
         return mock_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from proxy.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args)

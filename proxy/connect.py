@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,10 +105,13 @@ class ConnectGate:
     """Owns the listener's connections until each is handed to aiohttp, tunnelled or
     intercepted. ``protocol`` is the listener's protocol factory."""
 
-    def __init__(self, handler: ProxyHandler, web_server: web.Server, contexts: ContextSource | None) -> None:
+    def __init__(
+        self, handler: ProxyHandler, web_server: web.Server, contexts: Callable[[], ContextSource | None]
+    ) -> None:
         self.handler = handler
         self.web = web_server
         self.contexts = contexts
+        """The current leaf factory (it changes when a reload changes the CA)."""
         self._doors: set[FrontDoor] = set()
         self._tunnels: dict[str, int] = {}
         self._pipes: set[_Pipe] = set()
@@ -274,10 +278,11 @@ class ConnectGate:
     async def _intercept(
         self, deps: Deps, door: FrontDoor, transport: asyncio.Transport, tunnel: Tunnel, rec: AccessRecord
     ) -> None:
-        if self.contexts is None:
+        contexts = self.contexts()
+        if contexts is None:
             raise Denied("TLS interception is not set up: the policy has no tls.ca_cert", tunnel.host)
         try:
-            ctx = self.contexts.context_for(tunnel.host)
+            ctx = contexts.context_for(tunnel.host)
         except ValueError as exc:
             raise BadRequest(f"cannot intercept {tunnel.host!r}: {exc}") from None
         except Exception as exc:  # CAError: expired CA, host outside its name constraints

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -39,29 +39,47 @@ def upstream_ssl_context(tls: TlsSettings) -> ssl.SSLContext | bool:
 class Upstreams:
     """The client sessions, one per vendor, created at start and closed at shutdown."""
 
-    def __init__(self, policy: Policy) -> None:
-        ssl_ctx = upstream_ssl_context(policy.tls)
+    def __init__(self, policy: Policy, keep: dict[str, aiohttp.ClientSession] | None = None) -> None:
+        self._tls = policy.tls
+        ssl_ctx: ssl.SSLContext | bool | None = None
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         for vendor in policy.vendors:
-            connector = aiohttp.TCPConnector(
-                ssl=ssl_ctx,
-                limit=0,  # concurrency is the limiter's job; the pool only reuses connections
-                keepalive_timeout=30,
-                ttl_dns_cache=60,
-            )
-            self._sessions[vendor.name] = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
+            session = (keep or {}).get(vendor.name)
+            if session is None:
+                if ssl_ctx is None:
+                    ssl_ctx = upstream_ssl_context(policy.tls)
+                session = _session(ssl_ctx)
+            self._sessions[vendor.name] = session
 
     def session(self, vendor: Vendor) -> aiohttp.ClientSession:
         return self._sessions[vendor.name]
 
+    def updated(self, policy: Policy) -> tuple[Upstreams, list[Callable[[], Awaitable[None]]]]:
+        """The sessions for a reloaded policy: a kept vendor keeps its pool (TLS settings
+        unchanged); returns them and the closers of the sessions no longer used."""
+        keep = self._sessions if policy.tls == self._tls else {}
+        new = Upstreams(policy, keep)
+        used = {id(s) for s in new._sessions.values()}
+        return new, [s.close for s in self._sessions.values() if id(s) not in used]
+
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
+
+
+def _session(ssl_ctx: ssl.SSLContext | bool) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        ssl=ssl_ctx,
+        limit=0,  # concurrency is the limiter's job; the pool only reuses connections
+        keepalive_timeout=30,
+        ttl_dns_cache=60,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
 
 
 async def _continue(request: web.BaseRequest) -> None:

@@ -27,6 +27,7 @@ from proxy.policy.model import Policy, Vendor
 from proxy.recent import Recent
 from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
 from proxy.responses import refusal_response
+from proxy.sizing import Sizing
 from proxy.target import parse_target, parse_tunneled_target
 from proxy.tunnel import tunnel_of
 
@@ -46,6 +47,7 @@ class Deps:
     metrics: Metrics
     clock: Clock
     recent: Recent
+    sizing: Sizing = field(default_factory=Sizing)
     held: dict[str, int] = field(default_factory=dict)
     """Requests being held right now, per vendor."""
 
@@ -200,7 +202,9 @@ class ProxyHandler:
             deps.metrics.drains.labels(vendor.name).inc()
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else None
         resp, broken = await relay(upstream, request, extra)
-        deps.metrics.upstream_seconds.labels(vendor.name).observe(deps.clock.monotonic() - sent)
+        elapsed = deps.clock.monotonic() - sent
+        deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
+        deps.sizing.observe(vendor.name, elapsed)
         rec.outcome = outcome
         if broken:
             rec.outcome, rec.detail = "error", broken

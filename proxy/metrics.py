@@ -92,6 +92,11 @@ class Metrics:
             "ratelimit_leaf_mint_seconds", "Time to mint a leaf certificate for an intercepted host.",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=registry,
         )
+        self.reloads = Counter(
+            "ratelimit_config_reload", "Policy reloads by result (success, failure).", ["result"], registry=registry
+        )
+        for result in ("success", "failure"):
+            self.reloads.labels(result)  # both series exist from the start, for alerts
         self._children: dict[tuple[str, str, str], Counter] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
         self.mode_totals: dict[tuple[str, str], int] = {}

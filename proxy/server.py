@@ -11,15 +11,18 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
+from proxy import accesslog
 from proxy.admin import admin_app
 from proxy.app import Runtime
 from proxy.connect import ConnectGate
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
+from proxy.reload import Reloader
+from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy")
 
@@ -43,7 +46,7 @@ class ProxyServer:
         self._listen = listen
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
-        self.gate = ConnectGate(runtime.handler, self._web, runtime.contexts)
+        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.contexts)
         runtime.admin.tunnels_open = self.gate.tunnels_open
         self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(admin_app(runtime.admin), access_log=None, handle_signals=False,
@@ -110,22 +113,37 @@ class ProxyServer:
         self.gate.cut()
 
 
-async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_line: bool = True) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit status."""
+async def serve(
+    policy: Policy,
+    listen: Address,
+    admin_listen: Address,
+    ready_line: bool = True,
+    load: Callable[[], Policy] | None = None,
+    watch: str | None = None,
+) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit status. With ``load``, SIGHUP and
+    POST /reload reload the policy; with ``watch`` (the policy's path) so does a change
+    to the file."""
+    accesslog.enable(policy.access_log)
     runtime = Runtime(policy)
     server = ProxyServer(runtime, listen, admin_listen)
+    reloader = Reloader(runtime, load) if load is not None else None
     # Handlers first: /readyz may answer while the proxy listener is still binding,
     # and a SIGTERM from whoever saw it ready must drain, not kill.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if reloader is not None:
+        runtime.admin.reload = reloader.reload
+        loop.add_signal_handler(signal.SIGHUP, lambda: spawn(reloader.reload("SIGHUP"), name="reload"))
     try:
         await server.start()
     except OSError as exc:
         log.error("cannot listen: %s", exc)
         await runtime.close()
         return 1
+    watcher = spawn(reloader.watch(watch), name="watch-policy") if reloader and watch else None
     if ready_line:
         print(
             f"quota-proxy listening on {server.url} (admin {server.admin_url}, store "
@@ -133,8 +151,9 @@ async def serve(policy: Policy, listen: Address, admin_listen: Address, ready_li
             flush=True,
         )
     await stop.wait()
-    log.info("draining: finishing in-flight requests (at most %.1fs)", policy.drain_timeout)
+    if watcher is not None:
+        watcher.cancel()
+    log.info("draining: finishing in-flight requests (at most %.1fs)", runtime.policy.drain_timeout)
     await server.stop()
     log.info("stopped")
     return 0
-
