@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proxy import accesslog
 from proxy.app import Runtime
@@ -74,10 +75,13 @@ class Reloader:
             log.error("  %s", error)
         return ReloadResult(False, errors)
 
-    async def watch(self, path: str, interval: float = 1.0) -> None:
+    def watch(self, path: str, interval: float = 1.0) -> Coroutine[Any, Any, None]:
         """Reload whenever the file's content changes (polled: works on every filesystem,
-        including ConfigMap symlink swaps); runs until cancelled."""
-        last = _digest(path)
+        including ConfigMap symlink swaps); the coroutine runs until cancelled. The
+        file is read now, so a change made right after start is not missed."""
+        return self._watch(path, interval, _digest(path))
+
+    async def _watch(self, path: str, interval: float, last: bytes | None) -> None:
         while True:
             await asyncio.sleep(interval)
             current = _digest(path)
