@@ -66,6 +66,8 @@ class Runtime:
         self._retiring: set[asyncio.Task[None]] = set()
         self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
         self._declare_gauges()
+        for vendor in policy.vendors:
+            self.metrics.declare_vendor(vendor.name)
 
     # -- what the rest of the proxy reads ------------------------------------------
 
@@ -128,6 +130,8 @@ class Runtime:
             minter, self.contexts = self.contexts, self._leaf_minter(policy)
             if minter is not None:
                 self._retire(_as_async(minter.close), policy)
+        for vendor in policy.vendors:
+            self.metrics.declare_vendor(vendor.name)
         self.handler.deps = Deps(
             policy=policy,
             router=Router(policy),

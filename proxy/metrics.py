@@ -103,6 +103,13 @@ class Metrics:
         """(limiter, mode) → requests since start, for /status."""
         self._tenants: set[str] = set()
 
+    def declare_vendor(self, limiter: str) -> None:
+        """Create a vendor's rare-event series at zero, so that its first vendor 429,
+        fail-open or block shows up as an increase (rate() needs a previous sample)."""
+        self.responses.labels(limiter, "429")
+        for counter in (self.deferred, self.shed, self.fail_open, self.vendor_blocks, self.drains):
+            counter.labels(limiter)
+
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:
         key = (limiter, tenant, outcome)
         child = self._children.get(key)
