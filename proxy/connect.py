@@ -20,7 +20,7 @@ import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -206,7 +206,7 @@ class ConnectGate:
                 if named is not None:
                     tenant = deps.router.tenant(parsed.headers)
                 rec.tenant = None if tenant == "-" else tenant
-                await self._intercept(deps, door, transport, Tunnel(vendor, host, port, rec.tenant), rec)
+                await self._intercept(deps, door, transport, Tunnel(vendor, host, port, rec.tenant), rec, early)
         except Refusal as refusal:
             resp = self.handler.refuse(deps, refusal, vendor.name if vendor else None, rec)
             rec.status = resp.status
@@ -276,7 +276,8 @@ class ConnectGate:
         transport.resume_reading()
 
     async def _intercept(
-        self, deps: Deps, door: FrontDoor, transport: asyncio.Transport, tunnel: Tunnel, rec: AccessRecord
+        self, deps: Deps, door: FrontDoor, transport: asyncio.Transport, tunnel: Tunnel, rec: AccessRecord,
+        early: bytes = b"",
     ) -> None:
         contexts = self.contexts()
         if contexts is None:
@@ -292,11 +293,20 @@ class ConnectGate:
         door.release()
         pending = _Pending()
         loop = asyncio.get_running_loop()
+        began = loop.time()
         try:
-            tls = await loop.start_tls(transport, pending, ctx, server_side=True,
-                                       ssl_handshake_timeout=_HANDSHAKE_TIMEOUT)
+            handshake = asyncio.ensure_future(loop.start_tls(transport, pending, ctx, server_side=True,
+                                                             ssl_handshake_timeout=_HANDSHAKE_TIMEOUT))
+            if early:
+                # A ClientHello sent right behind the CONNECT head was read with it. start_tls has
+                # now installed its protocol and queued connection_made: feed the bytes after that.
+                await asyncio.sleep(0)
+                loop.call_soon(_feed, transport, early)
+            tls = await handshake
         except (ssl.SSLError, OSError, TimeoutError, EOFError, ConnectionError) as exc:
-            reason = tls_error_reason(exc)
+            # asyncio and uvloop end a handshake that overstays its timeout with ConnectionAbortedError.
+            timed_out = isinstance(exc, ConnectionAbortedError) and loop.time() - began >= _HANDSHAKE_TIMEOUT
+            reason = "timeout" if timed_out else tls_error_reason(exc)
             deps.metrics.tls_errors.labels(tunnel.vendor.name, reason).inc()
             deps.metrics.connects.labels(tunnel.vendor.name, "intercept", "tls-failed").inc()
             log.warning("TLS handshake with a worker failed for %s (%s): does it trust the proxy's CA?",
@@ -317,6 +327,21 @@ class ConnectGate:
             proto.eof_received()
         deps.metrics.connects.labels(tunnel.vendor.name, "intercept", "established").inc()
         rec.outcome, rec.status = "forwarded", 200
+
+
+def _feed(transport: asyncio.Transport, data: bytes) -> None:
+    """Hand ``data`` to the transport's protocol as if just read from the socket."""
+    proto: Any = transport.get_protocol()
+    if hasattr(proto, "buffer_updated"):  # asyncio's SSLProtocol; uvloop's is not a BufferedProtocol subclass
+        view = memoryview(data)
+        while view:
+            buf = proto.get_buffer(len(view))
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            proto.buffer_updated(n)
+            view = view[n:]
+    else:
+        proto.data_received(data)
 
 
 def _origin_address(origin: str) -> tuple[str, int]:
