@@ -40,6 +40,7 @@ log = logging.getLogger("quota_proxy.connect")
 _CONNECT = b"CONNECT "
 _MAX_HEAD = 16 * 1024  # a CONNECT request head larger than this is refused
 _HANDSHAKE_TIMEOUT = 10.0
+_FIRST_REQUEST_TIMEOUT = 60.0  # a connection that says nothing (or only part of a CONNECT) is closed
 _ESTABLISHED = b"HTTP/1.1 200 Connection Established\r\n\r\n"
 
 
@@ -359,10 +360,18 @@ class FrontDoor(asyncio.Protocol):
         self._buffer = bytearray()
         self._task: asyncio.Task[None] | None = None
         self._released = False
+        self._idle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._gate.track_door(self)
+        self._idle = asyncio.get_running_loop().call_later(_FIRST_REQUEST_TIMEOUT, self.close_if_idle)
+
+    def _settled(self) -> None:
+        """The first request is in: no more first-request timeout."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
 
     def data_received(self, data: bytes) -> None:
         if self._task is not None:  # early bytes after a CONNECT head: kept for the tunnel
@@ -374,6 +383,7 @@ class FrontDoor(asyncio.Protocol):
             return
         assert self._transport is not None
         if not buf.startswith(_CONNECT):
+            self._settled()
             self._gate.track_door(self, done=True)
             self._gate.handoff(self._transport, bytes(buf))
             return
@@ -386,6 +396,7 @@ class FrontDoor(asyncio.Protocol):
             return
         head, early = bytes(buf[:end]), bytes(buf[end + 4 :])
         self._buffer = bytearray()
+        self._settled()
         self._transport.pause_reading()
         self._task = spawn(self._gate.connect(self, self._transport, head, early), name="connect")
 
@@ -395,6 +406,7 @@ class FrontDoor(asyncio.Protocol):
         self._gate.track_door(self, done=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._settled()
         self._gate.track_door(self, done=True)
         if self._task is not None and not self._task.done() and not self._released:
             self._task.cancel()
