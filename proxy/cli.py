@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from proxy import __version__
+from proxy import __version__, accesslog
 from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
 
 EXIT_CONFIG = 2
@@ -131,12 +131,7 @@ def _setup_logging(level: str) -> None:
         stream=sys.stderr,
     )
     # The access log is one JSON object per line, nothing around it, for log pipelines.
-    access = logging.getLogger("quota_proxy.access")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.propagate = False
-    access.setLevel(logging.INFO)
+    accesslog.configure(sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

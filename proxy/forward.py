@@ -140,6 +140,14 @@ async def send(
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
+class _RelayResponse(web.StreamResponse):
+    """Headers leave with the first piece of the body (or at the end of an empty one):
+    one write per small answer instead of two. (aiohttp's own web.Response does the same
+    through this attribute; without it the answer is still correct, only costlier.)"""
+
+    _send_headers_immediately = False
+
+
 class _UpstreamBroke(Exception):
     """The vendor's body ended early, failed to parse, or went silent past the read timeout."""
 
@@ -164,7 +172,7 @@ async def relay(
     If the vendor broke off mid-body, the worker's connection is aborted: a
     truncated body must never look complete. If the worker went away, the
     half-read upstream connection is dropped rather than returned to the pool."""
-    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    resp = _RelayResponse(status=upstream.status, reason=upstream.reason)
     resp.headers.extend(downstream_response_headers(upstream.headers))
     if extra_headers:
         resp.headers.update(extra_headers)

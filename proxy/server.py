@@ -155,5 +155,6 @@ async def serve(
         watcher.cancel()
     log.info("draining: finishing in-flight requests (at most %.1fs)", runtime.policy.drain_timeout)
     await server.stop()
+    accesslog.ACCESS.flush()
     log.info("stopped")
     return 0
