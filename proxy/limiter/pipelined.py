@@ -74,6 +74,21 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
+def _expire(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], hops: int) -> None:
+    """A reply's deadline passed. The deadline is on the reply, not on the caller's
+    wait: a reply that came in time wins even if the busy loop resumes the caller late
+    (asyncio.timeout would cancel that caller anyway, and an overloaded replica would
+    mistake its own lag for a dead store and trip its breaker). As a margin for loops
+    that run due timers before reading their sockets, look again after a couple of
+    loop turns before failing."""
+    if fut.done():
+        return
+    if hops:
+        loop.call_soon(_expire, loop, fut, hops - 1)
+        return
+    fut.set_exception(TimeoutError("no reply from Redis within the store timeout"))
+
+
 class PipelinedConnection:
     """``redis://`` or ``rediss://`` (user, password and db from the URL); not Cluster."""
 
@@ -129,9 +144,26 @@ class PipelinedConnection:
         self._proto = proto
         return proto
 
-    async def execute(self, *args: Any) -> Any:
-        proto = await self._connection()
-        reply = await proto.send(hiredis.pack_command(args))
+    async def execute(self, *args: Any, reply_within: float | None = None) -> Any:
+        """Send one command and wait for its reply; TimeoutError when Redis has not
+        answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
+        on the caller's wait: see _expire)."""
+        loop = asyncio.get_running_loop()
+        if reply_within is None:
+            proto = await self._connection()
+            reply = await proto.send(hiredis.pack_command(args))
+        else:
+            deadline = loop.time() + reply_within
+            current = self._proto
+            if current is None or current.closed:
+                current = await asyncio.wait_for(self._connection(), reply_within)
+            proto = current
+            fut = proto.send(hiredis.pack_command(args))
+            handle = loop.call_at(deadline, _expire, loop, fut, 2)
+            try:
+                reply = await fut
+            finally:
+                handle.cancel()
         if isinstance(reply, hiredis.ReplyError):
             raise PipelineError(str(reply))
         return reply
@@ -158,11 +190,11 @@ class PipelinedScript:
         conn.preload(source)
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
         try:
-            return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+            return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
         except PipelineError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
-        await self._conn.execute("SCRIPT", "LOAD", self._source)
-        return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+        await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
+        return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)

@@ -83,8 +83,7 @@ class RedisStore:
     async def _call_fast(self, fast: PipelinedScript, keys: list[str], args: list[float]) -> Any:
         assert self._pipe is not None
         try:
-            async with asyncio.timeout(self._timeout):
-                return await fast(keys, args)
+            return await fast(keys, args, reply_within=self._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
             self._pipe.drop_if_stuck(self._timeout)
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc

@@ -91,3 +91,62 @@ async def test_a_peer_that_never_answers_cannot_hold_callers_forever() -> None:
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def _busy_loop_case(url: str) -> bytes:
+    conn = PipelinedConnection(url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        await echo([], ["warm"])
+        # Another connection's data_received keeps the loop busy past the deadline, in
+        # the phase where sockets are read (as a burst of requests does): Redis's reply
+        # arrives meanwhile and waits unread while the deadline timer comes due.
+        loop = asyncio.get_running_loop()
+        peers: list[asyncio.StreamWriter] = []
+        server = await asyncio.start_server(lambda r, w: peers.append(w), "127.0.0.1", 0)
+
+        class Hog(asyncio.Protocol):
+            def data_received(self, data: bytes) -> None:
+                time.sleep(0.2)
+
+        hog, _ = await loop.create_connection(Hog, "127.0.0.1", server.sockets[0].getsockname()[1])
+        while not peers:
+            await asyncio.sleep(0)
+        peers[0].write(b"x")  # readable at the next poll, before Redis can have answered
+        call = asyncio.ensure_future(echo([], ["on time"], reply_within=0.05))
+        try:
+            reply: bytes = await call
+        finally:
+            hog.close()
+            peers[0].close()
+            server.close()
+        return reply
+    finally:
+        conn.close()
+
+
+async def test_a_busy_loop_is_not_mistaken_for_a_dead_store(redis_url: str) -> None:
+    assert await _busy_loop_case(redis_url) == b"on time"
+
+
+def test_a_busy_uvloop_is_not_mistaken_for_a_dead_store(redis_server: RedisServer) -> None:
+    # (With asyncio.timeout around the call, both this and the asyncio case time out.)
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(_busy_loop_case(redis_server.url)) == b"on time"
+
+
+async def test_a_silent_store_still_times_out_at_the_deadline(own_redis: RedisServer) -> None:
+    conn = PipelinedConnection(own_redis.url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        await echo([], ["warm"])
+        own_redis.pause()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await echo([], ["late"], reply_within=0.1)
+        assert 0.1 <= time.monotonic() - started < 0.5
+    finally:
+        own_redis.resume()
+        conn.close()
