@@ -9,6 +9,7 @@ however it ends; a watchdog bounds each script's wall-clock time. Traffic goes t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -437,3 +441,67 @@ def run_main(main_fn, argv: Sequence[str] | None = None) -> int:  # type: ignore
         return 130
     finally:
         fleet.stop_all()
+
+
+async def paced(url: str, proxy: str | None, rate: float, duration: float, warmup: float,
+                on_measure_start=None, ctx: ssl.SSLContext | None = None,
+                ) -> tuple[list[float], int, dict[int | str, int], float]:
+    """Open-loop load (request i launched at t0 + i/rate, whatever the answers' pace), keep-alive,
+    over TLS with ``ctx``: (latencies of the measured part, errors, statuses, achieved rate).
+    A non-200 status is also counted under "<status> <whose answer>" (the proxy's reason or
+    "vendor")."""
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=30, ssl=ctx if ctx is not None else True)
+    timeout = aiohttp.ClientTimeout(total=10)
+    latencies: list[float] = []
+    statuses: dict[int | str, int] = {}
+    errors = 0
+    tasks: set[asyncio.Task[None]] = set()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(measure: bool) -> None:
+            nonlocal errors
+            t = time.perf_counter()
+            try:
+                async with session.get(url, proxy=proxy) as resp:
+                    await resp.read()
+                    status = resp.status
+                    reason = resp.headers.get("X-Quota-Reason") or resp.headers.get("X-Quota-Action")
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1 if measure else 0
+                return
+            if measure:
+                latencies.append(time.perf_counter() - t)
+                statuses[status] = statuses.get(status, 0) + 1
+                if status != 200:  # say whose answer it was: the proxy's (and why) or the vendor's
+                    why = f"{status} {reason or 'vendor'}"
+                    statuses[why] = statuses.get(why, 0) + 1
+
+        interval = 1.0 / rate
+        t0 = time.perf_counter()
+        measure_from = t0 + warmup
+        end = measure_from + duration
+        i = measured = 0
+        started_measure = False
+        while True:
+            due = t0 + i * interval
+            if due >= end:
+                break
+            now = time.perf_counter()
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue
+            measure = due >= measure_from
+            if measure and not started_measure:
+                started_measure = True
+                if on_measure_start is not None:
+                    on_measure_start()
+            measured += measure
+            task = asyncio.ensure_future(one(measure))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=15)
+            if pending:
+                raise BenchError(f"{len(pending)} requests still pending 15 s after the load ended")
+    return latencies, errors, statuses, measured / duration

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from _common import (
     LOOPBACK,
     ROOT,
@@ -58,6 +57,7 @@ from _common import (
     loadavg,
     metric_sum,
     outcomes,
+    paced,
     percentile,
     policy,
     require_pinning,
@@ -283,66 +283,6 @@ def intercept_policy(vendor_url: str, certs: Certs, store: str) -> str:
 # -- 1. latency ------------------------------------------------------------------------------------
 
 
-async def paced(url: str, proxy: str | None, ctx: ssl.SSLContext, rate: float, duration: float, warmup: float,
-                on_measure_start=None) -> tuple[list[float], int, dict[int | str, int], float]:
-    """bench/latency.py's open loop, over TLS: (latencies measured, errors, statuses, achieved rate)."""
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=30, ssl=ctx)
-    timeout = aiohttp.ClientTimeout(total=10)
-    latencies: list[float] = []
-    statuses: dict[int | str, int] = {}
-    errors = 0
-    tasks: set[asyncio.Task[None]] = set()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-        async def one(measure: bool) -> None:
-            nonlocal errors
-            t = time.perf_counter()
-            try:
-                async with session.get(url, proxy=proxy) as resp:
-                    await resp.read()
-                    status = resp.status
-                    reason = resp.headers.get("X-Quota-Reason") or resp.headers.get("X-Quota-Action")
-            except (aiohttp.ClientError, TimeoutError):
-                errors += 1 if measure else 0
-                return
-            if measure:
-                latencies.append(time.perf_counter() - t)
-                statuses[status] = statuses.get(status, 0) + 1
-                if status != 200:  # say whose answer it was: the proxy's (and why) or the vendor's
-                    why = f"{status} {reason or 'vendor'}"
-                    statuses[why] = statuses.get(why, 0) + 1
-
-        interval = 1.0 / rate
-        t0 = time.perf_counter()
-        measure_from = t0 + warmup
-        end = measure_from + duration
-        i = measured = 0
-        started_measure = False
-        while True:
-            due = t0 + i * interval
-            if due >= end:
-                break
-            now = time.perf_counter()
-            if due > now:
-                await asyncio.sleep(due - now)
-                continue
-            measure = due >= measure_from
-            if measure and not started_measure:
-                started_measure = True
-                if on_measure_start is not None:
-                    on_measure_start()
-            measured += measure
-            task = asyncio.ensure_future(one(measure))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=15)
-            if pending:
-                raise BenchError(f"{len(pending)} requests still pending 15 s after the load ended")
-    return latencies, errors, statuses, measured / duration
-
-
 async def setup_times(vendor_url: str, proxy_url: str | None, ctx: ssl.SSLContext, n: int) -> list[float]:
     """Seconds to a usable TLS connection, ``n`` times in a row: a handshake straight to the
     vendor, or (``proxy_url``) CONNECT + handshake with the proxy's leaf."""
@@ -373,8 +313,8 @@ def summarize(lat: list[float]) -> dict[str, float]:
 def latency_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: Proc, redis: Proc | None,
                   results: dict[str, Any]) -> None:
     vendor_ctx, proxy_ctx = client_context(certs.vendor_ca), client_context(certs.proxy_ca)
-    lat, errors, statuses, achieved = _run(paced(vendor.url + PATH, None, vendor_ctx, args.rate, args.duration,
-                                                 args.warmup))
+    lat, errors, statuses, achieved = _run(paced(vendor.url + PATH, None, args.rate, args.duration,
+                                                 args.warmup, ctx=vendor_ctx))
     if not lat or errors or set(statuses) != {200}:
         raise BenchError(f"direct phase: {errors} errors, statuses {statuses}")
     results["direct"] = {**summarize(lat), "n": len(lat), "achieved_rate": achieved}
@@ -394,8 +334,8 @@ def latency_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: 
                     marks["cpu0"] = cpu_seconds(pid)
 
                 before = outcomes(fetch_metrics(proxy.admin_url))
-                lat, errors, statuses, achieved = _run(paced(url_, proxy.url, ctx, args.rate, args.duration,
-                                                             args.warmup, mark))
+                lat, errors, statuses, achieved = _run(paced(url_, proxy.url, args.rate, args.duration,
+                                                             args.warmup, mark, ctx=ctx))
                 cpu1 = cpu_seconds(proxy.pid)
                 after = outcomes(fetch_metrics(proxy.admin_url))
                 if not lat or errors or set(statuses) != {200}:

@@ -25,7 +25,6 @@ import sys
 import time
 from typing import Any
 
-import aiohttp
 from _common import (
     VENDOR_HOST,
     BenchError,
@@ -36,6 +35,7 @@ from _common import (
     fetch_metrics,
     loadavg,
     outcomes,
+    paced,
     percentile,
     policy,
     run_main,
@@ -44,63 +44,6 @@ from _common import (
 )
 
 PCTS = (50, 90, 99)
-
-
-async def paced(url: str, proxy: str | None, rate: float, duration: float, warmup: float,
-                on_measure_start=None) -> tuple[list[float], int, dict[int, int], float]:
-    """Open-loop load; returns (latencies of the measured part, errors, statuses, achieved rate)."""
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=30)
-    timeout = aiohttp.ClientTimeout(total=10)
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    errors = 0
-    tasks: set[asyncio.Task[None]] = set()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-        async def one(measure: bool) -> None:
-            nonlocal errors
-            t = time.perf_counter()
-            try:
-                async with session.get(url, proxy=proxy) as resp:
-                    await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, TimeoutError):
-                errors += 1 if measure else 0
-                return
-            if measure:
-                latencies.append(time.perf_counter() - t)
-                statuses[status] = statuses.get(status, 0) + 1
-
-        interval = 1.0 / rate
-        t0 = time.perf_counter()
-        measure_from = t0 + warmup
-        end = measure_from + duration
-        i = 0
-        measured = 0
-        started_measure = False
-        while True:
-            due = t0 + i * interval
-            if due >= end:
-                break
-            now = time.perf_counter()
-            if due > now:
-                await asyncio.sleep(due - now)
-                continue
-            measure = due >= measure_from
-            if measure and not started_measure:
-                started_measure = True
-                if on_measure_start is not None:
-                    on_measure_start()
-            measured += measure
-            task = asyncio.ensure_future(one(measure))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=15)
-            if pending:
-                raise BenchError(f"{len(pending)} requests still pending 15 s after the load ended")
-    return latencies, errors, statuses, measured / duration
 
 
 def summarize(lat: list[float]) -> dict[str, float]:
