@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import ssl
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import hiredis
@@ -89,6 +90,21 @@ def _expire(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], hops: int
     fut.set_exception(TimeoutError("no reply from Redis within the store timeout"))
 
 
+def _tls_context(opts: Mapping[str, object]) -> ssl.SSLContext:
+    """rediss:// with the TLS options redis-py reads from the URL's query string
+    (ssl_ca_certs, ssl_cert_reqs, ssl_check_hostname), so both connections agree."""
+    cafile = opts.get("ssl_ca_certs")
+    ctx = ssl.create_default_context(cafile=cafile if isinstance(cafile, str) else None)
+    reqs = str(opts.get("ssl_cert_reqs", "required")).lower()
+    if reqs in ("none", "cert_none"):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx.check_hostname = bool(opts.get("ssl_check_hostname", True))
+        ctx.verify_mode = ssl.CERT_OPTIONAL if reqs in ("optional", "cert_optional") else ssl.CERT_REQUIRED
+    return ctx
+
+
 class PipelinedConnection:
     """``redis://`` or ``rediss://`` (user, password and db from the URL); not Cluster."""
 
@@ -104,7 +120,7 @@ class PipelinedConnection:
         if int(opts.get("db", 0)):
             self._setup.append(("SELECT", int(opts["db"])))
         tls = opts.get("connection_class") is SSLConnection
-        self._ssl = (ssl_context or ssl.create_default_context()) if tls else None
+        self._ssl = (ssl_context or _tls_context(opts)) if tls else None
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
 
