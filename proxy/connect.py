@@ -236,45 +236,62 @@ class ConnectGate:
     ) -> None:
         if self._tunnels.get(vendor.name, 0) >= vendor.max_tunnels:
             raise Limited("defer", 1.0, "tunnels", f"max_tunnels {vendor.max_tunnels} reached")
-        wish = request_wish(vendor.on_limit, parsed.headers)
-        rec.outcome = await self.handler.admit(deps, vendor, tenant, wish, rec)
-        up_host, up_port = host, port
-        if vendor.upstream:
-            up_host, up_port = _origin_address(vendor.upstream)
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(vendor.timeouts.connect):
-                up_transport, up_pipe = await loop.create_connection(_Pipe, up_host, up_port)
-        except TimeoutError:
-            raise UpstreamFailed(504, "upstream-timeout", f"{vendor.name}: connecting to {up_host}:{up_port} "
-                                                          "timed out") from None
-        except OSError as exc:
-            raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: cannot connect to "
-                                                              f"{up_host}:{up_port}: {exc}") from None
-        if transport.is_closing():
-            up_transport.close()
-            raise asyncio.CancelledError
-        down_pipe = _Pipe()
-        transport.write(_ESTABLISHED)
+        # The slot is taken before the (possibly held) admission, so CONNECTs waiting
+        # together cannot all pass the cap; it is given back unless the tunnel opens.
         self._tunnels[vendor.name] = self._tunnels.get(vendor.name, 0) + 1
         deps.metrics.tunnels_open.labels(vendor.name).inc()
-        deps.metrics.connects.labels(vendor.name, "tunnel", "established").inc()
-        deps.metrics.count_mode(vendor.name, "tunnel")
-        rec.status = 200
+        opened = False
 
         def closed() -> None:
             self._tunnels[vendor.name] -= 1
             deps.metrics.tunnels_open.labels(vendor.name).dec()
+
+        try:
+            up_transport, up_pipe = await self._open_tunnel(deps, vendor, tenant, host, port, parsed, rec)
+            if transport.is_closing():
+                up_transport.close()
+                raise asyncio.CancelledError
+            opened = True
+        finally:
+            if not opened:
+                closed()
+        down_pipe = _Pipe()
+        transport.write(_ESTABLISHED)
+        deps.metrics.connects.labels(vendor.name, "tunnel", "established").inc()
+        deps.metrics.count_mode(vendor.name, "tunnel")
+        rec.status = 200
+
+        def finished() -> None:
+            closed()
             self.track_pipe(down_pipe, done=True)
 
         door.release()
-        down_pipe.join(transport, up_transport, on_closed=closed)
+        down_pipe.join(transport, up_transport, on_closed=finished)
         up_pipe.join(up_transport, transport, on_closed=None)
         self.track_pipe(down_pipe)
         transport.set_protocol(down_pipe)
         if early:
             up_transport.write(early)
         transport.resume_reading()
+
+    async def _open_tunnel(
+        self, deps: Deps, vendor: Vendor, tenant: str, host: str, port: int, parsed: ConnectHead,
+        rec: AccessRecord,
+    ) -> tuple[asyncio.Transport, _Pipe]:
+        """Admit the CONNECT (one token) and connect to the vendor."""
+        wish = request_wish(vendor.on_limit, parsed.headers)
+        rec.outcome = await self.handler.admit(deps, vendor, tenant, wish, rec)
+        up_host, up_port = _origin_address(vendor.upstream) if vendor.upstream else (host, port)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(vendor.timeouts.connect):
+                return await loop.create_connection(_Pipe, up_host, up_port)
+        except TimeoutError:
+            raise UpstreamFailed(504, "upstream-timeout", f"{vendor.name}: connecting to {up_host}:{up_port} "
+                                                          "timed out") from None
+        except OSError as exc:
+            raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: cannot connect to "
+                                                              f"{up_host}:{up_port}: {exc}") from None
 
     async def _intercept(
         self, deps: Deps, door: FrontDoor, transport: asyncio.Transport, tunnel: Tunnel, rec: AccessRecord,

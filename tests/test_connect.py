@@ -159,3 +159,19 @@ async def test_plain_requests_still_work_beside_connect(https_vendor, vendor, st
     async with client_session() as s, s.get("http://api.payments.example/v1/plain", proxy=proxy.url) as r:
         assert r.status == 200
     assert vendor.mock.requests[0]["path_qs"] == "/v1/plain"
+
+
+async def test_the_cap_counts_connects_still_held_for_their_token(https_vendor, start_proxy) -> None:
+    # 5/s with a burst of 1: the second and third CONNECTs are held 0.2 s and 0.4 s for
+    # their tokens. The cap of 2 must count the held one, not only tunnels already open.
+    policy = make_policy(TUNNEL_POLICY.replace("{action: defer}", "{action: hold, max_hold: 1s}")
+                         .replace("rate: 1, per: 1h", "rate: 5, per: 1s"),
+                         upstream=https_vendor.url, burst=1, max_tunnels=2)
+    proxy = await start_proxy(policy)
+    answers = await asyncio.gather(*(raw_connect(proxy, "api.payments.example:443") for _ in range(4)))
+    statuses = sorted(a[0] for a in answers)
+    assert statuses == [200, 200, 429, 429]
+    assert proxy.gate.tunnels_open("payments") == 2
+    for a in answers:
+        a[4].close()
+    await eventually(lambda: proxy.gate.tunnels_open("payments") == 0, "every tunnel to be released")
