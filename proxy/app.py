@@ -116,6 +116,9 @@ class Runtime:
             notes.append("listen and admin_listen take effect only on restart; still serving on "
                          f"{old.policy.listen} and {old.policy.admin_listen}")
             policy = _keep_listeners(policy, old.policy)
+        # What can fail comes first, so a failed reload changes nothing.
+        tls_changed = policy.tls != old.policy.tls
+        minter = self._leaf_minter(policy) if tls_changed else self.contexts
         limiter = old.limiter
         if policy.store != old.policy.store:
             limiter = self._limiter(policy)
@@ -126,10 +129,10 @@ class Runtime:
         upstreams, dropped = old.upstreams.updated(policy)
         for session_close in dropped:
             self._retire(session_close, policy)
-        if policy.tls != old.policy.tls:
-            minter, self.contexts = self.contexts, self._leaf_minter(policy)
-            if minter is not None:
-                self._retire(_as_async(minter.close), policy)
+        if tls_changed:
+            previous, self.contexts = self.contexts, minter
+            if previous is not None:
+                self._retire(_as_async(previous.close), policy)
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
         self.handler.deps = Deps(
