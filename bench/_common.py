@@ -505,3 +505,16 @@ async def paced(url: str, proxy: str | None, rate: float, duration: float, warmu
             if pending:
                 raise BenchError(f"{len(pending)} requests still pending 15 s after the load ended")
     return latencies, errors, statuses, measured / duration
+
+
+def wait_cpu(proc: Proc, timeout: float) -> float:
+    """Wait for ``proc`` to exit; return its CPU seconds read just before it exits."""
+    deadline = time.monotonic() + timeout
+    cpu = 0.0
+    while proc.popen.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            cpu = cpu_seconds(proc.pid)
+        if time.monotonic() > deadline:
+            raise BenchError(f"{proc.name} still running {timeout:.0f}s after it should have ended")
+        time.sleep(0.05)
+    return cpu

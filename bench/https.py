@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -63,6 +62,7 @@ from _common import (
     require_pinning,
     run_main,
     table,
+    wait_cpu,
     watchdog,
 )
 
@@ -391,26 +391,13 @@ def mint_phase(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 # -- 3. saturation --------------------------------------------------------------------------------
 
 
-def _wait_cpu(proc: Proc, timeout: float) -> float:
-    """Wait for ``proc`` to exit; its CPU seconds read just before it exits."""
-    deadline = time.monotonic() + timeout
-    cpu = 0.0
-    while proc.popen.poll() is None:
-        with contextlib.suppress(OSError, ValueError):
-            cpu = cpu_seconds(proc.pid)
-        if time.monotonic() > deadline:
-            raise BenchError(f"{proc.name} still running {timeout:.0f}s after it should have ended")
-        time.sleep(0.05)
-    return cpu
-
-
 def generate(fleet: Fleet, mode: str, proxy: Proc, certs: Certs, connections: int, duration: float,
              cpus: str | None) -> tuple[dict[str, float], float]:
     proc = fleet.start(f"loadgen-{mode}", [sys.executable, str(Path(__file__).resolve()), "_loadgen", "--connect",
                                            proxy.url.removeprefix("http://"), "--mode", mode, "--ca",
                                            str(certs.proxy_ca), "--connections", str(connections),
                                            "--duration", f"{duration:g}"], cpus=cpus)
-    cpu = _wait_cpu(proc, duration + 30)
+    cpu = wait_cpu(proc, duration + 30)
     code = proc.popen.returncode
     fleet.stop(proc)
     if code != 0:

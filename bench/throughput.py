@@ -27,7 +27,6 @@ bench/_loadgen.py (raw asyncio protocols), or as chosen with --generator.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import shutil
@@ -56,6 +55,7 @@ from _common import (
     run_main,
     script_calls,
     table,
+    wait_cpu,
     watchdog,
 )
 
@@ -88,7 +88,7 @@ def generate(fleet: Fleet, generator: str, proxy_url: str, connections: int, dur
         proc = fleet.start("loadgen", [sys.executable, str(BENCH / "_loadgen.py"), "--connect", hostport,
                                        "--target", TARGET_URL, "--connections", str(connections),
                                        "--duration", f"{duration:g}"], cpus=cpus)
-    cpu = _wait_cpu(proc, duration + 20)
+    cpu = wait_cpu(proc, duration + 20)
     code = proc.popen.returncode
     fleet.stop(proc)
     text = proc.stdout.read_text(errors="replace")
@@ -108,19 +108,6 @@ def generate(fleet: Fleet, generator: str, proxy_url: str, connections: int, dur
         return json.loads(text.strip().splitlines()[-1]), cpu
     except (ValueError, IndexError):
         raise BenchError(f"cannot read the load generator's output:\n{proc.tail()}") from None
-
-
-def _wait_cpu(proc: Proc, timeout: float) -> float:
-    """Wait for ``proc`` to exit; return its CPU seconds read just before it exits."""
-    deadline = time.monotonic() + timeout
-    cpu = 0.0
-    while proc.popen.poll() is None:
-        with contextlib.suppress(OSError, ValueError):
-            cpu = cpu_seconds(proc.pid)
-        if time.monotonic() > deadline:
-            raise BenchError(f"{proc.name} still running {timeout:.0f}s after it should have ended")
-        time.sleep(0.05)
-    return cpu
 
 
 def _cpus(spec: str | None) -> list[str]:

@@ -51,10 +51,6 @@ class ManualClock:
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
         await fut
 
-    @property
-    def sleepers(self) -> int:
-        return sum(1 for *_, f in self._sleepers if not f.done())
-
     async def advance(self, seconds: float) -> None:
         """Move time forward, waking every sleeper whose deadline has come, in order."""
         target = self._now + seconds

@@ -309,3 +309,29 @@ async def https_vendor(vendor_ca: tuple[trustme.CA, Path], aiohttp_server: Any) 
     mock = MockVendor(rate=None)
     server = await aiohttp_server(mock.app(), ssl=ctx)
     return HttpsVendor(mock, f"https://127.0.0.1:{server.port}", server.port, path)
+
+
+async def curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path,
+               *options: str) -> tuple[int, dict[str, str], bytes]:
+    """A real curl, with the proxy from the (monkeypatched) environment: (status,
+    lower-case headers, body) of the final answer."""
+    out = tmp / "curl-body"
+    argv = ["curl", "--silent", "--show-error", "--max-time", "20", *options, "--request", method,
+            "--dump-header", "-", "--output", str(out)]
+    for name, value in headers.items():
+        argv += ["--header", f"{name}: {value}"]
+    if body is not None:
+        src = tmp / "curl-upload"
+        src.write_bytes(body)
+        argv += ["--data-binary", f"@{src}", "--header", "Content-Type: application/octet-stream"]
+    argv.append(url)
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode(errors="replace")
+    # The last header block is the final answer: a proxy's "200 Connection Established"
+    # and any "100 Continue" come first.
+    blocks = [b for b in stdout.decode("latin-1").split("\r\n\r\n") if b.strip()]
+    status_line, *lines = blocks[-1].split("\r\n")
+    parsed = (line.split(":", 1) for line in lines if ":" in line)
+    return int(status_line.split()[1]), {k.lower(): v.strip() for k, v in parsed}, out.read_bytes()

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import requests
 
-from tests.conftest import vendor_policy
+from tests.conftest import curl, vendor_policy
 
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
@@ -71,27 +71,8 @@ async def via_aiohttp(method: str, url: str, headers: dict[str, str], body: byte
 
 
 async def via_curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
-    out = tmp / "curl-body"
-    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--request", method, "--dump-header", "-",
-            "--output", str(out)]
-    for name, value in headers.items():
-        argv += ["--header", f"{name}: {value}"]
-    if body is not None:
-        src = tmp / "curl-upload"
-        src.write_bytes(body)
-        argv += ["--data-binary", f"@{src}", "--header", "Content-Type: application/octet-stream"]
-    argv.append(url)
-    # No env= override: the monkeypatched os.environ (lower-case http_proxy, no no_proxy) is inherited.
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
-    stdout, stderr = await proc.communicate()
-    assert proc.returncode == 0, stderr.decode(errors="replace")
-    # The last header block is the final answer (a 100 Continue block may precede it).
-    blocks = [b for b in stdout.decode("latin-1").split("\r\n\r\n") if b.strip()]
-    status_line, *lines = blocks[-1].split("\r\n")
-    status = int(status_line.split()[1])
-    hdrs = _lower(line.split(":", 1) for line in lines if ":" in line)
-    return Answer(status, {k: v.strip() for k, v in hdrs.items()}, out.read_bytes())
+    # No env= override: the monkeypatched os.environ (proxy variables, no no_proxy) is inherited.
+    return Answer(*await curl(method, url, headers, body, tmp))
 
 
 CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp,

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import requests
 
-from tests.conftest import value
+from tests.conftest import curl, value
 from tests.test_intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
@@ -81,28 +81,8 @@ async def via_aiohttp(w: Worker, method: str, url: str, headers: dict[str, str],
 
 
 async def via_curl(w: Worker, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Answer:
-    out = w.tmp / "curl-body"
-    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--cacert", str(w.ca.cert),
-            "--request", method, "--dump-header", "-", "--output", str(out)]
-    for name, val in headers.items():
-        argv += ["--header", f"{name}: {val}"]
-    if body is not None:
-        src = w.tmp / "curl-upload"
-        src.write_bytes(body)
-        argv += ["--data-binary", f"@{src}", "--header", "Content-Type: application/octet-stream"]
-    argv.append(url)
-    # No env= override: the monkeypatched os.environ (https_proxy, no no_proxy) is inherited.
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
-    stdout, stderr = await proc.communicate()
-    assert proc.returncode == 0, stderr.decode(errors="replace")
-    # The proxy's "200 Connection Established" and any "100 Continue" come first: the last
-    # header block is the final answer.
-    blocks = [b for b in stdout.decode("latin-1").split("\r\n\r\n") if b.strip()]
-    status_line, *lines = blocks[-1].split("\r\n")
-    status = int(status_line.split()[1])
-    hdrs = _lower(line.split(":", 1) for line in lines if ":" in line)
-    return Answer(status, {k: v.strip() for k, v in hdrs.items()}, out.read_bytes())
+    # No env= override: the monkeypatched os.environ (proxy variables, no no_proxy) is inherited.
+    return Answer(*await curl(method, url, headers, body, w.tmp, "--cacert", str(w.ca.cert)))
 
 
 @pytest.fixture

@@ -54,7 +54,6 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 class RedisStore:
     def __init__(self, url: str, timeout: float) -> None:
-        self._url = url
         self._timeout = timeout
         self._client = connect(url, timeout)
         self._acquire = self._client.register_script(script("acquire"))
