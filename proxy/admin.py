@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
-from proxy.handler import Deps
+from proxy.deps import Deps
 from proxy.limiter import StoreUnavailable
 from proxy.policy import Policy, mask_password
 

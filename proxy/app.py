@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.admin import AdminState
 from proxy.clock import Clock, SystemClock
+from proxy.deps import Deps
 from proxy.forward import Upstreams
-from proxy.handler import Deps, ProxyHandler
+from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
 from proxy.match import Router
 from proxy.metrics import GaugeCollector, Metrics
@@ -61,7 +62,7 @@ class Runtime:
             clock=self.clock,
             recent=Recent(self.clock),
         ))
-        self.contexts = self._leaf_minter(policy)
+        self.leaf_minter = self._new_leaf_minter(policy)
         self.admin = AdminState(lambda: self.handler.deps)
         self._retiring: set[asyncio.Task[None]] = set()
         self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
@@ -95,7 +96,7 @@ class Runtime:
             on_store_error=self._store_error,
         )
 
-    def _leaf_minter(self, policy: Policy) -> LeafMinter | None:
+    def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""
         if not (policy.tls.ca_cert and policy.tls.ca_key):
             return None
@@ -118,7 +119,7 @@ class Runtime:
             policy = _keep_listeners(policy, old.policy)
         # What can fail comes first, so a failed reload changes nothing.
         tls_changed = policy.tls != old.policy.tls
-        minter = self._leaf_minter(policy) if tls_changed else self.contexts
+        minter = self._new_leaf_minter(policy) if tls_changed else self.leaf_minter
         limiter = old.limiter
         if policy.store != old.policy.store:
             limiter = self._limiter(policy)
@@ -130,7 +131,7 @@ class Runtime:
         for session_close in dropped:
             self._retire(session_close, policy)
         if tls_changed:
-            previous, self.contexts = self.contexts, minter
+            previous, self.leaf_minter = self.leaf_minter, minter
             if previous is not None:
                 self._retire(_as_async(previous.close), policy)
         for vendor in policy.vendors:
@@ -211,8 +212,8 @@ class Runtime:
         for task in list(self._retiring):
             task.cancel()  # their finally blocks close what they held
         await asyncio.gather(*self._retiring, return_exceptions=True)
-        if self.contexts is not None:
-            self.contexts.close()
+        if self.leaf_minter is not None:
+            self.leaf_minter.close()
         deps = self.handler.deps
         await deps.upstreams.close()
         await deps.limiter.store.close()

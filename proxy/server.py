@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 from collections.abc import Callable, Iterable
 
 from aiohttp import web
@@ -18,7 +17,7 @@ from aiohttp import web
 from proxy import accesslog
 from proxy.admin import admin_app
 from proxy.app import Runtime
-from proxy.connect import ConnectGate
+from proxy.front_door import ConnectGate
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
 from proxy.reload import Reloader
@@ -27,9 +26,8 @@ from proxy.tasks import spawn
 log = logging.getLogger("quota_proxy")
 
 
-def _bound(sockets: Iterable[socket.socket]) -> Address:
-    for sock in sockets:
-        host, port = sock.getsockname()[:2]
+def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
+    for host, port, *_ in addresses:
         return Address(host, port)
     raise RuntimeError("listener is not bound")
 
@@ -46,8 +44,8 @@ class ProxyServer:
         self._listen = listen
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
-        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.contexts)
-        runtime.admin.tunnels_open = self.gate.tunnels_open
+        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter)
+        runtime.admin.tunnels_open = self.gate.tunnels.count
         self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(admin_app(runtime.admin), access_log=None, handle_signals=False,
                                            shutdown_timeout=1.0)
@@ -66,10 +64,8 @@ class ProxyServer:
         except OSError:
             await self._admin_runner.cleanup()
             raise
-        self.address = _bound(self._listener.sockets)
-        self.admin_address = _bound(
-            s for site in self._admin_runner.sites for s in getattr(getattr(site, "_server", None), "sockets", ())
-        )
+        self.address = _bound(s.getsockname() for s in self._listener.sockets)
+        self.admin_address = _bound(self._admin_runner.addresses)
         self.runtime.admin.serving = True
 
     @property

@@ -128,14 +128,14 @@ async def test_concurrent_tunnels_are_capped_per_vendor(https_vendor, start_prox
     writer.close()
     assert status == 429
     assert "max_tunnels" in json.loads(body)["bucket"]
-    assert proxy.gate.tunnels_open("payments") == 2
+    assert proxy.gate.tunnels.count("payments") == 2
     first[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 1, "the closed tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 1, "the closed tunnel to be released")
     third = await raw_connect(proxy, "api.payments.example:443")
     assert third[0] == 200
     for conn in (second, third):
         conn[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 0, "every tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "every tunnel to be released")
     async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
         samples = metric_samples(await r.text())
     assert value(samples, "ratelimit_tunnels_open", limiter="payments") == 0
@@ -150,7 +150,7 @@ async def test_a_tunnel_to_an_unreachable_vendor_is_502(start_proxy) -> None:
     writer.close()
     assert status == 502
     assert json.loads(body)["error"] == "upstream_unreachable"
-    assert proxy.gate.tunnels_open("payments") == 0
+    assert proxy.gate.tunnels.count("payments") == 0
 
 
 async def test_plain_requests_still_work_beside_connect(https_vendor, vendor, start_proxy) -> None:
@@ -171,7 +171,7 @@ async def test_the_cap_counts_connects_still_held_for_their_token(https_vendor, 
     answers = await asyncio.gather(*(raw_connect(proxy, "api.payments.example:443") for _ in range(4)))
     statuses = sorted(a[0] for a in answers)
     assert statuses == [200, 200, 429, 429]
-    assert proxy.gate.tunnels_open("payments") == 2
+    assert proxy.gate.tunnels.count("payments") == 2
     for a in answers:
         a[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 0, "every tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "every tunnel to be released")
