@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from proxy.admin import AdminState
+from proxy.accesslog import AccessLog
 from proxy.clock import Clock, SystemClock
 from proxy.deps import Deps
 from proxy.forward import Upstreams
@@ -48,6 +48,7 @@ class Runtime:
         clock: Clock | None = None,
         registry: CollectorRegistry | None = None,
         store: BucketStore | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -61,9 +62,9 @@ class Runtime:
             metrics=self.metrics,
             clock=self.clock,
             recent=Recent(self.clock),
+            access_log=access_log if access_log is not None else AccessLog(),
         ))
         self.leaf_minter = self._new_leaf_minter(policy)
-        self.admin = AdminState(lambda: self.handler.deps)
         self._retiring: set[asyncio.Task[None]] = set()
         self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
         self._declare_gauges()
@@ -136,16 +137,8 @@ class Runtime:
                 self._retire(_as_async(previous.close), policy)
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
-        self.handler.deps = Deps(
-            policy=policy,
-            router=Router(policy),
-            limiter=limiter,
-            upstreams=upstreams,
-            metrics=old.metrics,
-            clock=old.clock,
-            recent=old.recent,
-            sizing=old.sizing,
-            held=old.held,
+        self.handler.deps = dataclasses.replace(
+            old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams
         )
         return notes
 
@@ -217,6 +210,7 @@ class Runtime:
         deps = self.handler.deps
         await deps.upstreams.close()
         await deps.limiter.store.close()
+        deps.access_log.flush()
 
 
 def _keep_listeners(policy: Policy, old: Policy) -> Policy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proxy.accesslog import AccessLog
 from proxy.clock import Clock
 from proxy.forward import Upstreams
 from proxy.limiter import Limiter
@@ -30,6 +31,7 @@ class Deps:
     metrics: Metrics
     clock: Clock
     recent: Recent
+    access_log: AccessLog
     sizing: Sizing = field(default_factory=Sizing)
     held: dict[str, int] = field(default_factory=dict)
     """Requests being held right now, per vendor."""

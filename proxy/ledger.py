@@ -62,7 +62,8 @@ class Ledger:
         if self.counted:
             tenant = "-" if rec.tenant is None else rec.tenant
             deps.metrics.count_request(rec.vendor or NO_VENDOR, tenant, rec.outcome)
-        rec.emit()
+        if deps.policy.access_log:
+            deps.access_log.emit(rec)
 
 
 async def accounted(
