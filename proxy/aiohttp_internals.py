@@ -85,3 +85,25 @@ def connection_tag(request: web.BaseRequest) -> object:
     """The tag of the connection ``request`` came on (None for an untagged one)."""
     proto = request.protocol
     return proto.tag if isinstance(proto, _TaggedHandler) else None
+
+
+# -- closing a low-level server's connections: Server.pre_shutdown, RequestHandler.force_close ----------
+#
+# Why: behind the front door the proxy runs web.Server itself, without a runner. At
+# shutdown it does what aiohttp's ServerRunner does (pre_shutdown: no connection takes
+# another request; the documented Server.shutdown then closes the idle ones), and at
+# the drain bound it cuts what is still in flight (force_close on each connection:
+# connection_lost then cancels its handler, with handler_cancellation=True).
+# Server.shutdown and Server.connections are documented; these two are not.
+# Upgrade: if either goes away, SIGTERM ends in a traceback instead of a bounded drain.
+
+
+def stop_keep_alive(server: web.Server) -> None:
+    """No connection takes another request: each closes after the one it is serving."""
+    server.pre_shutdown()
+
+
+def cut_connections(server: web.Server) -> None:
+    """Close every connection now, cancelling the requests still in flight on them."""
+    for connection in server.connections:
+        connection.force_close()

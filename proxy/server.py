@@ -17,6 +17,7 @@ from aiohttp import web
 
 from proxy.accesslog import AccessLog
 from proxy.admin import AdminState, Reload, admin_app
+from proxy.aiohttp_internals import cut_connections, stop_keep_alive
 from proxy.app import Runtime
 from proxy.front_door import ConnectGate
 from proxy.policy import mask_password
@@ -89,7 +90,7 @@ class ProxyServer:
         # Let requests that arrived just before the close start being handled.
         await asyncio.sleep(0)
         self.gate.close_idle()
-        self._web.pre_shutdown()  # idle keep-alive connections close now
+        stop_keep_alive(self._web)  # shutdown() below closes the idle ones at once
         # aiohttp waits its timeout for in-flight handlers, then up to as long again after
         # merely *asking* them to stop (a handler awaiting its vendor never notices): close
         # what is still open at the bound ourselves, so the drain really ends at drain_timeout.
@@ -107,8 +108,7 @@ class ProxyServer:
         await self.runtime.close()
 
     def _cut_in_flight(self) -> None:
-        for connection in self._web.connections:
-            connection.force_close()  # connection_lost cancels the handler (handler_cancellation)
+        cut_connections(self._web)  # their handlers are cancelled (handler_cancellation)
         self.gate.cut()
 
 
