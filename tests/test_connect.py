@@ -4,12 +4,14 @@ and concurrency cap. Interception has its own file (test_intercept.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 
 import httpx
 import pytest
 
+from proxy.blind_tunnel import BlindTunnels
 from proxy.server import ProxyServer
 from tests.conftest import HttpsVendor, client_session, eventually, make_policy, metric_samples, value
 
@@ -175,3 +177,23 @@ async def test_the_cap_counts_connects_still_held_for_their_token(https_vendor, 
     for a in answers:
         a[4].close()
     await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "every tunnel to be released")
+
+
+async def test_a_bug_while_answering_a_connect_cuts_it_and_counts_an_error(
+    https_vendor, start_proxy, monkeypatch, caplog
+) -> None:
+    async def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(BlindTunnels, "dial", bug)
+    proxy = await tunnel_proxy(start_proxy, https_vendor)
+    reader, writer = await asyncio.open_connection(proxy.address.host, proxy.address.port)
+    writer.write(b"CONNECT api.payments.example:443 HTTP/1.1\r\nHost: api.payments.example:443\r\n\r\n")
+    with contextlib.suppress(ConnectionResetError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # no answer: the connection is cut
+    writer.close()
+    async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+        samples = metric_samples(await r.text())
+    assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
+    assert value(samples, "ratelimit_connects_total", limiter="payments", mode="tunnel", result="refused") == 0
+    assert "internal error on CONNECT" in caplog.text
