@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from typing import TextIO
 
@@ -34,29 +33,19 @@ DETAIL = "detail"
 
 
 class AccessLog:
-    """Where access lines go: a stream, written in batches; off until ``configure``."""
+    """Where access lines go: a stream (None: nowhere), written in batches. One per
+    process, made by whoever owns the process's streams and handed to the Runtime;
+    whether a request is logged is its policy's ``access_log`` switch."""
 
-    def __init__(self) -> None:
-        self._stream: TextIO | None = None
-        self._enabled = False
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
         self._lines: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    def configure(self, stream: TextIO | None) -> None:
-        """Send lines to ``stream`` (None: nowhere)."""
-        self.flush()
-        self._stream = stream
-
-    def enable(self, on: bool) -> None:
-        """The policy's ``access_log`` switch."""
-        self._enabled = on
-
-    @property
-    def active(self) -> bool:
-        return self._enabled and self._stream is not None
-
-    def write(self, line: str) -> None:
-        self._lines.append(line)
+    def emit(self, record: AccessRecord) -> None:
+        if self._stream is None:
+            return
+        self._lines.append(record.line())
         if len(self._lines) >= _MAX_BUFFERED:
             self.flush()
         elif self._timer is None:
@@ -78,18 +67,6 @@ class AccessLog:
                 self._stream.flush()
             except (OSError, ValueError):  # a closed or broken stream must not break requests
                 pass
-
-
-ACCESS = AccessLog()
-
-
-def enable(on: bool) -> None:
-    """The policy's ``access_log`` switch."""
-    ACCESS.enable(on)
-
-
-def configure(stream: TextIO | None = sys.stderr) -> None:
-    ACCESS.configure(stream)
 
 
 class AccessRecord:
@@ -128,7 +105,3 @@ class AccessRecord:
         if self.detail:
             fields[DETAIL] = self.detail
         return json.dumps(fields, separators=(",", ":"))
-
-    def emit(self) -> None:
-        if ACCESS.active:
-            ACCESS.write(self.line())

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
-from proxy.handler import Deps
+from proxy.deps import Deps
 from proxy.limiter import StoreUnavailable
 from proxy.policy import Policy, mask_password
 
@@ -32,15 +32,19 @@ class ReloadOutcome(Protocol):
     def as_json(self, policy: Policy) -> dict[str, object]: ...
 
 
-class AdminState:
-    """What the admin endpoints read: the live deps, and whether we are draining."""
+Reload = Callable[[str], Awaitable[ReloadOutcome]]
 
-    def __init__(self, deps: DepsGetter) -> None:
+
+class AdminState:
+    """What the admin endpoints read: the live deps, the listener's open tunnels, and
+    whether we are serving or draining."""
+
+    def __init__(self, deps: DepsGetter, tunnels_open: Callable[[str], int], reload: Reload | None = None) -> None:
         self.deps = deps
-        self.reload: Callable[[str], Awaitable[ReloadOutcome]] | None = None
-        """Reload the policy (set by serve(); None when this process cannot reload)."""
-        self.tunnels_open: Callable[[str], int] = lambda vendor: 0
-        """Open blind tunnels of a vendor (the listener's gate sets this)."""
+        self.tunnels_open = tunnels_open
+        """Open blind tunnels of a vendor."""
+        self.reload = reload
+        """Reload the policy (None when this process cannot reload: no policy file)."""
         self.serving = False
         """True once the proxy listener is bound."""
         self.draining = False

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from proxy.admin import AdminState
+from proxy.accesslog import AccessLog
 from proxy.clock import Clock, SystemClock
+from proxy.deps import Deps
 from proxy.forward import Upstreams
-from proxy.handler import Deps, ProxyHandler
+from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
 from proxy.match import Router
 from proxy.metrics import GaugeCollector, Metrics
@@ -47,6 +48,7 @@ class Runtime:
         clock: Clock | None = None,
         registry: CollectorRegistry | None = None,
         store: BucketStore | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -60,9 +62,9 @@ class Runtime:
             metrics=self.metrics,
             clock=self.clock,
             recent=Recent(self.clock),
+            access_log=access_log if access_log is not None else AccessLog(),
         ))
-        self.contexts = self._leaf_minter(policy)
-        self.admin = AdminState(lambda: self.handler.deps)
+        self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
         self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
         self._declare_gauges()
@@ -95,7 +97,7 @@ class Runtime:
             on_store_error=self._store_error,
         )
 
-    def _leaf_minter(self, policy: Policy) -> LeafMinter | None:
+    def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""
         if not (policy.tls.ca_cert and policy.tls.ca_key):
             return None
@@ -118,7 +120,7 @@ class Runtime:
             policy = _keep_listeners(policy, old.policy)
         # What can fail comes first, so a failed reload changes nothing.
         tls_changed = policy.tls != old.policy.tls
-        minter = self._leaf_minter(policy) if tls_changed else self.contexts
+        minter = self._new_leaf_minter(policy) if tls_changed else self.leaf_minter
         limiter = old.limiter
         if policy.store != old.policy.store:
             limiter = self._limiter(policy)
@@ -130,21 +132,13 @@ class Runtime:
         for session_close in dropped:
             self._retire(session_close, policy)
         if tls_changed:
-            previous, self.contexts = self.contexts, minter
+            previous, self.leaf_minter = self.leaf_minter, minter
             if previous is not None:
                 self._retire(_as_async(previous.close), policy)
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
-        self.handler.deps = Deps(
-            policy=policy,
-            router=Router(policy),
-            limiter=limiter,
-            upstreams=upstreams,
-            metrics=old.metrics,
-            clock=old.clock,
-            recent=old.recent,
-            sizing=old.sizing,
-            held=old.held,
+        self.handler.deps = dataclasses.replace(
+            old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams
         )
         return notes
 
@@ -211,11 +205,12 @@ class Runtime:
         for task in list(self._retiring):
             task.cancel()  # their finally blocks close what they held
         await asyncio.gather(*self._retiring, return_exceptions=True)
-        if self.contexts is not None:
-            self.contexts.close()
+        if self.leaf_minter is not None:
+            self.leaf_minter.close()
         deps = self.handler.deps
         await deps.upstreams.close()
         await deps.limiter.store.close()
+        deps.access_log.flush()
 
 
 def _keep_listeners(policy: Policy, old: Policy) -> Policy:

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from proxy import __version__, accesslog
+from proxy import __version__
 from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
 
 EXIT_CONFIG = 2
@@ -130,8 +130,6 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    # The access log is one JSON object per line, nothing around it, for log pipelines.
-    accesslog.configure(sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

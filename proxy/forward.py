@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
+from proxy.aiohttp_internals import HeadersWithBody, send_continue
 from proxy.headers import downstream_response_headers, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import UpstreamFailed
@@ -91,8 +92,7 @@ async def _continue(request: web.BaseRequest) -> None:
     body, so a request the proxy refuses never invites a body it will not read."""
     if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
         return
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim answer is not part of the response body
+    await send_continue(request)
 
 
 async def _body(request: web.BaseRequest) -> AsyncIterator[bytes]:
@@ -140,14 +140,6 @@ async def send(
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
-class _RelayResponse(web.StreamResponse):
-    """Headers leave with the first piece of the body (or at the end of an empty one):
-    one write per small answer instead of two. (aiohttp's own web.Response does the same
-    through this attribute; without it the answer is still correct, only costlier.)"""
-
-    _send_headers_immediately = False
-
-
 class _UpstreamBroke(Exception):
     """The vendor's body ended early, failed to parse, or went silent past the read timeout."""
 
@@ -172,7 +164,7 @@ async def relay(
     If the vendor broke off mid-body, the worker's connection is aborted: a
     truncated body must never look complete. If the worker went away, the
     half-read upstream connection is dropped rather than returned to the pool."""
-    resp = _RelayResponse(status=upstream.status, reason=upstream.reason)
+    resp = HeadersWithBody(status=upstream.status, reason=upstream.reason)
     resp.headers.extend(downstream_response_headers(upstream.headers))
     if extra_headers:
         resp.headers.update(extra_headers)

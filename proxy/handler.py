@@ -1,65 +1,39 @@
 """The request path: accept → match vendor and tenant → take tokens → forward → feed back → respond.
 
-Every refusal is a typed exception turned into a response in one place
-(responses.py); every request ends in exactly one outcome, one metric increment
-and one access-log line. No error path forwards: a request reaches the vendor
-only after the store granted it, or when the store is down and the policy
-explicitly fails open.
+Every refusal is a typed exception that knows its status and outcome
+(refusals.py), answered in one place (responses.py); every request ends in
+exactly one outcome, one metric increment and one access-log line (ledger.py).
+No error path forwards: a request reaches the vendor only after the store
+granted it, or when the store is down and the policy explicitly fails open.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from proxy.accesslog import AccessRecord
-from proxy.clock import Clock
+from proxy.aiohttp_internals import answer_begun
 from proxy.decide import Defer, Hold, Shed, Wish, decide, request_wish
+from proxy.deps import Deps
 from proxy.feedback import apply_feedback
-from proxy.forward import Upstreams, relay, send
-from proxy.limiter import Limiter, StoreUnavailable
-from proxy.match import Match, Router
-from proxy.metrics import NO_VENDOR, Metrics
-from proxy.policy.model import Policy, Vendor
-from proxy.recent import Recent
-from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
-from proxy.responses import refusal_response
-from proxy.sizing import Sizing
+from proxy.forward import relay, send
+from proxy.intercept import interception_of
+from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
+from proxy.limiter import StoreUnavailable
+from proxy.match import Match
+from proxy.policy.model import Vendor
+from proxy.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.target import parse_target, parse_tunneled_target
-from proxy.tunnel import tunnel_of
 
 log = logging.getLogger("quota_proxy")
 
 CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the proxy"
 
 
-@dataclass
-class Deps:
-    """Everything the request path needs; swapped as a whole on reload."""
-
-    policy: Policy
-    router: Router
-    limiter: Limiter
-    upstreams: Upstreams
-    metrics: Metrics
-    clock: Clock
-    recent: Recent
-    sizing: Sizing = field(default_factory=Sizing)
-    held: dict[str, int] = field(default_factory=dict)
-    """Requests being held right now, per vendor."""
-
-
-def _outcome(refusal: Refusal) -> str:
-    if isinstance(refusal, Limited):
-        return "shed" if refusal.action == "shed" else "deferred"
-    if isinstance(refusal, StoreDown):
-        return "deferred"
-    if isinstance(refusal, BadRequest | Denied):
-        return "denied"
-    return "error"
+def _as_is(answer: web.Response) -> web.StreamResponse:
+    return answer
 
 
 class ProxyHandler:
@@ -69,69 +43,35 @@ class ProxyHandler:
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps  # one policy generation for the whole request
-        clock = deps.clock
-        started = clock.monotonic()
-        rec = AccessRecord(request.method, "", request.raw_path)
-        vendor_name: str | None = None
-        tenant = "-"
-        status: int | None = None
-        try:
-            if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
-                rec.host = request.raw_path
-                raise Denied(CONNECT_REFUSED, request.raw_path)
-            tunnel = tunnel_of(request)
-            if tunnel is None:
-                target = parse_target(request)
-                match = deps.router.match(target, request.headers)
-            else:
-                target = parse_tunneled_target(request, tunnel.host, tunnel.port)
-                match = deps.router.match(target, request.headers, default_tenant=tunnel.tenant)
-            rec.host, rec.path = target.host, target.path_qs
-            vendor_name, tenant = match.vendor.name, match.tenant
-            rec.vendor, rec.tenant = vendor_name, tenant
-            deps.metrics.count_mode(vendor_name, "plain" if tunnel is None else "intercept")
-            wish = request_wish(match.vendor.on_limit, request.headers)
-            resp = await self._limited(deps, request, match, wish, rec)
-            status = resp.status
-            return resp
-        except Refusal as refusal:
-            resp = self.refuse(deps, refusal, vendor_name, rec)
-            status = resp.status
-            return resp
-        except asyncio.CancelledError:
-            rec.outcome, rec.detail = "error", "the worker went away"
-            raise
-        except Exception:
+        ledger = Ledger(deps, request.method, request.raw_path)
+
+        def crashed(exc: Exception) -> web.StreamResponse:
             log.exception("internal error on %s %s", request.method, request.raw_path[:200])
-            rec.outcome, rec.detail = "error", "internal proxy error"
-            if request.writer is not None and request.writer.output_size > 0:
-                raise  # the answer had begun: aiohttp drops the connection, never a spliced body
-            resp = refusal_response(InternalError("internal proxy error"), vendor_name)
-            status = resp.status
-            return resp
-        finally:
-            rec.status = status
-            rec.duration = clock.monotonic() - started
-            deps.metrics.count_request(vendor_name or NO_VENDOR, tenant, rec.outcome)
-            rec.emit()
+            if answer_begun(request):
+                raise exc  # the answer had begun: aiohttp drops the connection, never a spliced body
+            return ledger.refuse(InternalError(INTERNAL_ERROR))
 
-    def refuse(self, deps: Deps, refusal: Refusal, vendor: str | None, rec: AccessRecord) -> web.Response:
-        """Account for a refusal (outcome, counters, log detail) and build its answer."""
-        rec.outcome = _outcome(refusal)
-        if isinstance(refusal, Limited | StoreDown) and vendor is not None:
-            deps.recent.add(vendor, rec.outcome)
-            (deps.metrics.shed if rec.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
-        if isinstance(refusal, StoreDown | UpstreamFailed | BadRequest | Denied | InternalError):
-            rec.detail = refusal.detail
-        if isinstance(refusal, UpstreamFailed) and refusal.kind == "upstream-tls" and vendor is not None:
-            deps.metrics.tls_errors.labels(vendor, "upstream_verify").inc()
-        return refusal_response(refusal, vendor)
+        return await accounted(ledger, self._handle(deps, request, ledger.rec), _as_is, crashed)
 
-    async def _limited(
-        self, deps: Deps, request: web.BaseRequest, match: Match, wish: Wish, rec: AccessRecord
-    ) -> web.StreamResponse:
+    async def _handle(self, deps: Deps, request: web.BaseRequest, rec: AccessRecord) -> web.StreamResponse:
+        if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
+            rec.host = request.raw_path
+            raise Denied(CONNECT_REFUSED, request.raw_path)
+        tunnel = interception_of(request)
+        if tunnel is None:
+            target = parse_target(request)
+            match = deps.router.match(target, request.headers)
+        else:
+            target = parse_tunneled_target(request, tunnel.host, tunnel.port)
+            match = deps.router.match(target, request.headers, default_tenant=tunnel.tenant)
+        rec.host, rec.path = target.host, target.path_qs
+        rec.vendor, rec.tenant = match.vendor.name, match.tenant
+        deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
+        wish = request_wish(match.vendor.on_limit, request.headers)
         outcome = await self.admit(deps, match.vendor, match.tenant, wish, rec)
-        return await self._forward(deps, request, match, rec, outcome)
+        resp = await self._forward(deps, request, match, rec, outcome)
+        rec.status = resp.status
+        return resp
 
     async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> str:
         """Take the request's tokens, holding if the decision says so; returns the outcome

@@ -1,25 +1,43 @@
 """Why the proxy answers a request itself instead of forwarding it.
 
-    Refusal
-    ├── BadRequest            400  malformed target, tenant or X-Quota-* header
-    ├── Denied                403  no vendor matches (the proxy is never an open proxy)
-    ├── Limited               429 defer / 503 shed, the buckets are empty
-    ├── StoreDown             429  store unavailable and on_failure: closed
-    ├── UpstreamFailed        502 unreachable / 504 timed out
-    └── InternalError         500  a bug in the proxy (logged with its traceback)
+    Refusal             status   outcome          error
+    ├── BadRequest      400      denied           bad_request     malformed target, tenant or X-Quota-* header
+    ├── Denied          403      denied           forbidden       no vendor matches (never an open proxy)
+    ├── Limited         429/503  deferred/shed    rate_limited    the buckets are empty: defer or shed
+    ├── StoreDown       429      deferred         rate_limited    store unavailable and on_failure: closed
+    ├── UpstreamFailed  502/504  error            upstream_*      the vendor unreachable, timed out, bad TLS
+    └── InternalError   500      error            proxy_error     a bug in the proxy (logged with its traceback)
 
-``responses.refusal_response`` turns each into the worker-facing answer.
+Each refusal carries what the rest of the proxy needs to know about it, so nothing
+else has to ask which kind it is: ``status``, the ``outcome`` it is counted and
+logged as (SPEC §7), the ``error`` type its answer names, and ``detail``, the
+sentence for a person (in the answer and the access log; None for Limited, whose
+answer names its bucket instead). ``responses.refusal_response`` renders the answer;
+``ledger.Ledger.refuse`` does the accounting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from proxy.policy.model import Action
+
+Outcome = Literal["deferred", "shed", "denied", "error"]
+"""How a refused request is counted: ``ratelimit_requests_total{outcome}`` and the access log."""
 
 
 class Refusal(Exception):
     """A request the proxy answers itself."""
+
+    status: int
+    """The answer's HTTP status."""
+    outcome: Outcome
+    error: str
+    """The answer's error type (rate_limited, forbidden, bad_request, upstream_..., proxy_error)."""
+    detail: str | None
+    tls_error: str | None = None
+    """The ``ratelimit_tls_errors_total`` reason this refusal counts as, if it is a TLS failure."""
 
 
 @dataclass
@@ -27,6 +45,9 @@ class BadRequest(Refusal):
     """The request cannot be understood: 400."""
 
     detail: str
+    status = 400
+    outcome = "denied"
+    error = "bad_request"
 
 
 @dataclass
@@ -35,6 +56,9 @@ class Denied(Refusal):
 
     detail: str
     host: str = ""
+    status = 403
+    outcome = "denied"
+    error = "forbidden"
 
 
 @dataclass
@@ -45,6 +69,11 @@ class Limited(Refusal):
     retry_after: float
     scope: str
     bucket: str
+    error = "rate_limited"
+    detail = None
+
+    def __post_init__(self) -> None:
+        self.status, self.outcome = (503, "shed") if self.action == "shed" else (429, "deferred")
 
 
 @dataclass
@@ -53,6 +82,9 @@ class StoreDown(Refusal):
 
     retry_after: float
     detail: str
+    status = 429
+    outcome = "deferred"
+    error = "rate_limited"
 
 
 @dataclass
@@ -61,7 +93,14 @@ class UpstreamFailed(Refusal):
 
     status: int
     kind: str
+    """upstream-unreachable, upstream-timeout or upstream-tls (the X-Quota-Error header)."""
     detail: str
+    outcome = "error"
+
+    def __post_init__(self) -> None:
+        self.error = self.kind.replace("-", "_")
+        if self.kind == "upstream-tls":
+            self.tls_error = "upstream_verify"
 
 
 @dataclass
@@ -69,3 +108,6 @@ class InternalError(Refusal):
     """The proxy itself failed: 500, never forwarded."""
 
     detail: str
+    status = 500
+    outcome = "error"
+    error = "proxy_error"

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy import accesslog
 from proxy.app import Runtime
 from proxy.policy import ConfigErrors, Policy
 
@@ -58,7 +57,6 @@ class Reloader:
                 return self._failed(reason, (f"{type(exc).__name__}: {exc}",))
             try:
                 notes = tuple(self._runtime.apply(policy))
-                accesslog.enable(policy.access_log)
             except Exception as exc:  # e.g. a CA that loaded at check time but not now
                 log.exception("reload (%s) failed while applying the new policy", reason)
                 return self._failed(reason, (f"{type(exc).__name__}: {exc}",))

@@ -1,6 +1,8 @@
 """Every answer the proxy gives in its own name: one place for bodies and headers.
 
-A vendor's own 429 never carries X-Quota-Action, so a worker can tell the two apart.
+The refusal says what the answer is (its status, error type and detail: refusals.py);
+this module says how it is written. A vendor's own 429 never carries X-Quota-Action,
+so a worker can tell the two apart.
 """
 
 from __future__ import annotations
@@ -19,51 +21,45 @@ def retry_after_seconds(wait: float) -> int:
     return max(1, math.ceil(wait - 1e-9))
 
 
-def _json(status: int, body: dict[str, object], headers: dict[str, str]) -> web.Response:
+def _json(refusal: Refusal, body: dict[str, object], headers: dict[str, str]) -> web.Response:
     return web.Response(
-        status=status,
-        body=json.dumps(body, separators=(",", ":")).encode(),
+        status=refusal.status,
+        body=json.dumps({"error": refusal.error, **body}, separators=(",", ":")).encode(),
         content_type="application/json",
         headers=headers,
     )
 
 
 def refusal_response(refusal: Refusal, limiter: str | None) -> web.Response:
-    if isinstance(refusal, Limited):
-        if refusal.action == "shed":
-            return _json(
-                503,
-                {"error": "rate_limited", "action": "shed", "limiter": limiter, "scope": refusal.scope,
-                 "bucket": refusal.bucket},
-                {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope},
-            )
-        return _defer(limiter, refusal.retry_after, {"scope": refusal.scope, "bucket": refusal.bucket},
-                      {h.SCOPE: refusal.scope})
-    if isinstance(refusal, StoreDown):
-        return _defer(limiter, refusal.retry_after, {"reason": "store-unavailable"},
-                      {h.REASON: "store-unavailable"})
-    if isinstance(refusal, Denied):
-        return _json(403, {"error": "forbidden", "action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
-    if isinstance(refusal, BadRequest):
-        return _json(400, {"error": "bad_request", "detail": refusal.detail}, {})
-    if isinstance(refusal, UpstreamFailed):
-        extra = {h.LIMITER: limiter} if limiter else {}
-        return _json(
-            refusal.status,
-            {"error": refusal.kind.replace("-", "_"), "limiter": limiter, "detail": refusal.detail},
-            {h.ERROR: refusal.kind, **extra},
-        )
-    if isinstance(refusal, InternalError):
-        return _json(500, {"error": "proxy_error", "limiter": limiter, "detail": refusal.detail},
-                     {h.ERROR: "proxy-error"})
+    match refusal:
+        case Limited(action="shed"):
+            return _json(refusal, {"action": "shed", "limiter": limiter, "scope": refusal.scope,
+                                   "bucket": refusal.bucket},
+                         {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope})
+        case Limited():
+            return _defer(refusal, limiter, {"scope": refusal.scope, "bucket": refusal.bucket},
+                          {h.SCOPE: refusal.scope})
+        case StoreDown():
+            return _defer(refusal, limiter, {"reason": "store-unavailable"}, {h.REASON: "store-unavailable"})
+        case Denied():
+            return _json(refusal, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
+        case BadRequest():
+            return _json(refusal, {"detail": refusal.detail}, {})
+        case UpstreamFailed():
+            extra = {h.LIMITER: limiter} if limiter else {}
+            return _json(refusal, {"limiter": limiter, "detail": refusal.detail}, {h.ERROR: refusal.kind, **extra})
+        case InternalError():
+            return _json(refusal, {"limiter": limiter, "detail": refusal.detail}, {h.ERROR: "proxy-error"})
     raise TypeError(f"unknown refusal {refusal!r}")
 
 
-def _defer(limiter: str | None, wait: float, extra: dict[str, object], headers: dict[str, str]) -> web.Response:
+def _defer(refusal: Limited | StoreDown, limiter: str | None, extra: dict[str, object],
+           headers: dict[str, str]) -> web.Response:
+    wait = refusal.retry_after
     seconds = retry_after_seconds(wait)
     return _json(
-        429,
-        {"error": "rate_limited", "action": "defer", "limiter": limiter, "retry_after": seconds, **extra},
+        refusal,
+        {"action": "defer", "limiter": limiter, "retry_after": seconds, **extra},
         {
             h.RETRY_AFTER: str(seconds),
             h.ACTION: "defer",

@@ -10,15 +10,16 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
+import sys
 from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
-from proxy import accesslog
-from proxy.admin import admin_app
+from proxy.accesslog import AccessLog
+from proxy.admin import AdminState, Reload, admin_app
+from proxy.aiohttp_internals import cut_connections, stop_keep_alive
 from proxy.app import Runtime
-from proxy.connect import ConnectGate
+from proxy.front_door import ConnectGate
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
 from proxy.reload import Reloader
@@ -27,9 +28,8 @@ from proxy.tasks import spawn
 log = logging.getLogger("quota_proxy")
 
 
-def _bound(sockets: Iterable[socket.socket]) -> Address:
-    for sock in sockets:
-        host, port = sock.getsockname()[:2]
+def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
+    for host, port, *_ in addresses:
         return Address(host, port)
     raise RuntimeError("listener is not bound")
 
@@ -41,15 +41,17 @@ class ProxyServer:
     to aiohttp's low-level server, CONNECT is answered by the gate.
     """
 
-    def __init__(self, runtime: Runtime, listen: Address, admin_listen: Address) -> None:
+    def __init__(
+        self, runtime: Runtime, listen: Address, admin_listen: Address, *, reload: Reload | None = None
+    ) -> None:
         self.runtime = runtime
         self._listen = listen
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
-        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.contexts)
-        runtime.admin.tunnels_open = self.gate.tunnels_open
+        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter)
+        self.admin = AdminState(lambda: runtime.deps, self.gate.tunnels.count, reload)
         self._listener: asyncio.Server | None = None
-        self._admin_runner = web.AppRunner(admin_app(runtime.admin), access_log=None, handle_signals=False,
+        self._admin_runner = web.AppRunner(admin_app(self.admin), access_log=None, handle_signals=False,
                                            shutdown_timeout=1.0)
         self.address = listen
         self.admin_address = admin_listen
@@ -66,11 +68,9 @@ class ProxyServer:
         except OSError:
             await self._admin_runner.cleanup()
             raise
-        self.address = _bound(self._listener.sockets)
-        self.admin_address = _bound(
-            s for site in self._admin_runner.sites for s in getattr(getattr(site, "_server", None), "sockets", ())
-        )
-        self.runtime.admin.serving = True
+        self.address = _bound(s.getsockname() for s in self._listener.sockets)
+        self.admin_address = _bound(self._admin_runner.addresses)
+        self.admin.serving = True
 
     @property
     def url(self) -> str:
@@ -83,14 +83,14 @@ class ProxyServer:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests and tunnels finish (bounded by
         drain_timeout), then close everything."""
-        self.runtime.admin.draining = True
+        self.admin.draining = True
         drain = self.runtime.policy.drain_timeout
         if self._listener is not None:
             self._listener.close()
         # Let requests that arrived just before the close start being handled.
         await asyncio.sleep(0)
         self.gate.close_idle()
-        self._web.pre_shutdown()  # idle keep-alive connections close now
+        stop_keep_alive(self._web)  # shutdown() below closes the idle ones at once
         # aiohttp waits its timeout for in-flight handlers, then up to as long again after
         # merely *asking* them to stop (a handler awaiting its vendor never notices): close
         # what is still open at the bound ourselves, so the drain really ends at drain_timeout.
@@ -108,8 +108,7 @@ class ProxyServer:
         await self.runtime.close()
 
     def _cut_in_flight(self) -> None:
-        for connection in self._web.connections:
-            connection.force_close()  # connection_lost cancels the handler (handler_cancellation)
+        cut_connections(self._web)  # their handlers are cancelled (handler_cancellation)
         self.gate.cut()
 
 
@@ -124,10 +123,10 @@ async def serve(
     """Run until SIGTERM or SIGINT; returns the exit status. With ``load``, SIGHUP and
     POST /reload reload the policy; with ``watch`` (the policy's path) so does a change
     to the file."""
-    accesslog.enable(policy.access_log)
-    runtime = Runtime(policy)
-    server = ProxyServer(runtime, listen, admin_listen)
+    # The access log is one JSON object per line, nothing around it, for log pipelines.
+    runtime = Runtime(policy, access_log=AccessLog(sys.stderr))
     reloader = Reloader(runtime, load) if load is not None else None
+    server = ProxyServer(runtime, listen, admin_listen, reload=reloader.reload if reloader is not None else None)
     # Handlers first: /readyz may answer while the proxy listener is still binding,
     # and a SIGTERM from whoever saw it ready must drain, not kill.
     stop = asyncio.Event()
@@ -135,7 +134,6 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if reloader is not None:
-        runtime.admin.reload = reloader.reload
         loop.add_signal_handler(signal.SIGHUP, lambda: spawn(reloader.reload("SIGHUP"), name="reload"))
     try:
         await server.start()
@@ -155,6 +153,5 @@ async def serve(
         watcher.cancel()
     log.info("draining: finishing in-flight requests (at most %.1fs)", runtime.policy.drain_timeout)
     await server.stop()
-    accesslog.ACCESS.flush()
     log.info("stopped")
     return 0

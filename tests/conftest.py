@@ -29,6 +29,7 @@ import trustme
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.accesslog import AccessLog
 from proxy.app import Runtime
 from proxy.clock import Clock, ManualClock
 from proxy.limiter.memory_store import MemoryStore
@@ -226,8 +227,8 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
     started: list[ProxyServer] = []
 
     async def start(policy: Policy, *, clock: Clock | None = None, registry: CollectorRegistry | None = None,
-                    store: BucketStore | None = None) -> ProxyServer:
-        runtime = Runtime(policy, clock=clock, registry=registry, store=store)
+                    store: BucketStore | None = None, access_log: AccessLog | None = None) -> ProxyServer:
+        runtime = Runtime(policy, clock=clock, registry=registry, store=store, access_log=access_log)
         server = ProxyServer(runtime, policy.listen, policy.admin_listen)
         await server.start()
         started.append(server)

@@ -3,34 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
-from collections.abc import Iterator
 
 import pytest
 
-from proxy import accesslog
+from proxy.accesslog import FLUSH_INTERVAL, AccessLog
 from tests.conftest import client_session, vendor_policy
 
 
 @pytest.fixture
-def access() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    accesslog.configure(stream)
-    accesslog.enable(True)
-    yield stream
-    accesslog.configure(None)
-    accesslog.enable(False)
+def stream() -> io.StringIO:
+    return io.StringIO()
 
 
-def lines(stream: io.StringIO) -> list[dict[str, object]]:
-    accesslog.ACCESS.flush()
+@pytest.fixture
+def access(stream: io.StringIO) -> AccessLog:
+    return AccessLog(stream)
+
+
+def lines(access: AccessLog, stream: io.StringIO) -> list[dict[str, object]]:
+    access.flush()
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
-async def test_one_line_per_request_with_every_field(vendor, start_proxy, access) -> None:
+async def get(proxy_url: str, path: str = "/x") -> None:
+    async with client_session() as s, s.get(f"http://api.payments.example{path}", proxy=proxy_url) as r:
+        await r.read()
+
+
+async def test_one_line_per_request_with_every_field(vendor, start_proxy, access, stream) -> None:
     proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 1, per: 1h, burst: 1}]",
-                                            on_limit="{action: defer}"))
+                                            on_limit="{action: defer}"), access_log=access)
     async with client_session() as s:
         for path in ("/v1/charges?api_key=secret", "/v1/again"):
             async with s.get(f"http://api.payments.example{path}", proxy=proxy.url,
@@ -38,7 +43,7 @@ async def test_one_line_per_request_with_every_field(vendor, start_proxy, access
                 await r.read()
         async with s.get("http://elsewhere.example/", proxy=proxy.url) as r:
             await r.read()
-    first, second, third = lines(access)
+    first, second, third = lines(access, stream)
     assert first["vendor"] == "payments" and first["tenant"] == "acme"
     assert (first["outcome"], first["status"], first["upstream_status"]) == ("forwarded", 200, 200)
     assert first["path"] == "/v1/charges"  # never the query string: it carries keys
@@ -49,23 +54,27 @@ async def test_one_line_per_request_with_every_field(vendor, start_proxy, access
     assert "no vendor" in str(third["detail"])
 
 
-async def test_lines_wait_at_most_the_flush_interval(vendor, start_proxy, access) -> None:
-    proxy = await start_proxy(vendor_policy(vendor.url))
-    async with client_session() as s, s.get("http://api.payments.example/x", proxy=proxy.url) as r:
-        await r.read()
-    assert access.getvalue() == ""  # batched, not written per request
-    await asyncio.sleep(accesslog.FLUSH_INTERVAL * 2)  # the flush timer is the thing under test
-    assert len(access.getvalue().splitlines()) == 1
+async def test_lines_wait_at_most_the_flush_interval(vendor, start_proxy, access, stream) -> None:
+    proxy = await start_proxy(vendor_policy(vendor.url), access_log=access)
+    await get(proxy.url)
+    assert stream.getvalue() == ""  # batched, not written per request
+    await asyncio.sleep(FLUSH_INTERVAL * 2)  # the flush timer is the thing under test
+    assert len(stream.getvalue().splitlines()) == 1
 
 
-def test_off_means_nothing_is_kept() -> None:
-    stream = io.StringIO()
-    accesslog.configure(stream)
-    accesslog.enable(False)
-    try:
-        record = accesslog.AccessRecord("GET", "h", "/p")
-        record.emit()
-        accesslog.ACCESS.flush()
-        assert stream.getvalue() == ""
-    finally:
-        accesslog.configure(None)
+async def test_off_means_nothing_is_kept(vendor, start_proxy, access, stream) -> None:
+    proxy = await start_proxy(dataclasses.replace(vendor_policy(vendor.url), access_log=False), access_log=access)
+    await get(proxy.url)
+    access.flush()
+    assert stream.getvalue() == ""
+
+
+async def test_a_reload_switches_it_for_the_next_request(vendor, start_proxy, access, stream) -> None:
+    policy = vendor_policy(vendor.url)
+    proxy = await start_proxy(policy, access_log=access)
+    await get(proxy.url, "/logged")
+    proxy.runtime.apply(dataclasses.replace(policy, access_log=False))
+    await get(proxy.url, "/not-logged")
+    proxy.runtime.apply(policy)
+    await get(proxy.url, "/logged-again")
+    assert [line["path"] for line in lines(access, stream)] == ["/logged", "/logged-again"]

@@ -4,12 +4,14 @@ and concurrency cap. Interception has its own file (test_intercept.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 
 import httpx
 import pytest
 
+from proxy.blind_tunnel import BlindTunnels
 from proxy.server import ProxyServer
 from tests.conftest import HttpsVendor, client_session, eventually, make_policy, metric_samples, value
 
@@ -128,14 +130,14 @@ async def test_concurrent_tunnels_are_capped_per_vendor(https_vendor, start_prox
     writer.close()
     assert status == 429
     assert "max_tunnels" in json.loads(body)["bucket"]
-    assert proxy.gate.tunnels_open("payments") == 2
+    assert proxy.gate.tunnels.count("payments") == 2
     first[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 1, "the closed tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 1, "the closed tunnel to be released")
     third = await raw_connect(proxy, "api.payments.example:443")
     assert third[0] == 200
     for conn in (second, third):
         conn[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 0, "every tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "every tunnel to be released")
     async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
         samples = metric_samples(await r.text())
     assert value(samples, "ratelimit_tunnels_open", limiter="payments") == 0
@@ -150,7 +152,7 @@ async def test_a_tunnel_to_an_unreachable_vendor_is_502(start_proxy) -> None:
     writer.close()
     assert status == 502
     assert json.loads(body)["error"] == "upstream_unreachable"
-    assert proxy.gate.tunnels_open("payments") == 0
+    assert proxy.gate.tunnels.count("payments") == 0
 
 
 async def test_plain_requests_still_work_beside_connect(https_vendor, vendor, start_proxy) -> None:
@@ -171,7 +173,27 @@ async def test_the_cap_counts_connects_still_held_for_their_token(https_vendor, 
     answers = await asyncio.gather(*(raw_connect(proxy, "api.payments.example:443") for _ in range(4)))
     statuses = sorted(a[0] for a in answers)
     assert statuses == [200, 200, 429, 429]
-    assert proxy.gate.tunnels_open("payments") == 2
+    assert proxy.gate.tunnels.count("payments") == 2
     for a in answers:
         a[4].close()
-    await eventually(lambda: proxy.gate.tunnels_open("payments") == 0, "every tunnel to be released")
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "every tunnel to be released")
+
+
+async def test_a_bug_while_answering_a_connect_cuts_it_and_counts_an_error(
+    https_vendor, start_proxy, monkeypatch, caplog
+) -> None:
+    async def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(BlindTunnels, "dial", bug)
+    proxy = await tunnel_proxy(start_proxy, https_vendor)
+    reader, writer = await asyncio.open_connection(proxy.address.host, proxy.address.port)
+    writer.write(b"CONNECT api.payments.example:443 HTTP/1.1\r\nHost: api.payments.example:443\r\n\r\n")
+    with contextlib.suppress(ConnectionResetError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # no answer: the connection is cut
+    writer.close()
+    async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+        samples = metric_samples(await r.text())
+    assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
+    assert value(samples, "ratelimit_connects_total", limiter="payments", mode="tunnel", result="refused") == 0
+    assert "internal error on CONNECT" in caplog.text

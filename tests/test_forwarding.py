@@ -31,8 +31,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.handler import ProxyHandler
 from proxy.server import ProxyServer
-from tests.conftest import free_port, vendor_policy
+from proxy.sizing import Sizing
+from tests.conftest import free_port, metric_samples, value, vendor_policy
 
 VENDOR_HOST = "api.payments.example"
 VENDOR_URL = f"http://{VENDOR_HOST}"
@@ -890,6 +892,41 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
         assert r.headers.get("X-Quota-Action") is None
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
             assert r.status == 502  # and again: nothing broke
+
+
+async def test_a_bug_in_the_proxy_is_a_500_counted_as_an_error(vendor, start_proxy, monkeypatch, caplog) -> None:
+    async def bug(*args: object) -> str:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ProxyHandler, "admit", bug)
+    proxy = await start_proxy(vendor_policy(vendor.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
+            assert r.status == 500
+            assert r.headers["X-Quota-Error"] == "proxy-error"
+            body = await r.json()
+        samples = metric_samples(await (await s.get(f"{proxy.admin_url}/metrics")).text())
+    assert body == {"error": "proxy_error", "limiter": "payments", "detail": "internal proxy error"}
+    assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
+    assert f"internal error on GET {VENDOR_URL}/v1" in caplog.text
+    assert vendor.mock.accepted == 0
+
+
+async def test_a_bug_once_the_answer_has_begun_never_splices_a_500_into_it(
+    recording_vendor, start_proxy, raw_client, monkeypatch
+) -> None:
+    def bug(*args: object) -> None:
+        raise RuntimeError("a bug after the answer was sent")
+
+    monkeypatch.setattr(Sizing, "observe", bug)  # runs once the vendor's answer is relayed
+    proxy = await start_proxy(vendor_policy(recording_vendor.url))
+    client = await raw_client(proxy)
+    resp = await client.exchange(request_bytes("GET", f"{VENDOR_URL}/v1"))
+    assert resp.status == 200 and json.loads(resp.body)["path"] == "/v1"
+    assert await asyncio.wait_for(client.reader.read(), WAIT) == b""  # then the connection is cut
+    async with aiohttp.ClientSession() as s:
+        samples = metric_samples(await (await s.get(f"{proxy.admin_url}/metrics")).text())
+    assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
 
 
 async def test_vendor_silent_past_read_timeout_is_504_json(raw_vendor, start_proxy) -> None:

@@ -670,9 +670,9 @@ async def test_a_vendor_429_inside_a_tunnel_blocks_the_vendor_on_every_replica(
 async def test_a_worker_that_never_starts_tls_is_cut_at_the_handshake_timeout_and_counted_as_such(
     https_vendor, start_proxy, proxy_ca, monkeypatch
 ):
-    import proxy.connect
+    import proxy.intercept
 
-    monkeypatch.setattr(proxy.connect, "_HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(proxy.intercept, "_HANDSHAKE_TIMEOUT", 0.3)
     proxy_server = await start_proxy(intercept_policy(proxy_ca, upstream=upstream_of(https_vendor),
                                                       vendor_ca=https_vendor.ca_file))
     reader, writer = await asyncio.open_connection(proxy_server.address.host, proxy_server.address.port)

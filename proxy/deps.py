@@ -1,0 +1,37 @@
+"""What the request path needs, as one value: a policy generation and what serves it.
+
+A reload builds a new Deps (``dataclasses.replace`` of the old one, so what it does
+not replace is carried over) and swaps it in one assignment: a request reads
+``handler.deps`` once and keeps that generation to its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.accesslog import AccessLog
+from proxy.clock import Clock
+from proxy.forward import Upstreams
+from proxy.limiter import Limiter
+from proxy.match import Router
+from proxy.metrics import Metrics
+from proxy.policy.model import Policy
+from proxy.recent import Recent
+from proxy.sizing import Sizing
+
+
+@dataclass
+class Deps:
+    """Everything the request path needs; swapped as a whole on reload."""
+
+    policy: Policy
+    router: Router
+    limiter: Limiter
+    upstreams: Upstreams
+    metrics: Metrics
+    clock: Clock
+    recent: Recent
+    access_log: AccessLog
+    sizing: Sizing = field(default_factory=Sizing)
+    held: dict[str, int] = field(default_factory=dict)
+    """Requests being held right now, per vendor."""

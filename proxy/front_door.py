@@ -1,0 +1,267 @@
+"""The proxy listener's front door, and CONNECT (what HTTPS_PROXY makes clients send).
+
+Every connection starts here. Its first bytes decide: a plain HTTP request hands
+the connection to aiohttp (the request path in handler.py); ``CONNECT host:port``
+is answered here, per the vendor's ``connect`` mode:
+
+- ``intercept``: 200, then TLS is terminated and the requests inside go to the
+  request path (intercept.py).
+- ``tunnel``: one token per CONNECT, then bytes pass blindly; concurrent tunnels
+  per vendor are capped by ``max_tunnels`` (blind_tunnel.py).
+- ``deny``, a host in no vendor, or a port other than the vendor's: 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.blind_tunnel import BlindTunnels
+from proxy.deps import Deps
+from proxy.handler import ProxyHandler
+from proxy.intercept import Interception, Interceptor, LeafSource
+from proxy.ledger import Ledger, accounted
+from proxy.refusals import BadRequest, Denied, Refusal
+from proxy.target import parse_authority
+from proxy.tasks import spawn
+
+log = logging.getLogger("quota_proxy.connect")
+
+_CONNECT = b"CONNECT "
+_MAX_HEAD = 16 * 1024  # a CONNECT request head larger than this is refused
+_FIRST_REQUEST_TIMEOUT = 60.0  # a connection that says nothing (or only part of a CONNECT) is closed
+_ESTABLISHED = b"HTTP/1.1 200 Connection Established\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectHead:
+    authority: str
+    headers: CIMultiDict[str]
+
+
+def parse_connect_head(head: bytes) -> ConnectHead:
+    """``CONNECT host:port HTTP/1.1`` and its headers. Raises BadRequest."""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        raise BadRequest("undecodable CONNECT request") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[0] != "CONNECT" or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(f"malformed CONNECT request line {lines[0][:100]!r}")
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise BadRequest(f"malformed header line {line[:100]!r}")
+        headers.add(name, value.strip())
+    return ConnectHead(parts[1], headers)
+
+
+def _raw_response(resp: web.Response) -> bytes:
+    """A proxy answer to a CONNECT, serialised by hand: the connection is ours, not aiohttp's."""
+    body = resp.body if isinstance(resp.body, bytes) else b""
+    lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
+    lines += [f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in ("content-length", "connection")]
+    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + body
+
+
+class ConnectGate:
+    """Owns the listener's connections until each is handed to aiohttp, tunnelled or
+    intercepted. ``protocol`` is the listener's protocol factory; ``leaf_minter`` the
+    current leaf minter (it changes when a reload changes the CA)."""
+
+    def __init__(
+        self, handler: ProxyHandler, web_server: web.Server, leaf_minter: Callable[[], LeafSource | None]
+    ) -> None:
+        self.handler = handler
+        self.web = web_server
+        self._doors: set[FrontDoor] = set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self.tunnels = BlindTunnels(handler.admit, on_change=self._update)
+        self.interceptor = Interceptor(web_server, leaf_minter)
+
+    def protocol(self) -> FrontDoor:
+        return FrontDoor(self)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close_idle(self) -> None:
+        """At shutdown: connections that have not sent a request yet are closed."""
+        for door in list(self._doors):
+            door.close_if_idle()
+
+    async def drained(self) -> None:
+        """Wait until no tunnel and no undecided CONNECT is left (bound it with a timeout)."""
+        await self._empty.wait()
+
+    def track_door(self, door: FrontDoor, *, done: bool = False) -> None:
+        """A connection not yet handed over (``done``: handed over or gone)."""
+        if done:
+            self._doors.discard(door)
+        else:
+            self._doors.add(door)
+        self._update()
+
+    def _update(self) -> None:
+        if self._doors or not self.tunnels.idle:
+            self._empty.clear()
+        else:
+            self._empty.set()
+
+    def cut(self) -> None:
+        self.tunnels.cut()
+        for door in list(self._doors):
+            door.close()
+
+    # -- hand-offs ---------------------------------------------------------------
+
+    def handoff(self, transport: asyncio.Transport, data: bytes) -> None:
+        """A plain HTTP connection: aiohttp takes it from here."""
+        proto = self.web()
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        proto.data_received(data)
+
+    async def connect(self, door: FrontDoor, head: bytes, early: bytes) -> None:
+        """A connection's first request is a CONNECT: refuse it, or answer 200 and give the
+        connection to a blind tunnel or an interception. ``early``: bytes sent behind the head."""
+        deps = self.handler.deps
+        ledger = Ledger(deps, "CONNECT", "")
+        transport = door.transport
+
+        def answer(resp: web.Response) -> None:
+            if not transport.is_closing():
+                transport.write(_raw_response(resp))
+                transport.close()
+
+        def crashed(exc: Exception) -> None:
+            log.exception("internal error on CONNECT")
+            transport.abort()
+
+        await accounted(ledger, self._dispatch(deps, ledger, door, head, early), answer, crashed)
+
+    async def _dispatch(self, deps: Deps, ledger: Ledger, door: FrontDoor, head: bytes, early: bytes) -> None:
+        rec = ledger.rec
+        parsed = parse_connect_head(head)
+        rec.host = rec.path = parsed.authority
+        try:
+            host, port = parse_authority(parsed.authority)
+        except ValueError as exc:
+            raise BadRequest(f"bad CONNECT target: {exc}") from None
+        if port is None:
+            raise BadRequest(f"CONNECT target {parsed.authority!r} has no port")
+        vendor = deps.router.vendor_for_connect(host, port)
+        if vendor is None:
+            raise Denied(f"CONNECT {host}:{port}: no vendor in the policy has this host on this port", host)
+        rec.vendor = vendor.name
+        try:
+            if vendor.connect == "deny":
+                raise Denied(f"CONNECT to {vendor.name} is denied by the policy (connect: deny); "
+                             f"call it over http:// with `upstream: https://...`, or set connect: intercept", host)
+            if vendor.connect == "tunnel":
+                tenant = rec.tenant = deps.router.tenant(parsed.headers)
+                tunnel = await self.tunnels.dial(deps, vendor, tenant, parsed.headers, (host, port), rec)
+                if door.transport.is_closing():  # the worker went away while the vendor was dialled
+                    self.tunnels.abandon(tunnel)
+                    raise asyncio.CancelledError
+                door.established()
+                rec.status = 200
+                self.tunnels.splice(tunnel, door.transport, early)
+            else:
+                tenant = "-"
+                if parsed.headers.get(deps.policy.tenant.header) is not None:
+                    tenant = deps.router.tenant(parsed.headers)
+                rec.tenant = None if tenant == "-" else tenant
+                handshake = self.interceptor.prepare(deps, Interception(vendor, host, port, rec.tenant))
+                door.established()
+                if await handshake.take_over(door.transport, early, rec):
+                    ledger.counted = False  # an interception is not a request: the requests inside it are
+        except Refusal:
+            deps.metrics.connects.labels(vendor.name, vendor.connect, "refused").inc()
+            raise
+
+
+class FrontDoor(asyncio.Protocol):
+    """One new connection, until its first request says what it is."""
+
+    def __init__(self, gate: ConnectGate) -> None:
+        self._gate = gate
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._task: asyncio.Task[None] | None = None
+        self._released = False
+        self._idle: asyncio.TimerHandle | None = None
+
+    @property
+    def transport(self) -> asyncio.Transport:
+        assert self._transport is not None
+        return self._transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._gate.track_door(self)
+        self._idle = asyncio.get_running_loop().call_later(_FIRST_REQUEST_TIMEOUT, self.close_if_idle)
+
+    def _settled(self) -> None:
+        """The first request is in: no more first-request timeout."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._task is not None:  # early bytes after a CONNECT head: kept for the tunnel
+            self._buffer += data
+            return
+        self._buffer += data
+        buf = self._buffer
+        if len(buf) < len(_CONNECT) and _CONNECT.startswith(bytes(buf)):
+            return
+        assert self._transport is not None
+        if not buf.startswith(_CONNECT):
+            self._settled()
+            self._gate.track_door(self, done=True)
+            self._gate.handoff(self._transport, bytes(buf))
+            return
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_HEAD:
+                self._transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+                                      b"Connection: close\r\n\r\n")
+                self._transport.close()
+            return
+        head, early = bytes(buf[:end]), bytes(buf[end + 4 :])
+        self._buffer = bytearray()
+        self._settled()
+        self._transport.pause_reading()
+        self._task = spawn(self._gate.connect(self, head, early), name="connect")
+
+    def established(self) -> None:
+        """Answer the CONNECT with 200: the connection now belongs to a tunnel or to TLS,
+        no longer tracked here."""
+        self.transport.write(_ESTABLISHED)
+        self._released = True
+        self._gate.track_door(self, done=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._settled()
+        self._gate.track_door(self, done=True)
+        if self._task is not None and not self._task.done() and not self._released:
+            self._task.cancel()
+
+    def close_if_idle(self) -> None:
+        if self._task is None and self._transport is not None:
+            self._transport.close()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()

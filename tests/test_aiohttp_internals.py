@@ -1,0 +1,145 @@
+"""The aiohttp details the proxy relies on beyond aiohttp's documented API
+(proxy/aiohttp_internals.py), each checked against the installed aiohttp.
+
+A failure here after an aiohttp upgrade means one of them changed: adapt
+aiohttp_internals.py (its comments say what each is for) before shipping the upgrade.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from unittest import mock
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from proxy.aiohttp_internals import (
+    HeadersWithBody,
+    answer_begun,
+    connection_tag,
+    cut_connections,
+    send_continue,
+    stop_keep_alive,
+    tagged_handler,
+)
+from tests.conftest import eventually
+
+WAIT = 5.0
+
+
+@contextlib.asynccontextmanager
+async def listening(factory: Callable[[], asyncio.BaseProtocol]) -> AsyncIterator[str]:
+    """A listener on a free port serving connections with ``factory``; yields its URL."""
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    try:
+        host, port = server.sockets[0].getsockname()[:2]
+        yield f"http://{host}:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def exchange(url: str, request: bytes) -> bytes:
+    """Send raw bytes, read until the server closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(), WAIT)
+    finally:
+        writer.close()
+
+
+GET_AND_CLOSE = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+async def test_answer_begun_counts_the_answer_but_not_an_interim_100_continue() -> None:
+    seen: list[bool] = []
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        seen.append(answer_begun(request))
+        await send_continue(request)
+        seen.append(answer_begun(request))
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"body")
+        seen.append(answer_begun(request))
+        return resp
+
+    async with listening(web.Server(handler, access_log=None)) as url:
+        raw = await exchange(url, GET_AND_CLOSE)
+    assert seen == [False, False, True]
+    assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"), raw
+
+
+async def test_after_a_100_continue_aiohttp_itself_can_still_answer_500() -> None:
+    """aiohttp decides whether it may still send its 500 from the same counter."""
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        await send_continue(request)
+        raise RuntimeError("a bug after the interim answer")
+
+    async with listening(web.Server(handler, access_log=None)) as url:
+        raw = await exchange(url, GET_AND_CLOSE)
+    assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 500 "), raw
+
+
+async def test_headers_with_body_are_held_back_until_the_body() -> None:
+    for response, sent_at_prepare in ((web.StreamResponse(), True), (HeadersWithBody(), False)):
+        writer = mock.Mock(write_headers=mock.AsyncMock(), write=mock.AsyncMock(), write_eof=mock.AsyncMock())
+        await response.prepare(make_mocked_request("GET", "/", writer=writer))
+        assert writer.send_headers.called is sent_at_prepare, type(response).__name__
+
+
+async def test_a_tagged_connection_hands_its_tag_to_every_request_on_it() -> None:
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(text=repr(connection_tag(request)))
+
+    server = web.Server(handler, access_log=None)
+    async with listening(lambda: tagged_handler(server, "the tag")) as tagged, listening(server) as plain, \
+            aiohttp.ClientSession() as s:
+        for _ in range(2):  # two requests on one keep-alive connection
+            async with s.get(tagged) as r:
+                assert await r.text() == "'the tag'"
+        async with s.get(plain) as r:
+            assert await r.text() == "None"
+
+
+async def test_keep_alive_can_be_stopped_and_requests_in_flight_cut() -> None:
+    release, cancelled = asyncio.Event(), asyncio.Event()
+    started: list[str] = []
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        started.append(request.path)
+        try:
+            if request.path == "/released":
+                await release.wait()
+            else:
+                await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.Response(text="ok")
+
+    server = web.Server(handler, handler_cancellation=True, access_log=None)
+    async with listening(server) as url:
+        host, port = url.removeprefix("http://").split(":")
+        connections = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        for (_, writer), path in zip(connections, ("/released", "/cut"), strict=True):
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())  # HTTP/1.1: keep-alive
+        await eventually(lambda: len(started) == 2, "both requests in their handler")
+        (released, released_writer), (cut, cut_writer) = connections
+
+        stop_keep_alive(server)
+        release.set()
+        answer = await asyncio.wait_for(released.read(), WAIT)  # answered, then closed: no keep-alive
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"ok"), answer
+
+        cut_connections(server)
+        await asyncio.wait_for(cancelled.wait(), WAIT)
+        assert await asyncio.wait_for(cut.read(), WAIT) == b""
+        for writer in (released_writer, cut_writer):
+            writer.close()
