@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__, accesslog
+from proxy.names import split_host_port
 from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
 
 EXIT_CONFIG = 2
@@ -207,7 +208,7 @@ def _vendor_hosts(policy: Policy) -> list[str]:
     hosts: list[str] = []
     for vendor in policy.vendors:
         for entry in vendor.hosts:
-            host = entry[1:].partition("]")[0] if entry.startswith("[") else entry.partition(":")[0]
+            host = split_host_port(entry)[0]
             if host not in hosts:
                 hosts.append(host)
     return hosts

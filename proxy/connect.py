@@ -29,9 +29,9 @@ from proxy.accesslog import AccessRecord
 from proxy.decide import request_wish
 from proxy.handler import Deps, ProxyHandler
 from proxy.metrics import NO_VENDOR
+from proxy.names import parse_authority
 from proxy.policy.model import Vendor
 from proxy.refusals import BadRequest, Denied, Limited, Refusal, UpstreamFailed
-from proxy.target import parse_authority
 from proxy.tasks import spawn
 from proxy.tunnel import InterceptedHandler, Tunnel
 

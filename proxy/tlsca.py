@@ -31,7 +31,6 @@ import ipaddress
 import itertools
 import math
 import os
-import re
 import shutil
 import ssl
 import tempfile
@@ -48,6 +47,8 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from proxy.names import ip_or_none, parse_host, split_host_port
 
 __all__ = [
     "CAError",
@@ -72,7 +73,6 @@ CLOCK_SKEW: Final = 3600.0
 REMINT_FRACTION: Final = 0.1
 """A cached leaf is re-minted once less than this fraction of its lifetime is left."""
 _CN_MAX: Final = 64  # ub-common-name, RFC 5280
-_DNS_LABEL_RE: Final = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 _RSA_BITS: Final = 2048
 _PEM_CERT: Final = b"-----BEGIN CERTIFICATE-----"
 _ALL_IPV4: Final = ipaddress.ip_network("0.0.0.0/0")
@@ -105,37 +105,19 @@ class CAError(Exception):
 
 
 def normalize_host(host: str) -> str:
-    """A DNS name or IP literal, normalised: lower case, no trailing dot, compressed IPv6
-    (brackets accepted and removed). ValueError for anything else: wildcards, ports,
-    scoped IPv6, empty or over-long names, labels with characters DNS does not allow."""
+    """A host as a certificate names it: ``proxy.names.parse_host``'s normal form, brackets
+    accepted around IPv6. ValueError for anything else: wildcards, ports, scoped IPv6,
+    empty or over-long names, labels with characters DNS does not allow."""
     if not isinstance(host, str):
         raise ValueError(f"host must be a string, got {type(host).__name__}")
-    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        ip = None
-    if ip is not None:
-        if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
-            raise ValueError(f"{host!r}: a scoped IPv6 address cannot be named in a certificate")
-        return ip.compressed
-    if text is not host:  # brackets around something that is not an IPv6 address
-        raise ValueError(f"{host!r} is not a host name or IP address (only IPv6 goes in brackets)")
-    name = text.lower().removesuffix(".")
-    labels = name.split(".")
-    if not name or len(name) > 253 or not all(_DNS_LABEL_RE.fullmatch(label) for label in labels):
-        raise ValueError(f"{host!r} is not a host name or IP address")
-    if all(label.isdigit() for label in labels):
-        raise ValueError(f"{host!r} is not a valid IP address")
-    return name
-
-
-def _ip_or_none(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address when a *normalised* host is an IP literal (DNS names never contain ":"
-    and are never all digits, so the cheap test comes first)."""
-    if ":" not in name and not name.replace(".", "").isdigit():
-        return None
-    return ipaddress.ip_address(name)
+    name, port = split_host_port(host)
+    if port is not None:
+        raise ValueError(f"{host!r}: a certificate names a host without a port")
+    normal = parse_host(name)
+    ip = ip_or_none(normal)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+        raise ValueError(f"{host!r}: a scoped IPv6 address cannot be named in a certificate")
+    return normal
 
 
 # ---------------------------------------------------------------- loading
@@ -325,7 +307,7 @@ class CertificateAuthority:
         nc = self._constraints
         if nc is None:
             return True
-        ip = _ip_or_none(host)
+        ip = ip_or_none(host)
         if ip is not None:
             kind: type[x509.GeneralName] = x509.IPAddress
 
@@ -477,7 +459,7 @@ def _name_constraints(hosts: Sequence[str]) -> x509.NameConstraints | None:
     permitted: list[x509.GeneralName] = []
     families: set[int] = set()
     for name in names:
-        ip = _ip_or_none(name)
+        ip = ip_or_none(name)
         if ip is None:
             permitted.append(x509.DNSName(name))
         else:
@@ -710,7 +692,7 @@ class LeafMinter:
             raise CAError(f"{name} is outside the CA's name constraints (re-create the CA with it: ca init -c)")
         start = math.floor(now)
         end = min(math.ceil(now + self._validity), math.floor(ca_end))
-        ip = _ip_or_none(name)
+        ip = ip_or_none(name)
         if ip is None:
             subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:_CN_MAX])])
             san: x509.GeneralName = x509.DNSName(name)

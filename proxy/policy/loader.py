@@ -15,7 +15,6 @@ with the message an operator sees.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import math
 import os
 import re
@@ -28,6 +27,7 @@ from urllib.parse import urlsplit
 import yaml
 import yaml.constructor
 
+from proxy.names import TENANT_NAME, format_authority, parse_host, parse_host_port, parse_port, split_host_port
 from proxy.policy.durations import format_duration, parse_duration, show
 from proxy.policy.errors import ConfigError, ConfigErrors
 from proxy.policy.model import (
@@ -92,13 +92,9 @@ _TIMEOUTS_KEYS = ("connect", "read")
 
 _STORE_SCHEMES = ("memory", "redis", "rediss", "redis+cluster")
 _VENDOR_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 _HEADER_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 _KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]+")  # no "{}": the vendor hash tag must stay the only one
-# Underscores are not strict DNS, but container and service names use them.
-_DNS_LABEL_RE = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 _ROUTE_SEGMENT_RE = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+")
-_PORT_RE = re.compile(r"[0-9]{1,5}")
 _PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NULL_TAG = "tag:yaml.org,2002:null"
@@ -149,10 +145,10 @@ def parse_address(text: str) -> Address:
 
     Shared with the command line, whose ``--listen`` flags must obey the file's rules.
     """
-    host, port = _split_host_port(text)
+    host, port = split_host_port(text)
     if not host or port is None:
         raise ValueError(f"{show(text)} is not HOST:PORT (e.g. 127.0.0.1:8080 or [::1]:8080)")
-    return Address(_host(host), _port(port, text, minimum=0))
+    return Address(parse_host(host), parse_port(port, text, minimum=0))
 
 
 def parse_store_url(text: str) -> str:
@@ -540,7 +536,7 @@ def _header_name(key: str, value: object) -> str:
 
 def _tenant_name(key: str, value: object) -> str:
     text = _string(key, value)
-    if not _TENANT_RE.fullmatch(text):
+    if not TENANT_NAME.fullmatch(text):
         raise ValueError(f"{show(text)} is not a valid tenant name (letters, digits and ._:@-, at most 128)")
     return text
 
@@ -580,55 +576,12 @@ def _upstream(key: str, value: object) -> str:
         raise ValueError(f"upstream {show(text)} must not carry credentials")
     if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in text or "#" in text:
         raise ValueError(f"{not_origin}, without a path, query or fragment")
-    host = _host(parts.hostname)
-    netloc = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{netloc}" + (f":{port}" if port is not None else "")
+    return f"{scheme}://{format_authority(parse_host(parts.hostname), port)}"
 
 
 def _vendor_host(key: str, value: object) -> str:
     """``host`` or ``host:port``, lower-cased; IPv6 always in brackets (``[::1]``, ``[::1]:8443``)."""
-    text = _string(key, value)
-    host, port = _split_host_port(text)
-    name = _host(host)
-    number = None if port is None else _port(port, text, minimum=1)
-    shown = f"[{name}]" if ":" in name else name
-    return shown if number is None else f"{shown}:{number}"
-
-
-def _split_host_port(text: str) -> tuple[str, str | None]:
-    """Split without judging: ``[v6]:port``, ``[v6]``, bare ``v6``, ``host:port`` or ``host``."""
-    if text.startswith("["):
-        host, bracket, rest = text[1:].partition("]")
-        if not bracket or (rest and not rest.startswith(":")):
-            raise ValueError(f"{show(text)} has an unclosed or misplaced ]")
-        if ":" not in host:
-            raise ValueError(f"{show(text)}: only IPv6 addresses go in brackets")
-        return host, rest[1:] if rest else None
-    if text.count(":") > 1:
-        return text, None  # a bare IPv6 address has no room for a port
-    host, colon, port = text.partition(":")
-    return host, port if colon else None
-
-
-def _host(text: str) -> str:
-    """A DNS name or an IP literal, normalised (lower case, no trailing dot, compressed IPv6)."""
-    try:
-        return ipaddress.ip_address(text).compressed
-    except ValueError:
-        pass
-    name = text.lower().removesuffix(".")
-    labels = name.split(".")
-    if len(name) > 253 or not all(_DNS_LABEL_RE.fullmatch(label) for label in labels):
-        raise ValueError(f"{show(text)} is not a host name or IP address")
-    if all(label.isdigit() for label in labels):
-        raise ValueError(f"{show(text)} is not a valid IP address")
-    return name
-
-
-def _port(text: str, whole: str, *, minimum: int) -> int:
-    if not _PORT_RE.fullmatch(text) or not minimum <= int(text) <= 65535:
-        raise ValueError(f"{show(whole)}: port must be {minimum}..65535")
-    return int(text)
+    return format_authority(*parse_host_port(_string(key, value)))
 
 
 def _file_path(base_dir: Path, *, must_exist: bool) -> Leaf[str | None]:
@@ -851,7 +804,7 @@ def _check_constraints(m: _Mapping, hosts: tuple[str, ...]) -> None:
     if ca is None or not isinstance(node, yaml.SequenceNode):
         return
     for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
-        host = _split_host_port(entry)[0]
+        host = split_host_port(entry)[0]
         if not ca.permits(host):
             m.walk.error(item, f"{m.child('hosts')}[{i}]",
                          f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
@@ -892,9 +845,9 @@ def _hosts(walk: _Walk, node: yaml.Node, path: str, owner: _Owner, claims: _Clai
 
 def _claim_host(walk: _Walk, node: yaml.Node, path: str, host: str, owner: _Owner, claims: _Claims) -> bool:
     """A host without a port matches every port, so it overlaps any entry for the same name."""
-    name, port = _split_known_host(host)
+    name, port = split_host_port(host)
     for entry, other in claims.hosts.get(name, []):
-        other_port = _split_known_host(entry)[1]
+        other_port = split_host_port(entry)[1]
         if other == owner and entry == host:
             walk.error(node, path, f'host "{host}" is listed twice')
             return False
@@ -903,15 +856,6 @@ def _claim_host(walk: _Walk, node: yaml.Node, path: str, host: str, owner: _Owne
             return False
     claims.hosts.setdefault(name, []).append((host, owner))
     return True
-
-
-def _split_known_host(host: str) -> tuple[str, str | None]:
-    """Split a host entry the loader already normalised (IPv6 always bracketed)."""
-    if host.startswith("["):
-        name, _, rest = host[1:].partition("]")
-        return name, rest[1:] or None
-    name, _, port = host.partition(":")
-    return name, port or None
 
 
 def _vendor_limits(walk: _Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
