@@ -174,7 +174,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _ca_init(args: argparse.Namespace) -> int:
-    from proxy.tlsca import CAError, init_ca, trust_instructions
+    from proxy.ca.authority import CAError
+    from proxy.ca.commands import init_ca, trust_instructions
 
     hosts: list[str] = []
     if args.config:
@@ -222,7 +223,8 @@ def _ca_show(args: argparse.Namespace) -> int:
         print(f"quota-proxy: {policy.source}: no CA configured (set tls.ca_cert and tls.ca_key; "
               "`quota-proxy ca init --out DIR` creates one)", file=sys.stderr)
         return EXIT_CONFIG
-    from proxy.tlsca import CAError, CertificateAuthority, describe
+    from proxy.ca.authority import CAError, CertificateAuthority
+    from proxy.ca.commands import describe
 
     try:
         ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)

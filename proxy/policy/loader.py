@@ -54,7 +54,7 @@ def parse_policy(
 
     Relative TLS file paths resolve against ``base_dir``, by default the directory of ``source``.
     When both ``tls.ca_cert`` and ``tls.ca_key`` are set, the files must hold a usable CA
-    (``proxy.tlsca.CertificateAuthority.load``), unless ``check_ca`` is false.
+    (``proxy.ca.authority.CertificateAuthority.load``), unless ``check_ca`` is false.
     """
     root = compose(text, source)
     walk = Walk(source, Path(base_dir) if base_dir is not None else Path(source).parent, check_ca=check_ca)

@@ -139,7 +139,7 @@ def _tls(walk: Walk, node: yaml.Node, path: str) -> TlsSettings:
 def _check_ca_files(m: CheckedMapping, ca_cert: str, ca_key: str) -> None:
     """The CA must load as the proxy will load it; each problem goes on the line of the file
     it is about, and a bad certificate does not hide a bad key."""
-    from proxy.tlsca import CAError, CertificateAuthority, load_ca_key  # cryptography only when a CA is set
+    from proxy.ca.authority import CAError, CertificateAuthority, load_ca_key  # cryptography only when a CA is set
 
     def report(exc: CAError) -> None:
         key = "ca_key" if exc.role == "key" else "ca_cert"

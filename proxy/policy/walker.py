@@ -23,7 +23,7 @@ from proxy.policy.durations import show
 from proxy.policy.errors import ConfigError, ConfigErrors
 
 if TYPE_CHECKING:
-    from proxy.tlsca import CertificateAuthority
+    from proxy.ca.authority import CertificateAuthority
 
 T = TypeVar("T")
 Leaf: TypeAlias = Callable[[str, object], T]
