@@ -2,7 +2,7 @@
 """HTTPS through HTTPS_PROXY: what TLS interception costs.
 
 A mock vendor served over TLS (its certificate from a vendor CA made here), the
-proxy's own CA from ``proxy.tlsca.init_ca`` (name-constrained to the vendor host),
+proxy's own CA from ``proxy.ca.commands.init_ca`` (name-constrained to the vendor host),
 and one proxy replica intercepting ``CONNECT api.bench.example:443``. Three parts:
 
 1. Added latency. The same open-loop paced load (request i launched at t0 + i/rate,
@@ -96,7 +96,8 @@ def make_certs(workdir: Path) -> Certs:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    from proxy.tlsca import CertificateAuthority, init_ca
+    from proxy.ca.authority import CertificateAuthority
+    from proxy.ca.commands import init_ca
 
     proxy_ca, proxy_key = init_ca(workdir / "proxy-ca", permitted_hosts=[VENDOR_HOST])
     vendor_ca_cert, vendor_ca_key = init_ca(workdir / "vendor-ca", common_name="bench vendor CA")
@@ -367,7 +368,9 @@ def latency_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: 
 
 
 def mint_phase(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from proxy.tlsca import CertificateAuthority, LeafMinter, init_ca
+    from proxy.ca.authority import CertificateAuthority
+    from proxy.ca.commands import init_ca
+    from proxy.ca.leaves import LeafMinter
 
     out: dict[str, Any] = {}
     for key_type in ("ec", "rsa"):

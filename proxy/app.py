@@ -33,7 +33,7 @@ from proxy.recent import Recent
 from proxy.tasks import spawn
 
 if TYPE_CHECKING:
-    from proxy.tlsca import LeafMinter
+    from proxy.ca.leaves import LeafMinter
 
 log = logging.getLogger("quota_proxy")
 
@@ -101,7 +101,8 @@ class Runtime:
         """The interception CA's leaf factory, when the policy names a CA."""
         if not (policy.tls.ca_cert and policy.tls.ca_key):
             return None
-        from proxy.tlsca import CertificateAuthority, LeafMinter  # cryptography: only when intercepting
+        from proxy.ca.authority import CertificateAuthority  # cryptography: only when intercepting
+        from proxy.ca.leaves import LeafMinter
 
         ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)
         return LeafMinter(ca, policy.tls.leaf_validity,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from proxy.accesslog import AccessRecord
 from proxy.decide import Wish, request_wish
 from proxy.deps import Deps
+from proxy.names import default_port, parse_authority
 from proxy.policy.model import Vendor
 from proxy.refusals import Limited, UpstreamFailed
-from proxy.target import parse_authority
 
 Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord], Awaitable[str]]
 """Take a request's tokens, holding if need be; returns the outcome (ProxyHandler.admit)."""
@@ -132,7 +132,7 @@ async def _connect(vendor: Vendor, address: tuple[str, int]) -> tuple[asyncio.Tr
 def _origin_address(origin: str) -> tuple[str, int]:
     scheme, _, authority = origin.partition("://")
     host, port = parse_authority(authority)
-    return host, port or (443 if scheme == "https" else 80)
+    return host, port or default_port(scheme)
 
 
 class _Pipe(asyncio.Protocol):

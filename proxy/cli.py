@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
+from proxy.names import split_host_port
 from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
 
 EXIT_CONFIG = 2
@@ -171,7 +172,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _ca_init(args: argparse.Namespace) -> int:
-    from proxy.tlsca import CAError, init_ca, trust_instructions
+    from proxy.ca.authority import CAError
+    from proxy.ca.commands import init_ca, trust_instructions
 
     hosts: list[str] = []
     if args.config:
@@ -205,7 +207,7 @@ def _vendor_hosts(policy: Policy) -> list[str]:
     hosts: list[str] = []
     for vendor in policy.vendors:
         for entry in vendor.hosts:
-            host = entry[1:].partition("]")[0] if entry.startswith("[") else entry.partition(":")[0]
+            host = split_host_port(entry)[0]
             if host not in hosts:
                 hosts.append(host)
     return hosts
@@ -219,7 +221,8 @@ def _ca_show(args: argparse.Namespace) -> int:
         print(f"quota-proxy: {policy.source}: no CA configured (set tls.ca_cert and tls.ca_key; "
               "`quota-proxy ca init --out DIR` creates one)", file=sys.stderr)
         return EXIT_CONFIG
-    from proxy.tlsca import CAError, CertificateAuthority, describe
+    from proxy.ca.authority import CAError, CertificateAuthority
+    from proxy.ca.commands import describe
 
     try:
         ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)

@@ -26,8 +26,8 @@ from proxy.deps import Deps
 from proxy.handler import ProxyHandler
 from proxy.intercept import Interception, Interceptor, LeafSource
 from proxy.ledger import Ledger, accounted
+from proxy.names import parse_authority
 from proxy.refusals import BadRequest, Denied, Refusal
-from proxy.target import parse_authority
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.connect")

@@ -30,7 +30,7 @@ _HANDSHAKE_TIMEOUT = 10.0
 
 
 class LeafSource(Protocol):
-    """Server-side TLS contexts with a leaf certificate for a host (tlsca.LeafMinter)."""
+    """Server-side TLS contexts with a leaf certificate for a host (ca.leaves.LeafMinter)."""
 
     def context_for(self, host: str) -> ssl.SSLContext: ...
 

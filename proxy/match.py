@@ -5,15 +5,13 @@ Built once per policy: host lookups are dict hits, route prefixes a short scan.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from proxy.names import format_origin, is_tenant_name, parse_authority
 from proxy.policy.model import Policy, Vendor
 from proxy.refusals import BadRequest, Denied
-from proxy.target import RequestTarget, parse_authority
-
-TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+from proxy.target import RequestTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +89,7 @@ class Router:
                 raise BadRequest(f"missing {self._tenant_header} header (this policy has no default tenant)")
             return self._tenant_default
         value = value.strip()
-        if not TENANT.match(value):
+        if not is_tenant_name(value):
             raise BadRequest(f"bad {self._tenant_header} header: letters, digits and ._:@- only, at most 128")
         return value
 
@@ -99,7 +97,4 @@ class Router:
     def _origin(vendor: Vendor, target: RequestTarget) -> str:
         if vendor.upstream:
             return vendor.upstream
-        host = f"[{target.host}]" if ":" in target.host else target.host
-        default_port = 443 if target.scheme == "https" else 80
-        port = f":{target.port}" if target.port and target.port != default_port else ""
-        return f"{target.scheme}://{host}{port}"
+        return format_origin(target.scheme, target.host, target.port)

@@ -8,15 +8,12 @@ The path and query are kept byte for byte: re-encoding could change a signed URL
 
 from __future__ import annotations
 
-import ipaddress
-import re
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.names import parse_authority
 from proxy.refusals import BadRequest
-
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_](?:[a-z0-9_-]{0,62})(?:\.[a-z0-9_](?:[a-z0-9_-]{0,62}))*\.?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,44 +22,11 @@ class RequestTarget:
     scheme: str
     """``http``/``https`` for absolute form; ``http`` for origin form."""
     host: str
-    """Lower-case host name or IP literal (no brackets); empty if origin form had no Host."""
+    """Normalised host name or IP literal (``proxy.names.parse_host``); empty if origin form had no Host."""
     port: int | None
     """The port the request named explicitly, if any."""
     path_qs: str
     """Raw path and query, always starting with ``/``."""
-
-
-def parse_authority(authority: str) -> tuple[str, int | None]:
-    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` → (host, port). Raises ValueError."""
-    if "@" in authority:
-        raise ValueError("user information is not allowed in the target")
-    port: int | None = None
-    if authority.startswith("["):
-        end = authority.find("]")
-        if end < 0:
-            raise ValueError(f"bad IPv6 literal in {authority!r}")
-        host, rest = authority[1:end], authority[end + 1 :]
-        ipaddress.IPv6Address(host.split("%", 1)[0])
-        if rest:
-            if not rest.startswith(":"):
-                raise ValueError(f"bad authority {authority!r}")
-            port = _port(rest[1:])
-        return host.lower(), port
-    host, sep, port_text = authority.rpartition(":")
-    if not sep:
-        host = authority
-    else:
-        port = _port(port_text)
-    host = host.lower()
-    if not _HOSTNAME.match(host):
-        raise ValueError(f"bad host {host!r}")
-    return host.rstrip("."), port
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ValueError(f"bad port {text!r}")
-    return int(text)
 
 
 def parse_target(request: web.BaseRequest) -> RequestTarget:

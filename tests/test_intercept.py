@@ -34,9 +34,9 @@ import trustme
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from proxy.ca.commands import init_ca
 from proxy.mockvendor import MockVendor
 from proxy.server import ProxyServer
-from proxy.tlsca import init_ca
 from tests.conftest import (
     HttpsVendor,
     client_session,

@@ -1,4 +1,5 @@
-"""target.py and match.py: where a request goes, which vendor and tenant it belongs to."""
+"""match.py: which vendor and tenant a request belongs to, and the origin it goes to
+(host[:port] parsing itself is tested in test_names.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from proxy.match import Router
 from proxy.refusals import BadRequest, Denied
-from proxy.target import RequestTarget, parse_authority
+from proxy.target import RequestTarget
 from tests.conftest import make_policy
 
 POLICY = make_policy("""
@@ -29,22 +30,6 @@ POLICY = make_policy("""
 """)
 ROUTER = Router(POLICY)
 ACME = {"X-Tenant-Id": "acme"}
-
-
-@pytest.mark.parametrize(
-    ("authority", "expected"),
-    [("API.Example", ("api.example", None)), ("api.example:8080", ("api.example", 8080)),
-     ("[::1]:80", ("::1", 80)), ("[::1]", ("::1", None)), ("10.0.0.1:1", ("10.0.0.1", 1)),
-     ("example.com.", ("example.com", None))],
-)
-def test_authorities(authority: str, expected: tuple[str, int | None]) -> None:
-    assert parse_authority(authority) == expected
-
-
-@pytest.mark.parametrize("bad", ["user@host", "host:0", "host:99999", "host:x", "[::1", "bad host", ""])
-def test_bad_authorities(bad: str) -> None:
-    with pytest.raises(ValueError):
-        parse_authority(bad)
 
 
 def target(host: str, port: int | None = None, path: str = "/x", absolute: bool = True) -> RequestTarget:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.names import format_authority
+
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open"]
@@ -25,7 +27,7 @@ class Address:
     port: int
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return format_authority(self.host, self.port)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
-from proxy.policy.loader import mask_password
 from proxy.policy.model import Feedback, Limit, Policy, TenantLimits, Vendor
+from proxy.policy.values import mask_password
 
 _WIDTH = 14  # label column, so values line up
 

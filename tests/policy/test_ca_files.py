@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.ca.commands import init_ca
 from proxy.policy import ConfigErrors, TlsSettings, load_policy
-from proxy.tlsca import init_ca
-from tests.test_tlsca import write_self_signed
+from tests.ca.conftest import write_self_signed
 
 POLICY = """\
 version: 1

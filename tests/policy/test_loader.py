@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.ca.commands import init_ca
 from proxy.policy import (
     Address,
     Breaker,
@@ -26,7 +27,6 @@ from proxy.policy import (
     parse_policy,
     parse_store_url,
 )
-from proxy.tlsca import init_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD = "tests/policy/bad"

@@ -1,0 +1,297 @@
+"""The ``vendors:`` section: each vendor's hosts, route, limits, tenant limits, answers
+when limited, feedback, CONNECT mode and timeouts.
+
+Names, hosts and routes are claimed as they are read (``_Claims``), so a second vendor
+that reuses one is reported on its own line, naming the vendor that had it first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+import yaml
+
+from proxy.names import split_host_port
+from proxy.policy import values
+from proxy.policy.durations import format_duration
+from proxy.policy.model import (
+    ACTIONS,
+    CONNECT_MODES,
+    Action,
+    ConnectMode,
+    Feedback,
+    Limit,
+    OnLimit,
+    TenantLimits,
+    Timeouts,
+    TlsSettings,
+    Vendor,
+)
+from proxy.policy.walker import CheckedMapping, Walk, is_null, line_of
+
+_VENDOR: Final = Vendor(name="")
+_ON_LIMIT: Final = OnLimit()
+_FEEDBACK: Final = Feedback()
+_TIMEOUTS: Final = Timeouts()
+_DEFAULT_PER: Final = 1.0
+
+_VENDOR_KEYS: Final = (
+    "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
+    "timeouts", "max_tunnels",
+)  # fmt: skip
+_LIMIT_KEYS: Final = ("rate", "per", "burst")
+_TENANT_LIMITS_KEYS: Final = ("default", "overrides")
+_ON_LIMIT_KEYS: Final = ("action", "max_hold")
+_FEEDBACK_KEYS: Final = ("remaining_header", "low_watermark", "retry_after_default", "max_retry_after")
+_TIMEOUTS_KEYS: Final = ("connect", "read")
+
+
+@dataclass
+class _Claims:
+    """What vendors have claimed so far: names, hosts and routes must not be shared."""
+
+    names: dict[str, int] = field(default_factory=dict)
+    """Vendor name → line of its first use."""
+    hosts: dict[str, list[tuple[str, _Owner]]] = field(default_factory=dict)
+    """Host name without port → (normalised entry, owner) pairs."""
+    routes: dict[str, _Owner] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """A vendor as claims see it: by position, since two vendors may (wrongly) share a name."""
+
+    path: str
+    name: str
+
+
+def build_vendors(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings) -> tuple[Vendor, ...]:
+    """The ``vendors:`` list; ``tls`` decides the default ``connect`` mode."""
+    items = walk.sequence(node, path)
+    if items is None:
+        return ()
+    if not items:
+        walk.error(node, path, "at least one vendor is required")
+    claims = _Claims()
+    vendors = (_vendor(walk, item, f"{path}[{i}]", tls, claims) for i, item in enumerate(items))
+    return tuple(v for v in vendors if v is not None)
+
+
+def _vendor(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _Claims) -> Vendor | None:
+    m = walk.mapping(node, path, _VENDOR_KEYS)
+    if m is None:
+        return None
+    name = m.require("name", values.vendor_name, "")
+    if name:
+        _claim_name(m, name, claims)
+    hosts, route = _targets(m, _Owner(path, name or path), claims)
+    connect = _connect(m, tls)
+    if connect == "intercept":
+        _check_constraints(m, hosts)
+    return Vendor(
+        name=name,
+        hosts=hosts,
+        route=route,
+        upstream=m.get("upstream", values.nullable(values.upstream), None),
+        limits=m.require_section("limits", _vendor_limits, ()),
+        tenant_limits=m.section("tenant_limits", _tenant_limits, TenantLimits()),
+        on_limit=m.section("on_limit", _on_limit, _ON_LIMIT),
+        feedback=m.section("feedback", _feedback, _FEEDBACK),
+        connect=connect,
+        timeouts=m.section("timeouts", _timeouts, _TIMEOUTS),
+        max_tunnels=m.get("max_tunnels", values.integer_at_least(1), _VENDOR.max_tunnels),
+    )
+
+
+def _targets(m: CheckedMapping, owner: _Owner, claims: _Claims) -> tuple[tuple[str, ...], str | None]:
+    """The vendor's hosts and route, each claimed for this vendor alone."""
+    hosts = m.section("hosts", lambda w, n, p: _hosts(w, n, p, owner, claims), _VENDOR.hosts)
+    route = m.get("route", values.nullable(values.route), None)
+    if route is not None:
+        _claim_route(m, route, owner, claims)
+        if not m.has("upstream"):  # origin-form requests name no origin to fall back on
+            m.walk.error(m.node_of("route") or m.node, m.child("route"), f'route "{route}" needs an upstream')
+    # Judged on what was written, so a malformed route or hosts list is reported only once.
+    if _absent(m.node_of("route")) and _absent(m.node_of("hosts")):
+        m.walk.error(m.node, m.path, "a vendor needs hosts or a route")
+    return hosts, route
+
+
+def _connect(m: CheckedMapping, tls: TlsSettings) -> ConnectMode:
+    default: ConnectMode = "intercept" if tls.ca_cert is not None else "deny"
+    connect: ConnectMode = m.get("connect", values.choice(CONNECT_MODES), default)
+    # Only an explicit intercept is reported here; a half-set CA is already a tls error.
+    if connect == "intercept" and (tls.ca_cert is None or tls.ca_key is None) and m.has("connect"):
+        m.walk.error(m.node_of("connect") or m.node, m.child("connect"), _INTERCEPT_NEEDS_CA)
+    return connect
+
+
+_INTERCEPT_NEEDS_CA = "connect: intercept needs tls.ca_cert and tls.ca_key"
+
+
+def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
+    """An intercepted host the CA may not vouch for would only show up as failed
+    handshakes: say so here, on the host's own line."""
+    ca = m.walk.ca
+    node = m.node_of("hosts")
+    if ca is None or not isinstance(node, yaml.SequenceNode):
+        return
+    for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
+        host = split_host_port(entry)[0]
+        if not ca.permits(host):
+            m.walk.error(item, f"{m.child('hosts')}[{i}]",
+                         f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
+                         "(re-create it with: quota-proxy ca init -c POLICY)")
+
+
+def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:
+    node = m.node_of("name") or m.node
+    first = claims.names.get(name)
+    if first is None:
+        claims.names[name] = line_of(node)
+    else:
+        m.walk.error(node, m.child("name"), f'duplicate vendor name "{name}" (first at line {first})')
+
+
+def _absent(node: yaml.Node | None) -> bool:
+    return node is None or is_null(node) or (isinstance(node, yaml.SequenceNode) and not node.value)
+
+
+def _claim_route(m: CheckedMapping, route: str, owner: _Owner, claims: _Claims) -> None:
+    other = claims.routes.setdefault(route, owner)
+    if other != owner:
+        node = m.node_of("route") or m.node
+        m.walk.error(node, m.child("route"), f'route "{route}" already belongs to vendor "{other.name}"')
+
+
+def _hosts(walk: Walk, node: yaml.Node, path: str, owner: _Owner, claims: _Claims) -> tuple[str, ...]:
+    items = walk.sequence(node, path)
+    hosts: list[str] = []
+    for i, item in enumerate(items or ()):
+        host = walk.leaf(item, f"{path}[{i}]", "host", values.vendor_host, None)
+        if host is None:
+            continue
+        if _claim_host(walk, item, f"{path}[{i}]", host, owner, claims):
+            hosts.append(host)
+    return tuple(hosts)
+
+
+def _claim_host(walk: Walk, node: yaml.Node, path: str, host: str, owner: _Owner, claims: _Claims) -> bool:
+    """A host without a port matches every port, so it overlaps any entry for the same name."""
+    name, port = split_host_port(host)
+    for entry, other in claims.hosts.get(name, []):
+        other_port = split_host_port(entry)[1]
+        if other == owner and entry == host:
+            walk.error(node, path, f'host "{host}" is listed twice')
+            return False
+        if other != owner and (port is None or other_port is None or port == other_port):
+            walk.error(node, path, f'host "{host}" already belongs to vendor "{other.name}"')
+            return False
+    claims.hosts.setdefault(name, []).append((host, owner))
+    return True
+
+
+def _vendor_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
+    return _limits(walk, node, path, required=True)
+
+
+def _limits(walk: Walk, node: yaml.Node, path: str, *, required: bool) -> tuple[Limit, ...]:
+    items = walk.sequence(node, path)
+    if items is None:
+        return ()
+    if required and not items:
+        walk.error(node, path, "at least one limit is required")
+    limits: list[Limit] = []
+    for i, item in enumerate(items):
+        mark = walk.mark()
+        limit = _limit(walk, item, f"{path}[{i}]")
+        if limit is None or not walk.clean_since(mark):
+            continue
+        if limit in limits:  # same store key: both would draw from one bucket
+            walk.error(item, f"{path}[{i}]", f"limit {limit.label} is listed twice")
+            continue
+        limits.append(limit)
+    return tuple(limits)
+
+
+def _limit(walk: Walk, node: yaml.Node, path: str) -> Limit | None:
+    m = walk.mapping(node, path, _LIMIT_KEYS)
+    if m is None:
+        return None
+    rate = m.require("rate", values.positive_number, 1.0)
+    per = m.get("per", values.positive_duration, _DEFAULT_PER)
+    # Burst defaults to the rate, but a bucket below one token would never grant.
+    burst = m.get("burst", values.burst, max(rate, 1.0))
+    return Limit(rate=rate, per=per, burst=burst)
+
+
+def _tenant_limits(walk: Walk, node: yaml.Node, path: str) -> TenantLimits:
+    m = walk.mapping(node, path, _TENANT_LIMITS_KEYS)
+    if m is None:
+        return TenantLimits()
+    return TenantLimits(
+        default=m.section("default", _optional_limits, ()),
+        overrides=m.section("overrides", _overrides, ()),
+    )
+
+
+def _optional_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
+    """Tenant limits may be empty: an override of ``[]`` exempts a tenant from tenant buckets."""
+    return _limits(walk, node, path, required=False)
+
+
+def _overrides(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, tuple[Limit, ...]], ...]:
+    m = walk.mapping(node, path, None)
+    if m is None:
+        return ()
+    overrides: list[tuple[str, tuple[Limit, ...]]] = []
+    for tenant, entry in m.entries.items():
+        sub = m.child(tenant)
+        try:
+            values.tenant_name("tenant", tenant)
+        except ValueError as exc:
+            walk.error(entry.key_node, sub, str(exc))
+            continue
+        overrides.append((tenant, _optional_limits(walk, entry.value_node, sub)))
+    return tuple(overrides)
+
+
+def _on_limit(walk: Walk, node: yaml.Node, path: str) -> OnLimit:
+    m = walk.mapping(node, path, _ON_LIMIT_KEYS)
+    if m is None:
+        return _ON_LIMIT
+    action: Action = m.get("action", values.choice(ACTIONS), _ON_LIMIT.action)
+    return OnLimit(action=action, max_hold=m.get("max_hold", values.duration, _ON_LIMIT.max_hold))
+
+
+def _feedback(walk: Walk, node: yaml.Node, path: str) -> Feedback:
+    m = walk.mapping(node, path, _FEEDBACK_KEYS)
+    if m is None:
+        return _FEEDBACK
+    mark = walk.mark()
+    retry_after_default = m.get("retry_after_default", values.positive_duration, _FEEDBACK.retry_after_default)
+    max_retry_after = m.get("max_retry_after", values.positive_duration, _FEEDBACK.max_retry_after)
+    if walk.clean_since(mark) and retry_after_default > max_retry_after:
+        key = "retry_after_default" if m.has("retry_after_default") else "max_retry_after"
+        message = (
+            f"retry_after_default ({format_duration(retry_after_default)}) exceeds "
+            f"max_retry_after ({format_duration(max_retry_after)})"
+        )
+        walk.error(m.node_of(key) or m.node, m.child(key), message)
+    return Feedback(
+        remaining_header=m.get("remaining_header", values.nullable(values.header_name), _FEEDBACK.remaining_header),
+        low_watermark=m.get("low_watermark", values.non_negative_number, _FEEDBACK.low_watermark),
+        retry_after_default=retry_after_default,
+        max_retry_after=max_retry_after,
+    )
+
+
+def _timeouts(walk: Walk, node: yaml.Node, path: str) -> Timeouts:
+    m = walk.mapping(node, path, _TIMEOUTS_KEYS)
+    if m is None:
+        return _TIMEOUTS
+    return Timeouts(
+        connect=m.get("connect", values.positive_duration, _TIMEOUTS.connect),
+        read=m.get("read", values.positive_duration, _TIMEOUTS.read),
+    )
