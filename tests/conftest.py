@@ -31,10 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import Runtime
 from proxy.clock import Clock, ManualClock
+from proxy.devtools.mockvendor import MockVendor
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketStore
-from proxy.mockvendor import MockVendor
 from proxy.policy import Policy, parse_policy
 from proxy.server import ProxyServer
 

@@ -555,3 +555,15 @@ def test_version_and_help() -> None:
     unknown = run_cli("frobnicate")
     assert unknown.returncode == 2
     assert "invalid choice" in unknown.stderr
+
+
+def test_the_command_line_lists_the_developer_tools_without_importing_them() -> None:
+    # `check` and `ca` stay quick to start: mock-vendor and demo register their arguments from
+    # light modules, and aiohttp (the tools, the server) is imported only by a command that serves.
+    probe = "import json, sys; from proxy.cli import build_parser; build_parser(); print(json.dumps(list(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL, check=False)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout))
+    assert {"proxy.devtools.mockvendor_cli", "proxy.devtools.demo_cli"} <= loaded
+    assert not loaded & {"aiohttp", "proxy.devtools.mockvendor", "proxy.devtools.demo", "proxy.server"}

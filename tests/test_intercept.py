@@ -34,7 +34,7 @@ import trustme
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from proxy.mockvendor import MockVendor
+from proxy.devtools.mockvendor import MockVendor
 from proxy.server import ProxyServer
 from proxy.tlsca import init_ca
 from tests.conftest import (

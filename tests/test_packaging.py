@@ -75,7 +75,9 @@ def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> No
     assert entry_points["console_scripts"]["quota-proxy"] == "proxy.cli:main"
     assert "Name: quota-proxy\n" in metadata
     assert f"Version: {proxy.__version__}\n" in metadata
-    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py"):
+    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py",
+                   "proxy/devtools/mockvendor.py", "proxy/devtools/mockvendor_cli.py", "proxy/devtools/demo.py",
+                   "proxy/devtools/demo_cli.py"):
         assert module in names
     assert not [n for n in names if n.startswith(("lua/", "tests/", "config/")) or "__pycache__" in n], names
 
