@@ -157,13 +157,14 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-py"])
 async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
-    """Each store implementation, for the shared contract suite."""
+    """Each store implementation, for the shared contract suite: "redis" acquires over the
+    pipelined connection (redis://, rediss://), "redis-py" through redis-py (redis+cluster://)."""
     if request.param == "memory":
         s: BucketStore = MemoryStore(clock)
     else:
-        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
+        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0, pipelined=request.param == "redis")
     yield s
     await s.close()
 
