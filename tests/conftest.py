@@ -38,6 +38,9 @@ from proxy.limiter.store import BucketStore
 from proxy.policy import Policy, parse_policy
 from proxy.server import ProxyServer
 
+# Before any test module imports them: the shared helpers' asserts explain themselves too.
+pytest.register_assert_rewrite("tests.helpers")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -24,9 +24,8 @@ import yaml
 from proxy.cli import parse_args
 from proxy.metrics import OUTCOMES
 from proxy.policy import Policy, load_policy, parse_policy
-from tests.conftest import vendor_policy
-from tests.test_cli import ROOT
-from tests.test_packaging import IMAGE_POLICY, parse_dockerfile
+from tests.conftest import ROOT, vendor_policy
+from tests.helpers.dockerfile import IMAGE_POLICY, parse_dockerfile
 
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"

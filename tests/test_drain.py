@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.test_cli import EXAMPLE, ProxyProcess, Ready, cli, write_policy
+from tests.helpers.cli import EXAMPLE, ProxyProcess, Ready, cli, write_policy
 
 POLL = 0.01
 # What a client sees of a request cut at the bound: the connection closed under it.

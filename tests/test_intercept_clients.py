@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from tests.conftest import curl, value
-from tests.test_intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
+from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
 PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",

@@ -26,12 +26,11 @@ import pytest
 import proxy
 from proxy.limiter.scripts import NAMES
 from proxy.policy import parse_policy
-from tests.conftest import vendor_policy
-from tests.test_cli import EXAMPLE, ROOT, clean_env, free_port, run_cli
+from tests.conftest import free_port, vendor_policy
+from tests.helpers.cli import EXAMPLE, ROOT, clean_env, run_cli
+from tests.helpers.dockerfile import DOCKERFILE, IMAGE_POLICY, Instruction, parse_dockerfile
 
-DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-IMAGE_POLICY = "/etc/quota-proxy/policy.yaml"
 
 
 # -- the wheel -----------------------------------------------------------------------------------
@@ -164,42 +163,6 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
 
 
 # -- the Dockerfile --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Instruction:
-    keyword: str
-    args: str
-    line: int
-
-    def exec_form(self) -> list[str]:
-        value = json.loads(self.args)
-        assert isinstance(value, list) and all(isinstance(v, str) for v in value), self
-        return value
-
-
-def parse_dockerfile(text: str) -> list[Instruction]:
-    """Instructions with continuation lines joined and comments dropped."""
-    instructions: list[Instruction] = []
-    pending: list[str] = []
-    start = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
-            continue
-        if pending and stripped.startswith("#"):
-            continue
-        if not pending:
-            start = number
-        if stripped.endswith("\\"):
-            pending.append(stripped[:-1].strip())
-            continue
-        pending.append(stripped)
-        keyword, _, args = " ".join(p for p in pending if p).partition(" ")
-        instructions.append(Instruction(keyword.upper(), args.strip(), start))
-        pending = []
-    assert not pending, "a continuation line runs off the end of the Dockerfile"
-    return instructions
 
 
 @pytest.fixture(scope="module")

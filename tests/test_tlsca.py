@@ -29,46 +29,11 @@ from proxy.tlsca import (
     normalize_host,
     trust_instructions,
 )
-from tests.test_cli import assert_no_traceback, run_cli
+from tests.helpers.certs import write_self_signed
+from tests.helpers.cli import assert_no_traceback, run_cli
 
 HOST = "api.payments.example"
 T0 = 1_800_000_000.0  # an injected "now", 2027-01-15
-
-
-# ---------------------------------------------------------------- helpers shared with tests/policy
-
-
-def write_self_signed(
-    path: Path,
-    *,
-    ca: bool = True,
-    not_before: dt.datetime | None = None,
-    not_after: dt.datetime | None = None,
-    key: ec.EllipticCurvePrivateKey | None = None,
-    basic_constraints: bool = True,
-) -> ec.EllipticCurvePrivateKey:
-    """A self-signed certificate at ``path`` with the given shape; returns its key
-    (written next to it as ``<stem>-key.pem``)."""
-    key = key or ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test")])
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before or now - dt.timedelta(days=1))
-        .not_valid_after(not_after or now + dt.timedelta(days=30))
-    )
-    if basic_constraints:
-        builder = builder.add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    path.write_bytes(builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    path.with_name(f"{path.stem}-key.pem").write_bytes(key_pem)
-    return key
 
 
 def ext(cert: x509.Certificate, kind: type[x509.ExtensionType]) -> x509.Extension[x509.ExtensionType]:

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.policy import ConfigErrors, TlsSettings, load_policy
 from proxy.tlsca import init_ca
-from tests.test_tlsca import write_self_signed
+from tests.helpers.certs import write_self_signed
 
 POLICY = """\
 version: 1
