@@ -318,10 +318,15 @@ async def https_vendor(vendor_ca: tuple[trustme.CA, Path], aiohttp_server: Any) 
 async def curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path,
                *options: str) -> tuple[int, dict[str, str], bytes]:
     """A real curl, with the proxy from the (monkeypatched) environment: (status,
-    lower-case headers, body) of the final answer."""
+    lower-case headers, body) of the final answer.
+
+    curl sends ``Expect: 100-continue`` with a body over 1 MiB. Left alone it gives up
+    waiting for ``100 Continue`` after 1 s and sends the body anyway, so a proxy that never
+    answers would only be slower; with ``--expect100-timeout`` beyond ``--max-time`` it
+    fails the call instead, however loaded the machine."""
     out = tmp / "curl-body"
-    argv = ["curl", "--silent", "--show-error", "--max-time", "20", *options, "--request", method,
-            "--dump-header", "-", "--output", str(out)]
+    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--expect100-timeout", "60", *options,
+            "--request", method, "--dump-header", "-", "--output", str(out)]
     for name, value in headers.items():
         argv += ["--header", f"{name}: {value}"]
     if body is not None:
