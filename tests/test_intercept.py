@@ -260,8 +260,8 @@ async def test_each_request_inside_one_keep_alive_tunnel_takes_a_token(https_ven
     assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="acme", outcome="deferred") == 7
     assert value(samples, "ratelimit_deferred_total", limiter="payments") == 7
     assert value(samples, "http_client_responses_total", limiter="payments", code="200") == 3
-    async with client_session() as s, s.get(f"{proxy.admin_url}/status") as r:
-        status = await r.json()
+    async with client_session() as s, s.get(f"{proxy.admin_url}/status") as resp:
+        status = await resp.json()
     (payments,) = [v for v in status["vendors"] if v["name"] == "payments"]
     assert payments["connect"] == "intercept"  # the default once tls.ca_cert is set
     assert payments["requests_by_mode"] == {"plain": 0, "intercept": 10, "tunnel": 0}

@@ -120,7 +120,7 @@ async def test_reload_under_load_drops_nothing_and_counts_each_request_once(vend
             write(path, upstream=vendor.url, rate=40 + 10 * (i % 2), per="1s", burst=5, action="hold")
             assert (await reloader.reload(f"reload {i}")).ok
             target = vendor.mock.accepted + 5
-            await eventually(lambda t=target: vendor.mock.accepted >= t, "traffic after the reload")
+            await eventually(lambda t=target: vendor.mock.accepted >= t, "traffic after the reload")  # type: ignore[misc]
         stop.set()
         await asyncio.gather(*workers)
         samples = metric_samples(await (await s.get(f"{proxy.admin_url}/metrics")).text())

@@ -12,6 +12,7 @@ import ssl
 import stat
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from cryptography import x509
@@ -19,7 +20,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from proxy import tlsca
 from proxy.tlsca import (
     CAError,
     CertificateAuthority,
@@ -36,7 +36,10 @@ HOST = "api.payments.example"
 T0 = 1_800_000_000.0  # an injected "now", 2027-01-15
 
 
-def ext(cert: x509.Certificate, kind: type[x509.ExtensionType]) -> x509.Extension[x509.ExtensionType]:
+E = TypeVar("E", bound=x509.ExtensionType)
+
+
+def ext(cert: x509.Certificate, kind: type[E]) -> x509.Extension[E]:
     return cert.extensions.get_extension_for_class(kind)
 
 
@@ -126,7 +129,7 @@ def test_the_key_file_is_created_0600_never_widened_later(tmp_path, monkeypatch)
         opened.append((os.fspath(path), flags, mode))
         return real_open(path, flags, mode, *args, **kwargs)
 
-    monkeypatch.setattr(tlsca.os, "open", spy)
+    monkeypatch.setattr(os, "open", spy)  # init_ca creates its files with os.open
     old = os.umask(0)  # a umask of 0 must not make the key world-readable either
     try:
         _, key_path = init_ca(tmp_path)
