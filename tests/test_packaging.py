@@ -161,6 +161,12 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
                              cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
     assert version.stdout == f"quota-proxy {proxy.__version__}\n"
 
+    for tool in ("mock-vendor", "demo"):  # the developer tools ship in the wheel too
+        helped = subprocess.run([str(console), tool, "--help"], capture_output=True, text=True, timeout=60,
+                                cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+        assert helped.returncode == 0, helped.stderr
+        assert helped.stdout.startswith(f"usage: quota-proxy {tool} "), helped.stdout
+
 
 # -- the Dockerfile --------------------------------------------------------------------------------
 
