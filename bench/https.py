@@ -139,7 +139,7 @@ def serve_vendor(argv: list[str]) -> int:
     """``https.py _vendor --listen H:P --cert C --key K``: an unlimited MockVendor over TLS."""
     from aiohttp import web
 
-    from proxy.mockvendor import MockVendor
+    from proxy.devtools.mockvendor import MockVendor
 
     p = argparse.ArgumentParser(prog="bench/https.py _vendor")
     p.add_argument("--listen", default=f"{LOOPBACK}:0")

@@ -1,4 +1,5 @@
-"""The ``quota-proxy`` command: run, check, mock-vendor.
+"""The ``quota-proxy`` command: run, check, ca; and the developer tools' mock-vendor and demo,
+which register themselves (``proxy.devtools.*_cli``).
 
 Precedence: flag > environment (QUOTA_PROXY_CONFIG, QUOTA_PROXY_STORE) > file.
 Bad configuration never starts a server: exit 2, one line per problem on stderr.
@@ -12,9 +13,10 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy import __version__
+from proxy.devtools import demo_cli, mockvendor_cli
 from proxy.names import split_host_port
 from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
 
@@ -23,7 +25,8 @@ EXIT_CONFIG = 2
 log = logging.getLogger("quota_proxy")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; each command's ``handler`` (``args.handler(args)``) runs it."""
     parser = argparse.ArgumentParser(
         prog="quota-proxy", description="An egress proxy that keeps a worker fleet inside a vendor's API quota."
     )
@@ -40,13 +43,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="reload the policy when the file changes (SIGHUP and POST /reload always do)")
     run.add_argument("--log-level", default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
                      choices=["debug", "info", "warning", "error"])
+    run.set_defaults(handler=_run)
 
     check = sub.add_parser("check", help="validate a policy and print its summary")
     _config_arg(check)
+    check.set_defaults(handler=_check)
 
-    sub.add_parser("mock-vendor", help="a local vendor that enforces its own quota (for demos and tests)",
-                   add_help=False)
-    sub.add_parser("demo", help="see per-process limits break a quota and the shared bucket hold it", add_help=False)
+    mockvendor_cli.register(sub)
+    demo_cli.register(sub)
 
     ca = sub.add_parser("ca", help="the proxy's own CA, for HTTPS_PROXY interception")
     ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="CA_COMMAND")
@@ -60,9 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     ca_init.add_argument("--days", type=_positive_int, default=3650, metavar="N", help="validity (default 3650)")
     ca_init.add_argument("--rsa", action="store_true", help="RSA-2048 instead of EC P-256")
     ca_init.add_argument("--force", action="store_true", help="overwrite existing files")
+    ca_init.set_defaults(handler=_ca_init)
     ca_show = ca_sub.add_parser("show", help="print the configured CA's fingerprint and expiry")
     _config_arg(ca_show)
+    ca_show.set_defaults(handler=_ca_show)
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` (without the program name) parsed as ``quota-proxy`` would; a usage error exits 2."""
+    return build_parser().parse_args(list(argv))
 
 
 def _positive_int(text: str) -> int:
@@ -234,20 +245,6 @@ def _ca_show(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "mock-vendor":
-        from proxy.mockvendor import main as mock_main
-
-        return mock_main(argv[1:])
-    if argv and argv[0] == "demo":
-        from proxy.demo import main as demo_main
-
-        return demo_main(argv[1:])
-    args = _parser().parse_args(argv)
-    if args.command == "run":
-        return _run(args)
-    if args.command == "check":
-        return _check(args)
-    if args.command == "ca":
-        return _ca_init(args) if args.ca_command == "init" else _ca_show(args)
-    raise AssertionError(args.command)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)

@@ -32,12 +32,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.accesslog import AccessLog
 from proxy.app import Runtime
 from proxy.clock import Clock, ManualClock
+from proxy.devtools.mockvendor import MockVendor
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketStore
-from proxy.mockvendor import MockVendor
 from proxy.policy import Policy, parse_policy
 from proxy.server import ProxyServer
+
+# Before any test module imports them: the shared helpers' asserts explain themselves too.
+pytest.register_assert_rewrite("tests.helpers")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,13 +161,14 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-py"])
 async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
-    """Each store implementation, for the shared contract suite."""
+    """Each store implementation, for the shared contract suite: "redis" acquires over the
+    pipelined connection (redis://, rediss://), "redis-py" through redis-py (redis+cluster://)."""
     if request.param == "memory":
         s: BucketStore = MemoryStore(clock)
     else:
-        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
+        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0, pipelined=request.param == "redis")
     yield s
     await s.close()
 
@@ -315,10 +319,15 @@ async def https_vendor(vendor_ca: tuple[trustme.CA, Path], aiohttp_server: Any) 
 async def curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path,
                *options: str) -> tuple[int, dict[str, str], bytes]:
     """A real curl, with the proxy from the (monkeypatched) environment: (status,
-    lower-case headers, body) of the final answer."""
+    lower-case headers, body) of the final answer.
+
+    curl sends ``Expect: 100-continue`` with a body over 1 MiB. Left alone it gives up
+    waiting for ``100 Continue`` after 1 s and sends the body anyway, so a proxy that never
+    answers would only be slower; with ``--expect100-timeout`` beyond ``--max-time`` it
+    fails the call instead, however loaded the machine."""
     out = tmp / "curl-body"
-    argv = ["curl", "--silent", "--show-error", "--max-time", "20", *options, "--request", method,
-            "--dump-header", "-", "--output", str(out)]
+    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--expect100-timeout", "60", *options,
+            "--request", method, "--dump-header", "-", "--output", str(out)]
     for name, value in headers.items():
         argv += ["--header", f"{name}: {value}"]
     if body is not None:

@@ -114,8 +114,8 @@ async def test_tunnel_carries_tls_end_to_end_with_one_token_per_connect(https_ve
     assert headers["X-Quota-Action"] == "defer"
     assert int(headers["Retry-After"]) >= 1
     assert json.loads(body)["action"] == "defer"
-    async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
-        samples = metric_samples(await r.text())
+    async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as resp:
+        samples = metric_samples(await resp.text())
     assert value(samples, "ratelimit_connects_total", limiter="payments", mode="tunnel", result="established") == 2
     assert value(samples, "ratelimit_requests_by_mode_total", limiter="payments", mode="tunnel") == 2
     assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="deferred") == 1

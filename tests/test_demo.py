@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main as cli_main
-from proxy.demo import (
+from proxy.devtools.demo import (
     MAX_HOLD_MS,
     DemoConfig,
     Row,
-    main,
     plain_line,
     policy_text,
     workers_at,
@@ -109,7 +108,7 @@ def test_cli_lists_demo_and_rejects_bad_arguments(capsys: pytest.CaptureFixture[
     for bad in (["--duration", "0"], ["--duration", "2"], ["--workers-to", "0"], ["--workers-to", "1000"],
                 ["--quota", "-5"], ["--quota", "nan"]):
         with pytest.raises(SystemExit) as exit_info:
-            main(bad)
+            cli_main(["demo", *bad])
         assert exit_info.value.code == 2, bad
         capsys.readouterr()
 

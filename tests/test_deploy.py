@@ -21,13 +21,11 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.cli import _parser as cli_parser
+from proxy.cli import parse_args
 from proxy.metrics import OUTCOMES
-from proxy.mockvendor import _build_parser as mock_vendor_parser
 from proxy.policy import Policy, load_policy, parse_policy
-from tests.conftest import vendor_policy
-from tests.test_cli import ROOT
-from tests.test_packaging import IMAGE_POLICY, parse_dockerfile
+from tests.conftest import ROOT, vendor_policy
+from tests.helpers.dockerfile import IMAGE_POLICY, parse_dockerfile
 
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
@@ -449,7 +447,7 @@ def test_compose_runs_two_replicas_of_the_repo_image_on_the_compose_policy(compo
     (vendor,) = policy.vendors
     upstream = urlsplit(vendor.upstream or "")
     mock = services[upstream.hostname or ""]
-    args = mock_vendor_parser().parse_args(mock["command"][2:])
+    args = parse_args(mock["command"][1:])
     assert mock["command"][:2] == ["quota-proxy", "mock-vendor"]
     assert (args.listen, args.rate) == (("0.0.0.0", upstream.port), 100)
     health_url = urlsplit(mock["environment"]["QUOTA_PROXY_HEALTHCHECK_URL"])
@@ -525,7 +523,7 @@ def _k8s_policy(k8s: dict[tuple[str, str], dict[str, Any]]) -> tuple[Policy, arg
     """The policy the Deployment runs: the ConfigMap key its -c path names, through its mount."""
     deployment = k8s[("Deployment", "quota-proxy")]
     container = _container(deployment)
-    args = cli_parser().parse_args(container["command"][1:])
+    args = parse_args(container["command"][1:])
     assert container["command"][0] == "quota-proxy" and args.command == "run"
     path = Path(args.config)
     (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == path.parent]

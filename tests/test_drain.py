@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.test_cli import EXAMPLE, ProxyProcess, Ready, cli, write_policy
+from tests.helpers.cli import EXAMPLE, ProxyProcess, Ready, cli, write_policy
 
 POLL = 0.01
 # What a client sees of a request cut at the bound: the connection closed under it.
@@ -206,12 +206,12 @@ async def test_a_vendor_slower_than_drain_timeout_is_cut_off_at_the_bound(tmp_pa
     result = await asyncio.wait_for(in_flight, timeout=vendor_delay_ms / 1000)
     cut_after = time.monotonic() - sigterm_at
     assert result in CUT_OFF or (isinstance(result, int) and result >= 500), result
-    # Cut at the bound: not before it, and not later than the bound plus scheduling slack.
-    assert drain_timeout - 0.2 <= cut_after < drain_timeout + 0.75, cut_after
+    # Cut at the bound: not before it, and not at a second bound or when the vendor answers (8 s).
+    assert drain_timeout - 0.2 <= cut_after < 2 * drain_timeout, cut_after
 
     assert await exit_status(process, vendor_delay_ms / 1000) == 0
     exited_after = time.monotonic() - sigterm_at
-    assert exited_after < drain_timeout + 1.5, exited_after
+    assert exited_after < cut_after + 3.0, (cut_after, exited_after)  # not waiting for the vendor (8 s)
     log = process.stderr()
     assert f"draining: finishing in-flight requests (at most {drain_timeout:.1f}s)" in log
     assert '"outcome":"error"' in log
@@ -223,7 +223,7 @@ async def test_sigterm_on_an_idle_proxy_exits_0_at_once(tmp_path, session, start
     sigterm_at = time.monotonic()
     process.send_signal(signal.SIGTERM)
     assert await exit_status(process, 10) == 0
-    assert time.monotonic() - sigterm_at < 2.0, "an idle proxy has nothing to wait for"
+    assert time.monotonic() - sigterm_at < 5.0, "an idle proxy has nothing to wait for (drain_timeout is 10 s)"
     assert await refused(ready.host, ready.port)
     assert await refused(ready.admin_host, ready.admin_port)
 

@@ -27,6 +27,7 @@ import requests
 from celery import signals
 from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
+from dramatiq.brokers.stub import StubBroker
 from dramatiq.results import ResultFailure, ResultMissing
 from requests.structures import CaseInsensitiveDict
 
@@ -301,9 +302,16 @@ async def test_celery_transient_errors_back_off_then_exhaust_their_budget(
 # -- Dramatiq -------------------------------------------------------------------------
 
 
+def stub_broker() -> StubBroker:
+    """The examples' broker: the in-memory stub, DRAMATIQ_REDIS_URL being unset here."""
+    broker = dramatiq_actors.broker
+    assert isinstance(broker, StubBroker), broker
+    return broker
+
+
 @pytest.fixture
 async def dramatiq_worker(start_proxy: Any, vendor: Vendor, fast_policy: Any) -> AsyncIterator[dramatiq.Worker]:
-    broker = dramatiq_actors.broker
+    broker = stub_broker()
     broker.flush_all()
     broker.dead_letters_by_queue.clear()
     worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=20)
@@ -385,7 +393,7 @@ async def test_dramatiq_shed_is_dead_lettered_not_retried(dramatiq_worker: Any, 
 
     assert isinstance(ok, dict) and ok["status"] == 200
     assert isinstance(failure, ResultFailure) and "Shed" in str(failure), failure
-    dead = dramatiq_actors.broker.dead_letters
+    dead = stub_broker().dead_letters
     assert [m.message_id for m in dead] == [shed.message_id]
     assert dead[0].options.get("retries", 0) == 0
     record = dead[0].options["dead_letter"]
@@ -416,9 +424,11 @@ async def test_classify_real_proxy_answers(start_proxy: Any, vendor: Vendor) -> 
     assert deferred.limiter == "payments" and deferred.reason is None
     # One token a minute: the precise wait is just under 60 s; Retry-After rounds it up.
     assert deferred.retry_after_header == 60
-    assert 55 < deferred.retry_after <= 60
-    assert qc.retry_delay(deferred) >= 60
-    assert deferred.retry_after <= qc.retry_delay(deferred, precise=True) < 60 + qc.MAX_JITTER
+    retry_after = deferred.retry_after
+    assert retry_after is not None and 55 < retry_after <= 60
+    delay, precise = qc.retry_delay(deferred), qc.retry_delay(deferred, precise=True)
+    assert delay is not None and delay >= 60
+    assert precise is not None and retry_after <= precise < 60 + qc.MAX_JITTER
 
     shed, _ = await asyncio.to_thread(through, proxy, **{"X-Quota-On-Limit": "shed"})
     assert shed.kind is qc.Kind.SHED and shed.status == 503 and shed.limiter == "payments"

@@ -34,92 +34,20 @@ import trustme
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from proxy.ca.commands import init_ca
-from proxy.mockvendor import MockVendor
+from proxy.devtools.mockvendor import MockVendor
 from proxy.server import ProxyServer
 from tests.conftest import (
     HttpsVendor,
     client_session,
     eventually,
-    make_policy,
-    metric_samples,
     value,
 )
-
-HOST = "api.payments.example"
-URL = f"https://{HOST}"
-
-INTERCEPT_POLICY = """
-    version: 1
-    listen: 127.0.0.1:0
-    admin_listen: 127.0.0.1:0
-    store: {url: "$store", timeout: 1s}
-    tls:
-      ca_cert: $ca_cert
-      ca_key: $ca_key
-      leaf_validity: $leaf_validity
-      $upstream_ca
-      $tls_extra
-    vendors:
-      - name: payments
-        hosts: [$host]
-        upstream: $upstream
-        limits: $limits
-        on_limit: $on_limit
-        feedback: {retry_after_default: 3s}
-        $vendor_extra
-"""
-
-
-# -- helpers shared with test_intercept_clients.py -------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProxyCA:
-    cert: Path
-    key: Path
-
-    def trust(self, alpn: list[str] | None = None) -> ssl.SSLContext:
-        """A worker's client context that trusts the proxy's CA (and nothing else)."""
-        ctx = ssl.create_default_context(cafile=str(self.cert))
-        if alpn:
-            ctx.set_alpn_protocols(alpn)
-        return ctx
-
-    def certificate(self) -> x509.Certificate:
-        return x509.load_pem_x509_certificate(self.cert.read_bytes())
-
-
-def new_proxy_ca(directory: Path) -> ProxyCA:
-    """The proxy's own interception CA, as ``quota-proxy ca init`` makes it (name-constrained)."""
-    cert, key = init_ca(directory / "proxy-ca", permitted_hosts=[HOST])
-    return ProxyCA(cert, key)
+from tests.helpers.intercept import HOST, URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 
 
 @pytest.fixture
 def proxy_ca(tmp_path: Path) -> ProxyCA:
     return new_proxy_ca(tmp_path)
-
-
-def intercept_policy(ca: ProxyCA, *, upstream: str, vendor_ca: Path | None, store: str = "memory://",
-                     limits: str = "[{rate: 1000, per: 1s}]", on_limit: str = "{action: defer}",
-                     leaf_validity: str = "1d", tls_extra: str = "", vendor_extra: str = "") -> Any:
-    """One vendor ``payments`` on api.payments.example, intercepted (the default once
-    tls.ca_cert is set), sent to ``upstream`` and verified against ``vendor_ca``."""
-    upstream_ca = "" if vendor_ca is None else f"upstream_ca_file: {vendor_ca}"
-    return make_policy(INTERCEPT_POLICY, store=store, ca_cert=ca.cert, ca_key=ca.key, leaf_validity=leaf_validity,
-                       upstream_ca=upstream_ca, tls_extra=tls_extra, host=HOST, upstream=upstream, limits=limits,
-                       on_limit=on_limit, vendor_extra=vendor_extra)
-
-
-def upstream_of(vendor: HttpsVendor) -> str:
-    return f"https://localhost:{vendor.port}"
-
-
-async def scrape(proxy: ProxyServer) -> dict[Any, float]:
-    async with client_session() as s, s.get(f"{proxy.admin_url}/metrics") as r:
-        assert r.status == 200
-        return metric_samples(await r.text())
 
 
 def labelled(samples: dict[Any, float], name: str, **labels: str) -> dict[frozenset[tuple[str, str]], float]:
@@ -332,8 +260,8 @@ async def test_each_request_inside_one_keep_alive_tunnel_takes_a_token(https_ven
     assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="acme", outcome="deferred") == 7
     assert value(samples, "ratelimit_deferred_total", limiter="payments") == 7
     assert value(samples, "http_client_responses_total", limiter="payments", code="200") == 3
-    async with client_session() as s, s.get(f"{proxy.admin_url}/status") as r:
-        status = await r.json()
+    async with client_session() as s, s.get(f"{proxy.admin_url}/status") as resp:
+        status = await resp.json()
     (payments,) = [v for v in status["vendors"] if v["name"] == "payments"]
     assert payments["connect"] == "intercept"  # the default once tls.ca_cert is set
     assert payments["requests_by_mode"] == {"plain": 0, "intercept": 10, "tunnel": 0}
@@ -584,7 +512,7 @@ async def test_with_upstream_verify_false_the_same_request_is_forwarded(bad_upst
 
 async def test_run_warns_at_start_when_upstream_verify_is_false(https_vendor, vendor_ca, aiohttp_server, proxy_ca,
                                                                  tmp_path):
-    from tests.test_cli import cli, server_process
+    from tests.helpers.cli import cli, server_process
 
     vendor = await other_name_vendor(vendor_ca, aiohttp_server)
     config = tmp_path / "unverified.yaml"

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from proxy.mockvendor import MOCK_VENDOR_KEY, MockVendor, main
+from proxy.cli import main
+from proxy.devtools.mockvendor import MOCK_VENDOR_KEY, MockVendor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -444,7 +445,7 @@ async def test_app_exposes_the_vendor():
 def test_main_rejects_bad_arguments(capsys):
     for argv in (["--listen", "nowhere"], ["--rate", "-1"], ["--burst", "0"]):
         with pytest.raises(SystemExit) as exc:
-            main(argv)
+            main(["mock-vendor", *argv])
         assert exc.value.code == 2, argv
     assert "HOST:PORT" in capsys.readouterr().err
 
@@ -466,9 +467,9 @@ def _get(url: str) -> tuple[int, dict[str, str], bytes]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_module_serves_and_exits_cleanly_on_signal(sig):
+def test_the_command_serves_and_exits_cleanly_on_signal(sig):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.mockvendor", "--listen", "127.0.0.1:0", "--rate", "5"],
+        [sys.executable, "-m", "proxy", "mock-vendor", "--listen", "127.0.0.1:0", "--rate", "5"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,

@@ -26,12 +26,11 @@ import pytest
 import proxy
 from proxy.limiter.scripts import NAMES
 from proxy.policy import parse_policy
-from tests.conftest import vendor_policy
-from tests.test_cli import EXAMPLE, ROOT, clean_env, free_port, run_cli
+from tests.conftest import free_port, vendor_policy
+from tests.helpers.cli import EXAMPLE, ROOT, clean_env, run_cli
+from tests.helpers.dockerfile import DOCKERFILE, IMAGE_POLICY, Instruction, parse_dockerfile
 
-DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-IMAGE_POLICY = "/etc/quota-proxy/policy.yaml"
 
 
 # -- the wheel -----------------------------------------------------------------------------------
@@ -75,7 +74,9 @@ def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> No
     assert entry_points["console_scripts"]["quota-proxy"] == "proxy.cli:main"
     assert "Name: quota-proxy\n" in metadata
     assert f"Version: {proxy.__version__}\n" in metadata
-    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py"):
+    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py",
+                   "proxy/devtools/mockvendor.py", "proxy/devtools/mockvendor_cli.py", "proxy/devtools/demo.py",
+                   "proxy/devtools/demo_cli.py"):
         assert module in names
     assert not [n for n in names if n.startswith(("lua/", "tests/", "config/")) or "__pycache__" in n], names
 
@@ -160,44 +161,14 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
                              cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
     assert version.stdout == f"quota-proxy {proxy.__version__}\n"
 
+    for tool in ("mock-vendor", "demo"):  # the developer tools ship in the wheel too
+        helped = subprocess.run([str(console), tool, "--help"], capture_output=True, text=True, timeout=60,
+                                cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+        assert helped.returncode == 0, helped.stderr
+        assert helped.stdout.startswith(f"usage: quota-proxy {tool} "), helped.stdout
+
 
 # -- the Dockerfile --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Instruction:
-    keyword: str
-    args: str
-    line: int
-
-    def exec_form(self) -> list[str]:
-        value = json.loads(self.args)
-        assert isinstance(value, list) and all(isinstance(v, str) for v in value), self
-        return value
-
-
-def parse_dockerfile(text: str) -> list[Instruction]:
-    """Instructions with continuation lines joined and comments dropped."""
-    instructions: list[Instruction] = []
-    pending: list[str] = []
-    start = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
-            continue
-        if pending and stripped.startswith("#"):
-            continue
-        if not pending:
-            start = number
-        if stripped.endswith("\\"):
-            pending.append(stripped[:-1].strip())
-            continue
-        pending.append(stripped)
-        keyword, _, args = " ".join(p for p in pending if p).partition(" ")
-        instructions.append(Instruction(keyword.upper(), args.strip(), start))
-        pending = []
-    assert not pending, "a continuation line runs off the end of the Dockerfile"
-    return instructions
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.mockvendor import MockVendor
+from proxy.devtools.mockvendor import MockVendor
 from proxy.server import ProxyServer
 from tests.conftest import client_session, eventually, make_policy, vendor_policy
 

@@ -289,8 +289,10 @@ async def test_held_requests_leave_in_arrival_order_evenly_paced(vendor, redis_u
             tasks.append(asyncio.ensure_future(get(s, proxies[i % 2], f"/o{i}")))
             # Request i reaches the proxy and takes its place in the queue (it is held, or
             # already gone to the vendor) before request i + 1 is sent.
-            await eventually(lambda i=i: held(proxies) + vendor.mock.accepted - 1 >= i, deadline=5,
-                             what=f"request {i} to be held")
+            def queued(i: int = i) -> bool:
+                return held(proxies) + vendor.mock.accepted - 1 >= i
+
+            await eventually(queued, deadline=5, what=f"request {i} to be held")
         answers = await asyncio.gather(*tasks)
     assert [a[0] for a in answers] == [200] * (n - 1)
 

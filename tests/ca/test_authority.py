@@ -13,7 +13,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.ca.authority import CAError, CertificateAuthority, normalize_host
 from proxy.ca.commands import init_ca
-from tests.ca.conftest import HOST, ext, write_self_signed
+from tests.ca.conftest import HOST, ext
+from tests.helpers.certs import write_self_signed
 
 # ---------------------------------------------------------------- the CA certificate
 

@@ -13,12 +13,11 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from proxy.ca import commands
 from proxy.ca.authority import CAError, CertificateAuthority
 from proxy.ca.commands import describe, init_ca, trust_instructions
 from proxy.ca.leaves import LeafMinter
 from tests.ca.conftest import HOST
-from tests.test_cli import assert_no_traceback, run_cli
+from tests.helpers.cli import assert_no_traceback, run_cli
 
 # ---------------------------------------------------------------- init_ca
 
@@ -45,7 +44,7 @@ def test_the_key_file_is_created_0600_never_widened_later(tmp_path, monkeypatch)
         opened.append((os.fspath(path), flags, mode))
         return real_open(path, flags, mode, *args, **kwargs)
 
-    monkeypatch.setattr(commands.os, "open", spy)
+    monkeypatch.setattr(os, "open", spy)  # init_ca creates its files with os.open
     old = os.umask(0)  # a umask of 0 must not make the key world-readable either
     try:
         _, key_path = init_ca(tmp_path)

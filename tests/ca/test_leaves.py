@@ -158,14 +158,14 @@ def test_a_cache_hit_returns_the_same_context_without_minting(ca):
     mints = Mints()
     with LeafMinter(ca, 86400, on_mint=mints) as minter:
         first = minter.context_for(HOST)
-        started = time.perf_counter()
+        started = time.thread_time()  # CPU time: another process taking the core does not count
         for _ in range(10_000):
             assert minter.context_for(HOST) is first
-        per_hit = (time.perf_counter() - started) / 10_000
+        per_hit = (time.thread_time() - started) / 10_000
         assert minter.context_for("API.Payments.Example.") is first  # one entry per normalised name
     assert mints.hosts == [HOST]
     assert mints.calls[0][1] > 0
-    assert per_hit < 50e-6, f"a cache hit took {per_hit * 1e6:.1f} µs"
+    assert per_hit < 50e-6, f"a cache hit took {per_hit * 1e6:.1f} µs of CPU"
 
 
 def test_the_cache_is_a_bounded_lru(ca):

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from proxy.clock import SystemClock
@@ -60,7 +61,7 @@ async def stores() -> AsyncIterator[StoreFactory]:
         await s.close()
 
 
-async def redis_now_ms(client: aioredis.Redis) -> float:
+async def redis_now_ms(client: aioredis.Redis | RedisCluster) -> float:
     sec, usec = await client.time()
     return (sec - EPOCH) * 1000 + usec / 1000
 
@@ -160,7 +161,9 @@ async def test_the_clock_is_redis_time_never_the_replicas(
     assert r.granted
     assert r.levels[0] == pytest.approx(4.0, abs=1.0)  # 0.5 s x 10/s, minus the one taken
 
-    ts = float(await raw.hget(b.key, "ts"))
+    stamp = await raw.hget(b.key, "ts")
+    assert stamp is not None
+    ts = float(stamp)
     server_now = await redis_now_ms(raw)
     assert server_now - 1000 < ts <= server_now  # stamped with Redis TIME...
     local_now = (time.time() - EPOCH) * 1000
@@ -269,7 +272,7 @@ async def test_block_publishes_on_the_vendors_channel(redis_url: str, stores: St
         await store.drain(global_buckets(PREFIX, vendor))  # a drain is not announced
         assert await pubsub.get_message(timeout=0.2) is None
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
         await listener.aclose()
 
 

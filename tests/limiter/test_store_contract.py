@@ -1,4 +1,7 @@
-"""One contract, two stores: every assertion here holds for memory:// and redis://.
+"""One contract, two stores: every assertion here holds for memory:// and redis://, the
+latter on both of RedisStore's acquire paths (the ``store`` fixture's "redis" and "redis-py"
+params: the pipelined connection of redis:// and rediss://, and redis-py, which
+redis+cluster:// uses), so the two paths cannot drift apart.
 
 The memory store runs on a ManualClock; Redis runs on its own TIME, so time is
 moved with real (short) sleeps there, and assertions allow for the few
@@ -8,11 +11,13 @@ milliseconds a real round trip takes.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketSpec, BucketStore
 
 TOL = 0.05  # seconds of real time a Redis-backed assertion may drift
@@ -27,6 +32,28 @@ async def advance(store: BucketStore, clock: ManualClock, seconds: float) -> Non
         await clock.advance(seconds)
     else:
         await asyncio.sleep(seconds)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["redis", "redis-py"])
+async def test_the_redis_params_take_different_acquire_paths(
+    redis_url: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What makes the fixture's two Redis params two paths: only "redis-py" acquires with
+    # redis-py's EVALSHA. Were both on one path, the suite would test it twice.
+    store = RedisStore(redis_url, timeout=1.0, pipelined=pipelined)
+    through_redis_py: list[object] = []
+    evalsha = store.client.evalsha
+
+    def spy(*args: Any) -> Any:
+        through_redis_py.append(args)
+        return evalsha(*args)
+
+    monkeypatch.setattr(store.client, "evalsha", spy)
+    try:
+        assert (await store.acquire((bucket("path", rate=1, burst=1),), 1, 0)).granted
+    finally:
+        await store.close()
+    assert len(through_redis_py) == (0 if pipelined else 1)
 
 
 async def test_fresh_bucket_grants_its_burst_then_refuses(store: BucketStore) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.ca.commands import init_ca
 from proxy.policy import ConfigErrors, TlsSettings, load_policy
-from tests.ca.conftest import write_self_signed
+from tests.helpers.certs import write_self_signed
 
 POLICY = """\
 version: 1

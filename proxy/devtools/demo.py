@@ -23,7 +23,6 @@ the quota (matplotlib, Agg) and prints a summary. Ctrl-C stops early and still w
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import heapq
@@ -41,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 from aiohttp import web
 
-from proxy.mockvendor import MockVendor
+from proxy.devtools.demo_cli import DEFAULT_DURATION, DEFAULT_PLOT
+from proxy.devtools.mockvendor import MockVendor
 from proxy.tasks import spawn
 
 if TYPE_CHECKING:
@@ -50,15 +50,10 @@ if TYPE_CHECKING:
 
     from proxy.server import ProxyServer
 
-__all__ = ["DEFAULT_PLOT", "PER_WORKER_RATE", "DemoConfig", "Row", "main", "run_demo", "workers_at"]
+__all__ = ["PER_WORKER_RATE", "DemoConfig", "Row", "run", "run_demo", "workers_at"]
 
-DEFAULT_PLOT: Final = "quota-proxy-demo.png"
-DEFAULT_DURATION: Final = 60.0
 PER_WORKER_RATE: Final = 10.0
 """The old per-process client limit every worker keeps, requests per second."""
-MAX_WORKERS: Final = 100
-"""Cap on --workers-from/--workers-to: 100 workers x 10/s x 2 fleets is already ~2000 requests/s
-through one Python process."""
 RAMP_START: Final = 0.10
 RAMP_END: Final = 0.75
 """The fleets keep their first size for the first 10 % of the run, grow linearly until 75 %,
@@ -629,53 +624,12 @@ async def _main_async(config: DemoConfig, live: bool) -> tuple[list[Row], Summar
                 loop.remove_signal_handler(signum)
 
 
-# -- command line ------------------------------------------------------------------------
+# -- the whole command, once its arguments are checked ------------------------------------
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_WORKERS}, got {value}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quota-proxy demo",
-        description="Two worker fleets grow under the same vendor quota: one keeps per-process 10/s limits, "
-                    "the other also goes through quota-proxy. Shows both live and plots them.",
-    )
-    parser.add_argument("--duration", type=_positive_float, default=DEFAULT_DURATION, metavar="SECONDS",
-                        help=f"how long to run (default {DEFAULT_DURATION:g}); the fleets grow over the first 3/4")
-    parser.add_argument("--plot", type=Path, default=Path(DEFAULT_PLOT), metavar="PATH.png",
-                        help=f"where to write the PNG (default ./{DEFAULT_PLOT})")
-    parser.add_argument("--workers-from", type=_workers, default=4, metavar="N", help="workers per fleet at the start")
-    parser.add_argument("--workers-to", type=_workers, default=40, metavar="N", help="workers per fleet at the end")
-    parser.add_argument("--quota", type=_positive_float, default=100.0, metavar="RATE",
-                        help="each vendor's quota, requests per second (default 100)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.duration < 3:
-        parser.error("--duration must be at least 3 seconds")
-    config = DemoConfig(duration=args.duration, plot=args.plot, workers_from=args.workers_from,
-                        workers_to=args.workers_to, quota=args.quota)
+def run(config: DemoConfig) -> int:
+    """Run the demo with a live table on a terminal (plain lines otherwise), write the plot and
+    print the summary: 0, or 1 when matplotlib is missing or the plot cannot be written."""
     try:
         import matplotlib  # noqa: F401  (checked before a minute-long run, not after)
     except ImportError:

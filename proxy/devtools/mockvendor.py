@@ -45,7 +45,6 @@ default); ``rejected`` counts those answered 429 (by the quota, by a script or b
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import bisect
 import hashlib
@@ -55,7 +54,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypedDict
 
@@ -64,16 +63,14 @@ from aiohttp.http import HttpVersion11
 from yarl import URL
 
 __all__ = [
-    "DEFAULT_LISTEN",
     "MAX_ARRIVALS",
     "MAX_RECORDED",
     "MOCK_VENDOR_KEY",
     "MockVendor",
     "RecordedRequest",
-    "main",
+    "serve",
 ]
 
-DEFAULT_LISTEN: Final = "127.0.0.1:8081"
 MAX_RECORDED: Final = 10_000
 MAX_ARRIVALS: Final = 200_000
 
@@ -570,35 +567,7 @@ def _get(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], default
 MOCK_VENDOR_KEY: Final = web.AppKey("mock_vendor", MockVendor)
 
 
-# -- command line ----------------------------------------------------------------------
-
-
-def _parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port_s = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
-    return host, int(port_s)
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quota-proxy mock-vendor",
-        description="Serve a mock vendor API that enforces its own token-bucket quota.",
-    )
-    parser.add_argument(
-        "--listen",
-        type=_parse_listen,
-        default=_parse_listen(DEFAULT_LISTEN),
-        metavar="HOST:PORT",
-        help=f"where to listen (default {DEFAULT_LISTEN}; port 0 picks a free port)",
-    )
-    parser.add_argument(
-        "--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)"
-    )
-    parser.add_argument("--burst", type=float, default=None, help="bucket capacity (default: the rate)")
-    return parser
+# -- serving until a signal ----------------------------------------------------------------
 
 
 def _url_host(host: str) -> str:
@@ -635,19 +604,11 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
             loop.remove_signal_handler(sig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``quota-proxy mock-vendor``: serve until SIGTERM or SIGINT, then exit 0."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    host, port = args.listen
-    rate: float = args.rate
-    burst: float | None = args.burst
-    if not math.isfinite(rate) or rate < 0:
-        parser.error("--rate must be 0 (unlimited) or a positive number")
-    if burst is not None and (not math.isfinite(burst) or burst < 1):
-        parser.error("--burst must be at least 1")
-    vendor = MockVendor(None if rate == 0 else rate, burst)
+def serve(vendor: MockVendor, host: str, port: int) -> int:
+    """Serve ``vendor`` on ``host:port`` until SIGTERM or SIGINT, then return 0 (1 if it cannot listen).
 
+    Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound.
+    """
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:
         import uvloop
@@ -657,7 +618,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_serve(vendor, host, port))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,60 @@
+"""``quota-proxy mock-vendor``: its arguments, checked, then the mock vendor served until a signal.
+
+Light on purpose: ``proxy.cli`` imports it to build the command line, and aiohttp (through
+``mockvendor``) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from typing import Final
+
+__all__ = ["DEFAULT_LISTEN", "register", "run"]
+
+DEFAULT_LISTEN: Final = "127.0.0.1:8081"
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port_s = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host, int(port_s)
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``mock-vendor`` and its arguments to ``commands``; its ``handler`` is ``run``."""
+    parser = commands.add_parser(
+        "mock-vendor",
+        help="a local vendor that enforces its own quota (for demos and tests)",
+        description="Serve a mock vendor API that enforces its own token-bucket quota.",
+    )
+    parser.add_argument(
+        "--listen",
+        type=_parse_listen,
+        default=_parse_listen(DEFAULT_LISTEN),
+        metavar="HOST:PORT",
+        help=f"where to listen (default {DEFAULT_LISTEN}; port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)"
+    )
+    parser.add_argument("--burst", type=float, default=None, help="bucket capacity (default: the rate)")
+    parser.set_defaults(handler=functools.partial(run, parser=parser))
+
+
+def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
+    """Serve until SIGTERM or SIGINT, then exit 0; a bad ``--rate`` or ``--burst`` is ``parser``'s usage error."""
+    host, port = args.listen
+    rate: float = args.rate
+    burst: float | None = args.burst
+    if not math.isfinite(rate) or rate < 0:
+        parser.error("--rate must be 0 (unlimited) or a positive number")
+    if burst is not None and (not math.isfinite(burst) or burst < 1):
+        parser.error("--burst must be at least 1")
+    from proxy.devtools.mockvendor import MockVendor, serve
+
+    return serve(MockVendor(None if rate == 0 else rate, burst), host, port)
