@@ -62,6 +62,9 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
+from proxy.aiohttp_internals import send_continue
+from proxy.names import format_authority
+
 __all__ = [
     "MAX_ARRIVALS",
     "MAX_RECORDED",
@@ -140,8 +143,7 @@ def _decode_headers(raw: _Raw) -> dict[str, str]:
 async def _continue(request: web.BaseRequest) -> None:
     """Send ``100 Continue`` when the client waits for it; only before reading a body."""
     if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0
+        await send_continue(request)
 
 
 async def _no_expect_handler(request: web.Request) -> None:
@@ -570,10 +572,6 @@ MOCK_VENDOR_KEY: Final = web.AppKey("mock_vendor", MockVendor)
 # -- serving until a signal ----------------------------------------------------------------
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 async def _serve(vendor: MockVendor, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -587,7 +585,7 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
         try:
             await site.start()
         except OSError as exc:
-            print(f"mock-vendor: cannot listen on {_url_host(host)}:{port}: {exc}", file=sys.stderr)
+            print(f"mock-vendor: cannot listen on {format_authority(host, port)}: {exc}", file=sys.stderr)
             return 1
         bound_port = runner.addresses[0][1]
         if vendor.rate is None:
@@ -595,7 +593,7 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
         else:
             assert vendor.burst is not None
             quota = f"rate {_format_number(vendor.rate)}/s, burst {_format_number(vendor.burst)}"
-        print(f"mock-vendor listening on http://{_url_host(host)}:{bound_port} ({quota})", flush=True)
+        print(f"mock-vendor listening on http://{format_authority(host, bound_port)} ({quota})", flush=True)
         await stop.wait()
         return 0
     finally:

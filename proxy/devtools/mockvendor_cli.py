@@ -11,18 +11,20 @@ import functools
 import math
 from typing import Final
 
+from proxy.policy.values import parse_address
+
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8081"
 
 
 def _parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port_s = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
-    return host, int(port_s)
+    """HOST:PORT by the same grammar as the proxy's own ``--listen``."""
+    try:
+        address = parse_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return address.host, address.port
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
