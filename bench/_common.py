@@ -168,14 +168,22 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     keep: bool = False
 
-    def start(self, name: str, argv: Sequence[str], *, cpus: str | None = None, cwd: Path = ROOT,
-              env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        cpus: str | None = None,
+        cwd: Path = ROOT,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
         if cpus is not None:
             argv = ["taskset", "-c", cpus, *argv]
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            popen = subprocess.Popen(list(argv), cwd=cwd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+            popen = subprocess.Popen(
+                list(argv), cwd=cwd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+            )
         proc = Proc(name, popen, out, err)
         self.procs.append(proc)
         return proc
@@ -188,8 +196,7 @@ class Fleet:
             if m:
                 return m
             if not proc.alive():
-                raise BenchError(f"{proc.name} exited with {proc.popen.returncode} before it was ready:\n"
-                                 f"{proc.tail()}")
+                raise BenchError(f"{proc.name} exited with {proc.popen.returncode} before it was ready:\n{proc.tail()}")
             if time.monotonic() > deadline:
                 raise BenchError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
             time.sleep(0.02)
@@ -203,9 +210,25 @@ class Fleet:
         port = free_port()
         while port == 6379:
             port = free_port()
-        proc = self.start(name, [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "",
-                                 "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"],
-                          cpus=cpus)
+        proc = self.start(
+            name,
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                LOOPBACK,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--loglevel",
+                "warning",
+            ],
+            cpus=cpus,
+        )
         proc.url = f"redis://{LOOPBACK}:{port}/0"
         import redis as sync_redis
 
@@ -225,8 +248,7 @@ class Fleet:
         finally:
             client.close()
 
-    def vendor(self, rate: float, burst: float | None = None, name: str = "vendor",
-               cpus: str | None = None) -> Proc:
+    def vendor(self, rate: float, burst: float | None = None, name: str = "vendor", cpus: str | None = None) -> Proc:
         argv = [sys.executable, "-m", "proxy", "mock-vendor", "--listen", f"{LOOPBACK}:0", "--rate", f"{rate:g}"]
         if burst is not None:
             argv += ["--burst", f"{burst:g}"]
@@ -235,12 +257,23 @@ class Fleet:
         proc.url = f"http://{m.group(1)}"
         return proc
 
-    def proxy(self, policy_yaml: str, store: str | None = None, name: str = "proxy",
-              cpus: str | None = None) -> Proc:
+    def proxy(self, policy_yaml: str, store: str | None = None, name: str = "proxy", cpus: str | None = None) -> Proc:
         cfg = self.workdir / f"{name}.yaml"
         cfg.write_text(policy_yaml)
-        argv = [sys.executable, "-m", "proxy", "run", "-c", str(cfg), "--listen", f"{LOOPBACK}:0",
-                "--admin-listen", f"{LOOPBACK}:0", "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "proxy",
+            "run",
+            "-c",
+            str(cfg),
+            "--listen",
+            f"{LOOPBACK}:0",
+            "--admin-listen",
+            f"{LOOPBACK}:0",
+            "--log-level",
+            "warning",
+        ]
         if store is not None:
             argv += ["--store", store]
         proc = self.start(name, argv, cpus=cpus)
@@ -284,8 +317,9 @@ def watchdog(fleet: Fleet, seconds: float) -> None:
     """Bound the script's wall-clock time: past ``seconds``, kill what we own and exit 3."""
 
     def fire() -> None:
-        print(f"bench: watchdog: still running after {seconds:.0f}s; killing owned processes", file=sys.stderr,
-              flush=True)
+        print(
+            f"bench: watchdog: still running after {seconds:.0f}s; killing owned processes", file=sys.stderr, flush=True
+        )
         fleet.kill_all_now()
         os._exit(3)
 
@@ -320,9 +354,18 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-def policy(vendor_url: str, limits: Iterable[Limit], *, store: str = "memory://", store_timeout: str = "50ms",
-           tenant_limits: Iterable[Limit] = (), action: str = "hold", max_hold: str = "500ms",
-           access_log: bool = True, drain: float = 3.0) -> str:
+def policy(
+    vendor_url: str,
+    limits: Iterable[Limit],
+    *,
+    store: str = "memory://",
+    store_timeout: str = "50ms",
+    tenant_limits: Iterable[Limit] = (),
+    action: str = "hold",
+    max_hold: str = "500ms",
+    access_log: bool = True,
+    drain: float = 3.0,
+) -> str:
     lines = [
         "version: 1",
         f"listen: {LOOPBACK}:0",
@@ -350,7 +393,7 @@ def policy(vendor_url: str, limits: Iterable[Limit], *, store: str = "memory://"
 
 # -- metrics and Redis ------------------------------------------------------------------
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+([-+0-9.eEinfINFNaN]+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+([-+0-9.eEinfINFNaN]+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -443,9 +486,15 @@ def run_main(main_fn, argv: Sequence[str] | None = None) -> int:  # type: ignore
         fleet.stop_all()
 
 
-async def paced(url: str, proxy: str | None, rate: float, duration: float, warmup: float,
-                on_measure_start=None, ctx: ssl.SSLContext | None = None,
-                ) -> tuple[list[float], int, dict[int | str, int], float]:
+async def paced(
+    url: str,
+    proxy: str | None,
+    rate: float,
+    duration: float,
+    warmup: float,
+    on_measure_start=None,
+    ctx: ssl.SSLContext | None = None,
+) -> tuple[list[float], int, dict[int | str, int], float]:
     """Open-loop load (request i launched at t0 + i/rate, whatever the answers' pace), keep-alive,
     over TLS with ``ctx``: (latencies of the measured part, errors, statuses, achieved rate).
     A non-200 status is also counted under "<status> <whose answer>" (the proxy's reason or

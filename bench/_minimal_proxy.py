@@ -17,24 +17,42 @@ import sys
 import aiohttp
 from aiohttp import web
 
-_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-                  "host", "proxy-authorization", "proxy-authenticate"})
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "proxy-authorization",
+        "proxy-authenticate",
+    }
+)
 
 
 async def serve(listen_host: str, listen_port: int, upstream: str) -> int:
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-        auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None),
     )
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         raw = request.raw_path
         path = "/" + raw.split("://", 1)[1].split("/", 1)[1] if "://" in raw else raw
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with session.request(request.method, upstream + path, headers=headers,
-                                   data=request.content if request.body_exists else None,
-                                   allow_redirects=False) as up:
+        async with session.request(
+            request.method,
+            upstream + path,
+            headers=headers,
+            data=request.content if request.body_exists else None,
+            allow_redirects=False,
+        ) as up:
             resp = web.StreamResponse(status=up.status, reason=up.reason)
             resp.headers.extend((k, v) for k, v in up.headers.items() if k.lower() not in _HOP)
             if up.content_length is None:

@@ -90,8 +90,9 @@ class Upload:
 
 async def upload(session: aiohttp.ClientSession, proxy: str, size: int) -> dict[str, Any]:
     body = Upload(size)
-    async with session.post(f"http://{VENDOR_HOST}/sha256", data=body(), proxy=proxy,
-                            headers={"Content-Type": "application/octet-stream"}) as resp:
+    async with session.post(
+        f"http://{VENDOR_HOST}/sha256", data=body(), proxy=proxy, headers={"Content-Type": "application/octet-stream"}
+    ) as resp:
         payload = await resp.json(content_type=None)
         if resp.status != 200:
             raise BenchError(f"upload: status {resp.status}: {payload}")
@@ -159,8 +160,11 @@ async def transfer(kind: str, proxy_url: str, pid: int, size: int, slow_rate: fl
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="bench/bodies.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/bodies.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size-mb", type=float, default=50.0, help="body size in MiB (default 50)")
     p.add_argument("--slow-rate", type=float, default=25.0, help="slow-download read rate, MiB/s (default 25)")
     p.add_argument("--kinds", default="upload,download,slow-download", help="which transfers (default all three)")
@@ -187,13 +191,39 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     finally:
         code = fleet.stop(proxy)
 
-    rows = [[r["kind"], f"{r['bytes']}", "ok" if r["checksum_ok"] else "MISMATCH", f"{r['seconds']:.2f}",
-             f"{r['mb_per_s']:.0f}", f"{r['baseline_mb']:.1f}", f"{r['peak_mb']:.1f}", f"{r['growth_mb']:+.1f}",
-             "-" if r["hwm_growth_mb"] is None else f"{r['hwm_growth_mb']:+.1f}", r["samples"]]
-            for r in results]
+    rows = [
+        [
+            r["kind"],
+            f"{r['bytes']}",
+            "ok" if r["checksum_ok"] else "MISMATCH",
+            f"{r['seconds']:.2f}",
+            f"{r['mb_per_s']:.0f}",
+            f"{r['baseline_mb']:.1f}",
+            f"{r['peak_mb']:.1f}",
+            f"{r['growth_mb']:+.1f}",
+            "-" if r["hwm_growth_mb"] is None else f"{r['hwm_growth_mb']:+.1f}",
+            r["samples"],
+        ]
+        for r in results
+    ]
     print(f"{args.size_mb:g} MiB bodies through one proxy ({args.store} store); RSS of the proxy in MiB")
-    print(table(rows, ["transfer", "bytes", "sha256", "seconds", "MiB/s", "RSS before", "RSS peak", "growth",
-                       "VmHWM growth", "samples"]))
+    print(
+        table(
+            rows,
+            [
+                "transfer",
+                "bytes",
+                "sha256",
+                "seconds",
+                "MiB/s",
+                "RSS before",
+                "RSS peak",
+                "growth",
+                "VmHWM growth",
+                "samples",
+            ],
+        )
+    )
     dump_json(args.json, {"size": size, "proxy_exit_code": code, "transfers": results})
     if code != 0:
         print(f"note: the proxy exited {code} on SIGTERM")

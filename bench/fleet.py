@@ -82,8 +82,10 @@ async def worker(proxy_url: str, deadline: float, stats: WorkerStats, path: str)
                     action = resp.headers.get("X-Quota-Action")
                     if resp.status == 429 and action == "defer":
                         stats.deferred += 1
-                        wait_ms = float(resp.headers.get("X-Quota-Retry-After-Ms")
-                                        or float(resp.headers.get("Retry-After", "1")) * 1000)
+                        wait_ms = float(
+                            resp.headers.get("X-Quota-Retry-After-Ms")
+                            or float(resp.headers.get("Retry-After", "1")) * 1000
+                        )
                     elif resp.status == 503 and action == "shed":
                         stats.shed += 1
                         wait_ms = 100.0
@@ -101,14 +103,17 @@ async def worker(proxy_url: str, deadline: float, stats: WorkerStats, path: str)
             await asyncio.sleep(wait)
 
 
-async def drive(replica_urls: list[str], workers: int, duration: float, path: str,
-                snapshot: Callable[[], Any]) -> tuple[WorkerStats, float, float, Any]:
+async def drive(
+    replica_urls: list[str], workers: int, duration: float, path: str, snapshot: Callable[[], Any]
+) -> tuple[WorkerStats, float, float, Any]:
     """Run the workers; ``snapshot`` is called (in a thread) once the fleet is in steady state."""
     stats = WorkerStats()
     start = time.monotonic()
     deadline = start + duration
-    tasks = [asyncio.ensure_future(worker(replica_urls[i % len(replica_urls)], deadline, stats, path))
-             for i in range(workers)]
+    tasks = [
+        asyncio.ensure_future(worker(replica_urls[i % len(replica_urls)], deadline, stats, path))
+        for i in range(workers)
+    ]
     await asyncio.sleep(min(STEADY_AFTER, duration / 3))
     issued = stats.issued
     mid = (issued, await asyncio.to_thread(snapshot))
@@ -130,8 +135,15 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
     redis = fleet.redis()
     vendor = fleet.vendor(args.vendor_rate, args.vendor_burst)
     limits = [Limit(args.rate, "1s", args.burst)]
-    yaml = policy(vendor.url, limits, store=redis.url, store_timeout=args.store_timeout, action=args.action,
-                  max_hold=args.max_hold, access_log=True)
+    yaml = policy(
+        vendor.url,
+        limits,
+        store=redis.url,
+        store_timeout=args.store_timeout,
+        action=args.action,
+        max_hold=args.max_hold,
+        access_log=True,
+    )
     procs = [fleet.proxy(yaml, name=f"proxy{i}") for i in range(replicas)]
     try:
         http_json(vendor.url + "/__mock/reset", "POST")
@@ -143,7 +155,8 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
             return commandstats(redis.url), [outcomes(fetch_metrics(p.admin_url)) for p in procs]
 
         stats, start, end, (mid_issued, (mid_cmd, _mid_metrics)) = asyncio.run(
-            drive([p.url for p in procs], workers, args.duration, args.path, snapshot))
+            drive([p.url for p in procs], workers, args.duration, args.path, snapshot)
+        )
         cpu1 = [cpu_seconds(p.pid) for p in procs]
         after_cmd = commandstats(redis.url)
         samples = [fetch_metrics(p.admin_url) for p in procs]
@@ -155,8 +168,9 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
 
     arrivals = sorted(a for a in vstats["arrivals"] if a >= start)
     if len(arrivals) < 10:
-        raise BenchError(f"the vendor saw {len(arrivals)} requests: nothing got through\n"
-                         + "\n".join(p.tail() for p in procs))
+        raise BenchError(
+            f"the vendor saw {len(arrivals)} requests: nothing got through\n" + "\n".join(p.tail() for p in procs)
+        )
     window_start = arrivals[0] + WARMUP
     window_end = end
     steady = [a for a in arrivals if window_start <= a <= window_end]
@@ -167,13 +181,15 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
     for i, (p, s) in enumerate(zip(procs, samples, strict=True)):
         now, was = outcomes(s), before_metrics[i]
         delta = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in set(now) | set(was)}
-        per_replica.append({
-            "replica": p.name,
-            "outcomes": {k: int(v) for k, v in sorted(delta.items()) if v},
-            "store_errors": int(metric_sum(s, "ratelimit_store_errors_total")),
-            "cpu_seconds": round(cpu1[i] - cpu0[i], 2),
-            "exit_code": exits[i],
-        })
+        per_replica.append(
+            {
+                "replica": p.name,
+                "outcomes": {k: int(v) for k, v in sorted(delta.items()) if v},
+                "store_errors": int(metric_sum(s, "ratelimit_store_errors_total")),
+                "cpu_seconds": round(cpu1[i] - cpu0[i], 2),
+                "exit_code": exits[i],
+            }
+        )
     forwarded = sum(r["outcomes"].get("forwarded", 0) + r["outcomes"].get("held", 0) for r in per_replica)
     decided = sum(sum(r["outcomes"].values()) for r in per_replica)
     scripts, delta = script_calls(before_cmd, after_cmd)
@@ -207,30 +223,41 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
         "evalsha_per_request": scripts / decided if decided else float("nan"),
         "redis_commands": delta,
         "steady_evalsha_per_request": steady_scripts / steady_issued if steady_issued else float("nan"),
-        "steady_other_round_trips": {k: v for k, v in steady_delta.items()
-                                     if k not in ("evalsha", "eval", "hmget", "hset", "pexpire", "time")},
+        "steady_other_round_trips": {
+            k: v for k, v in steady_delta.items() if k not in ("evalsha", "eval", "hmget", "hset", "pexpire", "time")
+        },
         "per_replica": per_replica,
     }
 
 
 def print_one(r: dict[str, Any]) -> None:
-    print(f"fleet: {r['workers']} workers, {r['replicas']} replica(s), {r['duration']:g} s; "
-          f"vendor quota {r['vendor_quota']:g}/s")
+    print(
+        f"fleet: {r['workers']} workers, {r['replicas']} replica(s), {r['duration']:g} s; "
+        f"vendor quota {r['vendor_quota']:g}/s"
+    )
     print(f"  configured rate          {r['configured_rate']:g}/s")
     print(f"  vendor-side steady rate  {r['vendor_rate']:.2f}/s  (arrivals from first+{WARMUP:g}s to end)")
     print(f"  relative error           {r['relative_error'] * 100:+.2f}%")
     print(f"  vendor 429s              {r['vendor_429']}  (workers saw {r['worker_vendor_429']})")
-    print(f"  workers                  ok {r['worker_ok']}, proxy-deferred {r['worker_deferred']}, "
-          f"errors {r['worker_errors']}, other {r['worker_other'] or 0}")
+    print(
+        f"  workers                  ok {r['worker_ok']}, proxy-deferred {r['worker_deferred']}, "
+        f"errors {r['worker_errors']}, other {r['worker_other'] or 0}"
+    )
     for rep in r["per_replica"]:
         oc = ", ".join(f"{k} {v}" for k, v in rep["outcomes"].items()) or "none"
-        print(f"  {rep['replica']:<8} outcomes: {oc}; store errors {rep['store_errors']}; "
-              f"CPU {rep['cpu_seconds']:.2f} s; exit {rep['exit_code']}")
-    print(f"  Redis EVALSHA+EVAL       {r['evalsha_calls']} calls = {r['evalsha_per_forwarded']:.3f} per forwarded "
-          f"request ({r['evalsha_per_request']:.3f} per proxied request, deferred ones included)")
-    print(f"  ... in steady state      {r['steady_evalsha_per_request']:.3f} per request the workers issued from "
-          f"{STEADY_AFTER:g} s into the run to the end (= per forwarded request when none is deferred); "
-          f"other round trips then: {r['steady_other_round_trips'] or 'none'}")
+        print(
+            f"  {rep['replica']:<8} outcomes: {oc}; store errors {rep['store_errors']}; "
+            f"CPU {rep['cpu_seconds']:.2f} s; exit {rep['exit_code']}"
+        )
+    print(
+        f"  Redis EVALSHA+EVAL       {r['evalsha_calls']} calls = {r['evalsha_per_forwarded']:.3f} per forwarded "
+        f"request ({r['evalsha_per_request']:.3f} per proxied request, deferred ones included)"
+    )
+    print(
+        f"  ... in steady state      {r['steady_evalsha_per_request']:.3f} per request the workers issued from "
+        f"{STEADY_AFTER:g} s into the run to the end (= per forwarded request when none is deferred); "
+        f"other round trips then: {r['steady_other_round_trips'] or 'none'}"
+    )
     others = {k: v for k, v in r["redis_commands"].items() if k not in ("evalsha", "eval")}
     if others:
         print(f"  other Redis commands     {others} (whole run; hmget/hset/pexpire/time run inside the script)")
@@ -248,8 +275,11 @@ def problems(r: dict[str, Any]) -> list[str]:
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="bench/fleet.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/fleet.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
     p.add_argument("--workers", type=int, default=40, help="concurrent workers (default 40)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds each worker loops (default 10)")
@@ -257,15 +287,22 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--burst", type=float, default=10.0, help="configured proxy burst (default 10)")
     p.add_argument("--vendor-rate", type=float, default=120.0, help="the mock vendor's own quota (default 120)")
     p.add_argument("--vendor-burst", type=float, default=None, help="the mock vendor's burst (default its rate)")
-    p.add_argument("--action", choices=["hold", "defer", "shed"], default="hold",
-                   help="the vendor's on_limit action (default hold)")
+    p.add_argument(
+        "--action",
+        choices=["hold", "defer", "shed"],
+        default="hold",
+        help="the vendor's on_limit action (default hold)",
+    )
     p.add_argument("--max-hold", default="500ms", help="on_limit max_hold (default 500ms)")
     p.add_argument("--store-timeout", default="50ms", help="store.timeout (default 50ms, the product default)")
     p.add_argument("--path", default="/v1/ping", help="request path at the vendor (default /v1/ping)")
     p.add_argument("--matrix", action="store_true", help="run workers {4, 40} x replicas {1, 2}; one table")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 2 when a run misses the targets (vendor 429s, error > 5%%, unclean exit)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 2 when a run misses the targets (vendor 429s, error > 5%%, unclean exit)",
+    )
     args = p.parse_args(argv)
     if args.duration < 3:
         p.error("--duration must be at least 3 s")
@@ -279,15 +316,41 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         print_one(r)
         print(flush=True)
     if args.matrix:
-        rows = [[r["workers"], r["replicas"], f"{r['configured_rate']:g}", f"{r['vendor_rate']:.2f}",
-                 f"{r['relative_error'] * 100:+.2f}%", r["vendor_429"],
-                 "/".join(str(sum(rep["outcomes"].get(k, 0) for rep in r["per_replica"]))
-                          for k in ("forwarded", "held", "deferred")),
-                 f"{r['evalsha_per_forwarded']:.3f}", f"{r['steady_evalsha_per_request']:.3f}",
-                 " ".join(f"{rep['cpu_seconds']:.2f}" for rep in r["per_replica"])]
-                for r in results]
-        print(table(rows, ["workers", "replicas", "configured/s", "vendor/s", "error", "vendor 429",
-                           "fwd/held/deferred", "evalsha/fwd", "steady evalsha/req", "CPU s per replica"]))
+        rows = [
+            [
+                r["workers"],
+                r["replicas"],
+                f"{r['configured_rate']:g}",
+                f"{r['vendor_rate']:.2f}",
+                f"{r['relative_error'] * 100:+.2f}%",
+                r["vendor_429"],
+                "/".join(
+                    str(sum(rep["outcomes"].get(k, 0) for rep in r["per_replica"]))
+                    for k in ("forwarded", "held", "deferred")
+                ),
+                f"{r['evalsha_per_forwarded']:.3f}",
+                f"{r['steady_evalsha_per_request']:.3f}",
+                " ".join(f"{rep['cpu_seconds']:.2f}" for rep in r["per_replica"]),
+            ]
+            for r in results
+        ]
+        print(
+            table(
+                rows,
+                [
+                    "workers",
+                    "replicas",
+                    "configured/s",
+                    "vendor/s",
+                    "error",
+                    "vendor 429",
+                    "fwd/held/deferred",
+                    "evalsha/fwd",
+                    "steady evalsha/req",
+                    "CPU s per replica",
+                ],
+            )
+        )
     dump_json(args.json, results)
     bad = [f"{r['workers']}w x {r['replicas']}r: {', '.join(problems(r))}" for r in results if problems(r)]
     if bad:

@@ -112,8 +112,10 @@ def make_certs(workdir: Path) -> Certs:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(hours=1))
         .not_valid_after(now + dt.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address(LOOPBACK))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(ca.authority_key_identifier, critical=False)
@@ -121,8 +123,9 @@ def make_certs(workdir: Path) -> Certs:
     )
     vendor_cert, vendor_key = workdir / "vendor.pem", workdir / "vendor-key.pem"
     vendor_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    vendor_key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()))
+    vendor_key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     vendor_key.chmod(0o600)
     return Certs(proxy_ca, proxy_key, vendor_ca_cert, vendor_cert, vendor_key)
 
@@ -199,8 +202,9 @@ class _ConnectReply(asyncio.Protocol):
             self.established.set_exception(BenchError("the proxy closed the connection before answering CONNECT"))
 
 
-async def open_tunnel(loop: asyncio.AbstractEventLoop, host: str, port: int, ctx: ssl.SSLContext,
-                      protocol: asyncio.Protocol) -> asyncio.Transport:
+async def open_tunnel(
+    loop: asyncio.AbstractEventLoop, host: str, port: int, ctx: ssl.SSLContext, protocol: asyncio.Protocol
+) -> asyncio.Transport:
     """CONNECT api.bench.example:443 through the proxy at host:port, then TLS with ``protocol`` on top."""
     established: asyncio.Future[None] = loop.create_future()
     transport, _ = await loop.create_connection(lambda: _ConnectReply(established), host, port)
@@ -266,9 +270,21 @@ def loadgen(argv: list[str]) -> int:
 
 
 def start_vendor(fleet: Fleet, certs: Certs, cpus: str | None) -> Proc:
-    proc = fleet.start("vendor-tls", [sys.executable, str(Path(__file__).resolve()), "_vendor", "--listen",
-                                      f"{LOOPBACK}:0", "--cert", str(certs.vendor_cert), "--key",
-                                      str(certs.vendor_key)], cpus=cpus)
+    proc = fleet.start(
+        "vendor-tls",
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_vendor",
+            "--listen",
+            f"{LOOPBACK}:0",
+            "--cert",
+            str(certs.vendor_cert),
+            "--key",
+            str(certs.vendor_key),
+        ],
+        cpus=cpus,
+    )
     proc.url = "https://" + fleet.wait_line(proc, _VENDOR_READY).group(1)
     return proc
 
@@ -277,8 +293,10 @@ def intercept_policy(vendor_url: str, certs: Certs, store: str) -> str:
     """The bench vendor at ``vendor_url`` (https), intercepted: connect defaults to intercept
     once tls.ca_cert is set. The limit never binds."""
     yaml = policy(vendor_url, [Limit(HUGE, "1s", HUGE)], store=store, action="defer", access_log=True)
-    return yaml + (f"tls:\n  ca_cert: {certs.proxy_ca}\n  ca_key: {certs.proxy_key}\n"
-                   f"  upstream_ca_file: {certs.vendor_ca}\n  leaf_validity: 1d\n")
+    return yaml + (
+        f"tls:\n  ca_cert: {certs.proxy_ca}\n  ca_key: {certs.proxy_key}\n"
+        f"  upstream_ca_file: {certs.vendor_ca}\n  leaf_validity: 1d\n"
+    )
 
 
 # -- 1. latency ------------------------------------------------------------------------------------
@@ -293,8 +311,9 @@ async def setup_times(vendor_url: str, proxy_url: str | None, ctx: ssl.SSLContex
         t = time.perf_counter()
         if proxy_url is None:
             host, _, port = vendor_url.removeprefix("https://").rpartition(":")
-            transport, _ = await loop.create_connection(asyncio.Protocol, host, int(port), ssl=ctx,
-                                                        server_hostname="localhost")
+            transport, _ = await loop.create_connection(
+                asyncio.Protocol, host, int(port), ssl=ctx, server_hostname="localhost"
+            )
         else:
             host, _, port = proxy_url.removeprefix("http://").rpartition(":")
             transport = await open_tunnel(loop, host, int(port), ctx, asyncio.Protocol())
@@ -311,11 +330,13 @@ def summarize(lat: list[float]) -> dict[str, float]:
     return out
 
 
-def latency_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: Proc, redis: Proc | None,
-                  results: dict[str, Any]) -> None:
+def latency_phase(
+    fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: Proc, redis: Proc | None, results: dict[str, Any]
+) -> None:
     vendor_ctx, proxy_ctx = client_context(certs.vendor_ca), client_context(certs.proxy_ca)
-    lat, errors, statuses, achieved = _run(paced(vendor.url + PATH, None, args.rate, args.duration,
-                                                 args.warmup, ctx=vendor_ctx))
+    lat, errors, statuses, achieved = _run(
+        paced(vendor.url + PATH, None, args.rate, args.duration, args.warmup, ctx=vendor_ctx)
+    )
     if not lat or errors or set(statuses) != {200}:
         raise BenchError(f"direct phase: {errors} errors, statuses {statuses}")
     results["direct"] = {**summarize(lat), "n": len(lat), "achieved_rate": achieved}
@@ -335,29 +356,40 @@ def latency_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: 
                     marks["cpu0"] = cpu_seconds(pid)
 
                 before = outcomes(fetch_metrics(proxy.admin_url))
-                lat, errors, statuses, achieved = _run(paced(url_, proxy.url, args.rate, args.duration,
-                                                             args.warmup, mark, ctx=ctx))
+                lat, errors, statuses, achieved = _run(
+                    paced(url_, proxy.url, args.rate, args.duration, args.warmup, mark, ctx=ctx)
+                )
                 cpu1 = cpu_seconds(proxy.pid)
                 after = outcomes(fetch_metrics(proxy.admin_url))
                 if not lat or errors or set(statuses) != {200}:
                     store_errors = metric_sum(fetch_metrics(proxy.admin_url), "ratelimit_store_errors_total")
-                    raise BenchError(f"{name}: {errors} errors, statuses {statuses}, proxy outcomes {after}, "
-                                     f"store errors {store_errors:.0f} (store.timeout is 50ms: a busy machine "
-                                     "can exceed it)")
+                    raise BenchError(
+                        f"{name}: {errors} errors, statuses {statuses}, proxy outcomes {after}, "
+                        f"store errors {store_errors:.0f} (store.timeout is 50ms: a busy machine "
+                        "can exceed it)"
+                    )
                 bound = {k: v - before.get(k, 0) for k, v in after.items() if k != "forwarded" and v > before.get(k, 0)}
                 if bound:
                     raise BenchError(f"{name}: the limiter bound ({bound}); the load must stay unlimited")
                 summary = summarize(lat)
-                results[name] = {**summary, "n": len(lat), "achieved_rate": achieved,
-                                 "added": {k: summary[k] - results["direct"][k] for k in summary},
-                                 "cpu_us_per_request": (cpu1 - marks["cpu0"]) / len(lat) * 1e6}
+                results[name] = {
+                    **summary,
+                    "n": len(lat),
+                    "achieved_rate": achieved,
+                    "added": {k: summary[k] - results["direct"][k] for k in summary},
+                    "cpu_us_per_request": (cpu1 - marks["cpu0"]) / len(lat) * 1e6,
+                }
             if store == args.stores[0]:
                 results["setup_tunnel"] = summarize(_run(setup_times(vendor.url, proxy.url, proxy_ctx, args.setups)))
             samples = fetch_metrics(proxy.admin_url)
             count = metric_sum(samples, "ratelimit_leaf_mint_seconds_count")
             results.setdefault("proxy_mints", []).append(
-                {"store": store, "count": count,
-                 "mean_ms": metric_sum(samples, "ratelimit_leaf_mint_seconds_sum") / count * 1000 if count else None})
+                {
+                    "store": store,
+                    "count": count,
+                    "mean_ms": metric_sum(samples, "ratelimit_leaf_mint_seconds_sum") / count * 1000 if count else None,
+                }
+            )
             modes = {labels.get("mode"): v for n, labels, v in samples if n == "ratelimit_requests_by_mode_total"}
             results.setdefault("requests_by_mode", {})[store] = modes
         finally:
@@ -394,12 +426,28 @@ def mint_phase(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 # -- 3. saturation --------------------------------------------------------------------------------
 
 
-def generate(fleet: Fleet, mode: str, proxy: Proc, certs: Certs, connections: int, duration: float,
-             cpus: str | None) -> tuple[dict[str, float], float]:
-    proc = fleet.start(f"loadgen-{mode}", [sys.executable, str(Path(__file__).resolve()), "_loadgen", "--connect",
-                                           proxy.url.removeprefix("http://"), "--mode", mode, "--ca",
-                                           str(certs.proxy_ca), "--connections", str(connections),
-                                           "--duration", f"{duration:g}"], cpus=cpus)
+def generate(
+    fleet: Fleet, mode: str, proxy: Proc, certs: Certs, connections: int, duration: float, cpus: str | None
+) -> tuple[dict[str, float], float]:
+    proc = fleet.start(
+        f"loadgen-{mode}",
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_loadgen",
+            "--connect",
+            proxy.url.removeprefix("http://"),
+            "--mode",
+            mode,
+            "--ca",
+            str(certs.proxy_ca),
+            "--connections",
+            str(connections),
+            "--duration",
+            f"{duration:g}",
+        ],
+        cpus=cpus,
+    )
     cpu = wait_cpu(proc, duration + 30)
     code = proc.popen.returncode
     fleet.stop(proc)
@@ -411,8 +459,9 @@ def generate(fleet: Fleet, mode: str, proxy: Proc, certs: Certs, connections: in
         raise BenchError(f"cannot read the load generator's output:\n{proc.tail()}") from None
 
 
-def saturation_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: Proc,
-                     redis: Proc | None) -> list[dict[str, Any]]:
+def saturation_phase(
+    fleet: Fleet, args: argparse.Namespace, certs: Certs, vendor: Proc, redis: Proc | None
+) -> list[dict[str, Any]]:
     store = redis.url if args.sat_store == "redis" and redis is not None else "memory://"
     proxy = fleet.proxy(intercept_policy(vendor.url, certs, store), name="proxy-saturation", cpus=args.proxy_cpu)
     rows = []
@@ -435,18 +484,20 @@ def saturation_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendo
             window = t1 - t0
             proxy_cpus = [f"cpu{c}" for c in (args.proxy_cpu or "").split(",") if c.isdigit()]
             core_busy = sum(busy1[c] - busy0[c] for c in proxy_cpus) if proxy_cpus else None
-            rows.append({
-                "mode": mode,
-                "requests": done,
-                "rps": done / load["elapsed"],
-                "cpu_us_per_request": (cpu1 - cpu0) / done * 1e6,
-                "proxy_core_utilisation": (cpu1 - cpu0) / window,
-                "proxy_core_others": None if core_busy is None else max(core_busy - (cpu1 - cpu0), 0.0) / window,
-                "load_core_utilisation": (gen_cpu + others1 - others0) / window,
-                "non2xx": load["non2xx"],
-                "errors": load["errors"],
-                "outcomes": {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)},
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "requests": done,
+                    "rps": done / load["elapsed"],
+                    "cpu_us_per_request": (cpu1 - cpu0) / done * 1e6,
+                    "proxy_core_utilisation": (cpu1 - cpu0) / window,
+                    "proxy_core_others": None if core_busy is None else max(core_busy - (cpu1 - cpu0), 0.0) / window,
+                    "load_core_utilisation": (gen_cpu + others1 - others0) / window,
+                    "non2xx": load["non2xx"],
+                    "errors": load["errors"],
+                    "outcomes": {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)},
+                }
+            )
     finally:
         code = fleet.stop(proxy)
     for r in rows:
@@ -458,8 +509,11 @@ def saturation_phase(fleet: Fleet, args: argparse.Namespace, certs: Certs, vendo
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="bench/https.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/https.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rate", type=float, default=300.0, help="latency: offered load, req/s (default 300)")
     p.add_argument("--duration", type=float, default=10.0, help="latency: measured seconds per path (default 10)")
     p.add_argument("--warmup", type=float, default=2.0, help="latency: unmeasured seconds first (default 2)")
@@ -476,8 +530,11 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--no-pin", action="store_true", help="do not pin anything (figures then mean less)")
     p.add_argument("--skip", default="", help="parts to skip, comma-separated: latency, mint, saturation")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 2 when interception adds more than 2 ms at p50 or 10 ms at p99 over direct HTTPS")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 2 when interception adds more than 2 ms at p50 or 10 ms at p99 over direct HTTPS",
+    )
     args = p.parse_args(argv)
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     args.sat_modes = [s.strip() for s in args.sat_modes.split(",") if s.strip()]
@@ -499,7 +556,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     print(f"bench/https.py: load average {loadavg()} at start (2 cores shared: figures are provisional)")
     certs = make_certs(fleet.workdir)
     need_redis = ("latency" not in skip and "redis" in args.stores) or (
-        "saturation" not in skip and args.sat_store == "redis")
+        "saturation" not in skip and args.sat_store == "redis"
+    )
     vendor = start_vendor(fleet, certs, args.load_cpu)
     redis = fleet.redis(cpus=args.load_cpu) if need_redis else None
     results: dict[str, Any] = {"rate": args.rate, "duration": args.duration}
@@ -512,30 +570,49 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         for name in paths:
             r = results[name]
             row = [name, r["n"], f"{r['achieved_rate']:.0f}", *(f"{r[f'p{q}']:.3f}" for q in PCTS), f"{r['max']:.2f}"]
-            row += ["", "", "", ""] if name == "direct" else [
-                *(f"{r['added'][f'p{q}']:+.3f}" for q in PCTS), f"{r['cpu_us_per_request']:.0f}"]
+            row += (
+                ["", "", "", ""]
+                if name == "direct"
+                else [*(f"{r['added'][f'p{q}']:+.3f}" for q in PCTS), f"{r['cpu_us_per_request']:.0f}"]
+            )
             rows.append(row)
-        print(f"\n1. latency: {args.rate:g} req/s open loop, {args.duration:g} s measured per path, keep-alive on "
-              "both sides; milliseconds (+: added over direct HTTPS)")
-        print(table(rows, ["path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p90", "+p99",
-                           "proxy CPU µs/req"]))
-        setup_rows = [[label, *(f"{results[key][f'p{q}']:.3f}" for q in PCTS), f"{results[key]['max']:.2f}"]
-                      for label, key in (("TLS handshake, direct to the vendor", "setup_direct"),
-                                         ("CONNECT + TLS handshake with the proxy", "setup_tunnel"))
-                      if key in results]
+        print(
+            f"\n1. latency: {args.rate:g} req/s open loop, {args.duration:g} s measured per path, keep-alive on "
+            "both sides; milliseconds (+: added over direct HTTPS)"
+        )
+        print(
+            table(rows, ["path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p90", "+p99", "proxy CPU µs/req"])
+        )
+        setup_rows = [
+            [label, *(f"{results[key][f'p{q}']:.3f}" for q in PCTS), f"{results[key]['max']:.2f}"]
+            for label, key in (
+                ("TLS handshake, direct to the vendor", "setup_direct"),
+                ("CONNECT + TLS handshake with the proxy", "setup_tunnel"),
+            )
+            if key in results
+        ]
         print(f"\nnew connection set-up ({args.setups} in a row; ms):")
         print(table(setup_rows, ["", "p50", "p90", "p99", "max"]))
         for store in args.stores:
             r = results[f"intercept ({store})"]
             if r["added"]["p50"] > 2.0 or r["added"]["p99"] > 10.0:
-                missed.append(f"intercept ({store}): added p50 {r['added']['p50']:.3f} ms / "
-                              f"p99 {r['added']['p99']:.3f} ms")
+                missed.append(
+                    f"intercept ({store}): added p50 {r['added']['p50']:.3f} ms / p99 {r['added']['p99']:.3f} ms"
+                )
 
     if "mint" not in skip:
         results["mint"] = mint_phase(args, fleet.workdir)
         print(f"\n2. leaf minting (LeafMinter.context_for; ms, {args.mint_hosts} distinct hosts per CA)")
-        rows = [[f"{kt.upper()} CA", m["hosts"], *(f"{m['cold'][f'p{q}']:.3f}" for q in PCTS),
-                 f"{m['cold']['max']:.2f}", f"{m['hit_us']:.1f}"] for kt, m in results["mint"].items()]
+        rows = [
+            [
+                f"{kt.upper()} CA",
+                m["hosts"],
+                *(f"{m['cold'][f'p{q}']:.3f}" for q in PCTS),
+                f"{m['cold']['max']:.2f}",
+                f"{m['hit_us']:.1f}",
+            ]
+            for kt, m in results["mint"].items()
+        ]
         print(table(rows, ["CA key", "hosts", "mint p50", "p90", "p99", "max", "cache hit µs"]))
         for m in results.get("proxy_mints", []):
             mean = "-" if m["mean_ms"] is None else f"{m['mean_ms']:.3f} ms"
@@ -543,23 +620,53 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
 
     if "saturation" not in skip:
         results["saturation"] = saturation_phase(fleet, args, certs, vendor, redis)
-        print(f"\n3. saturation: one replica on CPU {args.proxy_cpu or 'any'}, generator/vendor/redis on CPU "
-              f"{args.load_cpu or 'any'}, {args.connections} keep-alive connections, store {args.sat_store}")
-        rows = [[r["mode"], r["requests"], f"{r['rps']:.0f}", f"{r['cpu_us_per_request']:.0f}",
-                 f"{r['proxy_core_utilisation'] * 100:.0f}%",
-                 "-" if r["proxy_core_others"] is None else f"{r['proxy_core_others'] * 100:.0f}%",
-                 f"{r['load_core_utilisation'] * 100:.0f}%", r["non2xx"], r["errors"],
-                 ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()) or "-"] for r in results["saturation"]]
-        print(table(rows, ["mode", "requests", "req/s", "CPU µs/req", "proxy core", "others there", "load core",
-                           "non-2xx", "errors", "proxy outcomes"]))
+        print(
+            f"\n3. saturation: one replica on CPU {args.proxy_cpu or 'any'}, generator/vendor/redis on CPU "
+            f"{args.load_cpu or 'any'}, {args.connections} keep-alive connections, store {args.sat_store}"
+        )
+        rows = [
+            [
+                r["mode"],
+                r["requests"],
+                f"{r['rps']:.0f}",
+                f"{r['cpu_us_per_request']:.0f}",
+                f"{r['proxy_core_utilisation'] * 100:.0f}%",
+                "-" if r["proxy_core_others"] is None else f"{r['proxy_core_others'] * 100:.0f}%",
+                f"{r['load_core_utilisation'] * 100:.0f}%",
+                r["non2xx"],
+                r["errors"],
+                ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()) or "-",
+            ]
+            for r in results["saturation"]
+        ]
+        print(
+            table(
+                rows,
+                [
+                    "mode",
+                    "requests",
+                    "req/s",
+                    "CPU µs/req",
+                    "proxy core",
+                    "others there",
+                    "load core",
+                    "non-2xx",
+                    "errors",
+                    "proxy outcomes",
+                ],
+            )
+        )
         for r in results["saturation"]:
             if r["proxy_core_utilisation"] < 0.85:
-                print(f"note: {r['mode']}: the proxy's core was only {r['proxy_core_utilisation'] * 100:.0f}% busy "
-                      "— not saturated (the load side or another tenant was the bottleneck); req/s understates "
-                      "capacity, CPU µs/req is still valid")
+                print(
+                    f"note: {r['mode']}: the proxy's core was only {r['proxy_core_utilisation'] * 100:.0f}% busy "
+                    "— not saturated (the load side or another tenant was the bottleneck); req/s understates "
+                    "capacity, CPU µs/req is still valid"
+                )
             if r["non2xx"] > 0.01 * r["requests"] or r["errors"] > 0.01 * r["requests"]:
-                raise BenchError(f"saturation {r['mode']}: {r['non2xx']} non-2xx and {r['errors']} errors "
-                                 f"out of {r['requests']}")
+                raise BenchError(
+                    f"saturation {r['mode']}: {r['non2xx']} non-2xx and {r['errors']} errors out of {r['requests']}"
+                )
 
     dump_json(args.json, results)
     if missed:

@@ -55,16 +55,20 @@ def summarize(lat: list[float]) -> dict[str, float]:
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="bench/latency.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/latency.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rate", type=float, default=500.0, help="offered load, requests per second (default 500)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per phase (default 10)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each phase (default 2)")
     p.add_argument("--stores", default="redis,memory", help="proxy phases, comma-separated (default redis,memory)")
     p.add_argument("--path", default="/v1/ping", help="request path at the vendor (default /v1/ping)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    p.add_argument("--strict", action="store_true", help="exit 2 when a target (p50 <= 1 ms, p99 <= 5 ms added) "
-                   "is missed")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 2 when a target (p50 <= 1 ms, p99 <= 5 ms added) is missed"
+    )
     args = p.parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     if not set(stores) <= {"redis", "memory"}:
@@ -81,8 +85,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     redis = fleet.redis() if "redis" in stores else None
     results: dict[str, Any] = {"rate": args.rate, "duration": args.duration}
 
-    lat, errors, statuses, achieved = run(paced(vendor.url + args.path, None, args.rate, args.duration,
-                                                args.warmup))
+    lat, errors, statuses, achieved = run(paced(vendor.url + args.path, None, args.rate, args.duration, args.warmup))
     if not lat or errors or set(statuses) != {200}:
         raise BenchError(f"direct phase: {errors} errors, statuses {statuses}")
     results["direct"] = {**summarize(lat), "n": len(lat), "achieved_rate": achieved}
@@ -98,20 +101,24 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             marks["cpu0"], marks["t0"] = cpu_seconds(proxy_pid), time.perf_counter()
 
         try:
-            lat, errors, statuses, achieved = run(paced(f"http://{VENDOR_HOST}{args.path}", proxy.url, args.rate,
-                                                        args.duration, args.warmup, mark))
+            lat, errors, statuses, achieved = run(
+                paced(f"http://{VENDOR_HOST}{args.path}", proxy.url, args.rate, args.duration, args.warmup, mark)
+            )
             cpu1 = cpu_seconds(proxy.pid)
             oc = outcomes(fetch_metrics(proxy.admin_url))
         finally:
             code = fleet.stop(proxy)
         if not lat or errors or set(statuses) != {200}:
-            raise BenchError(f"proxy {store} phase: {errors} errors, statuses {statuses}; outcomes {oc}\n"
-                             f"{proxy.tail()}")
+            raise BenchError(
+                f"proxy {store} phase: {errors} errors, statuses {statuses}; outcomes {oc}\n{proxy.tail()}"
+            )
         if set(oc) - {"forwarded"}:
             raise BenchError(f"proxy {store} phase: the limiter bound ({oc}); the load must stay unlimited")
         summary = summarize(lat)
         results[store] = {
-            **summary, "n": len(lat), "achieved_rate": achieved,
+            **summary,
+            "n": len(lat),
+            "achieved_rate": achieved,
             "added": {k: summary[k] - results["direct"][k] for k in summary},
             "cpu_us_per_request": (cpu1 - marks["cpu0"]) / len(lat) * 1e6,
             "exit_code": code,
@@ -128,11 +135,13 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             row += [f"{r['added'][f'p{q}']:+.3f}" for q in PCTS] + [f"{r['cpu_us_per_request']:.0f}"]
         rows.append(row)
     print(f"offered load {args.rate:g} req/s open-loop, {args.duration:g} s measured per phase; milliseconds")
-    print(table(rows, ["path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p90", "+p99",
-                       "proxy CPU µs/req"]))
+    print(table(rows, ["path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p90", "+p99", "proxy CPU µs/req"]))
     dump_json(args.json, results)
-    missed = [f"{s}: added p50 {results[s]['added']['p50']:.3f} ms / p99 {results[s]['added']['p99']:.3f} ms"
-              for s in stores if results[s]["added"]["p50"] > 1.0 or results[s]["added"]["p99"] > 5.0]
+    missed = [
+        f"{s}: added p50 {results[s]['added']['p50']:.3f} ms / p99 {results[s]['added']['p99']:.3f} ms"
+        for s in stores
+        if results[s]["added"]["p50"] > 1.0 or results[s]["added"]["p99"] > 5.0
+    ]
     if missed:
         print("targets missed (added p50 <= 1 ms, p99 <= 5 ms): " + "; ".join(missed))
         return 2 if args.strict else 0

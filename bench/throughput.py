@@ -75,19 +75,36 @@ wrk.headers["Host"] = "{VENDOR_HOST}"
 """
 
 
-def generate(fleet: Fleet, generator: str, proxy_url: str, connections: int, duration: float,
-             cpus: str | None) -> tuple[dict[str, float], float]:
+def generate(
+    fleet: Fleet, generator: str, proxy_url: str, connections: int, duration: float, cpus: str | None
+) -> tuple[dict[str, float], float]:
     """Run the load; returns ({requests, non2xx, errors, elapsed}, generator CPU seconds)."""
     hostport = proxy_url.removeprefix("http://")
     if generator == "wrk":
         script = fleet.workdir / "absolute.lua"
         script.write_text(WRK_SCRIPT)
-        proc = fleet.start("wrk", ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script),
-                                   f"http://{hostport}/"], cpus=cpus)
+        proc = fleet.start(
+            "wrk",
+            ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script), f"http://{hostport}/"],
+            cpus=cpus,
+        )
     else:
-        proc = fleet.start("loadgen", [sys.executable, str(BENCH / "_loadgen.py"), "--connect", hostport,
-                                       "--target", TARGET_URL, "--connections", str(connections),
-                                       "--duration", f"{duration:g}"], cpus=cpus)
+        proc = fleet.start(
+            "loadgen",
+            [
+                sys.executable,
+                str(BENCH / "_loadgen.py"),
+                "--connect",
+                hostport,
+                "--target",
+                TARGET_URL,
+                "--connections",
+                str(connections),
+                "--duration",
+                f"{duration:g}",
+            ],
+            cpus=cpus,
+        )
     cpu = wait_cpu(proc, duration + 20)
     code = proc.popen.returncode
     fleet.stop(proc)
@@ -101,9 +118,12 @@ def generate(fleet: Fleet, generator: str, proxy_url: str, connections: int, dur
         unit = {"ms": 1e-3, "s": 1.0, "m": 60.0}.get(m.group(3), 1.0)
         non2xx = _WRK_NON2XX.search(text)
         errs = _WRK_ERRORS.search(text)
-        return {"requests": int(m.group(1)), "elapsed": float(m.group(2)) * unit,
-                "non2xx": int(non2xx.group(1)) if non2xx else 0,
-                "errors": sum(map(int, errs.groups())) if errs else 0}, cpu
+        return {
+            "requests": int(m.group(1)),
+            "elapsed": float(m.group(2)) * unit,
+            "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "errors": sum(map(int, errs.groups())) if errs else 0,
+        }, cpu
     try:
         return json.loads(text.strip().splitlines()[-1]), cpu
     except (ValueError, IndexError):
@@ -121,19 +141,29 @@ def _cpus(spec: str | None) -> list[str]:
     return out
 
 
-def start_proxy(fleet: Fleet, mode: str, vendor: Proc, redis: Proc | None, cpus: str | None,
-                access_log: bool = True) -> Proc:
+def start_proxy(
+    fleet: Fleet, mode: str, vendor: Proc, redis: Proc | None, cpus: str | None, access_log: bool = True
+) -> Proc:
     if mode == "minimal":
-        proc = fleet.start("minimal", [sys.executable, str(BENCH / "_minimal_proxy.py"),
-                                       "--listen", f"{LOOPBACK}:0", "--upstream", vendor.url], cpus=cpus)
+        proc = fleet.start(
+            "minimal",
+            [sys.executable, str(BENCH / "_minimal_proxy.py"), "--listen", f"{LOOPBACK}:0", "--upstream", vendor.url],
+            cpus=cpus,
+        )
         proc.url = "http://" + fleet.wait_line(proc, _MINIMAL_READY).group(1)
         return proc
     if mode == "nolimit":
         yaml = policy(vendor.url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
     else:
         store = redis.url if mode == "redis" and redis is not None else "memory://"
-        yaml = policy(vendor.url, [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")], store=store,
-                      tenant_limits=[Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
+        yaml = policy(
+            vendor.url,
+            [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
+            store=store,
+            tenant_limits=[Limit(HUGE, "1s", HUGE)],
+            action="defer",
+            access_log=access_log,
+        )
     return fleet.proxy(yaml, name=f"proxy-{mode}", cpus=cpus)
 
 
@@ -148,8 +178,7 @@ def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, red
         cpu_others0 = sum(cpu_seconds(p.pid) for p in others)
         busy0 = cpu_busy()
         cpu0, t0 = cpu_seconds(proxy.pid), time.monotonic()
-        load, gen_cpu = generate(fleet, args.generator, proxy.url, args.connections, args.duration,
-                                 args.load_cpu)
+        load, gen_cpu = generate(fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu)
         cpu1, t1 = cpu_seconds(proxy.pid), time.monotonic()
         busy1 = cpu_busy()
         cpu_others1 = sum(cpu_seconds(p.pid) for p in others)
@@ -189,18 +218,28 @@ def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, red
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/throughput.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default all)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per mode (default 10)")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds of load first (default 3)")
     p.add_argument("--connections", type=int, default=50, help="keep-alive connections (default 50)")
-    p.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto",
-                   help="auto: wrk when installed, else bench/_loadgen.py")
+    p.add_argument(
+        "--generator",
+        choices=["auto", "wrk", "python"],
+        default="auto",
+        help="auto: wrk when installed, else bench/_loadgen.py",
+    )
     p.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy (default 1)")
     p.add_argument("--load-cpu", default="0", help="taskset CPU list for generator, vendor, redis (default 0)")
-    p.add_argument("--no-access-log", action="store_true",
-                   help="turn the proxy's access log off (to see what it costs; the targets are with it on)")
+    p.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="turn the proxy's access log off (to see what it costs; the targets are with it on)",
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin anything (figures then mean less)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--strict", action="store_true", help="exit 2 when redis mode costs more than 250 µs/request")
@@ -219,27 +258,53 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     watchdog(fleet, len(modes) * (args.duration + args.warmup + 60) + 30)
 
     print(f"bench/throughput.py: load average {loadavg()} at start (2 cores shared: figures are provisional)")
-    print(f"generator {args.generator}, {args.connections} connections; proxy on CPU {args.proxy_cpu or 'any'}, "
-          f"generator/vendor/redis on CPU {args.load_cpu or 'any'}")
+    print(
+        f"generator {args.generator}, {args.connections} connections; proxy on CPU {args.proxy_cpu or 'any'}, "
+        f"generator/vendor/redis on CPU {args.load_cpu or 'any'}"
+    )
     vendor = fleet.vendor(0, cpus=args.load_cpu)
     redis = fleet.redis(cpus=args.load_cpu) if "redis" in modes else None
     results = [measure(fleet, args, mode, vendor, redis) for mode in modes]
 
-    rows = [[r["mode"], r["requests"], f"{r['rps']:.0f}", f"{r['cpu_us_per_request']:.0f}",
-             f"{r['proxy_core_utilisation'] * 100:.0f}%",
-             "-" if r["proxy_core_others"] is None else f"{r['proxy_core_others'] * 100:.0f}%",
-             f"{r['core0_utilisation'] * 100:.0f}%",
-             "-" if r["evalsha_per_request"] is None else f"{r['evalsha_per_request']:.3f}",
-             ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()) or "-",
-             r["store_errors"] if r["mode"] != "minimal" else "-"]
-            for r in results]
-    print(table(rows, ["mode", "requests", "req/s", "CPU µs/req", "proxy core", "others there", "load core",
-                       "evalsha/req", "proxy outcomes", "store errors"]))
+    rows = [
+        [
+            r["mode"],
+            r["requests"],
+            f"{r['rps']:.0f}",
+            f"{r['cpu_us_per_request']:.0f}",
+            f"{r['proxy_core_utilisation'] * 100:.0f}%",
+            "-" if r["proxy_core_others"] is None else f"{r['proxy_core_others'] * 100:.0f}%",
+            f"{r['core0_utilisation'] * 100:.0f}%",
+            "-" if r["evalsha_per_request"] is None else f"{r['evalsha_per_request']:.3f}",
+            ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()) or "-",
+            r["store_errors"] if r["mode"] != "minimal" else "-",
+        ]
+        for r in results
+    ]
+    print(
+        table(
+            rows,
+            [
+                "mode",
+                "requests",
+                "req/s",
+                "CPU µs/req",
+                "proxy core",
+                "others there",
+                "load core",
+                "evalsha/req",
+                "proxy outcomes",
+                "store errors",
+            ],
+        )
+    )
     for r in results:
         if r["proxy_core_utilisation"] < 0.85:
-            print(f"note: {r['mode']}: the proxy's core was only {r['proxy_core_utilisation'] * 100:.0f}% busy — "
-                  "not saturated (generator, vendor or another tenant of the machine was the bottleneck); "
-                  "CPU µs/req is still valid, req/s understates capacity")
+            print(
+                f"note: {r['mode']}: the proxy's core was only {r['proxy_core_utilisation'] * 100:.0f}% busy — "
+                "not saturated (generator, vendor or another tenant of the machine was the bottleneck); "
+                "CPU µs/req is still valid, req/s understates capacity"
+            )
         if r["exit_code"] not in (0, None) and r["mode"] != "minimal":
             print(f"note: {r['mode']}: the proxy exited {r['exit_code']} on SIGTERM")
     dump_json(args.json, results)
@@ -249,8 +314,10 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     redis_r = next((r for r in results if r["mode"] == "redis"), None)
     if redis_r is not None:
         ok = redis_r["cpu_us_per_request"] <= 250
-        print(f"target (redis store, <= 250 µs CPU/request): {'met' if ok else 'missed'} "
-              f"({redis_r['cpu_us_per_request']:.0f} µs)")
+        print(
+            f"target (redis store, <= 250 µs CPU/request): {'met' if ok else 'missed'} "
+            f"({redis_r['cpu_us_per_request']:.0f} µs)"
+        )
         if not ok and args.strict:
             return 2
     return 1 if failed else 0

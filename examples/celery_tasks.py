@@ -61,8 +61,9 @@ log = logging.getLogger(__name__)
 
 PAYMENTS_API: Final = os.environ.get("PAYMENTS_API", "http://api.payments.example")
 QUEUE: Final = "charges"
-DEAD_LETTER: Final = Queue("charges.dead-letter", Exchange("charges.dead-letter", type="direct"),
-                           routing_key="charges.dead-letter")
+DEAD_LETTER: Final = Queue(
+    "charges.dead-letter", Exchange("charges.dead-letter", type="direct"), routing_key="charges.dead-letter"
+)
 STATE_HEADER: Final = "quota_retries"
 MAX_HISTORY: Final = 20
 REQUEST_TIMEOUT: Final = (5.0, 35.0)
@@ -131,8 +132,11 @@ def _proxies(url: str) -> dict[str, str] | None:
 def _state(request: Any) -> dict[str, Any]:
     headers = request.headers or {}
     state = headers.get(STATE_HEADER) or getattr(request, STATE_HEADER, None) or {}
-    return {"attempt": int(state.get("attempt", 0)), "used": dict(state.get("used", {})),
-            "history": list(state.get("history", []))}
+    return {
+        "attempt": int(state.get("attempt", 0)),
+        "used": dict(state.get("used", {})),
+        "history": list(state.get("history", [])),
+    }
 
 
 def _body(response: requests.Response | None) -> Any:
@@ -159,8 +163,14 @@ def dead_letter(task: Task, reason: str, history: list[dict[str, Any]]) -> dict[
         "at": time.time(),
     }
     with task.app.producer_or_acquire() as producer:
-        producer.publish(record, exchange=DEAD_LETTER.exchange, routing_key=DEAD_LETTER.routing_key,
-                         declare=[DEAD_LETTER], serializer="json", retry=True)
+        producer.publish(
+            record,
+            exchange=DEAD_LETTER.exchange,
+            routing_key=DEAD_LETTER.routing_key,
+            declare=[DEAD_LETTER],
+            serializer="json",
+            retry=True,
+        )
     log.warning("dead-lettered %s[%s]: %s", task.name, request.id, reason)
     return record
 
@@ -183,8 +193,9 @@ def drain_dead_letters(limit: int = 100, timeout: float = 0.0) -> list[dict[str,
 
 
 @app.task(bind=True, name="examples.charge", max_retries=None)
-def charge(self: Task, customer_id: str, amount: int, tenant: str | None = None,
-           on_limit: str | None = None) -> dict[str, Any]:
+def charge(
+    self: Task, customer_id: str, amount: int, tenant: str | None = None, on_limit: str | None = None
+) -> dict[str, Any]:
     """Charge ``amount`` to ``customer_id`` at the payments vendor, through the proxy.
 
     ``tenant`` is sent in the proxy's tenant header (per-tenant buckets); ``on_limit``
@@ -196,7 +207,9 @@ def charge(self: Task, customer_id: str, amount: int, tenant: str | None = None,
     url = f"{PAYMENTS_API}/v1/charges"
     started = time.time()
     outcome, response = qc.send(
-        _session(), "POST", url,
+        _session(),
+        "POST",
+        url,
         json={"customer_id": customer_id, "amount": amount},
         headers={"Idempotency-Key": str(self.request.id), **qc.quota_headers(tenant=tenant, on_limit=on_limit)},
         proxies=_proxies(url),
@@ -206,18 +219,31 @@ def charge(self: Task, customer_id: str, amount: int, tenant: str | None = None,
     history = [*state["history"], attempt_record(attempt, started, outcome, decision)][-MAX_HISTORY:]
 
     if decision.action == "done":
-        return {"customer_id": customer_id, "amount": amount, "status": outcome.status,
-                "vendor": _body(response), "attempts": attempt, "retries": used, "history": history}
+        return {
+            "customer_id": customer_id,
+            "amount": amount,
+            "status": outcome.status,
+            "vendor": _body(response),
+            "attempts": attempt,
+            "retries": used,
+            "history": history,
+        }
 
     if decision.action == "retry":
         assert decision.budget is not None and decision.delay is not None
         used = {**used, decision.budget: used.get(decision.budget, 0) + 1}
-        headers = {**(self.request.headers or {}),
-                   STATE_HEADER: {"attempt": attempt, "used": used, "history": history}}
-        log.info("%s[%s] %s (status %s): retry in %.2fs", self.name, self.request.id, outcome.kind,
-                 outcome.status, decision.delay)
-        raise self.retry(countdown=decision.delay, headers=headers,
-                         exc=QuotaRetry(f"{outcome.kind} (status {outcome.status})"))
+        headers = {**(self.request.headers or {}), STATE_HEADER: {"attempt": attempt, "used": used, "history": history}}
+        log.info(
+            "%s[%s] %s (status %s): retry in %.2fs",
+            self.name,
+            self.request.id,
+            outcome.kind,
+            outcome.status,
+            decision.delay,
+        )
+        raise self.retry(
+            countdown=decision.delay, headers=headers, exc=QuotaRetry(f"{outcome.kind} (status {outcome.status})")
+        )
 
     dead_letter(self, decision.reason, history)
     if outcome.kind is qc.Kind.SHED:

@@ -144,7 +144,9 @@ def charge(customer_id: str, amount: int, tenant: str | None = None, on_limit: s
     url = f"{PAYMENTS_API}/v1/charges"
     started = time.time()
     outcome, response = qc.send(
-        _session(), "POST", url,
+        _session(),
+        "POST",
+        url,
         json={"customer_id": customer_id, "amount": amount},
         headers={"Idempotency-Key": message.message_id, **qc.quota_headers(tenant=tenant, on_limit=on_limit)},
         proxies=qc.proxy_settings(),
@@ -154,15 +156,27 @@ def charge(customer_id: str, amount: int, tenant: str | None = None, on_limit: s
     history = [*state["history"], attempt_record(attempt, started, outcome, decision)][-MAX_HISTORY:]
 
     if decision.action == "done":
-        return {"customer_id": customer_id, "amount": amount, "status": outcome.status,
-                "vendor": _body(response), "attempts": attempt, "retries": used, "history": history}
+        return {
+            "customer_id": customer_id,
+            "amount": amount,
+            "status": outcome.status,
+            "vendor": _body(response),
+            "attempts": attempt,
+            "retries": used,
+            "history": history,
+        }
 
     if decision.action == "retry":
         assert decision.budget is not None and decision.delay is not None
         used[decision.budget] = used.get(decision.budget, 0) + 1
         message.options[STATE_OPTION] = {"attempt": attempt, "used": used, "history": history}
-        log.info("charge[%s] %s (status %s): retry in %.2fs", message.message_id, outcome.kind, outcome.status,
-                 decision.delay)
+        log.info(
+            "charge[%s] %s (status %s): retry in %.2fs",
+            message.message_id,
+            outcome.kind,
+            outcome.status,
+            decision.delay,
+        )
         raise QuotaRetry(f"{outcome.kind} (status {outcome.status})", delay=math.ceil(decision.delay * 1000))
 
     record = {"reason": decision.reason, "history": history}

@@ -195,8 +195,13 @@ def classify(response: requests.Response) -> Outcome:
     if status == 429:
         retry_after = retry_after_header if retry_after_header is not None else DEFAULT_VENDOR_RETRY_AFTER
         return Outcome(Kind.VENDOR_THROTTLED, status, retry_after, retry_after_header, limiter)
-    return Outcome(Kind.ERROR, status, limiter=limiter, reason=headers.get(ERROR) or action or None,
-                   transient=status in TRANSIENT_STATUSES)
+    return Outcome(
+        Kind.ERROR,
+        status,
+        limiter=limiter,
+        reason=headers.get(ERROR) or action or None,
+        transient=status in TRANSIENT_STATUSES,
+    )
 
 
 def classify_exception(exc: BaseException) -> Outcome:
@@ -239,8 +244,13 @@ def backoff(attempt: int, *, base: float = 1.0, cap: float = 300.0, rng: random.
     return ceiling / 2 + (rng or random).uniform(0.0, ceiling / 2)
 
 
-def quota_headers(*, tenant: str | None = None, on_limit: str | None = None, max_hold: float | str | None = None,
-                  tenant_header: str = DEFAULT_TENANT_HEADER) -> dict[str, str]:
+def quota_headers(
+    *,
+    tenant: str | None = None,
+    on_limit: str | None = None,
+    max_hold: float | str | None = None,
+    tenant_header: str = DEFAULT_TENANT_HEADER,
+) -> dict[str, str]:
     """Request headers for the proxy: the tenant, and this request's choice when the quota
     binds (``hold``/``defer``/``shed``) and longest hold (seconds or ``"250ms"``; the
     vendor's ``max_hold`` caps it). The proxy strips them all before forwarding."""

@@ -59,8 +59,9 @@ class RetryPolicy:
     rng: random.Random | None = field(default=None, compare=False)
 
     def limit(self, budget: Budget) -> int:
-        return {"deferred": self.max_deferrals, "throttled": self.max_throttled,
-                "transient": self.max_transient}[budget]
+        return {"deferred": self.max_deferrals, "throttled": self.max_throttled, "transient": self.max_transient}[
+            budget
+        ]
 
     def decide(self, outcome: Outcome, used: Mapping[str, int]) -> Decision:
         """What to do after ``outcome``, given the retries ``used`` so far per budget."""

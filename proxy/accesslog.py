@@ -72,8 +72,19 @@ class AccessLog:
 class AccessRecord:
     """Filled in along the request path, written once at the end."""
 
-    __slots__ = ("detail", "duration", "hold", "host", "method", "outcome", "path", "status", "tenant",
-                 "upstream_status", "vendor")
+    __slots__ = (
+        "detail",
+        "duration",
+        "hold",
+        "host",
+        "method",
+        "outcome",
+        "path",
+        "status",
+        "tenant",
+        "upstream_status",
+        "vendor",
+    )
 
     def __init__(self, method: str, host: str, path: str) -> None:
         self.method = method

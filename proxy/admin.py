@@ -106,8 +106,7 @@ async def status(request: web.Request) -> web.Response:
         try:
             buckets, levels = await limiter.peek(vendor)
             entry["buckets"] = [
-                {"bucket": b.label, "key": b.key, "rate_per_second": b.rate, "burst": b.burst,
-                 "tokens": _finite(level)}
+                {"bucket": b.label, "key": b.key, "rate_per_second": b.rate, "burst": b.burst, "tokens": _finite(level)}
                 for b, level in zip(buckets.all, levels, strict=True)
             ]
             entry["tokens_available"] = _finite(min(levels)) if levels else None
@@ -142,16 +141,18 @@ async def status(request: web.Request) -> web.Response:
             "deferred_last_minute": recent.total(vendor.name, "deferred"),
         }
         vendors.append(entry)
-    return _json({
-        "version": __version__,
-        "policy": deps.policy.source,
-        "store": {
-            "url": mask_password(deps.policy.store.url),
-            "on_failure": deps.policy.store.on_failure,
-            "breaker": limiter.breaker.state,
-        },
-        "vendors": vendors,
-    })
+    return _json(
+        {
+            "version": __version__,
+            "policy": deps.policy.source,
+            "store": {
+                "url": mask_password(deps.policy.store.url),
+                "on_failure": deps.policy.store.on_failure,
+                "breaker": limiter.breaker.state,
+            },
+            "vendors": vendors,
+        }
+    )
 
 
 async def reload(request: web.Request) -> web.Response:

@@ -54,16 +54,18 @@ class Runtime:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         limiter = self._limiter(policy, store)
-        self.handler = ProxyHandler(Deps(
-            policy=policy,
-            router=Router(policy),
-            limiter=limiter,
-            upstreams=Upstreams(policy),
-            metrics=self.metrics,
-            clock=self.clock,
-            recent=Recent(self.clock),
-            access_log=access_log if access_log is not None else AccessLog(),
-        ))
+        self.handler = ProxyHandler(
+            Deps(
+                policy=policy,
+                router=Router(policy),
+                limiter=limiter,
+                upstreams=Upstreams(policy),
+                metrics=self.metrics,
+                clock=self.clock,
+                recent=Recent(self.clock),
+                access_log=access_log if access_log is not None else AccessLog(),
+            )
+        )
         self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
         self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
@@ -105,8 +107,9 @@ class Runtime:
         from proxy.ca.leaves import LeafMinter
 
         ca = CertificateAuthority.load(policy.tls.ca_cert, policy.tls.ca_key)
-        return LeafMinter(ca, policy.tls.leaf_validity,
-                          on_mint=lambda host, seconds: self.metrics.leaf_mint_seconds.observe(seconds))
+        return LeafMinter(
+            ca, policy.tls.leaf_validity, on_mint=lambda host, seconds: self.metrics.leaf_mint_seconds.observe(seconds)
+        )
 
     # -- reload --------------------------------------------------------------------
 
@@ -116,8 +119,10 @@ class Runtime:
         old = self.handler.deps
         notes: list[str] = []
         if (policy.listen, policy.admin_listen) != (old.policy.listen, old.policy.admin_listen):
-            notes.append("listen and admin_listen take effect only on restart; still serving on "
-                         f"{old.policy.listen} and {old.policy.admin_listen}")
+            notes.append(
+                "listen and admin_listen take effect only on restart; still serving on "
+                f"{old.policy.listen} and {old.policy.admin_listen}"
+            )
             policy = _keep_listeners(policy, old.policy)
         # What can fail comes first, so a failed reload changes nothing.
         tls_changed = policy.tls != old.policy.tls
@@ -164,20 +169,37 @@ class Runtime:
     def _declare_gauges(self) -> None:
         Read = Callable[[], Iterable[tuple[list[str], float]]]
         gauges: tuple[tuple[str, str, list[str], Read], ...] = (
-            ("ratelimit_tokens_available",
-             "Tokens in the scarcest global bucket of each vendor, as last seen by this replica.",
-             ["limiter"], self._tokens),
-            ("ratelimit_breaker_open", "1 while the store circuit breaker is open or half-open.", [],
-             lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)]),
-            ("ratelimit_max_hold_seconds", "Each vendor's on_limit.max_hold, for alerts on hold times.",
-             ["limiter"], lambda: [([v.name], v.on_limit.max_hold) for v in self.policy.vendors]),
-            ("ratelimit_configured_rate",
-             "Requests per second each vendor's global limits allow in the long run (the slowest window).",
-             ["limiter"], lambda: [([v.name], self.deps.sizing.rate(v)) for v in self.policy.vendors]),
-            ("ratelimit_recommended_concurrency",
-             "Workers that keep each vendor's quota busy: configured rate x observed upstream latency "
-             "(Little's law); cap the autoscaler here.",
-             ["limiter"], self._recommended),
+            (
+                "ratelimit_tokens_available",
+                "Tokens in the scarcest global bucket of each vendor, as last seen by this replica.",
+                ["limiter"],
+                self._tokens,
+            ),
+            (
+                "ratelimit_breaker_open",
+                "1 while the store circuit breaker is open or half-open.",
+                [],
+                lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)],
+            ),
+            (
+                "ratelimit_max_hold_seconds",
+                "Each vendor's on_limit.max_hold, for alerts on hold times.",
+                ["limiter"],
+                lambda: [([v.name], v.on_limit.max_hold) for v in self.policy.vendors],
+            ),
+            (
+                "ratelimit_configured_rate",
+                "Requests per second each vendor's global limits allow in the long run (the slowest window).",
+                ["limiter"],
+                lambda: [([v.name], self.deps.sizing.rate(v)) for v in self.policy.vendors],
+            ),
+            (
+                "ratelimit_recommended_concurrency",
+                "Workers that keep each vendor's quota busy: configured rate x observed upstream latency "
+                "(Little's law); cap the autoscaler here.",
+                ["limiter"],
+                self._recommended,
+            ),
         )
         for name, doc, labels, read in gauges:
             self.metrics.add_gauges(GaugeCollector(name, doc, labels, read))

@@ -46,7 +46,12 @@ class BlindTunnels:
             pipe.close()
 
     async def dial(
-        self, deps: Deps, vendor: Vendor, tenant: str, headers: Mapping[str, str], address: tuple[str, int],
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        headers: Mapping[str, str],
+        address: tuple[str, int],
         rec: AccessRecord,
     ) -> Dialled:
         """Admit the CONNECT to ``address`` (one token) and connect to the vendor; raises the refusal."""
@@ -122,11 +127,13 @@ async def _connect(vendor: Vendor, address: tuple[str, int]) -> tuple[asyncio.Tr
         async with asyncio.timeout(vendor.timeouts.connect):
             return await loop.create_connection(_Pipe, up_host, up_port)
     except TimeoutError:
-        raise UpstreamFailed(504, "upstream-timeout", f"{vendor.name}: connecting to {up_host}:{up_port} "
-                                                      "timed out") from None
+        raise UpstreamFailed(
+            504, "upstream-timeout", f"{vendor.name}: connecting to {up_host}:{up_port} timed out"
+        ) from None
     except OSError as exc:
-        raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: cannot connect to "
-                                                          f"{up_host}:{up_port}: {exc}") from None
+        raise UpstreamFailed(
+            502, "upstream-unreachable", f"{vendor.name}: cannot connect to {up_host}:{up_port}: {exc}"
+        ) from None
 
 
 def _origin_address(origin: str) -> tuple[str, int]:

@@ -37,12 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(run)
     run.add_argument("--listen", metavar="HOST:PORT", help="where workers connect (overrides the file)")
     run.add_argument("--admin-listen", metavar="HOST:PORT", help="/metrics /healthz /readyz /status")
-    run.add_argument("--store", metavar="URL", help="memory:// | redis://host:6379/0 | rediss://... | "
-                     "redis+cluster://host:port (default: $QUOTA_PROXY_STORE, then the file)")
-    run.add_argument("--watch", action="store_true",
-                     help="reload the policy when the file changes (SIGHUP and POST /reload always do)")
-    run.add_argument("--log-level", default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
-                     choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--store",
+        metavar="URL",
+        help="memory:// | redis://host:6379/0 | rediss://... | "
+        "redis+cluster://host:port (default: $QUOTA_PROXY_STORE, then the file)",
+    )
+    run.add_argument(
+        "--watch",
+        action="store_true",
+        help="reload the policy when the file changes (SIGHUP and POST /reload always do)",
+    )
+    run.add_argument(
+        "--log-level",
+        default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
     run.set_defaults(handler=_run)
 
     check = sub.add_parser("check", help="validate a policy and print its summary")
@@ -58,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca_init.add_argument("--out", required=True, metavar="DIR", help="directory to write to (created if missing)")
     # No $QUOTA_PROXY_CONFIG default here: name constraints are baked into the CA for years,
     # so only an explicit -c decides them.
-    ca_init.add_argument("-c", "--config", metavar="FILE",
-                         help="constrain the CA to this policy's vendor hosts (name constraints)")
+    ca_init.add_argument(
+        "-c", "--config", metavar="FILE", help="constrain the CA to this policy's vendor hosts (name constraints)"
+    )
     ca_init.add_argument("--name", default="quota-proxy CA", metavar="CN", help="the CA's common name")
     ca_init.add_argument("--days", type=_positive_int, default=3650, metavar="N", help="validity (default 3650)")
     ca_init.add_argument("--rsa", action="store_true", help="RSA-2048 instead of EC P-256")
@@ -87,8 +98,13 @@ def _positive_int(text: str) -> int:
 
 
 def _config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", metavar="FILE", default=os.environ.get("QUOTA_PROXY_CONFIG"),
-                   help="policy file (default: $QUOTA_PROXY_CONFIG)")
+    p.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("QUOTA_PROXY_CONFIG"),
+        help="policy file (default: $QUOTA_PROXY_CONFIG)",
+    )
 
 
 def _load(path: str | None) -> Policy | None:
@@ -161,8 +177,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from proxy.server import serve
 
-    return _asyncio_run(serve(policy, policy.listen, policy.admin_listen, load=reload,
-                              watch=args.config if args.watch else None))
+    return _asyncio_run(
+        serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
+    )
 
 
 def _asyncio_run(coro: object) -> int:
@@ -196,11 +213,16 @@ def _ca_init(args: argparse.Namespace) -> int:
             return EXIT_CONFIG
         hosts = _vendor_hosts(policy)
         if not hosts:
-            print(f"quota-proxy: {args.config} lists no vendor hosts: the CA is not name-constrained",
-                  file=sys.stderr)
+            print(f"quota-proxy: {args.config} lists no vendor hosts: the CA is not name-constrained", file=sys.stderr)
     try:
-        cert_path, key_path = init_ca(args.out, common_name=args.name, days=args.days,
-                                      key_type="rsa" if args.rsa else "ec", permitted_hosts=hosts, force=args.force)
+        cert_path, key_path = init_ca(
+            args.out,
+            common_name=args.name,
+            days=args.days,
+            key_type="rsa" if args.rsa else "ec",
+            permitted_hosts=hosts,
+            force=args.force,
+        )
     except (CAError, ValueError) as exc:
         print(f"quota-proxy: ca init: {exc}", file=sys.stderr)
         return 1
@@ -229,8 +251,11 @@ def _ca_show(args: argparse.Namespace) -> int:
     if policy is None:
         return EXIT_CONFIG
     if policy.tls.ca_cert is None or policy.tls.ca_key is None:
-        print(f"quota-proxy: {policy.source}: no CA configured (set tls.ca_cert and tls.ca_key; "
-              "`quota-proxy ca init --out DIR` creates one)", file=sys.stderr)
+        print(
+            f"quota-proxy: {policy.source}: no CA configured (set tls.ca_cert and tls.ca_key; "
+            "`quota-proxy ca init --out DIR` creates one)",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     from proxy.ca.authority import CAError, CertificateAuthority
     from proxy.ca.commands import describe

@@ -111,9 +111,7 @@ async def send(
     """Send the worker's request upstream; return once the vendor's headers are in."""
     headers = upstream_request_headers(request.headers, tenant_header)
     data = _body(request) if request.body_exists else None
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=vendor.timeouts.connect, sock_read=vendor.timeouts.read
-    )
+    timeout = aiohttp.ClientTimeout(total=None, connect=vendor.timeouts.connect, sock_read=vendor.timeouts.read)
     try:
         return await session.request(
             request.method,
@@ -125,8 +123,9 @@ async def send(
             compress=None,
         )
     except aiohttp.ClientConnectorCertificateError as exc:
-        raise UpstreamFailed(502, "upstream-tls", f"{vendor.name}: certificate verification failed: "
-                                                  f"{exc.certificate_error}") from exc
+        raise UpstreamFailed(
+            502, "upstream-tls", f"{vendor.name}: certificate verification failed: {exc.certificate_error}"
+        ) from exc
     except aiohttp.ClientSSLError as exc:
         raise UpstreamFailed(502, "upstream-tls", f"{vendor.name}: TLS error: {exc}") from exc
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:

@@ -166,8 +166,11 @@ class ConnectGate:
         rec.vendor = vendor.name
         try:
             if vendor.connect == "deny":
-                raise Denied(f"CONNECT to {vendor.name} is denied by the policy (connect: deny); "
-                             f"call it over http:// with `upstream: https://...`, or set connect: intercept", host)
+                raise Denied(
+                    f"CONNECT to {vendor.name} is denied by the policy (connect: deny); "
+                    f"call it over http:// with `upstream: https://...`, or set connect: intercept",
+                    host,
+                )
             if vendor.connect == "tunnel":
                 tenant = rec.tenant = deps.router.tenant(parsed.headers)
                 tunnel = await self.tunnels.dial(deps, vendor, tenant, parsed.headers, (host, port), rec)
@@ -235,8 +238,9 @@ class FrontDoor(asyncio.Protocol):
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             if len(buf) > _MAX_HEAD:
-                self._transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
-                                      b"Connection: close\r\n\r\n")
+                self._transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
                 self._transport.close()
             return
         head, early = bytes(buf[:end]), bytes(buf[end + 4 :])

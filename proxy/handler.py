@@ -89,8 +89,9 @@ class ProxyHandler:
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = limiter.buckets(vendor, tenant).all[result.binding]
-            raise Limited("shed" if isinstance(decision, Shed) else "defer", decision.retry_after,
-                          bucket.scope, bucket.label)
+            raise Limited(
+                "shed" if isinstance(decision, Shed) else "defer", decision.retry_after, bucket.scope, bucket.label
+            )
         if isinstance(decision, Hold):
             await self._hold(deps, vendor.name, decision.wait, rec)
             return "held"
@@ -136,8 +137,11 @@ class ProxyHandler:
             raise
         if applied.blocked_for > 0:
             deps.metrics.vendor_blocks.labels(vendor.name).inc()
-            log.warning("vendor %s answered 429: its global buckets are blocked for %.3fs fleet-wide",
-                        vendor.name, applied.blocked_for)
+            log.warning(
+                "vendor %s answered 429: its global buckets are blocked for %.3fs fleet-wide",
+                vendor.name,
+                applied.blocked_for,
+            )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else None

@@ -94,8 +94,9 @@ class Handshake:
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
-            handshake = asyncio.ensure_future(loop.start_tls(transport, pending, self.ctx, server_side=True,
-                                                             ssl_handshake_timeout=_HANDSHAKE_TIMEOUT))
+            handshake = asyncio.ensure_future(
+                loop.start_tls(transport, pending, self.ctx, server_side=True, ssl_handshake_timeout=_HANDSHAKE_TIMEOUT)
+            )
             if early:
                 # A ClientHello sent right behind the CONNECT head was read with it. start_tls has
                 # now installed its protocol and queued connection_made: feed the bytes after that.
@@ -108,8 +109,9 @@ class Handshake:
             reason = "timeout" if timed_out else tls_error_reason(exc)
             metrics.tls_errors.labels(vendor, reason).inc()
             metrics.connects.labels(vendor, "intercept", "tls-failed").inc()
-            log.warning("TLS handshake with a worker failed for %s (%s): does it trust the proxy's CA?",
-                        self.where.host, reason)
+            log.warning(
+                "TLS handshake with a worker failed for %s (%s): does it trust the proxy's CA?", self.where.host, reason
+            )
             rec.outcome, rec.status, rec.detail = "error", 200, f"TLS handshake failed: {reason}"
             transport.abort()
             return False

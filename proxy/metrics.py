@@ -32,30 +32,41 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter(
-            "ratelimit_requests", "Requests by vendor, tenant and outcome (each counted once).",
-            ["limiter", "tenant", "outcome"], registry=registry,
+            "ratelimit_requests",
+            "Requests by vendor, tenant and outcome (each counted once).",
+            ["limiter", "tenant", "outcome"],
+            registry=registry,
         )
         self.deferred = Counter(
             "ratelimit_deferred", "Requests answered 429 + Retry-After by the proxy.", ["limiter"], registry=registry
         )
         self.shed = Counter("ratelimit_shed", "Requests answered 503 by the proxy.", ["limiter"], registry=registry)
         self.hold_seconds = Histogram(
-            "ratelimit_hold_seconds", "Time requests were held before being forwarded.", ["limiter"],
-            buckets=_HOLD_BUCKETS, registry=registry,
+            "ratelimit_hold_seconds",
+            "Time requests were held before being forwarded.",
+            ["limiter"],
+            buckets=_HOLD_BUCKETS,
+            registry=registry,
         )
         self.store_errors = Counter(
             "ratelimit_store_errors", "Store calls that failed or timed out.", registry=registry
         )
         self.fail_open = Counter(
-            "ratelimit_fail_open", "Requests forwarded unlimited because the store was down (on_failure: open).",
-            ["limiter"], registry=registry,
+            "ratelimit_fail_open",
+            "Requests forwarded unlimited because the store was down (on_failure: open).",
+            ["limiter"],
+            registry=registry,
         )
         self.vendor_blocks = Counter(
-            "ratelimit_vendor_blocks", "Vendor 429s that blocked the vendor's global buckets.", ["limiter"],
+            "ratelimit_vendor_blocks",
+            "Vendor 429s that blocked the vendor's global buckets.",
+            ["limiter"],
             registry=registry,
         )
         self.drains = Counter(
-            "ratelimit_low_watermark_drains", "Drains of the global buckets on low remaining quota.", ["limiter"],
+            "ratelimit_low_watermark_drains",
+            "Drains of the global buckets on low remaining quota.",
+            ["limiter"],
             registry=registry,
         )
         self.held_now = Gauge(
@@ -65,32 +76,43 @@ class Metrics:
             "http_client_responses", "Vendor responses by status code.", ["limiter", "code"], registry=registry
         )
         self.upstream_seconds = Histogram(
-            "http_client_request_duration_seconds", "Vendor exchange time, request sent to body relayed.",
-            ["limiter"], buckets=_LATENCY_BUCKETS, registry=registry,
+            "http_client_request_duration_seconds",
+            "Vendor exchange time, request sent to body relayed.",
+            ["limiter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.by_mode = Counter(
             "ratelimit_requests_by_mode",
             "Requests that matched a vendor, by how they came: plain HTTP, inside an intercepted CONNECT, "
             "or a CONNECT tunnel (one per tunnel).",
-            ["limiter", "mode"], registry=registry,
+            ["limiter", "mode"],
+            registry=registry,
         )
         self.connects = Counter(
-            "ratelimit_connects", "CONNECT requests by vendor, mode and result.", ["limiter", "mode", "result"],
+            "ratelimit_connects",
+            "CONNECT requests by vendor, mode and result.",
+            ["limiter", "mode", "result"],
             registry=registry,
         )
         self.tls_errors = Counter(
             "ratelimit_tls_errors",
             "TLS failures: workers' handshakes with the proxy (e.g. a worker that does not trust its CA) "
             "and the proxy's with vendors (reason upstream_*).",
-            ["limiter", "reason"], registry=registry,
+            ["limiter", "reason"],
+            registry=registry,
         )
         self.tunnels_open = Gauge(
-            "ratelimit_tunnels_open", "CONNECT tunnels open right now (connect: tunnel).", ["limiter"],
+            "ratelimit_tunnels_open",
+            "CONNECT tunnels open right now (connect: tunnel).",
+            ["limiter"],
             registry=registry,
         )
         self.leaf_mint_seconds = Histogram(
-            "ratelimit_leaf_mint_seconds", "Time to mint a leaf certificate for an intercepted host.",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=registry,
+            "ratelimit_leaf_mint_seconds",
+            "Time to mint a leaf certificate for an intercepted host.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=registry,
         )
         self.reloads = Counter(
             "ratelimit_config_reload", "Policy reloads by result (success, failure).", ["result"], registry=registry
@@ -144,8 +166,9 @@ class Metrics:
 class GaugeCollector(Collector):
     """A gauge computed at scrape time from the proxy's own state (no store call)."""
 
-    def __init__(self, name: str, doc: str, labels: list[str],
-                 read: Callable[[], Iterable[tuple[list[str], float]]]) -> None:
+    def __init__(
+        self, name: str, doc: str, labels: list[str], read: Callable[[], Iterable[tuple[list[str], float]]]
+    ) -> None:
         self._name, self._doc, self._labels, self._read = name, doc, labels, read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

@@ -33,12 +33,15 @@ def _json(refusal: Refusal, body: dict[str, object], headers: dict[str, str]) ->
 def refusal_response(refusal: Refusal, limiter: str | None) -> web.Response:
     match refusal:
         case Limited(action="shed"):
-            return _json(refusal, {"action": "shed", "limiter": limiter, "scope": refusal.scope,
-                                   "bucket": refusal.bucket},
-                         {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope})
+            return _json(
+                refusal,
+                {"action": "shed", "limiter": limiter, "scope": refusal.scope, "bucket": refusal.bucket},
+                {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope},
+            )
         case Limited():
-            return _defer(refusal, limiter, {"scope": refusal.scope, "bucket": refusal.bucket},
-                          {h.SCOPE: refusal.scope})
+            return _defer(
+                refusal, limiter, {"scope": refusal.scope, "bucket": refusal.bucket}, {h.SCOPE: refusal.scope}
+            )
         case StoreDown():
             return _defer(refusal, limiter, {"reason": "store-unavailable"}, {h.REASON: "store-unavailable"})
         case Denied():
@@ -53,8 +56,9 @@ def refusal_response(refusal: Refusal, limiter: str | None) -> web.Response:
     raise TypeError(f"unknown refusal {refusal!r}")
 
 
-def _defer(refusal: Limited | StoreDown, limiter: str | None, extra: dict[str, object],
-           headers: dict[str, str]) -> web.Response:
+def _defer(
+    refusal: Limited | StoreDown, limiter: str | None, extra: dict[str, object], headers: dict[str, str]
+) -> web.Response:
     wait = refusal.retry_after
     seconds = retry_after_seconds(wait)
     return _json(

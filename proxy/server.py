@@ -51,16 +51,18 @@ class ProxyServer:
         self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter)
         self.admin = AdminState(lambda: runtime.deps, self.gate.tunnels.count, reload)
         self._listener: asyncio.Server | None = None
-        self._admin_runner = web.AppRunner(admin_app(self.admin), access_log=None, handle_signals=False,
-                                           shutdown_timeout=1.0)
+        self._admin_runner = web.AppRunner(
+            admin_app(self.admin), access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
         self.address = listen
         self.admin_address = admin_listen
 
     async def start(self) -> None:
         await self._admin_runner.setup()
         try:
-            admin_site = web.TCPSite(self._admin_runner, self._admin_listen.host, self._admin_listen.port,
-                                     reuse_address=True)
+            admin_site = web.TCPSite(
+                self._admin_runner, self._admin_listen.host, self._admin_listen.port, reuse_address=True
+            )
             await admin_site.start()
             self._listener = await asyncio.get_running_loop().create_server(
                 self.gate.protocol, self._listen.host, self._listen.port, reuse_address=True, backlog=1024

@@ -72,13 +72,20 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [
                 self.binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--loglevel", "warning",
-                "--logfile", str(self.log),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--loglevel",
+                "warning",
+                "--logfile",
+                str(self.log),
                 *(extra or []),
             ],
             stdout=subprocess.DEVNULL,
@@ -123,8 +130,10 @@ class RedisServer:
 def _redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed: the limiter is tested against a real Redis "
-                    "(apt-get install redis-server); refusing to skip")
+        pytest.fail(
+            "redis-server is not installed: the limiter is tested against a real Redis "
+            "(apt-get install redis-server); refusing to skip"
+        )
     return binary
 
 
@@ -199,9 +208,16 @@ def make_policy(text: str, **values: object) -> Policy:
     return parse_policy(body, "test-policy.yaml", base_dir=ROOT)
 
 
-def vendor_policy(upstream: str, *, limits: str = "[{rate: 1000, per: 1s}]", store: str = "memory://",
-                  extra_vendor: str = "", extra_top: str = "", tenant_limits: str = "",
-                  on_limit: str = "{action: hold, max_hold: 500ms}") -> Policy:
+def vendor_policy(
+    upstream: str,
+    *,
+    limits: str = "[{rate: 1000, per: 1s}]",
+    store: str = "memory://",
+    extra_vendor: str = "",
+    extra_top: str = "",
+    tenant_limits: str = "",
+    on_limit: str = "{action: hold, max_hold: 500ms}",
+) -> Policy:
     """One vendor ``payments`` on hosts api.payments.example, route /payments, at ``upstream``."""
     text = f"""
         version: 1
@@ -230,8 +246,14 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
     """Start in-process proxies (both listeners on free ports); all stopped after the test."""
     started: list[ProxyServer] = []
 
-    async def start(policy: Policy, *, clock: Clock | None = None, registry: CollectorRegistry | None = None,
-                    store: BucketStore | None = None, access_log: AccessLog | None = None) -> ProxyServer:
+    async def start(
+        policy: Policy,
+        *,
+        clock: Clock | None = None,
+        registry: CollectorRegistry | None = None,
+        store: BucketStore | None = None,
+        access_log: AccessLog | None = None,
+    ) -> ProxyServer:
         runtime = Runtime(policy, clock=clock, registry=registry, store=store, access_log=access_log)
         server = ProxyServer(runtime, policy.listen, policy.admin_listen)
         await server.start()
@@ -316,8 +338,9 @@ async def https_vendor(vendor_ca: tuple[trustme.CA, Path], aiohttp_server: Any) 
     return HttpsVendor(mock, f"https://127.0.0.1:{server.port}", server.port, path)
 
 
-async def curl(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path,
-               *options: str) -> tuple[int, dict[str, str], bytes]:
+async def curl(
+    method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path, *options: str
+) -> tuple[int, dict[str, str], bytes]:
     """A real curl, with the proxy from the (monkeypatched) environment: (status,
     lower-case headers, body) of the final answer.
 
@@ -326,8 +349,22 @@ async def curl(method: str, url: str, headers: dict[str, str], body: bytes | Non
     answers would only be slower; with ``--expect100-timeout`` beyond ``--max-time`` it
     fails the call instead, however loaded the machine."""
     out = tmp / "curl-body"
-    argv = ["curl", "--silent", "--show-error", "--max-time", "20", "--expect100-timeout", "60", *options,
-            "--request", method, "--dump-header", "-", "--output", str(out)]
+    argv = [
+        "curl",
+        "--silent",
+        "--show-error",
+        "--max-time",
+        "20",
+        "--expect100-timeout",
+        "60",
+        *options,
+        "--request",
+        method,
+        "--dump-header",
+        "-",
+        "--output",
+        str(out),
+    ]
     for name, value in headers.items():
         argv += ["--header", f"{name}: {value}"]
     if body is not None:
@@ -335,8 +372,7 @@ async def curl(method: str, url: str, headers: dict[str, str], body: bytes | Non
         src.write_bytes(body)
         argv += ["--data-binary", f"@{src}", "--header", "Content-Type: application/octet-stream"]
     argv.append(url)
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await proc.communicate()
     assert proc.returncode == 0, stderr.decode(errors="replace")
     # The last header block is the final answer: a proxy's "200 Connection Established"

@@ -34,12 +34,15 @@ async def get(proxy_url: str, path: str = "/x") -> None:
 
 
 async def test_one_line_per_request_with_every_field(vendor, start_proxy, access, stream) -> None:
-    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 1, per: 1h, burst: 1}]",
-                                            on_limit="{action: defer}"), access_log=access)
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, limits="[{rate: 1, per: 1h, burst: 1}]", on_limit="{action: defer}"),
+        access_log=access,
+    )
     async with client_session() as s:
         for path in ("/v1/charges?api_key=secret", "/v1/again"):
-            async with s.get(f"http://api.payments.example{path}", proxy=proxy.url,
-                              headers={"X-Tenant-Id": "acme"}) as r:
+            async with s.get(
+                f"http://api.payments.example{path}", proxy=proxy.url, headers={"X-Tenant-Id": "acme"}
+            ) as r:
                 await r.read()
         async with s.get("http://elsewhere.example/", proxy=proxy.url) as r:
             await r.read()

@@ -66,7 +66,9 @@ def two_vendor_policy(upstream: str, store: str = "memory://") -> Any:
             limits: [{rate: 1000, per: 1s}]
             timeouts: {connect: 1s, read: 2s}
         """,
-        store=store, upstream=upstream, dead=free_port(),
+        store=store,
+        upstream=upstream,
+        dead=free_port(),
     )
 
 
@@ -79,8 +81,6 @@ async def admin_json(s: aiohttp.ClientSession, proxy: ProxyServer, path: str) ->
     async with s.get(f"{proxy.admin_url}{path}") as r:
         assert r.content_type == "application/json"
         return r.status, await r.json()
-
-
 
 
 async def scrape(s: aiohttp.ClientSession, proxy: ProxyServer) -> tuple[dict[str, Any], Samples]:
@@ -170,8 +170,11 @@ async def test_metrics_names_labels_and_every_outcome_from_real_traffic(vendor: 
     assert value(samples, "http_client_request_duration_seconds_sum", limiter="payments") > 0
     # A 502 of our own is no vendor response: the vendor that was never reached has only the
     # zero series declared at start (so its first 429 shows as an increase).
-    gone = {labels: v for (name, labels), v in samples.items()
-            if name == "http_client_responses_total" and ("limiter", "gone") in labels}
+    gone = {
+        labels: v
+        for (name, labels), v in samples.items()
+        if name == "http_client_responses_total" and ("limiter", "gone") in labels
+    }
     assert gone == {frozenset({("limiter", "gone"), ("code", "429")}): 0.0}
 
 
@@ -238,7 +241,9 @@ async def test_readyz_on_a_shared_redis(redis_url: str, vendor: Any, start_proxy
 
 async def test_status_lists_buckets_breaker_rates_and_holds(redis_url: str, vendor: Any, start_proxy: Any) -> None:
     policy = vendor_policy(
-        vendor.url, store=redis_url, limits="[{rate: 2, per: 1s, burst: 1}, {rate: 100, per: 1h, burst: 100}]",
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 2, per: 1s, burst: 1}, {rate: 100, per: 1h, burst: 100}]",
         tenant_limits="tenant_limits: {default: [{rate: 50, per: 1s, burst: 50}]}",
         on_limit="{action: hold, max_hold: 2s}",
     )

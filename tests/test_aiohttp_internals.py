@@ -99,8 +99,11 @@ async def test_a_tagged_connection_hands_its_tag_to_every_request_on_it() -> Non
         return web.Response(text=repr(connection_tag(request)))
 
     server = web.Server(handler, access_log=None)
-    async with listening(lambda: tagged_handler(server, "the tag")) as tagged, listening(server) as plain, \
-            aiohttp.ClientSession() as s:
+    async with (
+        listening(lambda: tagged_handler(server, "the tag")) as tagged,
+        listening(server) as plain,
+        aiohttp.ClientSession() as s,
+    ):
         for _ in range(2):  # two requests on one keep-alive connection
             async with s.get(tagged) as r:
                 assert await r.text() == "'the tag'"

@@ -62,8 +62,7 @@ BAD_POLICY = """
 
 def bad_policy(tmp_path: Path, port: int = 0, admin_port: int = 0) -> tuple[Path, set[tuple[int, str]]]:
     """A policy with an unknown key and two bad durations; the (line, path) of each problem."""
-    text = textwrap.dedent(BAD_POLICY).lstrip("\n").replace("$port", str(port)).replace("$admin_port",
-                                                                                         str(admin_port))
+    text = textwrap.dedent(BAD_POLICY).lstrip("\n").replace("$port", str(port)).replace("$admin_port", str(admin_port))
     path = tmp_path / "bad-policy.yaml"
     path.write_text(text)
     expected = {
@@ -220,8 +219,7 @@ def test_store_precedence_flag_over_env_over_file(tmp_path: Path, redis_url: str
 
 def test_store_password_is_masked_in_the_ready_line_and_status(tmp_path: Path) -> None:
     url = f"redis://app:s3cr3t-pw@127.0.0.1:{free_port()}/0"
-    argv = cli("run", "-c", str(EXAMPLE), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-               "--store", url)
+    argv = cli("run", "-c", str(EXAMPLE), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--store", url)
     with server_process(argv, tmp_path) as proc:
         ready = proc.wait_ready()
         assert ready.store.startswith("redis://app:")
@@ -247,8 +245,7 @@ def test_store_password_is_masked_in_the_ready_line_and_status(tmp_path: Path) -
         ((), {"QUOTA_PROXY_STORE": "ftp://x"}, "QUOTA_PROXY_STORE"),
     ],
 )
-def test_bad_flag_or_env_exits_2_with_a_clear_message(flags: tuple[str, ...], env: dict[str, str],
-                                                       origin: str) -> None:
+def test_bad_flag_or_env_exits_2_with_a_clear_message(flags: tuple[str, ...], env: dict[str, str], origin: str) -> None:
     result = run_cli("run", "-c", str(EXAMPLE), *flags, env=env)
     assert result.returncode == 2
     assert result.stdout == ""
@@ -280,8 +277,9 @@ def audited(*args: str) -> list[str]:
 def test_the_bind_audit_sees_a_good_run(tmp_path: Path) -> None:
     """The control for the next test: the audit hook does see the listeners being bound."""
     port, admin_port = free_port(), free_port()
-    argv = audited("run", "-c", str(EXAMPLE), "--listen", f"127.0.0.1:{port}",
-                   "--admin-listen", f"127.0.0.1:{admin_port}")
+    argv = audited(
+        "run", "-c", str(EXAMPLE), "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"
+    )
     with server_process(argv, tmp_path) as proc:
         ready = proc.wait_ready()
         assert ready.port == port
@@ -298,13 +296,16 @@ def test_bad_configuration_never_binds_a_port(tmp_path: Path, flaw: str) -> None
         path, expected = bad_policy(tmp_path, port, admin_port)
         argv = audited("run", "-c", str(path))
     else:
-        path = write_policy(tmp_path / "good.yaml", f"""
+        path = write_policy(
+            tmp_path / "good.yaml",
+            f"""
             version: 1
             listen: 127.0.0.1:{port}
             admin_listen: 127.0.0.1:{admin_port}
             vendors:
               - {{name: payments, hosts: [api.payments.example], limits: [{{rate: 5, per: 1s}}]}}
-        """)
+        """,
+        )
         argv = audited("run", "-c", str(path), "--store", "nosuch://store")
     with server_process(argv, tmp_path) as proc:
         assert proc.wait(timeout=60) == 2
@@ -340,8 +341,9 @@ def test_a_listen_port_in_use_fails_with_a_message(tmp_path: Path) -> None:
 
 
 def test_mock_vendor_subcommand_serves_the_example_policy_end_to_end(tmp_path: Path) -> None:
-    with server_process(cli("mock-vendor", "--listen", "127.0.0.1:0", "--rate", "50"), tmp_path,
-                        name="mock-vendor") as vendor:
+    with server_process(
+        cli("mock-vendor", "--listen", "127.0.0.1:0", "--rate", "50"), tmp_path, name="mock-vendor"
+    ) as vendor:
         line = vendor.readline()
         match = re.fullmatch(r"mock-vendor listening on http://127\.0\.0\.1:(\d+) \(rate 50/s, burst 50\)\n", line)
         assert match, line
@@ -391,8 +393,16 @@ def test_the_command_line_lists_the_developer_tools_without_importing_them() -> 
     # `check` and `ca` stay quick to start: mock-vendor and demo register their arguments from
     # light modules, and aiohttp (the tools, the server) is imported only by a command that serves.
     probe = "import json, sys; from proxy.cli import build_parser; build_parser(); print(json.dumps(list(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", probe], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
-                            timeout=60, stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout))
     assert {"proxy.devtools.mockvendor_cli", "proxy.devtools.demo_cli"} <= loaded

@@ -29,8 +29,16 @@ from tests.conftest import curl, vendor_policy
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
-              "NO_PROXY", "no_proxy")
+PROXY_VARS = (
+    "HTTP_PROXY",
+    "http_proxy",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "NO_PROXY",
+    "no_proxy",
+)
 
 
 @dataclass
@@ -75,15 +83,15 @@ async def via_curl(method: str, url: str, headers: dict[str, str], body: bytes |
     return Answer(*await curl(method, url, headers, body, tmp))
 
 
-CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp,
-                              "curl": via_curl}
+CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp, "curl": via_curl}
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))
 async def test_client_through_http_proxy(name, vendor, start_proxy, monkeypatch, tmp_path):
     client = CLIENTS[name]
-    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 2, per: 1h, burst: 2}]",
-                                            on_limit="{action: defer}"))
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, limits="[{rate: 2, per: 1h, burst: 2}]", on_limit="{action: defer}")
+    )
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
@@ -116,9 +124,11 @@ async def test_client_through_http_proxy(name, vendor, start_proxy, monkeypatch,
         assert not [h for h in r["headers"] if h.startswith("x-quota-")], r["headers"]
         assert "proxy-connection" not in r["headers"]
     assert seen[1]["headers"].get("content-length") == str(len(BODY)) or "chunked" in seen[1]["headers"].get(
-        "transfer-encoding", ""), seen[1]["headers"]
+        "transfer-encoding", ""
+    ), seen[1]["headers"]
     forwarded = proxy.runtime.registry.get_sample_value(
-        "ratelimit_requests_total", {"limiter": "payments", "tenant": "acme", "outcome": "forwarded"})
+        "ratelimit_requests_total", {"limiter": "payments", "tenant": "acme", "outcome": "forwarded"}
+    )
     assert forwarded == 2  # the proxy saw the tenant before stripping it
 
     # The bucket (2 per hour) is empty: the proxy defers, and the client sees it as such.

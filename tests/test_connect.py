@@ -39,9 +39,9 @@ async def tunnel_proxy(start_proxy, vendor: HttpsVendor, *, burst: int = 100, ma
     return await start_proxy(policy)
 
 
-async def raw_connect(proxy: ProxyServer, authority: str, extra: str = "") -> tuple[int, dict[str, str], bytes,
-                                                                                        asyncio.StreamReader,
-                                                                                        asyncio.StreamWriter]:
+async def raw_connect(
+    proxy: ProxyServer, authority: str, extra: str = ""
+) -> tuple[int, dict[str, str], bytes, asyncio.StreamReader, asyncio.StreamWriter]:
     """Send a CONNECT and read the proxy's answer head (and body, if it sends one)."""
     reader, writer = await asyncio.open_connection(proxy.address.host, proxy.address.port)
     writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{extra}\r\n".encode())
@@ -166,9 +166,14 @@ async def test_plain_requests_still_work_beside_connect(https_vendor, vendor, st
 async def test_the_cap_counts_connects_still_held_for_their_token(https_vendor, start_proxy) -> None:
     # 5/s with a burst of 1: the second and third CONNECTs are held 0.2 s and 0.4 s for
     # their tokens. The cap of 2 must count the held one, not only tunnels already open.
-    policy = make_policy(TUNNEL_POLICY.replace("{action: defer}", "{action: hold, max_hold: 1s}")
-                         .replace("rate: 1, per: 1h", "rate: 5, per: 1s"),
-                         upstream=https_vendor.url, burst=1, max_tunnels=2)
+    policy = make_policy(
+        TUNNEL_POLICY.replace("{action: defer}", "{action: hold, max_hold: 1s}").replace(
+            "rate: 1, per: 1h", "rate: 5, per: 1s"
+        ),
+        upstream=https_vendor.url,
+        burst=1,
+        max_tunnels=2,
+    )
     proxy = await start_proxy(policy)
     answers = await asyncio.gather(*(raw_connect(proxy, "api.payments.example:443") for _ in range(4)))
     statuses = sorted(a[0] for a in answers)

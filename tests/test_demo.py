@@ -30,9 +30,12 @@ from proxy.policy import parse_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-LINE = re.compile(r"^t=\s*([\d.]+)s workers=\s*(\d+) \| A sent=\s*([\d.]+)/s accepted=\s*([\d.]+)/s "
-                  r"vendor_429=\s*([\d.]+)/s \| B sent=\s*([\d.]+)/s forwarded=\s*([\d.]+)/s held=\s*(\d+) "
-                  r"deferred=\s*([\d.]+)/s vendor_429=\s*([\d.]+)/s \| quota=(\d+)/s$", re.MULTILINE)
+LINE = re.compile(
+    r"^t=\s*([\d.]+)s workers=\s*(\d+) \| A sent=\s*([\d.]+)/s accepted=\s*([\d.]+)/s "
+    r"vendor_429=\s*([\d.]+)/s \| B sent=\s*([\d.]+)/s forwarded=\s*([\d.]+)/s held=\s*(\d+) "
+    r"deferred=\s*([\d.]+)/s vendor_429=\s*([\d.]+)/s \| quota=(\d+)/s$",
+    re.MULTILINE,
+)
 
 
 def demo_cmd(*args: str) -> list[str]:
@@ -89,8 +92,19 @@ def test_demo_policy_is_valid_and_under_the_quota() -> None:
 
 
 def test_plain_line_is_parseable() -> None:
-    row = Row(elapsed=3.0, workers=12, a_sent=120, a_accepted=100, a_429=20, b_sent=130, b_forwarded=95,
-              b_held=11, b_deferred=35, b_429=0, b_at_vendor=95)
+    row = Row(
+        elapsed=3.0,
+        workers=12,
+        a_sent=120,
+        a_accepted=100,
+        a_429=20,
+        b_sent=130,
+        b_forwarded=95,
+        b_held=11,
+        b_deferred=35,
+        b_429=0,
+        b_at_vendor=95,
+    )
     match = LINE.fullmatch(plain_line(row, 100))
     assert match is not None
     assert match.group(2) == "12" and float(match.group(5)) == 20 and match.group(11) == "100"
@@ -105,8 +119,14 @@ def test_cli_lists_demo_and_rejects_bad_arguments(capsys: pytest.CaptureFixture[
         cli_main(["demo", "--help"])
     assert exit_info.value.code == 0
     assert "--workers-from" in capsys.readouterr().out
-    for bad in (["--duration", "0"], ["--duration", "2"], ["--workers-to", "0"], ["--workers-to", "1000"],
-                ["--quota", "-5"], ["--quota", "nan"]):
+    for bad in (
+        ["--duration", "0"],
+        ["--duration", "2"],
+        ["--workers-to", "0"],
+        ["--workers-to", "1000"],
+        ["--quota", "-5"],
+        ["--quota", "nan"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["demo", *bad])
         assert exit_info.value.code == 2, bad
@@ -142,8 +162,16 @@ def check_png(path: Path) -> None:
 @pytest.mark.slow
 def test_short_demo_shows_both_fleets_and_writes_the_plot(tmp_path: Path) -> None:
     plot = tmp_path / "tmp" / "x.png"  # the directory does not exist yet
-    result = subprocess.run(demo_cmd("--duration", "15", "--plot", str(plot)), cwd=tmp_path, env=demo_env(),
-                            capture_output=True, text=True, timeout=35, stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        demo_cmd("--duration", "15", "--plot", str(plot)),
+        cwd=tmp_path,
+        env=demo_env(),
+        capture_output=True,
+        text=True,
+        timeout=35,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Traceback" not in result.stderr, result.stderr
@@ -171,8 +199,15 @@ def test_short_demo_shows_both_fleets_and_writes_the_plot(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_ctrl_c_stops_early_and_still_writes_the_plot(tmp_path: Path) -> None:
     plot = tmp_path / "early.png"
-    proc = subprocess.Popen(demo_cmd("--duration", "60", "--plot", str(plot)), cwd=tmp_path, env=demo_env(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        demo_cmd("--duration", "60", "--plot", str(plot)),
+        cwd=tmp_path,
+        env=demo_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         seen = ""

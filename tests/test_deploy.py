@@ -84,8 +84,21 @@ def test_every_yaml_file_under_deploy_loads() -> None:
 # -- PromQL, read just enough -------------------------------------------------------------------
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 _SELECTOR = re.compile(r'([A-Za-z_:][\w:]*)\s*\{((?:[^{}"]|"(?:[^"\\]|\\.)*")*)\}')
 _MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 
@@ -118,13 +131,20 @@ def base_metric(name: str) -> str:
 
 
 def test_promql_reader_finds_metrics_not_functions_labels_or_durations() -> None:
-    expr = ('histogram_quantile(0.95, sum by (limiter, le) (rate(ratelimit_hold_seconds_bucket{limiter=~"$limiter"}'
-            '[$__rate_interval]))) > 0.8 * on (limiter) group_left max by (limiter) (ratelimit_max_hold_seconds) '
-            'or count(x:y:rate5m unless x:y:rate5m offset 5m) / 1e-3 and sum(rate(a_total[5m:1m])) without (job)')
-    assert metric_names(expr) == {"ratelimit_hold_seconds_bucket", "ratelimit_max_hold_seconds", "x:y:rate5m",
-                                  "a_total"}
+    expr = (
+        'histogram_quantile(0.95, sum by (limiter, le) (rate(ratelimit_hold_seconds_bucket{limiter=~"$limiter"}'
+        "[$__rate_interval]))) > 0.8 * on (limiter) group_left max by (limiter) (ratelimit_max_hold_seconds) "
+        "or count(x:y:rate5m unless x:y:rate5m offset 5m) / 1e-3 and sum(rate(a_total[5m:1m])) without (job)"
+    )
+    assert metric_names(expr) == {
+        "ratelimit_hold_seconds_bucket",
+        "ratelimit_max_hold_seconds",
+        "x:y:rate5m",
+        "a_total",
+    }
     assert list(selectors('rate(m_total{outcome=~"forwarded|held", code="4{2}9"}[5m])')) == [
-        ("m_total", [("outcome", "=~", "forwarded|held"), ("code", "=", "4{2}9")])]
+        ("m_total", [("outcome", "=~", "forwarded|held"), ("code", "=", "4{2}9")])
+    ]
 
 
 def check_expr(expr: str, where: str, recorded: dict[str, str]) -> set[str]:
@@ -158,8 +178,15 @@ def promtool() -> str:
 
 
 def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        [promtool(), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 # -- Prometheus rules ---------------------------------------------------------------------------
@@ -201,8 +228,11 @@ def test_rules_read_only_exported_metrics(rules: list[dict[str, Any]], recorded:
 
 
 def test_every_alert_has_severity_summary_description_and_a_runbook(rules: list[dict[str, Any]]) -> None:
-    headings = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-                for line in DEPLOY_README.read_text().splitlines() if line.startswith("#")}
+    headings = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in DEPLOY_README.read_text().splitlines()
+        if line.startswith("#")
+    }
     for name, alert in alerts_of(rules).items():
         assert alert["labels"]["severity"] in SEVERITIES, name
         annotations = alert["annotations"]
@@ -216,8 +246,9 @@ def _expr(alert: dict[str, Any]) -> str:
     return " ".join(alert["expr"].split())
 
 
-def test_the_seed_signals_and_every_alert_the_issue_asks_for(rules: list[dict[str, Any]],
-                                                              recorded: dict[str, str]) -> None:
+def test_the_seed_signals_and_every_alert_the_issue_asks_for(
+    rules: list[dict[str, Any]], recorded: dict[str, str]
+) -> None:
     alerts = alerts_of(rules)
     # Vendor 429s are not healthy: the fleet-wide signal, recorded; an alert per vendor.
     seed = 'sum(rate(http_client_responses_total{code="429"}[5m]))'
@@ -272,8 +303,12 @@ def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    return [(f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
-            for p in _panels(dashboard) if p["type"] != "row" for t in p["targets"]]
+    return [
+        (f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
+        for p in _panels(dashboard)
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
 
 
 def test_dashboard_variables_datasource_and_layout(dashboard: dict[str, Any]) -> None:
@@ -294,8 +329,9 @@ def test_dashboard_variables_datasource_and_layout(dashboard: dict[str, Any]) ->
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, panel["title"]
-        mine = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
-                for y in range(grid["y"], grid["y"] + grid["h"])}
+        mine = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not mine & cells, f"{panel['title']!r} overlaps another panel"
         cells |= mine
         if panel["type"] == "row":
@@ -308,7 +344,8 @@ def test_dashboard_variables_datasource_and_layout(dashboard: dict[str, Any]) ->
 
 
 def test_dashboard_queries_read_only_exported_metrics_and_defined_recording_rules(
-        dashboard: dict[str, Any], recorded: dict[str, str]) -> None:
+    dashboard: dict[str, Any], recorded: dict[str, str]
+) -> None:
     used: set[str] = set()
     for where, expr in _targets(dashboard):
         used |= check_expr(expr, where, recorded)
@@ -329,14 +366,23 @@ def test_dashboard_stacks_forwarded_held_deferred_under_the_vendor_429s(dashboar
         if panel["type"] != "timeseries" or not stacked(panel):
             continue
         exprs = [t["expr"] for t in panel["targets"]]
-        outcomes = {v for e in exprs for name, ms in selectors(e) if name == "ratelimit_requests_total"
-                    for label, _, v in ms if label == "outcome"}
+        outcomes = {
+            v
+            for e in exprs
+            for name, ms in selectors(e)
+            if name == "ratelimit_requests_total"
+            for label, _, v in ms
+            if label == "outcome"
+        }
         vendor_429 = [t for t in panel["targets"] if 'code="429"' in t["expr"]]
         if outcomes and vendor_429:
             assert {"forwarded", "held", "deferred"} <= set("|".join(outcomes).split("|"))
             (legend,) = {t["legendFormat"] for t in vendor_429}
-            unstacked = {o["matcher"]["options"] for o in panel["fieldConfig"]["overrides"]
-                         if {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}} in o["properties"]}
+            unstacked = {
+                o["matcher"]["options"]
+                for o in panel["fieldConfig"]["overrides"]
+                if {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}} in o["properties"]
+            }
             assert legend in unstacked, "the vendor's 429s are drawn over the stack, not on it"
             return
     raise AssertionError("no stacked forwarded/held/deferred panel with vendor 429s")
@@ -365,8 +411,9 @@ async def test_metrics_list_is_what_the_proxy_exports(start_proxy: Any) -> None:
         text = await response.text()
     families = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
     # A counter's family is named without _total (prometheus_client writes it either way).
-    exported = {name.removesuffix("_total") + "_total" if kind == "counter" else name
-                for name, kind in families.items()}
+    exported = {
+        name.removesuffix("_total") + "_total" if kind == "counter" else name for name, kind in families.items()
+    }
     assert set(METRICS) <= exported, f"listed but not exported: {set(METRICS) - exported}"
     assert {name for name in METRICS if families.get(name) == "histogram"} == HISTOGRAMS
 
@@ -389,8 +436,12 @@ def image() -> dict[str, Any]:
     instructions = parse_dockerfile((ROOT / "Dockerfile").read_text())
     (cmd,) = [json.loads(i.args) for i in instructions if i.keyword == "CMD"]
     (user,) = [i.args for i in instructions if i.keyword == "USER"]
-    (uid,) = {int(m) for i in instructions if i.keyword == "RUN"
-              for m in re.findall(rf"useradd\b.*--uid (\d+)\b.*\b{re.escape(user)}\s*$", i.args)}
+    (uid,) = {
+        int(m)
+        for i in instructions
+        if i.keyword == "RUN"
+        for m in re.findall(rf"useradd\b.*--uid (\d+)\b.*\b{re.escape(user)}\s*$", i.args)
+    }
     return {"cmd": cmd, "uid": uid}
 
 
@@ -403,16 +454,20 @@ def compose() -> dict[str, Any]:
 
 
 def _proxy_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in compose["services"].items()
-            if any(v.split(":")[0] == "./compose/policy.yaml" for v in svc.get("volumes", []))}
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if any(v.split(":")[0] == "./compose/policy.yaml" for v in svc.get("volumes", []))
+    }
 
 
 def _container_port(mapping: str) -> int:
     return int(str(mapping).rsplit(":", 1)[-1].split("/")[0])
 
 
-def test_compose_runs_two_replicas_of_the_repo_image_on_the_compose_policy(compose: dict[str, Any],
-                                                                           image: dict[str, Any]) -> None:
+def test_compose_runs_two_replicas_of_the_repo_image_on_the_compose_policy(
+    compose: dict[str, Any], image: dict[str, Any]
+) -> None:
     policy = load_policy(COMPOSE_POLICY)
     services = compose["services"]
     proxies = _proxy_services(compose)
@@ -456,8 +511,7 @@ def test_compose_runs_two_replicas_of_the_repo_image_on_the_compose_policy(compo
         assert proxies[name]["depends_on"][upstream.hostname or ""]["condition"] == "service_healthy"
 
 
-def test_compose_prometheus_scrapes_both_replicas_and_loads_the_rules(compose: dict[str, Any],
-                                                                       tmp_path: Path) -> None:
+def test_compose_prometheus_scrapes_both_replicas_and_loads_the_rules(compose: dict[str, Any], tmp_path: Path) -> None:
     policy = load_policy(COMPOSE_POLICY)
     prometheus = compose["services"]["prometheus"]
     mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in prometheus["volumes"])
@@ -535,7 +589,8 @@ def _k8s_policy(k8s: dict[tuple[str, str], dict[str, Any]]) -> tuple[Policy, arg
 
 
 def test_k8s_deployment_runs_the_configmap_policy_with_matching_ports_and_probes(
-        k8s: dict[tuple[str, str], dict[str, Any]], image: dict[str, Any]) -> None:
+    k8s: dict[tuple[str, str], dict[str, Any]], image: dict[str, Any]
+) -> None:
     policy, args = _k8s_policy(k8s)
     assert args.watch, "--watch: an edited ConfigMap is reloaded without a restart"
     assert policy.listen.host == policy.admin_listen.host == "0.0.0.0"
@@ -571,8 +626,9 @@ def test_k8s_deployment_runs_the_configmap_policy_with_matching_ports_and_probes
     assert container["image"] in images
 
 
-def test_k8s_pods_are_non_root_read_only_and_bounded(k8s: dict[tuple[str, str], dict[str, Any]],
-                                                     image: dict[str, Any]) -> None:
+def test_k8s_pods_are_non_root_read_only_and_bounded(
+    k8s: dict[tuple[str, str], dict[str, Any]], image: dict[str, Any]
+) -> None:
     deployments = [d for (kind, _), d in k8s.items() if kind == "Deployment"]
     assert len(deployments) == 2
     for deployment in deployments:
@@ -596,8 +652,11 @@ def test_k8s_selectors_services_and_pdb_agree(k8s: dict[tuple[str, str], dict[st
     selector = deployment["spec"]["selector"]["matchLabels"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert _matches(selector, labels)
-    other_pods = [d["spec"]["template"]["metadata"]["labels"] for (kind, name), d in k8s.items()
-                  if kind == "Deployment" and name != "quota-proxy"]
+    other_pods = [
+        d["spec"]["template"]["metadata"]["labels"]
+        for (kind, name), d in k8s.items()
+        if kind == "Deployment" and name != "quota-proxy"
+    ]
     assert other_pods and not any(_matches(selector, other) for other in other_pods), "the selector is the proxy's"
 
     pdb = k8s[("PodDisruptionBudget", "quota-proxy")]
@@ -619,8 +678,11 @@ def test_k8s_selectors_services_and_pdb_agree(k8s: dict[tuple[str, str], dict[st
     redis_service = k8s[("Service", store.hostname or "")]
     (redis_port,) = redis_service["spec"]["ports"]
     assert redis_port["port"] == store.port
-    (redis,) = [d for (kind, _), d in k8s.items()
-                if kind == "Deployment" and _matches(redis_service["spec"]["selector"],
-                                                     d["spec"]["template"]["metadata"]["labels"])]
+    (redis,) = [
+        d
+        for (kind, _), d in k8s.items()
+        if kind == "Deployment"
+        and _matches(redis_service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+    ]
     redis_ports = {p["name"]: p["containerPort"] for p in _container(redis)["ports"]}
     assert redis_ports[redis_port["targetPort"]] == 6379

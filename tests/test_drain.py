@@ -63,7 +63,9 @@ async def fetch(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
 
 
 def drain_policy(tmp_path: Path, upstream: str, *, drain: str, limits: str = "[{rate: 1000, per: 1s}]") -> Path:
-    return write_policy(tmp_path / "drain.yaml", f"""
+    return write_policy(
+        tmp_path / "drain.yaml",
+        f"""
         version: 1
         listen: 127.0.0.1:0
         admin_listen: 127.0.0.1:0
@@ -76,7 +78,8 @@ def drain_policy(tmp_path: Path, upstream: str, *, drain: str, limits: str = "[{
             limits: {limits}
             on_limit: {{action: hold, max_hold: 3s}}
             timeouts: {{connect: 2s, read: 30s}}
-    """)
+    """,
+    )
 
 
 @pytest.fixture

@@ -102,8 +102,17 @@ def fast_policy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., RetryPolicy]:
 @pytest.fixture
 def worker_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[ProxyServer], None]]:
     """Point the examples at a proxy: ``$QUOTA_PROXY_URL``, with no other proxy variables."""
-    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy",
-                 "ALL_PROXY", "all_proxy", "QUOTA_PROXY_URL"):
+    for name in (
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "NO_PROXY",
+        "no_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+        "QUOTA_PROXY_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
 
     def point(proxy: ProxyServer) -> None:
@@ -171,8 +180,9 @@ async def results(*async_results: AsyncResult, timeout: float = 20) -> list[Any]
     return await asyncio.to_thread(wait)
 
 
-async def test_celery_charges_go_through_the_proxy(celery_worker: Any, start_proxy: Any, vendor: Vendor,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_celery_charges_go_through_the_proxy(
+    celery_worker: Any, start_proxy: Any, vendor: Vendor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With plain HTTP_PROXY (no code change), charges succeed at the first attempt; the
     proxy strips the tenant header and counts them under the tenant."""
     proxy = await start_proxy(vendor_policy(vendor.url, extra_top=QUIET))
@@ -198,15 +208,17 @@ async def test_celery_charges_go_through_the_proxy(celery_worker: Any, start_pro
 
 
 async def test_celery_deferred_tasks_retry_after_retry_after_and_all_succeed(
-        celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any, fast_policy: Any) -> None:
+    celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any, fast_policy: Any
+) -> None:
     """A proxy limit of 2/s with action defer, six charges at once, a vendor that allows
     more than the proxy: tasks are deferred, retried with countdown >= Retry-After, all
     succeed, and the vendor never answers 429. Deferrals do not touch the transient budget,
     which is zero here."""
     fast_policy(max_transient=0)
     vendor.mock.configure(rate=10, burst=10)
-    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 2, per: 1s, burst: 2}]",
-                                            on_limit="{action: defer}", extra_top=QUIET))
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, limits="[{rate: 2, per: 1s, burst: 2}]", on_limit="{action: defer}", extra_top=QUIET)
+    )
     worker_env(proxy)
 
     sent = [celery_tasks.charge.delay(f"cus_{i}", 500) for i in range(6)]
@@ -225,8 +237,9 @@ async def test_celery_deferred_tasks_retry_after_retry_after_and_all_succeed(
     assert value(samples, "ratelimit_deferred_total", limiter="payments") == sum(deferrals)
 
 
-async def test_celery_vendor_429_is_retried_as_throttled(celery_worker: Any, start_proxy: Any, vendor: Vendor,
-                                                          worker_env: Any) -> None:
+async def test_celery_vendor_429_is_retried_as_throttled(
+    celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any
+) -> None:
     """The vendor's own 429 (no X-Quota-Action) is a throttle, not a deferral nor a transient
     error: retried after the vendor's Retry-After, charged to the throttled budget."""
     proxy = await start_proxy(vendor_policy(vendor.url, extra_top=QUIET))
@@ -244,12 +257,14 @@ async def test_celery_vendor_429_is_retried_as_throttled(celery_worker: Any, sta
     assert vendor.mock.rejected == 1 and vendor.mock.accepted == 1
 
 
-async def test_celery_shed_is_dead_lettered_not_retried(celery_worker: Any, start_proxy: Any, vendor: Vendor,
-                                                        worker_env: Any) -> None:
+async def test_celery_shed_is_dead_lettered_not_retried(
+    celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any
+) -> None:
     """With action shed and one token a minute, the second charge is shed: dead-lettered at
     once (a record on the dead-letter queue, the task failed with Shed), never retried."""
-    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 1, per: 1m, burst: 1}]",
-                                            on_limit="{action: shed}", extra_top=QUIET))
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, limits="[{rate: 1, per: 1m, burst: 1}]", on_limit="{action: shed}", extra_top=QUIET)
+    )
     worker_env(proxy)
 
     first = celery_tasks.charge.delay("cus_a", 1)
@@ -272,7 +287,8 @@ async def test_celery_shed_is_dead_lettered_not_retried(celery_worker: Any, star
 
 
 async def test_celery_transient_errors_back_off_then_exhaust_their_budget(
-        celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any, fast_policy: Any) -> None:
+    celery_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any, fast_policy: Any
+) -> None:
     """Vendor 5xx: retried with exponential backoff on the transient budget; once the budget
     is used up, the task is dead-lettered with RetriesExhausted."""
     fast_policy(max_transient=2)
@@ -341,7 +357,8 @@ async def outcome_of(message: Any, deadline: float = 20.0) -> Any:
 
 
 async def test_dramatiq_per_request_defer_is_retried_after_retry_after(
-        dramatiq_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any) -> None:
+    dramatiq_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any
+) -> None:
     """The vendor's policy holds, but the job asks for X-Quota-On-Limit: defer: with two
     worker threads and five jobs at a 2/s limit, jobs are deferred, retried no sooner than
     Retry-After, and all succeed; the vendor never answers 429."""
@@ -364,8 +381,9 @@ async def test_dramatiq_per_request_defer_is_retried_after_retry_after(
     assert value(samples, "ratelimit_held_requests", limiter="payments") == 0
 
 
-async def test_dramatiq_vendor_429_is_retried_as_throttled(dramatiq_worker: Any, start_proxy: Any, vendor: Vendor,
-                                                            worker_env: Any) -> None:
+async def test_dramatiq_vendor_429_is_retried_as_throttled(
+    dramatiq_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any
+) -> None:
     proxy = await start_proxy(vendor_policy(vendor.url, extra_top=QUIET))
     worker_env(proxy)
     vendor.mock.script(status=429, retry_after="1", count=1)
@@ -380,8 +398,9 @@ async def test_dramatiq_vendor_429_is_retried_as_throttled(dramatiq_worker: Any,
     assert vendor.mock.rejected == 1 and vendor.mock.accepted == 1
 
 
-async def test_dramatiq_shed_is_dead_lettered_not_retried(dramatiq_worker: Any, start_proxy: Any, vendor: Vendor,
-                                                           worker_env: Any) -> None:
+async def test_dramatiq_shed_is_dead_lettered_not_retried(
+    dramatiq_worker: Any, start_proxy: Any, vendor: Vendor, worker_env: Any
+) -> None:
     """A per-request X-Quota-On-Limit: shed on an empty bucket: the message fails at once into
     the broker's dead-letter queue, with no Dramatiq retry."""
     proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 1, per: 1m, burst: 1}]", extra_top=QUIET))
@@ -413,8 +432,9 @@ def through(proxy: ProxyServer, url: str = TARGET, **headers: str) -> tuple[qc.O
 
 async def test_classify_real_proxy_answers(start_proxy: Any, vendor: Vendor) -> None:
     """Each kind, from the proxy's and the vendor's real answers."""
-    proxy = await start_proxy(vendor_policy(vendor.url, limits="[{rate: 1, per: 1m, burst: 1}]",
-                                            on_limit="{action: defer}", extra_top=QUIET))
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, limits="[{rate: 1, per: 1m, burst: 1}]", on_limit="{action: defer}", extra_top=QUIET)
+    )
 
     ok, _ = await asyncio.to_thread(through, proxy)
     assert ok.kind is qc.Kind.OK and ok.status == 200 and ok.ok and not ok.retryable
@@ -469,8 +489,9 @@ async def test_classify_store_unavailable_deferral(start_proxy: Any, vendor: Ven
 
 def test_classify_no_proxy_listening_is_transient() -> None:
     with requests.Session() as session:
-        outcome, response = qc.send(session, "GET", TARGET, proxies=qc.proxy_settings(f"http://127.0.0.1:{free_port()}"),
-                                    timeout=5)
+        outcome, response = qc.send(
+            session, "GET", TARGET, proxies=qc.proxy_settings(f"http://127.0.0.1:{free_port()}"), timeout=5
+        )
     assert response is None
     assert outcome.kind is qc.Kind.ERROR and outcome.status is None and outcome.transient
     assert outcome.reason == "ProxyError"
@@ -493,8 +514,9 @@ def test_classify_ok_statuses() -> None:
 
 
 def test_classify_defer_prefers_the_precise_hint() -> None:
-    outcome = qc.classify(response(429, Retry_After="1", X_Quota_Action="defer", X_Quota_Retry_After_Ms="250",
-                                   X_Quota_Limiter="payments"))
+    outcome = qc.classify(
+        response(429, Retry_After="1", X_Quota_Action="defer", X_Quota_Retry_After_Ms="250", X_Quota_Limiter="payments")
+    )
     assert outcome == qc.Outcome(qc.Kind.DEFERRED, 429, 0.25, 1.0, "payments")
     rng = random.Random(7)
     for _ in range(200):
@@ -510,8 +532,15 @@ def test_classify_defer_without_ms_uses_retry_after() -> None:
 
 
 def test_classify_store_unavailable_reason() -> None:
-    outcome = qc.classify(response(429, Retry_After="1", X_Quota_Action="defer", X_Quota_Retry_After_Ms="1000",
-                                   X_Quota_Reason="store-unavailable"))
+    outcome = qc.classify(
+        response(
+            429,
+            Retry_After="1",
+            X_Quota_Action="defer",
+            X_Quota_Retry_After_Ms="1000",
+            X_Quota_Reason="store-unavailable",
+        )
+    )
     assert outcome.kind is qc.Kind.DEFERRED and outcome.reason == "store-unavailable"
 
 
@@ -526,16 +555,25 @@ def test_classify_vendor_429_retry_after_forms() -> None:
     assert seconds.kind is qc.Kind.VENDOR_THROTTLED and seconds.retry_after == 2.0
     date = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
     later = datetime(2030, 1, 1, 12, 0, 30, tzinfo=UTC)
-    dated = qc.classify(response(429, Retry_After=format_datetime(later, usegmt=True),
-                                 Date=format_datetime(date, usegmt=True)))
+    dated = qc.classify(
+        response(429, Retry_After=format_datetime(later, usegmt=True), Date=format_datetime(date, usegmt=True))
+    )
     assert dated.kind is qc.Kind.VENDOR_THROTTLED and dated.retry_after == 30.0
     missing = qc.classify(response(429))
     assert missing.retry_after == qc.DEFAULT_VENDOR_RETRY_AFTER and missing.retry_after_header is None
 
 
 def test_classify_errors() -> None:
-    for status, transient in ((500, True), (502, True), (504, True), (408, True), (400, False), (404, False),
-                              (422, False), (501, False)):
+    for status, transient in (
+        (500, True),
+        (502, True),
+        (504, True),
+        (408, True),
+        (400, False),
+        (404, False),
+        (422, False),
+        (501, False),
+    ):
         outcome = qc.classify(response(status))
         assert outcome.kind is qc.Kind.ERROR and outcome.transient is transient, status
     gateway = qc.classify(response(504, X_Quota_Error="upstream-timeout"))
@@ -576,9 +614,14 @@ def test_jitter_and_backoff_bounds() -> None:
 def test_quota_headers_and_proxy_settings() -> None:
     assert qc.quota_headers() == {}
     assert qc.quota_headers(tenant="acme", on_limit="defer", max_hold=0.25) == {
-        "X-Tenant-Id": "acme", "X-Quota-On-Limit": "defer", "X-Quota-Max-Hold": "250ms"}
+        "X-Tenant-Id": "acme",
+        "X-Quota-On-Limit": "defer",
+        "X-Quota-Max-Hold": "250ms",
+    }
     assert qc.quota_headers(max_hold="1s", tenant="t", tenant_header="X-Account") == {
-        "X-Quota-Max-Hold": "1s", "X-Account": "t"}
+        "X-Quota-Max-Hold": "1s",
+        "X-Account": "t",
+    }
     with pytest.raises(ValueError):
         qc.quota_headers(on_limit="wait")
     with pytest.raises(ValueError):
@@ -613,4 +656,3 @@ def test_retry_policy_keeps_a_budget_per_kind() -> None:
 
     record = attempt_record(1, 100.0, deferred, d)
     assert record["kind"] == "deferred" and record["delay"] == d.delay and record["retry_after"] == 1.5
-

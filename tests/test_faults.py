@@ -27,10 +27,17 @@ from tests.conftest import RedisServer, Samples, eventually, make_policy, metric
 pytestmark = pytest.mark.slow
 
 
-
-def fault_policy(upstream: str, store: str, *, on_failure: str = "closed", timeout: str = "100ms",
-                 failures: int = 3, cooloff: str = "500ms", limits: str = "[{rate: 1000, per: 1s}]",
-                 on_limit: str = "{action: defer}") -> Any:
+def fault_policy(
+    upstream: str,
+    store: str,
+    *,
+    on_failure: str = "closed",
+    timeout: str = "100ms",
+    failures: int = 3,
+    cooloff: str = "500ms",
+    limits: str = "[{rate: 1000, per: 1s}]",
+    on_limit: str = "{action: defer}",
+) -> Any:
     return make_policy(
         """
         version: 1
@@ -50,8 +57,14 @@ def fault_policy(upstream: str, store: str, *, on_failure: str = "closed", timeo
             limits: $limits
             on_limit: $on_limit
         """,
-        store=store, upstream=upstream, on_failure=on_failure, timeout=timeout, failures=failures,
-        cooloff=cooloff, limits=limits, on_limit=on_limit,
+        store=store,
+        upstream=upstream,
+        on_failure=on_failure,
+        timeout=timeout,
+        failures=failures,
+        cooloff=cooloff,
+        limits=limits,
+        on_limit=on_limit,
     )
 
 
@@ -83,8 +96,6 @@ async def call(session: aiohttp.ClientSession, proxy: ProxyServer, path: str = "
 async def admin(session: aiohttp.ClientSession, proxy: ProxyServer, path: str) -> tuple[int, str]:
     async with session.get(f"{proxy.admin_url}{path}") as r:
         return r.status, await r.text()
-
-
 
 
 async def scrape(session: aiohttp.ClientSession, proxy: ProxyServer) -> Samples:
@@ -153,8 +164,9 @@ class Workers:
     async def all_finished_one_more(self) -> None:
         """Every request in flight now has been answered."""
         marks = list(self.done)
-        await eventually(lambda: all(d > m for d, m in zip(self.done, marks, strict=True)),
-                         "every worker finished a request")
+        await eventually(
+            lambda: all(d > m for d, m in zip(self.done, marks, strict=True)), "every worker finished a request"
+        )
 
     async def stop(self) -> None:
         for t in self.tasks:
@@ -203,13 +215,15 @@ async def test_redis_killed_mid_run_defers_everything_then_recovers_on_restart(
             assert status == 503, body
             samples = await scrape(s, proxy)
             assert value(samples, "ratelimit_store_errors_total") > errors_before
-            assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default",
-                         outcome="deferred") >= len(outage)
+            assert value(
+                samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="deferred"
+            ) >= len(outage)
 
             own_redis.start()  # same port, empty
             restarted = len(workers.answers)
-            took = await eventually(lambda: any(a.status == 200 for a in workers.answers[restarted:]),
-                                    "traffic resuming after the restart")
+            took = await eventually(
+                lambda: any(a.status == 200 for a in workers.answers[restarted:]), "traffic resuming after the restart"
+            )
             assert took < 5.0
             recovered_at = next(a.finished for a in workers.answers[restarted:] if a.status == 200)
             status, body = await admin(s, proxy, "/readyz")
@@ -311,8 +325,9 @@ async def test_fail_open_forwards_during_the_outage_and_counts_it(
         assert vendor.mock.accepted == forwarded + 20
         samples = await scrape(s, proxy)
         assert value(samples, "ratelimit_fail_open_total", limiter="payments") == 20
-        assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default",
-                     outcome="forwarded") == 22
+        assert (
+            value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="forwarded") == 22
+        )
         assert value(samples, "ratelimit_store_errors_total") >= 3
         status, _ = await admin(s, proxy, "/readyz")
         assert status == 503
@@ -330,8 +345,9 @@ async def test_fail_open_forwards_during_the_outage_and_counts_it(
         later = [await call(s, proxy) for _ in range(8)]
         assert sum(a.status == 200 for a in later) <= 4
         refused = [a for a in later if a.status == 429]
-        assert refused and all(a.headers["X-Quota-Action"] == "defer" and "X-Quota-Reason" not in a.headers
-                               for a in refused)
+        assert refused and all(
+            a.headers["X-Quota-Action"] == "defer" and "X-Quota-Reason" not in a.headers for a in refused
+        )
 
 
 # -- a worker hanging up during a hold --------------------------------------------------
@@ -341,10 +357,15 @@ async def test_client_disconnect_during_a_hold_leaves_accounting_sane(
     own_redis: RedisServer, vendor: Any, start_proxy: Any
 ) -> None:
     interval = 0.5
-    proxy = await start_proxy(fault_policy(
-        vendor.url, own_redis.url, timeout="1s", limits="[{rate: 2, per: 1s, burst: 1}]",
-        on_limit="{action: hold, max_hold: 3s}",
-    ))
+    proxy = await start_proxy(
+        fault_policy(
+            vendor.url,
+            own_redis.url,
+            timeout="1s",
+            limits="[{rate: 2, per: 1s, burst: 1}]",
+            on_limit="{action: hold, max_hold: 3s}",
+        )
+    )
     async with aiohttp.ClientSession() as s:
 
         async def held_now() -> int:
@@ -364,8 +385,16 @@ async def test_client_disconnect_during_a_hold_leaves_accounting_sane(
         await eventually(lambda: _eq(held_now(), 0), "the hold released")
 
         async def counted() -> bool:
-            return value(await scrape(s, proxy), "ratelimit_requests_total", limiter="payments",
-                         tenant="default", outcome="error") == 1
+            return (
+                value(
+                    await scrape(s, proxy),
+                    "ratelimit_requests_total",
+                    limiter="payments",
+                    tenant="default",
+                    outcome="error",
+                )
+                == 1
+            )
 
         await eventually(counted, "the abandoned request counted once, as an error")
         samples = await scrape(s, proxy)
@@ -384,10 +413,8 @@ async def test_client_disconnect_during_a_hold_leaves_accounting_sane(
         assert await held_now() == 0
         samples = await scrape(s, proxy)
         assert value(samples, "ratelimit_held_requests", limiter="payments") == 0
-        assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default",
-                     outcome="error") == 1
-        assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default",
-                     outcome="held") >= 2
+        assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
+        assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="held") >= 2
         assert value(samples, "ratelimit_hold_seconds_count", limiter="payments") >= 2
 
 

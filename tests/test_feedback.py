@@ -13,8 +13,17 @@ from proxy.policy.model import Feedback, Limit, Vendor
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("2", 2.0), (" 30 ", 30.0), ("0", 0.0), ("1.5", 1.5), ("-3", None), ("soon", None), (None, None),
-     ("nan", None), ("inf", None)],
+    [
+        ("2", 2.0),
+        (" 30 ", 30.0),
+        ("0", 0.0),
+        ("1.5", 1.5),
+        ("-3", None),
+        ("soon", None),
+        (None, None),
+        ("nan", None),
+        ("inf", None),
+    ],
 )
 def test_retry_after_in_seconds(value: str | None, expected: float | None) -> None:
     assert parse_retry_after(value) == expected
@@ -50,8 +59,12 @@ def test_low_watermark() -> None:
 async def test_apply_feedback_blocks_drains_and_adds_retry_after() -> None:
     clock = ManualClock()
     limiter = Limiter(MemoryStore(clock), clock, key_prefix="t", breaker=Breaker(clock, 3, 1.0))
-    vendor = Vendor("v", hosts=("v.example",), limits=(Limit(10, 1, 10),),
-                    feedback=Feedback(low_watermark=5, retry_after_default=4.0))
+    vendor = Vendor(
+        "v",
+        hosts=("v.example",),
+        limits=(Limit(10, 1, 10),),
+        feedback=Feedback(low_watermark=5, retry_after_default=4.0),
+    )
     applied = await apply_feedback(limiter, vendor, 429, {})
     assert applied.blocked_for == pytest.approx(4.0)
     assert applied.added_retry_after == "4"

@@ -144,8 +144,14 @@ async def raw_client() -> AsyncIterator[Callable[[ProxyServer], Awaitable[RawCli
         await client.close()
 
 
-def request_bytes(method: str, target: str, headers: list[tuple[str, str]] | None = None,
-                  body: bytes = b"", *, host: str | None = VENDOR_HOST) -> bytes:
+def request_bytes(
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b"",
+    *,
+    host: str | None = VENDOR_HOST,
+) -> bytes:
     lines = [f"{method} {target} HTTP/1.1"]
     if host is not None:
         lines.append(f"Host: {host}")
@@ -189,15 +195,18 @@ class RecordingVendor:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()
         assert request.transport is not None
-        self.seen.append(Seen(
-            request.method,
-            request.raw_path,
-            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers],
-            body,
-            tuple(request.transport.get_extra_info("peername")),
-        ))
-        return web.json_response({"path": request.raw_path, "bytes": len(body),
-                                  "sha256": hashlib.sha256(body).hexdigest()})
+        self.seen.append(
+            Seen(
+                request.method,
+                request.raw_path,
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers],
+                body,
+                tuple(request.transport.get_extra_info("peername")),
+            )
+        )
+        return web.json_response(
+            {"path": request.raw_path, "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+        )
 
 
 @pytest.fixture
@@ -283,6 +292,7 @@ async def test_absolute_form_reaches_vendor_with_its_path(vendor, start_proxy) -
     assert seen["method"] == "GET"
     assert seen["path_qs"] == "/v1/charges?limit=3"
 
+
 async def test_absolute_form_query_travels_byte_for_byte(vendor, start_proxy) -> None:
     """The query of an absolute-form target travels byte for byte too."""
     proxy = await start_proxy(vendor_policy(vendor.url))
@@ -291,7 +301,6 @@ async def test_absolute_form_query_travels_byte_for_byte(vendor, start_proxy) ->
         assert r.status == 200
     (seen,) = vendor.mock.requests
     assert seen["path_qs"] == "/v1/search?q=a%2Bb%20c&sig=AbC%3D%3D"
-
 
 
 @pytest.mark.parametrize(
@@ -349,9 +358,10 @@ async def test_absolute_form_foreign_target_is_refused_whatever_the_host_header(
     resp = await client.exchange(request_bytes("GET", "http://evil.example/payments/v1/x", host=VENDOR_HOST))
     assert resp.status == 403
     assert resp.headers["X-Quota-Action"] == "deny"
-    async with aiohttp.ClientSession() as s, s.get(
-        "http://evil.example/v1/x", proxy=proxy.url, headers={"Host": VENDOR_HOST}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get("http://evil.example/v1/x", proxy=proxy.url, headers={"Host": VENDOR_HOST}) as r,
+    ):
         assert r.status == 403
     assert recording_vendor.seen == []
 
@@ -381,9 +391,7 @@ async def test_origin_form_without_host_or_route_is_403(recording_vendor, start_
 async def test_connect_is_403_and_points_at_upstream_https(recording_vendor, start_proxy, raw_client) -> None:
     proxy = await start_proxy(vendor_policy(recording_vendor.url))
     client = await raw_client(proxy)
-    resp = await client.exchange(
-        f"CONNECT {VENDOR_HOST}:443 HTTP/1.1\r\nHost: {VENDOR_HOST}:443\r\n\r\n".encode()
-    )
+    resp = await client.exchange(f"CONNECT {VENDOR_HOST}:443 HTTP/1.1\r\nHost: {VENDOR_HOST}:443\r\n\r\n".encode())
     assert resp.status == 403
     assert resp.headers["X-Quota-Action"] == "deny"
     assert "upstream: https://" in json.loads(resp.body)["detail"]
@@ -399,38 +407,53 @@ async def test_request_hop_by_hop_tenant_and_quota_headers_are_not_forwarded(
     proxy = await start_proxy(vendor_policy(recording_vendor.url))
     client = await raw_client(proxy)
     body = b"hello, vendor"
-    resp = await client.exchange(request_bytes(
-        "POST", f"{VENDOR_URL}/v1/charges",
-        [
-            ("Connection", "keep-alive, X-Hop-One"),
-            ("Connection", "x-hop-two"),
-            ("X-Hop-One", "1"),
-            ("X-Hop-Two", "2"),
-            ("Keep-Alive", "timeout=5"),
-            ("TE", "trailers"),
-            ("Trailer", "X-Checksum"),
-            ("Upgrade", "h2c"),
-            ("Proxy-Authorization", "Basic c2VjcmV0"),
-            ("Proxy-Connection", "keep-alive"),
-            ("X-Tenant-Id", "acme"),
-            ("X-Quota-On-Limit", "defer"),
-            ("X-Quota-Max-Hold", "100ms"),
-            ("x-quota-anything", "else"),
-            ("Authorization", "Bearer sk_live"),
-            ("Idempotency-Key", "k-1"),
-            ("X-Multi", "a"),
-            ("X-Multi", "b"),
-            ("Content-Type", "text/plain"),
-            ("Transfer-Encoding", "chunked"),
-        ],
-        chunked(body[:5], body[5:]),
-    ))
+    resp = await client.exchange(
+        request_bytes(
+            "POST",
+            f"{VENDOR_URL}/v1/charges",
+            [
+                ("Connection", "keep-alive, X-Hop-One"),
+                ("Connection", "x-hop-two"),
+                ("X-Hop-One", "1"),
+                ("X-Hop-Two", "2"),
+                ("Keep-Alive", "timeout=5"),
+                ("TE", "trailers"),
+                ("Trailer", "X-Checksum"),
+                ("Upgrade", "h2c"),
+                ("Proxy-Authorization", "Basic c2VjcmV0"),
+                ("Proxy-Connection", "keep-alive"),
+                ("X-Tenant-Id", "acme"),
+                ("X-Quota-On-Limit", "defer"),
+                ("X-Quota-Max-Hold", "100ms"),
+                ("x-quota-anything", "else"),
+                ("Authorization", "Bearer sk_live"),
+                ("Idempotency-Key", "k-1"),
+                ("X-Multi", "a"),
+                ("X-Multi", "b"),
+                ("Content-Type", "text/plain"),
+                ("Transfer-Encoding", "chunked"),
+            ],
+            chunked(body[:5], body[5:]),
+        )
+    )
     assert resp.status == 200, resp.body
     (seen,) = recording_vendor.seen
     names = seen.header_names()
-    for gone in ("connection", "x-hop-one", "x-hop-two", "keep-alive", "te", "trailer", "upgrade",
-                 "proxy-authorization", "proxy-connection", "x-tenant-id", "x-quota-on-limit",
-                 "x-quota-max-hold", "x-quota-anything"):
+    for gone in (
+        "connection",
+        "x-hop-one",
+        "x-hop-two",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "x-tenant-id",
+        "x-quota-on-limit",
+        "x-quota-max-hold",
+        "x-quota-anything",
+    ):
         assert gone not in names, gone
     assert seen.getall("Authorization") == ["Bearer sk_live"]
     assert seen.getall("Idempotency-Key") == ["k-1"]
@@ -444,16 +467,23 @@ async def test_request_hop_by_hop_tenant_and_quota_headers_are_not_forwarded(
     assert seen.getall("Transfer-Encoding") == ["chunked"] or seen.getall("Content-Length") == [str(len(body))]
 
 
-
 async def test_declined_upgrade_is_forwarded_as_a_plain_request(recording_vendor, start_proxy, raw_client) -> None:
     """The proxy speaks HTTP only: Upgrade is hop-by-hop, the vendor sees a plain GET, and
     the worker's connection stays an HTTP connection."""
     proxy = await start_proxy(vendor_policy(recording_vendor.url))
     client = await raw_client(proxy)
-    resp = await client.exchange(request_bytes("GET", f"{VENDOR_URL}/ws", [
-        ("Connection", "Upgrade"), ("Upgrade", "websocket"),
-        ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="), ("Sec-WebSocket-Version", "13"),
-    ]))
+    resp = await client.exchange(
+        request_bytes(
+            "GET",
+            f"{VENDOR_URL}/ws",
+            [
+                ("Connection", "Upgrade"),
+                ("Upgrade", "websocket"),
+                ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+                ("Sec-WebSocket-Version", "13"),
+            ],
+        )
+    )
     assert resp.status == 200
     assert "Upgrade" not in resp.headers
     resp = await client.exchange(request_bytes("GET", f"{VENDOR_URL}/after"))
@@ -464,11 +494,13 @@ async def test_declined_upgrade_is_forwarded_as_a_plain_request(recording_vendor
 
 
 async def test_custom_tenant_header_is_stripped(recording_vendor, start_proxy) -> None:
-    proxy = await start_proxy(vendor_policy(recording_vendor.url,
-                                            extra_top="tenant: {header: X-Team, default: shared}"))
-    async with aiohttp.ClientSession() as s, s.get(
-        f"{VENDOR_URL}/v1", proxy=proxy.url, headers={"X-Team": "blue", "X-Tenant-Id": "kept"}
-    ) as r:
+    proxy = await start_proxy(
+        vendor_policy(recording_vendor.url, extra_top="tenant: {header: X-Team, default: shared}")
+    )
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{VENDOR_URL}/v1", proxy=proxy.url, headers={"X-Team": "blue", "X-Tenant-Id": "kept"}) as r,
+    ):
         assert r.status == 200
     (seen,) = recording_vendor.seen
     assert "x-team" not in seen.header_names()
@@ -529,8 +561,10 @@ async def test_vendor_cannot_impersonate_the_proxy(raw_vendor, start_proxy) -> N
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nX-Quota-Action: defer\r\n"
-                     b"X-Quota-Limiter: fake\r\nContent-Length: 2\r\n\r\n{}")
+        writer.write(
+            b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nX-Quota-Action: defer\r\n"
+            b"X-Quota-Limiter: fake\r\nContent-Length: 2\r\n\r\n{}"
+        )
         await writer.drain()
 
     vendor = await raw_vendor(handler)
@@ -548,9 +582,10 @@ async def test_vendor_cannot_impersonate_the_proxy(raw_vendor, start_proxy) -> N
 async def test_upload_5mb_with_content_length(vendor, start_proxy) -> None:
     proxy = await start_proxy(vendor_policy(vendor.url))
     data = payload(FIVE_MB)
-    async with aiohttp.ClientSession() as s, s.post(
-        f"{VENDOR_URL}/sha256", proxy=proxy.url, data=io.BytesIO(data)
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{VENDOR_URL}/sha256", proxy=proxy.url, data=io.BytesIO(data)) as r,
+    ):
         assert r.status == 200
         assert await r.json() == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": FIVE_MB}
     (seen,) = vendor.mock.requests
@@ -606,9 +641,7 @@ async def test_echo_5mb_both_ways(vendor, start_proxy, framing) -> None:
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-async def test_response_bytes_reach_the_worker_before_the_vendor_finishes(
-    raw_vendor, start_proxy, framing
-) -> None:
+async def test_response_bytes_reach_the_worker_before_the_vendor_finishes(raw_vendor, start_proxy, framing) -> None:
     release = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -678,10 +711,7 @@ async def test_worker_going_away_closes_the_upstream_connection(raw_vendor, star
     assert streaming.is_set()
 
 
-
-async def test_worker_going_away_mid_upload_closes_the_upstream_connection(
-    raw_vendor, start_proxy, raw_client
-) -> None:
+async def test_worker_going_away_mid_upload_closes_the_upstream_connection(raw_vendor, start_proxy, raw_client) -> None:
     first_arrived = asyncio.Event()
     upstream_closed = asyncio.Event()
 
@@ -697,8 +727,9 @@ async def test_worker_going_away_mid_upload_closes_the_upstream_connection(
     vendor = await raw_vendor(handler)
     proxy = await start_proxy(vendor_policy(vendor.url))
     client = await raw_client(proxy)
-    await client.send(request_bytes("POST", f"{VENDOR_URL}/upload", [("Transfer-Encoding", "chunked")])
-                      + b"5\r\nhello\r\n")
+    await client.send(
+        request_bytes("POST", f"{VENDOR_URL}/upload", [("Transfer-Encoding", "chunked")]) + b"5\r\nhello\r\n"
+    )
     await asyncio.wait_for(first_arrived.wait(), WAIT)
     await client.close()  # the worker dies mid-upload
     await asyncio.wait_for(upstream_closed.wait(), WAIT)
@@ -742,8 +773,9 @@ async def test_expect_100_continue_upload(vendor, start_proxy, raw_client) -> No
     proxy = await start_proxy(vendor_policy(vendor.url))
     client = await raw_client(proxy)
     data = payload(300_000)
-    await client.send(request_bytes("POST", f"{VENDOR_URL}/sha256",
-                                    [("Expect", "100-continue"), ("Content-Length", str(len(data)))]))
+    await client.send(
+        request_bytes("POST", f"{VENDOR_URL}/sha256", [("Expect", "100-continue"), ("Content-Length", str(len(data)))])
+    )
     interim = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), WAIT)
     assert interim.startswith(b"HTTP/1.1 100 ")
     await client.send(data)
@@ -754,13 +786,15 @@ async def test_expect_100_continue_upload(vendor, start_proxy, raw_client) -> No
     assert "expect" not in seen["headers"]  # the proxy answered the expectation itself
 
 
-async def test_expect_100_continue_refused_request_gets_no_continue(recording_vendor, start_proxy,
-                                                                    raw_client) -> None:
+async def test_expect_100_continue_refused_request_gets_no_continue(recording_vendor, start_proxy, raw_client) -> None:
     """A request refused before forwarding answers with its final status, not 100: the body is never sent."""
     proxy = await start_proxy(vendor_policy(recording_vendor.url))
     client = await raw_client(proxy)
-    resp = await client.exchange(request_bytes("POST", "http://other.example/upload",
-                                               [("Expect", "100-continue"), ("Content-Length", "1000000")]))
+    resp = await client.exchange(
+        request_bytes(
+            "POST", "http://other.example/upload", [("Expect", "100-continue"), ("Content-Length", "1000000")]
+        )
+    )
     assert resp.status == 403
     assert recording_vendor.seen == []
 
@@ -771,10 +805,22 @@ async def test_curl_big_upload_with_expect_100_continue(vendor, start_proxy, tmp
     upload = tmp_path / "upload.bin"
     upload.write_bytes(data)
     proc = await asyncio.create_subprocess_exec(
-        "curl", "-sS", "--fail-with-body", "--proxy", proxy.url, "--expect100-timeout", "30",
-        "-H", "Content-Type: application/octet-stream", "--data-binary", f"@{upload}",
-        "-D", "-", f"{VENDOR_URL}/sha256",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "curl",
+        "-sS",
+        "--fail-with-body",
+        "--proxy",
+        proxy.url,
+        "--expect100-timeout",
+        "30",
+        "-H",
+        "Content-Type: application/octet-stream",
+        "--data-binary",
+        f"@{upload}",
+        "-D",
+        "-",
+        f"{VENDOR_URL}/sha256",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), WAIT)
@@ -817,8 +863,9 @@ async def test_bad_worker_headers_are_400(recording_vendor, start_proxy, headers
 
 
 async def test_missing_tenant_without_default_is_400(recording_vendor, start_proxy) -> None:
-    proxy = await start_proxy(vendor_policy(recording_vendor.url,
-                                            extra_top="tenant: {header: X-Tenant-Id, default: null}"))
+    proxy = await start_proxy(
+        vendor_policy(recording_vendor.url, extra_top="tenant: {header: X-Tenant-Id, default: null}")
+    )
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
             assert r.status == 400
@@ -871,9 +918,11 @@ async def test_bad_host_header_is_400(recording_vendor, start_proxy, raw_client,
 async def test_request_smuggling_framing_is_refused(recording_vendor, start_proxy, raw_client) -> None:
     proxy = await start_proxy(vendor_policy(recording_vendor.url))
     client = await raw_client(proxy)
-    resp = await client.exchange(request_bytes(
-        "POST", f"{VENDOR_URL}/v1", [("Content-Length", "4"), ("Transfer-Encoding", "chunked")], b"0\r\n\r\n"
-    ))
+    resp = await client.exchange(
+        request_bytes(
+            "POST", f"{VENDOR_URL}/v1", [("Content-Length", "4"), ("Transfer-Encoding", "chunked")], b"0\r\n\r\n"
+        )
+    )
     assert resp.status == 400
     assert recording_vendor.seen == []
 
@@ -955,9 +1004,7 @@ async def test_mock_vendor_slower_than_read_timeout_is_504(vendor, start_proxy) 
         assert (await r.json())["error"] == "upstream_timeout"
 
 
-async def test_vendor_stalling_mid_body_past_read_timeout_breaks_the_worker_response(
-    raw_vendor, start_proxy
-) -> None:
+async def test_vendor_stalling_mid_body_past_read_timeout_breaks_the_worker_response(raw_vendor, start_proxy) -> None:
     release = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -978,14 +1025,17 @@ async def test_vendor_stalling_mid_body_past_read_timeout_breaks_the_worker_resp
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-async def test_vendor_closing_mid_body_is_an_error_for_the_worker(
-    raw_vendor, start_proxy, raw_client, framing
-) -> None:
+async def test_vendor_closing_mid_body_is_an_error_for_the_worker(raw_vendor, start_proxy, raw_client, framing) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         if framing == "chunked":
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"a" * 1024
-                         + b"\r\n400\r\n" + b"b" * 10)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"400\r\n"
+                + b"a" * 1024
+                + b"\r\n400\r\n"
+                + b"b" * 10
+            )
         else:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"a" * 1000)
         await writer.drain()
@@ -1071,7 +1121,7 @@ async def test_upstream_connection_reused_after_big_and_empty_bodies(raw_vendor,
         b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
         b"HTTP/1.1 204 No Content\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b"x" * 70_000, b"y"),
-        b"HTTP/1.1 304 Not Modified\r\nETag: \"e\"\r\n\r\n",
+        b'HTTP/1.1 304 Not Modified\r\nETag: "e"\r\n\r\n',
         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
     ]
 
@@ -1090,7 +1140,6 @@ async def test_upstream_connection_reused_after_big_and_empty_bodies(raw_vendor,
                 bodies.append((r.status, len(await asyncio.wait_for(r.read(), WAIT))))
     assert bodies == [(200, 3), (204, 0), (200, 70_001), (304, 0), (200, 2)]
     assert vendor.connections == 1
-
 
 
 # -- framing corner cases ---------------------------------------------------------------------

@@ -77,8 +77,13 @@ class Intercepted:
     log: list[int] = field(default_factory=list)
 
     @classmethod
-    async def open(cls, proxy: ProxyServer, ctx: ssl.SSLContext, host: str = HOST, connect_headers: str = "",
-                   ) -> Intercepted:
+    async def open(
+        cls,
+        proxy: ProxyServer,
+        ctx: ssl.SSLContext,
+        host: str = HOST,
+        connect_headers: str = "",
+    ) -> Intercepted:
         reader, writer = await asyncio.open_connection(proxy.address.host, proxy.address.port)
         writer.write(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n{connect_headers}\r\n".encode())
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -97,8 +102,7 @@ class Intercepted:
         assert der is not None
         return x509.load_der_x509_certificate(der)
 
-    async def request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                      body: bytes = b"") -> Reply:
+    async def request(self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> Reply:
         headers = {"Host": HOST, **(headers or {})}
         lines = [f"{method} {path} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
         if body or method in ("POST", "PUT"):
@@ -155,8 +159,9 @@ class Tally:
     unexpected: list[str] = field(default_factory=list)
 
 
-async def paced_worker(s: aiohttp.ClientSession, proxy_url: str, ctx: ssl.SSLContext, stop_at: float,
-                       tally: Tally) -> None:
+async def paced_worker(
+    s: aiohttp.ClientSession, proxy_url: str, ctx: ssl.SSLContext, stop_at: float, tally: Tally
+) -> None:
     """HTTPS_PROXY-style requests back to back until ``stop_at``; on a proxy defer, wait
     X-Quota-Retry-After-Ms (the session keeps each intercepted tunnel alive)."""
     while time.monotonic() < stop_at:
@@ -178,9 +183,14 @@ async def test_aggregate_rate_holds_over_https_with_4_then_40_workers_through_2_
     https_vendor, redis_url, start_proxy, proxy_ca
 ):
     https_vendor.mock.configure(VENDOR_RATE, 30)
-    policy = intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file,
-                              store=redis_url, limits=f"[{{rate: {RATE:g}, per: 1s, burst: 5}}]",
-                              on_limit="{action: hold, max_hold: 500ms}")
+    policy = intercept_policy(
+        proxy_ca,
+        upstream=upstream_of(https_vendor),
+        vendor_ca=https_vendor.ca_file,
+        store=redis_url,
+        limits=f"[{{rate: {RATE:g}, per: 1s, burst: 5}}]",
+        on_limit="{action: hold, max_hold: 500ms}",
+    )
     proxies = [await start_proxy(policy) for _ in range(2)]
     ctx = proxy_ca.trust()
     duration, warmup = 3.5, 0.5
@@ -193,8 +203,12 @@ async def test_aggregate_rate_holds_over_https_with_4_then_40_workers_through_2_
             stop_at = start + duration
             await asyncio.gather(*(paced_worker(s, proxies[i % 2].url, ctx, stop_at, tally) for i in range(workers)))
             rate = https_vendor.mock.measured_rate(since=start + warmup, until=stop_at)
-            results[workers] = (rate, tally, https_vendor.mock.accepted - accepted0,
-                                https_vendor.mock.rejected - rejected0)
+            results[workers] = (
+                rate,
+                tally,
+                https_vendor.mock.accepted - accepted0,
+                https_vendor.mock.rejected - rejected0,
+            )
 
     for workers, (rate, tally, accepted, rejected) in results.items():
         summary = f"{workers} workers over HTTPS: vendor-side {rate:.2f}/s for {RATE:g}/s configured, {tally}"
@@ -211,8 +225,9 @@ async def test_aggregate_rate_holds_over_https_with_4_then_40_workers_through_2_
     for proxy in proxies:
         samples = await scrape(proxy)
         intercepted += value(samples, "ratelimit_requests_by_mode_total", limiter="payments", mode="intercept")
-        established += value(samples, "ratelimit_connects_total", limiter="payments", mode="intercept",
-                             result="established")
+        established += value(
+            samples, "ratelimit_connects_total", limiter="payments", mode="intercept", result="established"
+        )
         assert value(samples, "ratelimit_requests_by_mode_total", limiter="payments", mode="plain") == 0
     assert intercepted >= total
     assert 1 <= established <= 2 * 44, established  # about one tunnel per worker, not one per request
@@ -222,8 +237,13 @@ async def test_aggregate_rate_holds_over_https_with_4_then_40_workers_through_2_
 
 
 async def test_each_request_inside_one_keep_alive_tunnel_takes_a_token(https_vendor, start_proxy, proxy_ca):
-    policy = intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file,
-                              limits="[{rate: 1, per: 1h, burst: 3}]", on_limit="{action: defer}")
+    policy = intercept_policy(
+        proxy_ca,
+        upstream=upstream_of(https_vendor),
+        vendor_ca=https_vendor.ca_file,
+        limits="[{rate: 1, per: 1h, burst: 3}]",
+        on_limit="{action: defer}",
+    )
     proxy = await start_proxy(policy)
     conn = await Intercepted.open(proxy, proxy_ca.trust(), connect_headers="X-Tenant-Id: acme\r\n")
     try:
@@ -271,7 +291,9 @@ async def test_requests_inside_a_tunnel_name_their_own_tenant_and_stay_apart_fro
     https_vendor, start_proxy, proxy_ca
 ):
     policy = intercept_policy(
-        proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file,
+        proxy_ca,
+        upstream=upstream_of(https_vendor),
+        vendor_ca=https_vendor.ca_file,
         limits="[{rate: 100, per: 1h, burst: 100}]",
         vendor_extra="tenant_limits: {default: [{rate: 1, per: 1h, burst: 1}]}",
     )
@@ -286,8 +308,10 @@ async def test_requests_inside_a_tunnel_name_their_own_tenant_and_stay_apart_fro
     assert (first.status, again.status, other.status) == (200, 429, 200)
     assert again.headers["x-quota-scope"] == "tenant"
     # A plain HTTP request beside the tunnel goes through the same limits, counted as plain.
-    async with client_session() as s, s.get(f"http://{HOST}/v1/plain", proxy=proxy.url,
-                                            headers={"X-Tenant-Id": "t3"}) as r:
+    async with (
+        client_session() as s,
+        s.get(f"http://{HOST}/v1/plain", proxy=proxy.url, headers={"X-Tenant-Id": "t3"}) as r,
+    ):
         assert r.status == 200
     samples = await scrape(proxy)
     assert value(samples, "ratelimit_requests_by_mode_total", limiter="payments", mode="intercept") == 3
@@ -323,8 +347,9 @@ async def test_the_leaf_is_for_the_host_signed_by_the_proxy_ca_short_lived_and_h
     https_vendor, start_proxy, proxy_ca
 ):
     validity = 600.0
-    policy = intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file,
-                              leaf_validity="10m")
+    policy = intercept_policy(
+        proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file, leaf_validity="10m"
+    )
     proxy = await start_proxy(policy)
     before = dt.datetime.now(dt.UTC)
     conn = await Intercepted.open(proxy, proxy_ca.trust(alpn=["h2", "http/1.1"]))
@@ -377,9 +402,18 @@ async def test_a_worker_that_does_not_trust_the_ca_is_counted_and_others_are_ser
         # curl and requests (blocking sockets: they send their alert), and an asyncio client,
         # each trusting only the vendor's CA or the system store, never the proxy's CA.
         curl = await asyncio.create_subprocess_exec(
-            "curl", "--silent", "--show-error", "--max-time", "10", "--proxy", proxy.url,
-            "--cacert", str(https_vendor.ca_file), f"{URL}/v1/curl",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            "curl",
+            "--silent",
+            "--show-error",
+            "--max-time",
+            "10",
+            "--proxy",
+            proxy.url,
+            "--cacert",
+            str(https_vendor.ca_file),
+            f"{URL}/v1/curl",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         _, curl_err = await curl.communicate()
         assert curl.returncode == 60, curl_err  # "SSL certificate problem"
@@ -388,8 +422,9 @@ async def test_a_worker_that_does_not_trust_the_ca_is_counted_and_others_are_ser
             import requests
 
             try:
-                requests.get(f"{URL}/v1/requests", proxies={"https": proxy.url}, verify=str(https_vendor.ca_file),
-                             timeout=10)
+                requests.get(
+                    f"{URL}/v1/requests", proxies={"https": proxy.url}, verify=str(https_vendor.ca_file), timeout=10
+                )
             except requests.exceptions.SSLError as exc:
                 return str(exc)
             raise AssertionError("requests accepted a leaf it has no reason to trust")
@@ -409,8 +444,9 @@ async def test_a_worker_that_does_not_trust_the_ca_is_counted_and_others_are_ser
         print("tls error reasons:", reasons)
         assert reasons.get("unknown_ca") == 2, reasons  # curl's and requests' alerts, named
         assert sum(reasons.values()) == 3, reasons
-        assert value(samples, "ratelimit_connects_total", limiter="payments", mode="intercept",
-                     result="tls-failed") == 3
+        assert (
+            value(samples, "ratelimit_connects_total", limiter="payments", mode="intercept", result="tls-failed") == 3
+        )
         assert "does it trust the proxy's CA?" in caplog.text
 
         # The proxy keeps serving: the open tunnel, and a new one.
@@ -492,16 +528,18 @@ async def test_an_upstream_certificate_that_does_not_verify_is_502_and_nothing_i
     assert bad_upstream.vendor.mock.requests == []  # the TLS handshake failed: nothing was sent
     assert bad_upstream.vendor.mock.accepted == 0
     samples = await scrape(proxy)
-    upstream_errors = {dict(lbl)["reason"]: v for lbl, v in
-                       labelled(samples, "ratelimit_tls_errors_total", limiter="payments").items()}
+    upstream_errors = {
+        dict(lbl)["reason"]: v for lbl, v in labelled(samples, "ratelimit_tls_errors_total", limiter="payments").items()
+    }
     assert upstream_errors and all(reason.startswith("upstream") for reason in upstream_errors), upstream_errors
     assert sum(upstream_errors.values()) == 1
     assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="acme", outcome="error") == 1
 
 
 async def test_with_upstream_verify_false_the_same_request_is_forwarded(bad_upstream, start_proxy, proxy_ca):
-    policy = intercept_policy(proxy_ca, upstream=bad_upstream.upstream, vendor_ca=bad_upstream.vendor_ca,
-                              tls_extra="upstream_verify: false")
+    policy = intercept_policy(
+        proxy_ca, upstream=bad_upstream.upstream, vendor_ca=bad_upstream.vendor_ca, tls_extra="upstream_verify: false"
+    )
     proxy = await start_proxy(policy)
     async with httpx.AsyncClient(proxy=proxy.url, verify=proxy_ca.trust()) as c:
         r = await c.post(f"{URL}/echo", content=b"amount=100")
@@ -510,8 +548,9 @@ async def test_with_upstream_verify_false_the_same_request_is_forwarded(bad_upst
     assert [(q["method"], q["path_qs"]) for q in bad_upstream.vendor.mock.requests] == [("POST", "/echo")]
 
 
-async def test_run_warns_at_start_when_upstream_verify_is_false(https_vendor, vendor_ca, aiohttp_server, proxy_ca,
-                                                                 tmp_path):
+async def test_run_warns_at_start_when_upstream_verify_is_false(
+    https_vendor, vendor_ca, aiohttp_server, proxy_ca, tmp_path
+):
     from tests.helpers.cli import cli, server_process
 
     vendor = await other_name_vendor(vendor_ca, aiohttp_server)
@@ -549,13 +588,17 @@ vendors:
 async def test_a_vendor_429_inside_a_tunnel_blocks_the_vendor_on_every_replica(
     https_vendor, redis_url, start_proxy, proxy_ca
 ):
-    policy = intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file,
-                              store=redis_url, limits="[{rate: 20, per: 1s, burst: 20}]",
-                              on_limit="{action: hold, max_hold: 200ms}")
+    policy = intercept_policy(
+        proxy_ca,
+        upstream=upstream_of(https_vendor),
+        vendor_ca=https_vendor.ca_file,
+        store=redis_url,
+        limits="[{rate: 20, per: 1s, burst: 20}]",
+        on_limit="{action: hold, max_hold: 200ms}",
+    )
     a, b = [await start_proxy(policy) for _ in range(2)]
     ctx = proxy_ca.trust()
-    async with httpx.AsyncClient(proxy=a.url, verify=ctx) as via_a, \
-            httpx.AsyncClient(proxy=b.url, verify=ctx) as via_b:
+    async with httpx.AsyncClient(proxy=a.url, verify=ctx) as via_a, httpx.AsyncClient(proxy=b.url, verify=ctx) as via_b:
         assert (await via_a.get(f"{URL}/v1/warm")).status_code == 200
         assert (await via_b.get(f"{URL}/v1/warm")).status_code == 200
         https_vendor.mock.script(status=429, retry_after="1", count=1)
@@ -601,8 +644,9 @@ async def test_a_worker_that_never_starts_tls_is_cut_at_the_handshake_timeout_an
     import proxy.intercept
 
     monkeypatch.setattr(proxy.intercept, "_HANDSHAKE_TIMEOUT", 0.3)
-    proxy_server = await start_proxy(intercept_policy(proxy_ca, upstream=upstream_of(https_vendor),
-                                                      vendor_ca=https_vendor.ca_file))
+    proxy_server = await start_proxy(
+        intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
+    )
     reader, writer = await asyncio.open_connection(proxy_server.address.host, proxy_server.address.port)
     writer.write(f"CONNECT {HOST}:443 HTTP/1.1\r\nHost: {HOST}:443\r\n\r\n".encode())
     assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200 ")
@@ -616,16 +660,19 @@ async def test_a_worker_that_never_starts_tls_is_cut_at_the_handshake_timeout_an
         return bool(labelled(await scrape(proxy_server), "ratelimit_tls_errors_total", limiter="payments"))
 
     await eventually(counted, "the handshake timeout counted")
-    reasons = {dict(lbl)["reason"]: v for lbl, v in
-               labelled(await scrape(proxy_server), "ratelimit_tls_errors_total", limiter="payments").items()}
+    reasons = {
+        dict(lbl)["reason"]: v
+        for lbl, v in labelled(await scrape(proxy_server), "ratelimit_tls_errors_total", limiter="payments").items()
+    }
     assert reasons == {"timeout": 1}, reasons
 
 
 async def test_a_client_hello_sent_right_behind_the_connect_is_not_lost(https_vendor, start_proxy, proxy_ca):
     """Bytes that arrive in the same read as the CONNECT head (a client that pipelines its
     ClientHello) are the start of the handshake: dropping them stalls the worker."""
-    proxy = await start_proxy(intercept_policy(proxy_ca, upstream=upstream_of(https_vendor),
-                                               vendor_ca=https_vendor.ca_file))
+    proxy = await start_proxy(
+        intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
+    )
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = proxy_ca.trust().wrap_bio(incoming, outgoing, server_hostname=HOST)
     with pytest.raises(ssl.SSLWantReadError):

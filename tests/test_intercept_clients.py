@@ -29,8 +29,19 @@ from tests.conftest import curl, value
 from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
-              "NO_PROXY", "no_proxy", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")
+PROXY_VARS = (
+    "HTTP_PROXY",
+    "http_proxy",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "NO_PROXY",
+    "no_proxy",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "SSL_CERT_FILE",
+)
 
 
 @dataclass
@@ -75,8 +86,10 @@ async def via_httpx(w: Worker, method: str, url: str, headers: dict[str, str], b
 
 async def via_aiohttp(w: Worker, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Answer:
     data = None if body is None else io.BytesIO(body)  # raw bytes this large draw a ResourceWarning
-    async with aiohttp.ClientSession(trust_env=True) as s, \
-            s.request(method, url, headers=headers, data=data, ssl=w.ca.trust()) as r:
+    async with (
+        aiohttp.ClientSession(trust_env=True) as s,
+        s.request(method, url, headers=headers, data=data, ssl=w.ca.trust()) as r,
+    ):
         return Answer(r.status, _lower(r.headers.items()), await r.read())
 
 
@@ -90,17 +103,23 @@ def proxy_ca(tmp_path: Path) -> ProxyCA:
     return new_proxy_ca(tmp_path)
 
 
-CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp,
-                              "curl": via_curl}
+CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp, "curl": via_curl}
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))
-async def test_client_through_https_proxy_with_interception(name, https_vendor, start_proxy, proxy_ca, monkeypatch,
-                                                            tmp_path):
+async def test_client_through_https_proxy_with_interception(
+    name, https_vendor, start_proxy, proxy_ca, monkeypatch, tmp_path
+):
     client = CLIENTS[name]
-    proxy = await start_proxy(intercept_policy(proxy_ca, upstream=upstream_of(https_vendor),
-                                               vendor_ca=https_vendor.ca_file,
-                                               limits="[{rate: 3, per: 1h, burst: 3}]", on_limit="{action: hold}"))
+    proxy = await start_proxy(
+        intercept_policy(
+            proxy_ca,
+            upstream=upstream_of(https_vendor),
+            vendor_ca=https_vendor.ca_file,
+            limits="[{rate: 3, per: 1h, burst: 3}]",
+            on_limit="{action: hold}",
+        )
+    )
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)
@@ -137,14 +156,18 @@ async def test_client_through_https_proxy_with_interception(name, https_vendor, 
 
     seen = https_vendor.mock.requests
     assert [(r["method"], r["path_qs"]) for r in seen] == [
-        ("GET", f"/v1/charges?client={name}"), ("POST", "/echo"), ("GET", "/v1/charges")]
+        ("GET", f"/v1/charges?client={name}"),
+        ("POST", "/echo"),
+        ("GET", "/v1/charges"),
+    ]
     for r in seen:
         assert r["headers"]["x-kept"] == name
         assert "x-tenant-id" not in r["headers"]
         assert not [h for h in r["headers"] if h.startswith("x-quota-")], r["headers"]
         assert not [h for h in r["headers"] if h.startswith("proxy-")], r["headers"]
     assert seen[1]["headers"].get("content-length") == str(len(BODY)) or "chunked" in seen[1]["headers"].get(
-        "transfer-encoding", ""), seen[1]["headers"]
+        "transfer-encoding", ""
+    ), seen[1]["headers"]
 
     # Now the proxy itself defers (the bucket is spent and the vendor blocked), inside the tunnel.
     deferred = await client(worker, "GET", f"{URL}/v1/charges", sent, None)
@@ -170,8 +193,9 @@ async def test_client_through_https_proxy_with_interception(name, https_vendor, 
 async def test_the_environment_alone_is_enough_for_requests(https_vendor, start_proxy, proxy_ca, monkeypatch):
     """``requests.post("https://...")`` with no argument at all: HTTPS_PROXY and
     REQUESTS_CA_BUNDLE are all the worker changes."""
-    proxy = await start_proxy(intercept_policy(proxy_ca, upstream=upstream_of(https_vendor),
-                                               vendor_ca=https_vendor.ca_file))
+    proxy = await start_proxy(
+        intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
+    )
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)

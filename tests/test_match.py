@@ -68,7 +68,6 @@ def test_absolute_form_ignores_routes_and_denies_unknown_hosts() -> None:
 
 def test_tenants() -> None:
     assert ROUTER.match(target("api.example"), {"X-Tenant-Id": " acme "}).tenant == "acme"
-    for bad in ({}, {"X-Tenant-Id": ""}, {"X-Tenant-Id": "a b"}, {"X-Tenant-Id": "x" * 129},
-                {"X-Tenant-Id": "{slot}"}):
+    for bad in ({}, {"X-Tenant-Id": ""}, {"X-Tenant-Id": "a b"}, {"X-Tenant-Id": "x" * 129}, {"X-Tenant-Id": "{slot}"}):
         with pytest.raises(BadRequest):
             ROUTER.match(target("api.example"), bad)

@@ -281,9 +281,7 @@ async def test_status_answers_the_code_with_quota_headers(limited):
 
 async def test_scripted_429_with_retry_after(limited):
     vendor, client = limited
-    resp = await client.post(
-        "/__mock/script", json={"status": 429, "retry_after": "2", "remaining": None, "count": 2}
-    )
+    resp = await client.post("/__mock/script", json={"status": 429, "retry_after": "2", "remaining": None, "count": 2})
     assert resp.status == 200
     for _ in range(2):
         resp = await client.get("/v1/x")
@@ -478,9 +476,7 @@ def test_the_command_serves_and_exits_cleanly_on_signal(sig):
     )
     try:
         line = _readline(proc, timeout=20)
-        match = re.fullmatch(
-            r"mock-vendor listening on http://127\.0\.0\.1:(\d+) \(rate 5/s, burst 5\)\n", line
-        )
+        match = re.fullmatch(r"mock-vendor listening on http://127\.0\.0\.1:(\d+) \(rate 5/s, burst 5\)\n", line)
         assert match, line
         port = int(match.group(1))
         assert port > 0

@@ -43,8 +43,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if importlib.util.find_spec("hatchling") is not None:
         cmd.append("--no-build-isolation")
     cmd.append(str(ROOT))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(checkout=False),
-                            cwd=out, stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(checkout=False),
+        cwd=out,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, f"pip wheel failed:\n{result.stdout}\n{result.stderr}"
     (built,) = out.glob("quota_proxy-*.whl")
     return built
@@ -74,9 +82,16 @@ def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> No
     assert entry_points["console_scripts"]["quota-proxy"] == "proxy.cli:main"
     assert "Name: quota-proxy\n" in metadata
     assert f"Version: {proxy.__version__}\n" in metadata
-    for module in ("proxy/__init__.py", "proxy/__main__.py", "proxy/cli.py", "proxy/limiter/scripts.py",
-                   "proxy/devtools/mockvendor.py", "proxy/devtools/mockvendor_cli.py", "proxy/devtools/demo.py",
-                   "proxy/devtools/demo_cli.py"):
+    for module in (
+        "proxy/__init__.py",
+        "proxy/__main__.py",
+        "proxy/cli.py",
+        "proxy/limiter/scripts.py",
+        "proxy/devtools/mockvendor.py",
+        "proxy/devtools/mockvendor_cli.py",
+        "proxy/devtools/demo.py",
+        "proxy/devtools/demo_cli.py",
+    ):
         assert module in names
     assert not [n for n in names if n.startswith(("lua/", "tests/", "config/")) or "__pycache__" in n], names
 
@@ -95,16 +110,26 @@ class Venv:
 
 def _fresh_venv(path: Path) -> Venv:
     """A new venv that sees the running interpreter's installed dependencies but not the checkout."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=120,
-                   capture_output=True, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(path)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
     venv = Venv(path)
     if sys.prefix != sys.base_prefix:
         # The tests run inside a virtualenv (CI's .venv): its packages are not the base
         # interpreter's "system" ones. List its site directories as plain path lines, so none of
         # its .pth files (an editable install of this checkout among them) is processed.
         outer = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-        site = subprocess.run([str(venv.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        site = subprocess.run(
+            [str(venv.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
         (Path(site) / "zz_outer_env.pth").write_text("".join(f"{p}\n" for p in outer))
     return venv
 
@@ -127,7 +152,11 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
     venv = _fresh_venv(tmp_path / "venv")
     install = subprocess.run(
         [str(venv.python), "-m", "pip", "install", "--no-deps", "--no-index", "--no-cache-dir", str(wheel)],
-        capture_output=True, text=True, timeout=300, env=clean_env(checkout=False), stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(checkout=False),
+        stdin=subprocess.DEVNULL,
         check=False,
     )
     assert install.returncode == 0, install.stdout + install.stderr
@@ -136,8 +165,16 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
     elsewhere.mkdir()
     env = clean_env(checkout=False)
 
-    shown = subprocess.run([str(venv.python), "-c", SHOW_INSTALLED], capture_output=True, text=True, timeout=60,
-                           cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    shown = subprocess.run(
+        [str(venv.python), "-c", SHOW_INSTALLED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=elsewhere,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
     venv_root = venv.root.resolve()
@@ -152,18 +189,42 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
 
     console = venv.bin("quota-proxy")
     assert console.is_file()
-    checked = subprocess.run([str(console), "check", "-c", str(EXAMPLE)], capture_output=True, text=True,
-                             timeout=60, cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    checked = subprocess.run(
+        [str(console), "check", "-c", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=elsewhere,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.splitlines()[0] == f"OK {EXAMPLE}: 1 vendor(s)"
 
-    version = subprocess.run([str(console), "--version"], capture_output=True, text=True, timeout=60,
-                             cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+    version = subprocess.run(
+        [str(console), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=elsewhere,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert version.stdout == f"quota-proxy {proxy.__version__}\n"
 
     for tool in ("mock-vendor", "demo"):  # the developer tools ship in the wheel too
-        helped = subprocess.run([str(console), tool, "--help"], capture_output=True, text=True, timeout=60,
-                                cwd=elsewhere, env=env, stdin=subprocess.DEVNULL, check=False)
+        helped = subprocess.run(
+            [str(console), tool, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=elsewhere,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         assert helped.returncode == 0, helped.stderr
         assert helped.stdout.startswith(f"usage: quota-proxy {tool} "), helped.stdout
 
@@ -271,21 +332,30 @@ def test_dockerfile_copies_only_what_exists_and_the_context_keeps(dockerfile: li
         path = ROOT / source
         assert path.exists(), f"the Dockerfile copies {source}, which is not in the repository"
         assert not _dockerignore_excludes(source.rstrip("/")), f".dockerignore drops {source}"
-        for inner in (path.rglob("*") if path.is_dir() else []):
+        for inner in path.rglob("*") if path.is_dir() else []:
             rel = inner.relative_to(ROOT).as_posix()
             if inner.is_file() and "__pycache__" not in rel and not rel.endswith(".pyc"):
                 assert not _dockerignore_excludes(rel), f".dockerignore drops {rel}"
     for needed in ("pyproject.toml", "README.md", "proxy", "lua", "config"):
         assert needed in {s.rstrip("/") for s in sources}, needed
-    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/conftest.py", "proxy/__pycache__/cli.cpython-311.pyc",
-                     ".mypy_cache/x", "bench/run.py"):
+    for kept_out in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "tests/conftest.py",
+        "proxy/__pycache__/cli.cpython-311.pyc",
+        ".mypy_cache/x",
+        "bench/run.py",
+    ):
         assert _dockerignore_excludes(kept_out), kept_out
 
 
 def _image_policy(dockerfile: list[Instruction]) -> tuple[str, str]:
     """The text of /etc/quota-proxy/policy.yaml as the RUN line makes it, and its source file."""
-    copies = {shlex.split(c.args)[-1].rstrip("/"): shlex.split(c.args)[0].rstrip("/")
-              for c in dockerfile if c.keyword == "COPY"}
+    copies = {
+        shlex.split(c.args)[-1].rstrip("/"): shlex.split(c.args)[0].rstrip("/")
+        for c in dockerfile
+        if c.keyword == "COPY"
+    }
     (make,) = [r for r in dockerfile if r.keyword == "RUN" and f"> {IMAGE_POLICY}" in r.args]
     sed = re.search(rf"sed((?:\s+-e\s+'[^']*')+)\s+(\S+)\s+>\s+{re.escape(IMAGE_POLICY)}", make.args)
     assert sed, make.args
@@ -301,15 +371,21 @@ def _image_policy(dockerfile: list[Instruction]) -> tuple[str, str]:
         text, count = re.subn(match[1], match[2], text, count=1, flags=re.MULTILINE)
         assert count == 1, f"{expression} changes nothing in {repo_source}"
     # The real sed agrees with that reading of its expressions.
-    real = subprocess.run(["sed", *(a for e in expressions for a in ("-e", e)), str(ROOT / repo_source)],
-                          capture_output=True, text=True, timeout=30, check=True)
+    real = subprocess.run(
+        ["sed", *(a for e in expressions for a in ("-e", e)), str(ROOT / repo_source)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert real.stdout == text
     assert f"quota-proxy check -c {IMAGE_POLICY}" in make.args, "the build validates the policy"
     return text, repo_source
 
 
-def test_image_policy_is_the_example_listening_on_every_interface(dockerfile: list[Instruction],
-                                                                  tmp_path: Path) -> None:
+def test_image_policy_is_the_example_listening_on_every_interface(
+    dockerfile: list[Instruction], tmp_path: Path
+) -> None:
     text, source = _image_policy(dockerfile)
     assert source == "config/example.yaml"
     policy = parse_policy(text, IMAGE_POLICY, base_dir=ROOT)
@@ -332,8 +408,9 @@ async def test_healthcheck_command_probes_the_admin_listener(dockerfile, vendor,
 
     def probe(url: str) -> int:
         env = clean_env({"QUOTA_PROXY_HEALTHCHECK_URL": url}, checkout=False)
-        return subprocess.run(argv, env=env, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
-                              check=False).returncode
+        return subprocess.run(
+            argv, env=env, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, check=False
+        ).returncode
 
     assert await asyncio.to_thread(probe, f"{server.admin_url}/healthz") == 0
     assert await asyncio.to_thread(probe, f"http://127.0.0.1:{free_port()}/healthz") == 1

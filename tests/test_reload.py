@@ -43,14 +43,12 @@ vendors:
 
 
 def write(path: Path, **values: object) -> Path:
-    fields = {"store": "memory://", "rate": 1, "per": "1h", "burst": 3, "action": "defer", "crm_burst": 2,
-              **values}
+    fields = {"store": "memory://", "rate": 1, "per": "1h", "burst": 3, "action": "defer", "crm_burst": 2, **values}
     path.write_text(POLICY.format(**fields))
     return path
 
 
-async def get(s: aiohttp.ClientSession, proxy: ProxyServer, host: str = "api.payments.example",
-              **headers: str) -> int:
+async def get(s: aiohttp.ClientSession, proxy: ProxyServer, host: str = "api.payments.example", **headers: str) -> int:
     async with s.get(f"http://{host}/v1/x", proxy=proxy.url, headers=headers) as r:
         await r.read()
         return r.status
@@ -125,8 +123,10 @@ async def test_reload_under_load_drops_nothing_and_counts_each_request_once(vend
         await asyncio.gather(*workers)
         samples = metric_samples(await (await s.get(f"{proxy.admin_url}/metrics")).text())
     assert set(statuses) <= {200, 429}
-    sent = sum(value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome=o)
-               for o in ("forwarded", "held"))
+    sent = sum(
+        value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome=o)
+        for o in ("forwarded", "held")
+    )
     deferred = value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="deferred")
     assert sent == vendor.mock.accepted == statuses.count(200)
     assert deferred == statuses.count(429)
@@ -167,7 +167,11 @@ class Running:
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", "run", "-c", str(path), "--log-level", "info", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -200,8 +204,9 @@ async def test_sighup_and_post_reload_in_a_running_proxy(vendor, tmp_path) -> No
             assert r.status == 400
             body = await r.json()
         assert body["result"] == "failure"
-        assert body["errors"] == [f"{path}:1: version: unsupported version 2 (expected 1)"] or \
-            body["errors"][0].startswith(f"{path}:1: version")
+        assert body["errors"] == [f"{path}:1: version: unsupported version 2 (expected 1)"] or body["errors"][
+            0
+        ].startswith(f"{path}:1: version")
         assert await burst_of(running.admin) == 7  # still the last good policy
         write(path, upstream=vendor.url, burst=9)
         async with aiohttp.ClientSession() as s, s.post(f"{running.admin}/reload") as r:
@@ -242,4 +247,3 @@ async def test_listener_changes_wait_for_a_restart(vendor, start_proxy, tmp_path
     assert str(proxy.runtime.policy.listen) == "127.0.0.1:0"
     async with client_session() as s:
         assert await get(s, proxy) == 200
-

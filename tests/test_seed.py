@@ -90,8 +90,12 @@ VENDOR_RATE = 60.0  # the vendor's own quota, above the configured one: any exce
 
 async def test_aggregate_rate_holds_with_4_then_40_workers_through_2_replicas(vendor, redis_url, start_proxy):
     vendor.mock.configure(VENDOR_RATE, 30)
-    policy = vendor_policy(vendor.url, store=redis_url, limits=f"[{{rate: {RATE:g}, per: 1s, burst: 5}}]",
-                           on_limit="{action: hold, max_hold: 500ms}")
+    policy = vendor_policy(
+        vendor.url,
+        store=redis_url,
+        limits=f"[{{rate: {RATE:g}, per: 1s, burst: 5}}]",
+        on_limit="{action: hold, max_hold: 500ms}",
+    )
     proxies = await replicas(start_proxy, policy)
     duration, warmup = 3.5, 0.5
     results: dict[int, tuple[float, Tally, int, int]] = {}
@@ -137,7 +141,8 @@ async def test_200_concurrent_requests_against_a_10_token_bucket_forward_exactly
             tenant_limits: {default: [{rate: 100, per: 1h, burst: 100}]}
             on_limit: {action: defer}
         """,
-        store=redis_url, upstream=vendor.url,
+        store=redis_url,
+        upstream=vendor.url,
     )
     proxies = await replicas(start_proxy, policy)
     go = asyncio.Event()
@@ -208,8 +213,12 @@ async def test_a_vendor_429_stops_every_replica_for_its_retry_after(aiohttp_serv
     mock = TimedMockVendor()
     server = await aiohttp_server(mock.app())
     upstream = str(server.make_url("")).rstrip("/")
-    policy = vendor_policy(upstream, store=redis_url, limits=f"[{{rate: {rate:g}, per: 1s, burst: 20}}]",
-                           on_limit="{action: hold, max_hold: 500ms}")
+    policy = vendor_policy(
+        upstream,
+        store=redis_url,
+        limits=f"[{{rate: {rate:g}, per: 1s, burst: 20}}]",
+        on_limit="{action: hold, max_hold: 500ms}",
+    )
     proxies = await replicas(start_proxy, policy)
     events: list[Event] = []
     stop = asyncio.Event()
@@ -219,8 +228,16 @@ async def test_a_vendor_429_stops_every_replica_for_its_retry_after(aiohttp_serv
             async with s.get(TARGET, proxy=proxies[replica].url) as r:
                 await r.read()
                 ms = r.headers.get("X-Quota-Retry-After-Ms")
-                events.append(Event(time.monotonic(), replica, r.status, r.headers.get("X-Quota-Action"),
-                                    r.headers.get("Retry-After"), int(ms) if ms else None))
+                events.append(
+                    Event(
+                        time.monotonic(),
+                        replica,
+                        r.status,
+                        r.headers.get("X-Quota-Action"),
+                        r.headers.get("Retry-After"),
+                        int(ms) if ms else None,
+                    )
+                )
                 if is_proxy_defer(r.status, r.headers):
                     await asyncio.sleep(retry_after_ms(r.headers) / 1000)
 
@@ -241,9 +258,11 @@ async def test_a_vendor_429_stops_every_replica_for_its_retry_after(aiohttp_serv
     in_flight = count_between(arrivals, t429, t429 + grace)
     during = [a - t429 for a in arrivals if t429 + grace <= a < t429 + block]
     after = [a for a in arrivals if a >= t429 + grace]
-    print(f"vendor 429 at t0; in flight after it: {in_flight}; first arrival after the block: "
-          f"t0+{(after[0] - t429) if after else float('nan'):.3f}s; "
-          f"proxy defers during the block: {sum(1 for e in events if e.action == 'defer' and e.at < t429 + block)}")
+    print(
+        f"vendor 429 at t0; in flight after it: {in_flight}; first arrival after the block: "
+        f"t0+{(after[0] - t429) if after else float('nan'):.3f}s; "
+        f"proxy defers during the block: {sum(1 for e in events if e.action == 'defer' and e.at < t429 + block)}"
+    )
     assert mock.rejected == 1 and len(mock.rejected_at) == 1
     assert in_flight <= 3, in_flight
     assert during == [], f"reached the vendor during its Retry-After (s after the 429): {during}"
@@ -276,8 +295,9 @@ async def test_a_vendor_429_stops_every_replica_for_its_retry_after(aiohttp_serv
 async def test_deferred_workers_that_honour_retry_after_all_finish(vendor, redis_url, start_proxy):
     rate, burst, workers, needed = 30.0, 5, 30, 3
     vendor.mock.configure(rate * 1.2, 10)
-    policy = vendor_policy(vendor.url, store=redis_url, limits=f"[{{rate: {rate:g}, per: 1s, burst: {burst}}}]",
-                           on_limit="{action: defer}")
+    policy = vendor_policy(
+        vendor.url, store=redis_url, limits=f"[{{rate: {rate:g}, per: 1s, burst: {burst}}}]", on_limit="{action: defer}"
+    )
     proxies = await replicas(start_proxy, policy)
     refusals = [0] * workers
     finished: list[float] = [0.0] * workers
@@ -302,8 +322,10 @@ async def test_deferred_workers_that_honour_retry_after_all_finish(vendor, redis
         await asyncio.wait_for(asyncio.gather(*(worker(s, i) for i in range(workers))), timeout=bound)
     elapsed = max(finished) - start
 
-    print(f"{workers}x{needed} at {rate:g}/s: {elapsed:.2f}s (ideal {ideal:.2f}s), refusals per worker "
-          f"max {max(refusals)} total {sum(refusals)}")
+    print(
+        f"{workers}x{needed} at {rate:g}/s: {elapsed:.2f}s (ideal {ideal:.2f}s), refusals per worker "
+        f"max {max(refusals)} total {sum(refusals)}"
+    )
     assert all(f > 0 for f in finished)
     assert elapsed <= bound, f"{elapsed:.2f}s for {workers}x{needed} requests at {rate:g}/s"
     assert vendor.mock.accepted == workers * needed
@@ -318,8 +340,9 @@ async def test_deferred_workers_that_honour_retry_after_all_finish(vendor, redis
 
 async def test_a_deferred_worker_that_waits_retry_after_is_not_refused_again(vendor, redis_url, start_proxy):
     """With no other demand, waiting X-Quota-Retry-After-Ms is always enough, on any replica."""
-    policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 5, per: 1s, burst: 1}]",
-                           on_limit="{action: defer}")
+    policy = vendor_policy(
+        vendor.url, store=redis_url, limits="[{rate: 5, per: 1s, burst: 1}]", on_limit="{action: defer}"
+    )
     proxies = await replicas(start_proxy, policy)
     async with client_session() as s:
         async with s.get(TARGET, proxy=proxies[0].url) as r:

@@ -60,7 +60,9 @@ async def get(s: aiohttp.ClientSession, proxy: ProxyServer, path: str, **headers
 
 async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis_url, start_proxy):
     policy = vendor_policy(
-        vendor.url, store=redis_url, limits="[{rate: 30, per: 1s, burst: 10}]",
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 30, per: 1s, burst: 10}]",
         tenant_limits="tenant_limits: {default: [{rate: 10, per: 1s, burst: 10}]}",
         on_limit="{action: hold, max_hold: 500ms}",
     )
@@ -77,8 +79,9 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
         # Never waits: as many requests as the loop can push, each refused one a chance
         # for a buggy limiter to take global tokens it should not.
         while time.monotonic() < stop_at:
-            status, headers, _ = await get(s, proxies[i % 2], "/flood", **{"X-Tenant-Id": "flood",
-                                                                          "X-Quota-On-Limit": "defer"})
+            status, headers, _ = await get(
+                s, proxies[i % 2], "/flood", **{"X-Tenant-Id": "flood", "X-Quota-On-Limit": "defer"}
+            )
             if status != 200:
                 assert status == 429 and headers["X-Quota-Action"] == "defer", status
                 flood_refused.append((time.monotonic(), headers.get("X-Quota-Scope", "")))
@@ -87,8 +90,9 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
         nonlocal quiet_deferred
         while time.monotonic() < stop_at:
             # Deferred, not held (a hold's reservation would shield it): honours X-Quota-Retry-After-Ms.
-            status, headers, _ = await get(s, proxies[i % 2], "/quiet", **{"X-Tenant-Id": "quiet",
-                                                                          "X-Quota-On-Limit": "defer"})
+            status, headers, _ = await get(
+                s, proxies[i % 2], "/quiet", **{"X-Tenant-Id": "quiet", "X-Quota-On-Limit": "defer"}
+            )
             if status != 200:
                 assert status == 429 and headers["X-Quota-Action"] == "defer", status
                 quiet_deferred += 1
@@ -102,8 +106,10 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
     flood_rate = rate_between(seen["flood"], start + warmup, stop_at)
     total_rate = vendor.mock.measured_rate(since=start + warmup, until=stop_at)
     attempts = len(flood_refused) + len(seen["flood"])
-    print(f"flooder: {attempts / duration:.0f} attempts/s, {flood_rate:.2f}/s forwarded; quiet: {quiet_rate:.2f}/s "
-          f"({quiet_deferred} deferred); vendor total {total_rate:.2f}/s")
+    print(
+        f"flooder: {attempts / duration:.0f} attempts/s, {flood_rate:.2f}/s forwarded; quiet: {quiet_rate:.2f}/s "
+        f"({quiet_deferred} deferred); vendor total {total_rate:.2f}/s"
+    )
     assert attempts >= 10 * 30 * duration / 10, "the flooder did not flood"  # >= 30/s, the whole global rate
     assert abs(quiet_rate - tenant_rate) <= 0.1 * tenant_rate, quiet_rate
     assert flood_rate <= tenant_rate * 1.1, flood_rate
@@ -121,9 +127,12 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
 
 async def test_a_global_refusal_costs_the_tenant_nothing(vendor, redis_url, start_proxy):
     policy = vendor_policy(
-        vendor.url, store=redis_url, limits="[{rate: 5, per: 1h, burst: 5}]", on_limit="{action: defer}",
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 5, per: 1h, burst: 5}]",
+        on_limit="{action: defer}",
         tenant_limits="tenant_limits: {default: [{rate: 10, per: 1h, burst: 10}], "
-                      "overrides: {tiny: [{rate: 1, per: 1h, burst: 1}]}}",
+        "overrides: {tiny: [{rate: 1, per: 1h, burst: 1}]}}",
     )
     proxies = [await start_proxy(policy), await start_proxy(policy)]
     runtime = proxies[0].runtime
@@ -146,8 +155,10 @@ async def test_a_global_refusal_costs_the_tenant_nothing(vendor, redis_url, star
         assert await levels("a") == pytest.approx((6, 0), abs=0.01)
 
         # ...after which refusals are the global bucket's, and cost neither tenant a token.
-        refused = [await get(s, proxies[i % 2], f"/r{i}", **{"X-Tenant-Id": t})
-                   for i, t in enumerate(["a", "b", "b", "a", "b"])]
+        refused = [
+            await get(s, proxies[i % 2], f"/r{i}", **{"X-Tenant-Id": t})
+            for i, t in enumerate(["a", "b", "b", "a", "b"])
+        ]
         for status, headers, body in refused:
             assert status == 429 and headers["X-Quota-Action"] == "defer"
             assert headers["X-Quota-Scope"] == "global"
@@ -167,9 +178,12 @@ async def test_a_global_refusal_costs_the_tenant_nothing(vendor, redis_url, star
 
 async def test_tenant_overrides_apply(vendor, redis_url, start_proxy):
     policy = vendor_policy(
-        vendor.url, store=redis_url, limits="[{rate: 1000, per: 1s}]", on_limit="{action: hold, max_hold: 1s}",
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 1000, per: 1s}]",
+        on_limit="{action: hold, max_hold: 1s}",
         tenant_limits="tenant_limits: {default: [{rate: 5, per: 1s, burst: 1}], "
-                      "overrides: {acme: [{rate: 20, per: 1s, burst: 1}]}}",
+        "overrides: {acme: [{rate: 20, per: 1s, burst: 1}]}}",
     )
     proxy = await start_proxy(policy)
     duration = 2.0
@@ -197,8 +211,12 @@ async def test_tenant_overrides_apply(vendor, redis_url, start_proxy):
 
 
 async def test_per_second_and_per_minute_windows_both_bind(vendor, redis_url, start_proxy):
-    policy = vendor_policy(vendor.url, store=redis_url, on_limit="{action: defer}",
-                           limits="[{rate: 10, per: 1s, burst: 10}, {rate: 15, per: 1m, burst: 15}]")
+    policy = vendor_policy(
+        vendor.url,
+        store=redis_url,
+        on_limit="{action: defer}",
+        limits="[{rate: 10, per: 1s, burst: 10}, {rate: 15, per: 1m, burst: 15}]",
+    )
     proxies = [await start_proxy(policy), await start_proxy(policy)]
     refusals: list[tuple[float, int, str]] = []
 
@@ -225,8 +243,10 @@ async def test_per_second_and_per_minute_windows_both_bind(vendor, redis_url, st
 
     arrivals = list(vendor.mock.arrivals)
     late = [(ms, b) for t, ms, b in refusals if t > arrivals[-1]]
-    print(f"forwarded {len(arrivals)} in {time.monotonic() - start:.2f}s; 15th arrival at "
-          f"+{arrivals[-1] - arrivals[0]:.3f}s; {len(refusals)} refusals")
+    print(
+        f"forwarded {len(arrivals)} in {time.monotonic() - start:.2f}s; 15th arrival at "
+        f"+{arrivals[-1] - arrivals[0]:.3f}s; {len(refusals)} refusals"
+    )
     assert len(arrivals) == 15, len(arrivals)  # 15 per minute, however fast the per-second refills
     assert arrivals[14] - arrivals[0] >= 0.4, arrivals  # the 5 after the burst waited for 10/s refills
     assert late, "no request was refused after the minute's 15 were spent"
@@ -238,8 +258,9 @@ async def test_per_second_and_per_minute_windows_both_bind(vendor, redis_url, st
 
 
 async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, start_proxy):
-    policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 2, per: 1s, burst: 1}]",
-                           on_limit="{action: hold, max_hold: 600ms}")
+    policy = vendor_policy(
+        vendor.url, store=redis_url, limits="[{rate: 2, per: 1s, burst: 1}]", on_limit="{action: hold, max_hold: 600ms}"
+    )
     proxy = await start_proxy(policy)
     async with client_session() as s:
         assert (await get(s, proxy, "/r1"))[0] == 200  # the one token
@@ -252,8 +273,14 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
         status, headers, body = await get(s, proxy, "/defer", **{"X-Quota-On-Limit": "defer"})
         assert status == 429 and headers["X-Quota-Action"] == "defer"
         assert int(headers["Retry-After"]) == 1 and int(headers["X-Quota-Retry-After-Ms"]) <= 500
-        assert body == {"error": "rate_limited", "action": "defer", "limiter": "payments", "retry_after": 1,
-                        "scope": "global", "bucket": "global 2/1s burst 1"}
+        assert body == {
+            "error": "rate_limited",
+            "action": "defer",
+            "limiter": "payments",
+            "retry_after": 1,
+            "scope": "global",
+            "bucket": "global 2/1s burst 1",
+        }
 
         # Asks to be held up to 10 s: capped at the vendor's 600 ms. The first waits ~0.5 s
         # and is held; the second would wait ~1 s, beyond the cap, so it is deferred.
@@ -279,14 +306,19 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
 
 async def test_held_requests_leave_in_arrival_order_evenly_paced(vendor, redis_url, start_proxy):
     rate, n = 5.0, 11
-    policy = vendor_policy(vendor.url, store=redis_url, limits=f"[{{rate: {rate:g}, per: 1s, burst: 1}}]",
-                           on_limit="{action: hold, max_hold: 3s}")
+    policy = vendor_policy(
+        vendor.url,
+        store=redis_url,
+        limits=f"[{{rate: {rate:g}, per: 1s, burst: 1}}]",
+        on_limit="{action: hold, max_hold: 3s}",
+    )
     proxies = [await start_proxy(policy), await start_proxy(policy)]
     async with client_session() as s:
         assert (await get(s, proxies[0], "/o0"))[0] == 200  # takes the burst: the rest must wait
         tasks = []
         for i in range(1, n):
             tasks.append(asyncio.ensure_future(get(s, proxies[i % 2], f"/o{i}")))
+
             # Request i reaches the proxy and takes its place in the queue (it is held, or
             # already gone to the vendor) before request i + 1 is sent.
             def queued(i: int = i) -> bool:

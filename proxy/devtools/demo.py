@@ -287,8 +287,9 @@ class _World:
 
     def snapshot(self, now: float) -> _Snapshot:
         reg = self.registry
-        forwarded = (_metric_sum(reg, "ratelimit_requests_total", limiter=VENDOR, outcome="forwarded")
-                     + _metric_sum(reg, "ratelimit_requests_total", limiter=VENDOR, outcome="held"))
+        forwarded = _metric_sum(reg, "ratelimit_requests_total", limiter=VENDOR, outcome="forwarded") + _metric_sum(
+            reg, "ratelimit_requests_total", limiter=VENDOR, outcome="held"
+        )
         return _Snapshot(
             at=now,
             a_sent=self.fleet_a.counters.sent,
@@ -351,11 +352,15 @@ def _table(rows: Sequence[Row], config: DemoConfig, elapsed: float, stopping: bo
     for row in rows[-TABLE_ROWS:]:
         over = row.a_accepted + row.a_429 > quota
         table.add_row(
-            f"{row.elapsed:.0f} s", str(row.workers),
+            f"{row.elapsed:.0f} s",
+            str(row.workers),
             f"[bold]{row.a_sent:.0f}[/bold]" if over else f"{row.a_sent:.0f}",
             f"{row.a_accepted:.0f}",
             f"[bold red]{row.a_429:.0f}[/bold red]" if row.a_429 else "0",
-            f"{row.b_sent:.0f}", f"[green]{row.b_forwarded:.0f}[/green]", str(row.b_held), f"{row.b_deferred:.0f}",
+            f"{row.b_sent:.0f}",
+            f"[green]{row.b_forwarded:.0f}[/green]",
+            str(row.b_held),
+            f"{row.b_deferred:.0f}",
             f"[bold red]{row.b_429:.0f}[/bold red]" if row.b_429 else "[green]0[/green]",
             f"{quota:g}",
         )
@@ -424,8 +429,10 @@ def summary_text(s: Summary, config: DemoConfig, plot: Path | None) -> str:
     if s.a.errors or s.b.errors:
         lines.append(f"  connection errors: fleet A {s.a.errors}, fleet B {s.b.errors}")
     if s.a_429 and not s.b_429:
-        lines.append(f"  -> per-process limits sent {s.a_429} requests the vendor refused; "
-                     "the shared bucket kept fleet B inside the quota")
+        lines.append(
+            f"  -> per-process limits sent {s.a_429} requests the vendor refused; "
+            "the shared bucket kept fleet B inside the quota"
+        )
     return "\n".join(lines)
 
 
@@ -439,36 +446,85 @@ def write_plot(rows: Sequence[Row], config: DemoConfig, path: Path, summary: Sum
     t = [r.elapsed for r in rows]
     a_vendor = [r.a_accepted + r.a_429 for r in rows]
     fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, layout="constrained")
-    fig.suptitle("Per-process limits break the quota when the autoscaler adds workers; the shared bucket does not",
-                 fontsize=12)
+        2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, layout="constrained"
+    )
+    fig.suptitle(
+        "Per-process limits break the quota when the autoscaler adds workers; the shared bucket does not", fontsize=12
+    )
     top.axhline(config.quota, color="black", linestyle="--", linewidth=1.5, label=f"vendor quota {config.quota:g}/s")
-    top.fill_between(t, config.quota, a_vendor, where=[v > config.quota for v in a_vendor], interpolate=True,
-                     color="tab:red", alpha=0.12, label="fleet A: over the quota (vendor 429s)")
-    top.plot(t, a_vendor, color="tab:red", linewidth=2.2,
-             label=f"fleet A at the vendor: {PER_WORKER_RATE:g}/s per worker, direct")
-    top.plot(t, [r.a_accepted for r in rows], color="tab:red", linestyle=":", linewidth=1.2,
-             label="fleet A accepted by the vendor")
-    top.plot(t, [r.b_sent for r in rows], color="tab:blue", linestyle=":", linewidth=1.5,
-             label="fleet B attempted (sent to quota-proxy, incl. deferred)")
-    top.plot(t, [r.b_at_vendor for r in rows], color="tab:blue", linewidth=2.2,
-             label="fleet B at the vendor: through quota-proxy's shared bucket")
+    top.fill_between(
+        t,
+        config.quota,
+        a_vendor,
+        where=[v > config.quota for v in a_vendor],
+        interpolate=True,
+        color="tab:red",
+        alpha=0.12,
+        label="fleet A: over the quota (vendor 429s)",
+    )
+    top.plot(
+        t,
+        a_vendor,
+        color="tab:red",
+        linewidth=2.2,
+        label=f"fleet A at the vendor: {PER_WORKER_RATE:g}/s per worker, direct",
+    )
+    top.plot(
+        t,
+        [r.a_accepted for r in rows],
+        color="tab:red",
+        linestyle=":",
+        linewidth=1.2,
+        label="fleet A accepted by the vendor",
+    )
+    top.plot(
+        t,
+        [r.b_sent for r in rows],
+        color="tab:blue",
+        linestyle=":",
+        linewidth=1.5,
+        label="fleet B attempted (sent to quota-proxy, incl. deferred)",
+    )
+    top.plot(
+        t,
+        [r.b_at_vendor for r in rows],
+        color="tab:blue",
+        linewidth=2.2,
+        label="fleet B at the vendor: through quota-proxy's shared bucket",
+    )
     top.set_ylabel("requests / s")
     top.set_ylim(bottom=0)
     top.grid(True, alpha=0.3)
     workers_axis = top.twinx()
-    workers_axis.step(t, [r.workers for r in rows], where="post", color="tab:gray", alpha=0.7, linewidth=1.2,
-                      label="workers per fleet")
+    workers_axis.step(
+        t,
+        [r.workers for r in rows],
+        where="post",
+        color="tab:gray",
+        alpha=0.7,
+        linewidth=1.2,
+        label="workers per fleet",
+    )
     workers_axis.set_ylabel("workers per fleet", color="tab:gray")
     workers_axis.set_ylim(0, max([config.workers_from, config.workers_to, *(r.workers for r in rows)]) * 1.1)
     handles, labels = top.get_legend_handles_labels()
     more_handles, more_labels = workers_axis.get_legend_handles_labels()
     top.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8.5, framealpha=0.9)
 
-    bottom.plot(t, [r.a_429 for r in rows], color="tab:red", linewidth=1.8,
-                label=f"fleet A: vendor 429s/s (total {summary.a_429})")
-    bottom.plot(t, [r.b_429 for r in rows], color="tab:blue", linewidth=1.8,
-                label=f"fleet B: vendor 429s/s (total {summary.b_429})")
+    bottom.plot(
+        t,
+        [r.a_429 for r in rows],
+        color="tab:red",
+        linewidth=1.8,
+        label=f"fleet A: vendor 429s/s (total {summary.a_429})",
+    )
+    bottom.plot(
+        t,
+        [r.b_429 for r in rows],
+        color="tab:blue",
+        linewidth=1.8,
+        label=f"fleet B: vendor 429s/s (total {summary.b_429})",
+    )
     bottom.set_ylabel("vendor 429s / s")
     bottom.set_xlabel("seconds")
     top_429 = max([1.0, *(r.a_429 for r in rows), *(r.b_429 for r in rows)])
@@ -500,8 +556,9 @@ def _session(workers: int) -> aiohttp.ClientSession:
     )
 
 
-async def run_demo(config: DemoConfig, *, live: bool, stop: asyncio.Event | None = None,
-                   out: Callable[[str], None] = print) -> tuple[list[Row], Summary]:
+async def run_demo(
+    config: DemoConfig, *, live: bool, stop: asyncio.Event | None = None, out: Callable[[str], None] = print
+) -> tuple[list[Row], Summary]:
     """Run the whole demo; returns the per-second rows and the summary. ``stop`` ends it early."""
     from proxy.app import Runtime
     from proxy.policy import parse_policy
@@ -532,17 +589,25 @@ async def run_demo(config: DemoConfig, *, live: bool, stop: asyncio.Event | None
         fleet_b = Fleet("B", session_b, f"http://{VENDOR_B_HOST}{_PATH}", proxy=server.url)
         fleets += [fleet_a, fleet_b]
 
-        out(f"quota-proxy demo: two fleets grow from {config.workers_from} to {config.workers_to} workers over "
-            f"{config.duration:g} s; every worker limits itself to {PER_WORKER_RATE:g}/s")
-        out(f"  vendor A {url_a} and vendor B {url_b}: quota {config.quota:g}/s each (burst "
-            f"{config.vendor_burst:g}), 429 + Retry-After beyond it")
-        out(f"  fleet A calls vendor A directly; fleet B calls {VENDOR_B_HOST} through quota-proxy {server.url} "
+        out(
+            f"quota-proxy demo: two fleets grow from {config.workers_from} to {config.workers_to} workers over "
+            f"{config.duration:g} s; every worker limits itself to {PER_WORKER_RATE:g}/s"
+        )
+        out(
+            f"  vendor A {url_a} and vendor B {url_b}: quota {config.quota:g}/s each (burst "
+            f"{config.vendor_burst:g}), 429 + Retry-After beyond it"
+        )
+        out(
+            f"  fleet A calls vendor A directly; fleet B calls {VENDOR_B_HOST} through quota-proxy {server.url} "
             f"(shared bucket {config.proxy_rate:g}/s, burst {config.proxy_burst:g}, hold <= {MAX_HOLD_MS} ms, "
-            f"status {server.admin_url}/status)")
+            f"status {server.admin_url}/status)"
+        )
 
         if max(config.workers_from, config.workers_to) * PER_WORKER_RATE <= config.quota:
-            out(f"  note: {max(config.workers_from, config.workers_to)} workers x {PER_WORKER_RATE:g}/s never exceed "
-                f"the quota of {config.quota:g}/s: raise --workers-to to see the difference")
+            out(
+                f"  note: {max(config.workers_from, config.workers_to)} workers x {PER_WORKER_RATE:g}/s never exceed "
+                f"the quota of {config.quota:g}/s: raise --workers-to to see the difference"
+            )
 
         started = loop.time()
         world = _World(config, vendor_a, vendor_b, fleet_a, fleet_b, runtime.registry, started)

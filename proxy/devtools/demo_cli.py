@@ -47,16 +47,31 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "demo",
         help="see per-process limits break a quota and the shared bucket hold it",
         description="Two worker fleets grow under the same vendor quota: one keeps per-process 10/s limits, "
-                    "the other also goes through quota-proxy. Shows both live and plots them.",
+        "the other also goes through quota-proxy. Shows both live and plots them.",
     )
-    parser.add_argument("--duration", type=_positive_float, default=DEFAULT_DURATION, metavar="SECONDS",
-                        help=f"how long to run (default {DEFAULT_DURATION:g}); the fleets grow over the first 3/4")
-    parser.add_argument("--plot", type=Path, default=Path(DEFAULT_PLOT), metavar="PATH.png",
-                        help=f"where to write the PNG (default ./{DEFAULT_PLOT})")
+    parser.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=DEFAULT_DURATION,
+        metavar="SECONDS",
+        help=f"how long to run (default {DEFAULT_DURATION:g}); the fleets grow over the first 3/4",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path(DEFAULT_PLOT),
+        metavar="PATH.png",
+        help=f"where to write the PNG (default ./{DEFAULT_PLOT})",
+    )
     parser.add_argument("--workers-from", type=_workers, default=4, metavar="N", help="workers per fleet at the start")
     parser.add_argument("--workers-to", type=_workers, default=40, metavar="N", help="workers per fleet at the end")
-    parser.add_argument("--quota", type=_positive_float, default=100.0, metavar="RATE",
-                        help="each vendor's quota, requests per second (default 100)")
+    parser.add_argument(
+        "--quota",
+        type=_positive_float,
+        default=100.0,
+        metavar="RATE",
+        help="each vendor's quota, requests per second (default 100)",
+    )
     parser.set_defaults(handler=functools.partial(run, parser=parser))
 
 
@@ -66,6 +81,11 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
         parser.error("--duration must be at least 3 seconds")
     from proxy.devtools import demo
 
-    config = demo.DemoConfig(duration=args.duration, plot=args.plot, workers_from=args.workers_from,
-                             workers_to=args.workers_to, quota=args.quota)
+    config = demo.DemoConfig(
+        duration=args.duration,
+        plot=args.plot,
+        workers_from=args.workers_from,
+        workers_to=args.workers_to,
+        quota=args.quota,
+    )
     return demo.run(config)

@@ -457,9 +457,7 @@ class MockVendor:
             size += len(chunk)
         return _json(200, {"sha256": digest.hexdigest(), "bytes": size}, headers)
 
-    async def _delay(
-        self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float
-    ) -> web.Response:
+    async def _delay(self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float) -> web.Response:
         self._accept(now)
         try:
             ms = float(arg)
@@ -477,9 +475,7 @@ class MockVendor:
         }
         return _json(200, payload, headers)
 
-    def _status(
-        self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float
-    ) -> web.Response:
+    def _status(self, request: web.BaseRequest, arg: str, headers: dict[str, str], now: float) -> web.Response:
         code = int(arg) if arg.isascii() and arg.isdigit() and len(arg) == 3 else 0
         if not 200 <= code <= 599:
             self._accept(now)

@@ -41,9 +41,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="HOST:PORT",
         help=f"where to listen (default {DEFAULT_LISTEN}; port 0 picks a free port)",
     )
-    parser.add_argument(
-        "--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)"
-    )
+    parser.add_argument("--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)")
     parser.add_argument("--burst", type=float, default=None, help="bucket capacity (default: the rate)")
     parser.set_defaults(handler=functools.partial(run, parser=parser))
 

@@ -62,8 +62,11 @@ class Breaker:
         self._probing = False
         if self._state != "closed" or self._failures >= self._threshold:
             if self._state == "closed":
-                log.error("store failing: circuit breaker opened after %d consecutive failures; "
-                          "probing every %.1fs", self._failures, self.cooloff)
+                log.error(
+                    "store failing: circuit breaker opened after %d consecutive failures; probing every %.1fs",
+                    self._failures,
+                    self.cooloff,
+                )
             self._state = "open"
             self._opened_at = self._clock.monotonic()
 

@@ -99,9 +99,7 @@ class RedisStore:
         else:
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
         binding = int(out[2]) - 1
-        return AcquireResult(
-            out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[3:])
-        )
+        return AcquireResult(out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[3:]))
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self._feedback_call(buckets, "block", seconds, channel)

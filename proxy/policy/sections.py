@@ -128,8 +128,9 @@ def _tls(walk: Walk, node: yaml.Node, path: str) -> TlsSettings:
         _check_ca_files(m, ca_cert, ca_key)
     return TlsSettings(
         upstream_verify=m.get("upstream_verify", values.boolean, _TLS.upstream_verify),
-        upstream_ca_file=m.get("upstream_ca_file", values.file_path(walk.base_dir, must_exist=True),
-                               _TLS.upstream_ca_file),
+        upstream_ca_file=m.get(
+            "upstream_ca_file", values.file_path(walk.base_dir, must_exist=True), _TLS.upstream_ca_file
+        ),
         ca_cert=ca_cert,
         ca_key=ca_key,
         leaf_validity=m.get("leaf_validity", values.positive_duration, _TLS.leaf_validity),

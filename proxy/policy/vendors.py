@@ -140,9 +140,12 @@ def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
     for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
         host = split_host_port(entry)[0]
         if not ca.permits(host):
-            m.walk.error(item, f"{m.child('hosts')}[{i}]",
-                         f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
-                         "(re-create it with: quota-proxy ca init -c POLICY)")
+            m.walk.error(
+                item,
+                f"{m.child('hosts')}[{i}]",
+                f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
+                "(re-create it with: quota-proxy ca init -c POLICY)",
+            )
 
 
 def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:

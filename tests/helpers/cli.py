@@ -33,8 +33,16 @@ READY_RE = re.compile(
 )
 TRACEBACK_MARKERS = ("Traceback", 'File "', "Error:", "raise ")
 
-_PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
-               "no_proxy")
+_PROXY_VARS = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+)
 
 
 def cli(*args: str) -> list[str]:
@@ -53,11 +61,20 @@ def clean_env(extra: Mapping[str, str] | None = None, *, checkout: bool = True) 
     return env
 
 
-def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """``quota-proxy ARGS`` to completion (commands that must not serve)."""
-    return subprocess.run(cli(*args), env=clean_env(env), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        cli(*args),
+        env=clean_env(env),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def assert_no_traceback(text: str) -> None:
@@ -97,20 +114,40 @@ class Ready:
 def parse_ready(line: str) -> Ready:
     match = READY_RE.fullmatch(line.rstrip("\n"))
     assert match, f"not a ready line: {line!r}"
-    return Ready(match["host"], int(match["port"]), match["admin_host"], int(match["admin_port"]),
-                 match["store"], int(match["vendors"]))
+    return Ready(
+        match["host"],
+        int(match["port"]),
+        match["admin_host"],
+        int(match["admin_port"]),
+        match["store"],
+        int(match["vendors"]),
+    )
 
 
 class ProxyProcess:
     """A server subprocess (the proxy or the mock vendor): stdout piped for its ready line,
     stderr to a file so a chatty log can never block it on a full pipe."""
 
-    def __init__(self, argv: Sequence[str], log_dir: Path, *, env: Mapping[str, str] | None = None,
-                 cwd: Path = ROOT, name: str = "proxy") -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_dir: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path = ROOT,
+        name: str = "proxy",
+    ) -> None:
         self.stderr_path = log_dir / f"{name}-{time.monotonic_ns()}.stderr"
         self._stderr: IO[str] = self.stderr_path.open("w")
-        self.proc = subprocess.Popen(list(argv), env=clean_env(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=clean_env(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
 
     @property
     def pid(self) -> int:

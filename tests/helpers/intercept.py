@@ -61,15 +61,35 @@ def new_proxy_ca(directory: Path) -> ProxyCA:
     return ProxyCA(cert, key)
 
 
-def intercept_policy(ca: ProxyCA, *, upstream: str, vendor_ca: Path | None, store: str = "memory://",
-                     limits: str = "[{rate: 1000, per: 1s}]", on_limit: str = "{action: defer}",
-                     leaf_validity: str = "1d", tls_extra: str = "", vendor_extra: str = "") -> Any:
+def intercept_policy(
+    ca: ProxyCA,
+    *,
+    upstream: str,
+    vendor_ca: Path | None,
+    store: str = "memory://",
+    limits: str = "[{rate: 1000, per: 1s}]",
+    on_limit: str = "{action: defer}",
+    leaf_validity: str = "1d",
+    tls_extra: str = "",
+    vendor_extra: str = "",
+) -> Any:
     """One vendor ``payments`` on api.payments.example, intercepted (the default once
     tls.ca_cert is set), sent to ``upstream`` and verified against ``vendor_ca``."""
     upstream_ca = "" if vendor_ca is None else f"upstream_ca_file: {vendor_ca}"
-    return make_policy(INTERCEPT_POLICY, store=store, ca_cert=ca.cert, ca_key=ca.key, leaf_validity=leaf_validity,
-                       upstream_ca=upstream_ca, tls_extra=tls_extra, host=HOST, upstream=upstream, limits=limits,
-                       on_limit=on_limit, vendor_extra=vendor_extra)
+    return make_policy(
+        INTERCEPT_POLICY,
+        store=store,
+        ca_cert=ca.cert,
+        ca_key=ca.key,
+        leaf_validity=leaf_validity,
+        upstream_ca=upstream_ca,
+        tls_extra=tls_extra,
+        host=HOST,
+        upstream=upstream,
+        limits=limits,
+        on_limit=on_limit,
+        vendor_extra=vendor_extra,
+    )
 
 
 def upstream_of(vendor: HttpsVendor) -> str:

@@ -32,13 +32,30 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             while port > 55535:  # Redis refuses larger ports in cluster mode
                 port = free_port()
             node = RedisServer(binary, tmp_path_factory.mktemp("cluster"), port=port)
-            node.start(extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                              "--cluster-port", str(free_port())])
+            node.start(
+                extra=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",
+                    str(free_port()),
+                ]
+            )
             nodes.append(node)
         subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", "0",
-             "--cluster-yes"],
-            check=True, capture_output=True, timeout=30,
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
         # Every node must agree the cluster is up before a client may route to it.
         deadline = time.monotonic() + 20
@@ -85,8 +102,9 @@ async def test_buckets_of_vendors_on_every_node(cluster: str) -> None:
 
 
 async def test_a_proxy_on_a_cluster_store_limits(cluster: str, vendor, start_proxy) -> None:
-    proxy = await start_proxy(vendor_policy(vendor.url, store=cluster, limits="[{rate: 1, per: 1h, burst: 4}]",
-                                            on_limit="{action: defer}"))
+    proxy = await start_proxy(
+        vendor_policy(vendor.url, store=cluster, limits="[{rate: 1, per: 1h, burst: 4}]", on_limit="{action: defer}")
+    )
     statuses = []
     async with aiohttp.ClientSession() as s:
         for _ in range(6):
@@ -99,5 +117,3 @@ async def test_a_proxy_on_a_cluster_store_limits(cluster: str, vendor, start_pro
 def test_every_key_of_a_vendor_shares_its_slot() -> None:
     keys = [*(b.key for b in buckets("payments")), "t:{payments}:block"]
     assert len({key_slot(k.encode()) for k in keys}) == 1
-
-

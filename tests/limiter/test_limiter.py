@@ -20,10 +20,12 @@ COOLOFF = 1.0
 PREFIX = "qp-test"
 
 
-def make_vendor(name: str = "payments", limits: tuple[Limit, ...] = (Limit(10, 1, 5),),
-                tenant: tuple[Limit, ...] = (Limit(2, 1, 2),)) -> Vendor:
-    return Vendor(name=name, hosts=(f"api.{name}.example",), limits=limits,
-                  tenant_limits=TenantLimits(default=tenant))
+def make_vendor(
+    name: str = "payments",
+    limits: tuple[Limit, ...] = (Limit(10, 1, 5),),
+    tenant: tuple[Limit, ...] = (Limit(2, 1, 2),),
+) -> Vendor:
+    return Vendor(name=name, hosts=(f"api.{name}.example",), limits=limits, tenant_limits=TenantLimits(default=tenant))
 
 
 class FlakyStore(MemoryStore):
@@ -67,8 +69,9 @@ def errors() -> list[StoreUnavailable]:
 
 @pytest.fixture
 def limiter(store: FlakyStore, clock: ManualClock, errors: list[StoreUnavailable]) -> Limiter:
-    return Limiter(store, clock, key_prefix=PREFIX, breaker=Breaker(clock, FAILURES, COOLOFF),
-                   on_store_error=errors.append)
+    return Limiter(
+        store, clock, key_prefix=PREFIX, breaker=Breaker(clock, FAILURES, COOLOFF), on_store_error=errors.append
+    )
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:

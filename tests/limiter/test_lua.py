@@ -37,10 +37,12 @@ def bucket(key: str, rate: float, burst: float, scope: str = "global", vendor: s
     return BucketSpec(f"{PREFIX}:{{{vendor}}}:{key}", rate, burst, scope, key)  # type: ignore[arg-type]
 
 
-def payments(limits: tuple[Limit, ...] = (Limit(10, 1, 5), Limit(600, 60, 600)),
-             tenant: tuple[Limit, ...] = (Limit(2, 1, 2), Limit(60, 60, 60)), name: str = "payments") -> Vendor:
-    return Vendor(name=name, hosts=(f"api.{name}.example",), limits=limits,
-                  tenant_limits=TenantLimits(default=tenant))
+def payments(
+    limits: tuple[Limit, ...] = (Limit(10, 1, 5), Limit(600, 60, 600)),
+    tenant: tuple[Limit, ...] = (Limit(2, 1, 2), Limit(60, 60, 60)),
+    name: str = "payments",
+) -> Vendor:
+    return Vendor(name=name, hosts=(f"api.{name}.example",), limits=limits, tenant_limits=TenantLimits(default=tenant))
 
 
 StoreFactory = Callable[..., RedisStore]
@@ -173,7 +175,7 @@ async def test_the_clock_is_redis_time_never_the_replicas(
     assert evalshas, "the acquire never reached Redis as EVALSHA"
     for entry in evalshas:
         _, _sha, nkeys, *rest = entry["command"].split()
-        argv = [float(x) for x in rest[int(nkeys):]]
+        argv = [float(x) for x in rest[int(nkeys) :]]
         # ARGV is cost, max_wait, then rate and burst per bucket: nothing that could be a time.
         assert argv == [1.0, 0.0, pytest.approx(10 / 1000), 100.0]
 
@@ -304,8 +306,13 @@ async def test_another_replica_learns_of_the_block(redis_url: str, stores: Store
 async def test_a_dead_port_raises_store_unavailable_promptly(stores: StoreFactory) -> None:
     store = stores(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
     b = (bucket("dead", rate=1, burst=1),)
-    for call in (lambda: store.acquire(b, 1, 0), lambda: store.peek(b), store.ping,
-                 lambda: store.block(b, 1.0, "x"), lambda: store.drain(b)):
+    for call in (
+        lambda: store.acquire(b, 1, 0),
+        lambda: store.peek(b),
+        store.ping,
+        lambda: store.block(b, 1.0, "x"),
+        lambda: store.drain(b),
+    ):
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             await asyncio.wait_for(call(), timeout=5.0)

@@ -25,9 +25,12 @@ async def test_concurrent_callers_get_their_own_replies_in_order(redis_url: str)
 
 async def test_a_caller_that_gives_up_does_not_shift_later_replies(redis_url: str) -> None:
     conn = PipelinedConnection(redis_url, connect_timeout=1.0)
-    slow = PipelinedScript(conn, "local t = redis.call('TIME'); while true do "
-                                 "local u = redis.call('TIME'); if (u[1]-t[1])*1e6 + (u[2]-t[2]) > 50000 "
-                                 "then break end end; return 'slow'")
+    slow = PipelinedScript(
+        conn,
+        "local t = redis.call('TIME'); while true do "
+        "local u = redis.call('TIME'); if (u[1]-t[1])*1e6 + (u[2]-t[2]) > 50000 "
+        "then break end end; return 'slow'",
+    )
     echo = PipelinedScript(conn, ECHO)
     try:
         await echo([], ["warm"])

@@ -30,11 +30,33 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, P
     cert.private_key_pem.write_to_path(str(work / "key.pem"))
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(work), "--tls-cert-file", str(work / "cert.pem"),
-         "--tls-key-file", str(work / "key.pem"), "--tls-ca-cert-file", str(work / "ca.pem"),
-         "--tls-auth-clients", "no", "--logfile", str(work / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(work),
+            "--tls-cert-file",
+            str(work / "cert.pem"),
+            "--tls-key-file",
+            str(work / "key.pem"),
+            "--tls-ca-cert-file",
+            str(work / "ca.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--logfile",
+            str(work / "redis.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 10

@@ -149,6 +149,7 @@ def test_intercepted_hosts_must_be_within_the_cas_name_constraints(tmp_path):
 def test_tunnelled_hosts_need_no_constraint(tmp_path):
     cert, key = init_ca(tmp_path / "narrow", permitted_hosts=["api.other.example"])
     policy = tmp_path / "tunnel.yaml"
-    policy.write_text(POLICY.format(cert=cert, key=key, per="1s").replace(
-        "    limits:", "    connect: tunnel\n    limits:"))
+    policy.write_text(
+        POLICY.format(cert=cert, key=key, per="1s").replace("    limits:", "    connect: tunnel\n    limits:")
+    )
     assert load_policy(policy).vendors[0].connect == "tunnel"
