@@ -25,20 +25,11 @@ import pytest
 import requests
 
 from tests.conftest import curl, vendor_policy
+from tests.helpers.cli import PROXY_VARS
 
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-PROXY_VARS = (
-    "HTTP_PROXY",
-    "http_proxy",
-    "HTTPS_PROXY",
-    "https_proxy",
-    "ALL_PROXY",
-    "all_proxy",
-    "NO_PROXY",
-    "no_proxy",
-)
 
 
 @dataclass

@@ -26,22 +26,11 @@ import pytest
 import requests
 
 from tests.conftest import curl, value
+from tests.helpers.cli import PROXY_VARS
 from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-PROXY_VARS = (
-    "HTTP_PROXY",
-    "http_proxy",
-    "HTTPS_PROXY",
-    "https_proxy",
-    "ALL_PROXY",
-    "all_proxy",
-    "NO_PROXY",
-    "no_proxy",
-    "REQUESTS_CA_BUNDLE",
-    "CURL_CA_BUNDLE",
-    "SSL_CERT_FILE",
-)
+CLIENT_VARS = (*PROXY_VARS, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")
 
 
 @dataclass
@@ -120,7 +109,7 @@ async def test_client_through_https_proxy_with_interception(
             on_limit="{action: hold}",
         )
     )
-    for var in PROXY_VARS:
+    for var in CLIENT_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)
     monkeypatch.setenv("https_proxy", proxy.url)
@@ -196,7 +185,7 @@ async def test_the_environment_alone_is_enough_for_requests(https_vendor, start_
     proxy = await start_proxy(
         intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
     )
-    for var in PROXY_VARS:
+    for var in CLIENT_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(proxy_ca.cert))

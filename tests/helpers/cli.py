@@ -33,7 +33,8 @@ READY_RE = re.compile(
 )
 TRACEBACK_MARKERS = ("Traceback", 'File "', "Error:", "raise ")
 
-_PROXY_VARS = (
+# Every environment variable a client reads its proxy from (a test sets the ones it means).
+PROXY_VARS = (
     "HTTP_PROXY",
     "HTTPS_PROXY",
     "ALL_PROXY",
@@ -52,7 +53,7 @@ def cli(*args: str) -> list[str]:
 
 def clean_env(extra: Mapping[str, str] | None = None, *, checkout: bool = True) -> dict[str, str]:
     """The test's environment without QUOTA_PROXY_* or proxy variables; the checkout importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUOTA_PROXY_") and k not in _PROXY_VARS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUOTA_PROXY_") and k not in PROXY_VARS}
     env.pop("PYTHONPATH", None)
     if checkout:
         env["PYTHONPATH"] = str(ROOT)
