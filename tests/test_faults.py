@@ -117,9 +117,11 @@ class CountingStore:
         self.inner = inner
         self.acquires = 0
 
-    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+    async def acquire(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+    ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait)
+        return await self.inner.acquire(buckets, cost, max_wait, queue)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)

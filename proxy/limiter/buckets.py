@@ -20,6 +20,8 @@ class Buckets:
 
     all: tuple[BucketSpec, ...]
     tenant_count: int
+    queue: str | None = None
+    """The deferral queue key of this bucket set (acquire.lua): refused callers' retry slots."""
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:
@@ -62,4 +64,5 @@ def tenant_buckets(prefix: str, vendor: Vendor, tenant: str) -> tuple[BucketSpec
 
 def buckets_for(prefix: str, vendor: Vendor, tenant: str) -> Buckets:
     tenant_part = tenant_buckets(prefix, vendor, tenant)
-    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part))
+    queue = f"{vendor_namespace(prefix, vendor.name)}:q:{tenant}"
+    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part), queue)

@@ -80,16 +80,20 @@ class Limiter:
 
     # -- store calls -----------------------------------------------------------
 
-    async def acquire(self, vendor: Vendor, tenant: str, max_wait: float, cost: float = 1.0) -> AcquireResult:
+    async def acquire(
+        self, vendor: Vendor, tenant: str, max_wait: float, cost: float = 1.0, *, enqueue: bool = True
+    ) -> AcquireResult:
         """Take ``cost`` from every bucket of (vendor, tenant) now or within ``max_wait``, or from none.
 
+        Refused, the result's ``hint`` is the caller's slot in the (vendor, tenant) deferral
+        queue; ``enqueue=False`` (a caller that will not retry: shed) takes no slot.
         Raises StoreUnavailable when the store fails or the breaker is open.
         """
         b = self.buckets(vendor, tenant)
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
-            result = await self.store.acquire(b.all, cost, max_wait)
+            result = await self.store.acquire(b.all, cost, max_wait, b.queue if enqueue else None)
         except StoreUnavailable as exc:
             self._store_failed(exc)
             raise

@@ -20,12 +20,14 @@ class MemoryStore:
         self._clock = clock
         # key -> [tokens, ts, expires_at]; ts and expires_at on the clock, seconds
         self._state: dict[str, list[float]] = {}
+        # deferral queue key -> (first free slot, expires_at), on the clock
+        self._queues: dict[str, tuple[float, float]] = {}
         self._ops = 0
 
     def __len__(self) -> int:
         """Live keys (after sweeping the expired ones)."""
         self._sweep(self._clock.monotonic())
-        return len(self._state)
+        return len(self._state) + len(self._queues)
 
     def _level(self, b: BucketSpec, now: float) -> float:
         st = self._state.get(b.key)
@@ -45,8 +47,12 @@ class MemoryStore:
     def _sweep(self, now: float) -> None:
         for key in [k for k, st in self._state.items() if st[2] <= now]:
             del self._state[key]
+        for key in [k for k, (_, expires) in self._queues.items() if expires <= now]:
+            del self._queues[key]
 
-    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+    async def acquire(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+    ) -> AcquireResult:
         now = self._clock.monotonic()
         self._tick(now)
         levels = [self._level(b, now) for b in buckets]
@@ -56,11 +62,23 @@ class MemoryStore:
             if need > wait:
                 wait, binding = need, i
         if wait > max_wait:
-            return AcquireResult(False, wait, binding, tuple(levels))
+            return AcquireResult(
+                False, wait, binding, tuple(levels), self._slot(queue, now, wait, cost / buckets[binding].rate)
+            )
         for i, b in enumerate(buckets):
             levels[i] -= cost
             self._store(b, levels[i], now)
-        return AcquireResult(True, wait, binding, tuple(levels))
+        return AcquireResult(True, wait, binding, tuple(levels), wait)
+
+    def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
+        """The refused caller's retry hint: the queue's next free slot, never before ``wait``
+        (acquire.lua's deferral queue)."""
+        if queue is None:
+            return wait
+        tail, expires = self._queues.get(queue, (now, now))
+        hint = max(wait, tail - now) if expires > now else wait
+        self._queues[queue] = (now + hint + step, now + hint + step + 1.0)
+        return hint
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         now = self._clock.monotonic()

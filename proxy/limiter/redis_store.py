@@ -89,8 +89,12 @@ class RedisStore:
             self._pipe.drop_if_stuck(self._timeout)
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
-    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+    async def acquire(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+    ) -> AcquireResult:
         keys = [b.key for b in buckets]
+        if queue is not None:
+            keys.append(queue)
         args: list[float] = [cost, max_wait * _MS]
         for b in buckets:
             args += (b.rate / _MS, b.burst)
@@ -99,7 +103,9 @@ class RedisStore:
         else:
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
         binding = int(out[2]) - 1
-        return AcquireResult(out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[3:]))
+        return AcquireResult(
+            out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[4:]), float(out[3]) / _MS
+        )
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self._feedback_call(buckets, "block", seconds, channel)

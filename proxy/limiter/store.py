@@ -39,6 +39,15 @@ class AcquireResult(NamedTuple):
     """Index of the bucket with the longest wait, -1 when none waits."""
     levels: tuple[float, ...]
     """Tokens in each bucket now, after the take when granted."""
+    hint: float = 0.0
+    """Seconds. Refused: when to retry, at least ``wait``: the caller's slot in the
+    deferral queue, so callers refused together come back spread over the refill,
+    not as a herd. Granted (or no queue): the same as ``wait``."""
+
+    @property
+    def retry_after(self) -> float:
+        """When to retry: the queue slot (``hint``), never before every bucket could grant."""
+        return max(self.hint, self.wait)
 
 
 class BlockResult(NamedTuple):
@@ -54,11 +63,15 @@ class StoreUnavailable(Exception):
 class BucketStore(Protocol):
     """Where bucket state lives. Every method is one atomic step on the store's clock."""
 
-    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+    async def acquire(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+    ) -> AcquireResult:
         """Take ``cost`` from every bucket, or from none.
 
         Granted when every bucket has ``cost`` tokens now, or will have within
-        ``max_wait`` seconds (a reservation: the caller waits ``wait``).
+        ``max_wait`` seconds (a reservation: the caller waits ``wait``). Refused with a
+        ``queue`` key: the caller is given the next free slot of that deferral queue
+        as its ``hint`` (the queue takes nothing from any bucket).
         """
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:

@@ -44,9 +44,11 @@ class FlakyStore(MemoryStore):
         if self.fail:
             raise StoreUnavailable("ConnectionError: injected")
 
-    async def acquire(self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float) -> AcquireResult:
+    async def acquire(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+    ) -> AcquireResult:
         await self._enter()
-        return await super().acquire(buckets, cost, max_wait)
+        return await super().acquire(buckets, cost, max_wait, queue)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         await self._enter()

@@ -1,0 +1,97 @@
+"""The deferral queue: callers refused together are told to come back one refill apart.
+
+Same contract for memory:// (ManualClock) and redis:// (its own TIME, so the
+assertions allow a few milliseconds of real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.store import BucketSpec, BucketStore
+
+TOL = 0.05  # seconds of real time a Redis-backed assertion may drift
+QUEUE = "test:{v}:q:default"
+
+
+def bucket(key: str, rate: float, burst: float, scope: str = "global") -> BucketSpec:
+    return BucketSpec(f"test:{{v}}:{key}", rate, burst, scope, key)  # type: ignore[arg-type]
+
+
+async def test_callers_refused_together_get_slots_one_refill_apart(store: BucketStore) -> None:
+    b = (bucket("g", rate=10, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE)).granted
+    refused = [await store.acquire(b, 1, 0, QUEUE) for _ in range(5)]
+    assert not any(r.granted for r in refused)
+    # Every bucket could grant again after ~0.1 s: that is the real wait, for all of them.
+    assert all(r.wait == pytest.approx(0.1, abs=TOL) for r in refused)
+    # The hints are the queue's slots: the first at the real wait, then one refill (0.1 s) apart.
+    hints = [r.hint for r in refused]
+    assert hints[0] == pytest.approx(0.1, abs=TOL)
+    for earlier, later in itertools.pairwise(hints):
+        assert later - earlier == pytest.approx(0.1, abs=TOL)
+    assert all(r.retry_after >= r.wait for r in refused)
+
+
+async def test_a_refusal_without_a_queue_is_told_the_real_wait(store: BucketStore) -> None:
+    b = (bucket("s", rate=10, burst=1),)
+    assert (await store.acquire(b, 1, 0)).granted
+    for _ in range(3):
+        r = await store.acquire(b, 1, 0)  # shed: no retry expected, so no slot taken
+        assert not r.granted
+        assert r.retry_after == pytest.approx(r.wait, abs=1e-6)
+    # ...and taking no slot leaves the queue empty for the next deferred caller.
+    assert (await store.acquire(b, 1, 0, QUEUE)).hint == pytest.approx(0.1, abs=TOL)
+
+
+async def test_the_queue_takes_nothing_from_the_buckets(store: BucketStore) -> None:
+    b = (bucket("n", rate=10, burst=2),)
+    for _ in range(2):
+        assert (await store.acquire(b, 1, 0, QUEUE)).granted
+    for _ in range(20):
+        assert not (await store.acquire(b, 1, 0, QUEUE)).granted
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(0, abs=TOL * 10)  # refilled a little, never pushed below zero
+
+
+async def test_slots_are_as_long_as_the_binding_bucket_refills(store: BucketStore) -> None:
+    tenant = bucket("t", rate=2, burst=1, scope="tenant")  # 0.5 s a token: binds
+    glob = bucket("g2", rate=100, burst=100)
+    assert (await store.acquire((tenant, glob), 1, 0, QUEUE)).granted
+    a, b = [await store.acquire((tenant, glob), 1, 0, QUEUE) for _ in range(2)]
+    assert a.binding == b.binding == 0
+    assert b.hint - a.hint == pytest.approx(0.5, abs=TOL)
+
+
+async def test_a_flooding_tenant_pushes_only_its_own_queue(store: BucketStore) -> None:
+    glob = bucket("gf", rate=10, burst=1)
+    flood_t, quiet_t = (
+        bucket("tf", rate=100, burst=100, scope="tenant"),
+        bucket("tq", rate=100, burst=100, scope="tenant"),
+    )
+    assert (await store.acquire((flood_t, glob), 1, 0, "test:{v}:q:flood")).granted
+    for _ in range(50):  # a flood of refusals: slots far into the future for the flooder...
+        flood = await store.acquire((flood_t, glob), 1, 0, "test:{v}:q:flood")
+    assert flood.hint > 4.0
+    quiet = await store.acquire((quiet_t, glob), 1, 0, "test:{v}:q:quiet")
+    assert not quiet.granted
+    assert quiet.hint == pytest.approx(quiet.wait, abs=TOL)  # ...none for the other tenant
+
+
+async def test_the_queue_forgets_itself_once_its_slots_have_passed(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("f", rate=20, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE)).granted
+    for _ in range(4):
+        await store.acquire(b, 1, 0, QUEUE)  # slots up to ~0.25 s out
+    if isinstance(store, MemoryStore):
+        await clock.advance(0.4)
+    else:
+        await asyncio.sleep(0.4)
+    assert (await store.acquire(b, 1, 0, QUEUE)).granted  # the bucket refilled meanwhile
+    r = await store.acquire(b, 1, 0, QUEUE)
+    assert r.hint == pytest.approx(0.05, abs=TOL)  # a fresh queue: the first slot is the real wait
