@@ -39,6 +39,9 @@ class Hold:
 @dataclass(frozen=True, slots=True)
 class Defer:
     retry_after: float
+    """Seconds until every bucket could grant (the real wait)."""
+    hint: float
+    """Seconds until this caller's slot in the deferral queue: when to retry (>= retry_after)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,4 +86,4 @@ def decide(result: AcquireResult, wish: Wish) -> Decision:
         return FORWARD if result.wait <= 0 else Hold(result.wait)
     if wish.action == "shed":
         return Shed(result.wait)
-    return Defer(result.wait)  # hold falls back to defer when the wait exceeds max_hold
+    return Defer(result.wait, result.retry_after)  # hold falls back to defer when the wait exceeds max_hold

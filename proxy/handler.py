@@ -78,7 +78,7 @@ class ProxyHandler:
         to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
         try:
-            result = await limiter.acquire(vendor, tenant, wish.max_wait)
+            result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 raise StoreDown(limiter.breaker.retry_after(), f"store unavailable: {exc}") from None
@@ -89,8 +89,13 @@ class ProxyHandler:
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = limiter.buckets(vendor, tenant).all[result.binding]
+            hint = decision.hint if isinstance(decision, Defer) else None
             raise Limited(
-                "shed" if isinstance(decision, Shed) else "defer", decision.retry_after, bucket.scope, bucket.label
+                "shed" if isinstance(decision, Shed) else "defer",
+                decision.retry_after,
+                bucket.scope,
+                bucket.label,
+                hint,
             )
         if isinstance(decision, Hold):
             await self._hold(deps, vendor.name, decision.wait, rec)

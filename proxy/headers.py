@@ -15,6 +15,7 @@ RETRY_AFTER_MS = "X-Quota-Retry-After-Ms"
 SCOPE = "X-Quota-Scope"
 ERROR = "X-Quota-Error"
 RETRY_AFTER = "Retry-After"
+HINT_MS = "retry-after-ms"  # the retry hint in ms, read first by OpenAI's and Stainless-generated SDKs
 
 # Connection-specific: meaningful for one hop only, never forwarded either way.
 HOP_BY_HOP = frozenset(

@@ -67,13 +67,19 @@ class Limited(Refusal):
 
     action: Action
     retry_after: float
+    """Seconds until every bucket could grant (the real wait)."""
     scope: str
     bucket: str
+    hint: float | None = None
+    """Seconds until this caller's slot in the deferral queue, when it has one: when to
+    retry (never before ``retry_after``). None: the real wait is the hint."""
     error = "rate_limited"
     detail = None
 
     def __post_init__(self) -> None:
         self.status, self.outcome = (503, "shed") if self.action == "shed" else (429, "deferred")
+        if self.hint is None or self.hint < self.retry_after:
+            self.hint = self.retry_after
 
 
 @dataclass

@@ -60,12 +60,15 @@ def _defer(
     refusal: Limited | StoreDown, limiter: str | None, extra: dict[str, object], headers: dict[str, str]
 ) -> web.Response:
     wait = refusal.retry_after
-    seconds = retry_after_seconds(wait)
+    hint = refusal.hint if isinstance(refusal, Limited) and refusal.hint is not None else wait
+    seconds = retry_after_seconds(hint)
+    hint_ms = max(1, math.ceil(hint * 1000))
     return _json(
         refusal,
-        {"action": "defer", "limiter": limiter, "retry_after": seconds, **extra},
+        {"action": "defer", "limiter": limiter, "retry_after": seconds, "retry_after_ms": hint_ms, **extra},
         {
             h.RETRY_AFTER: str(seconds),
+            h.HINT_MS: str(hint_ms),
             h.ACTION: "defer",
             h.RETRY_AFTER_MS: str(max(1, math.ceil(wait * 1000))),
             h.LIMITER: limiter or "",

@@ -57,6 +57,8 @@ def test_decisions() -> None:
     hold, defer, shed = Wish("hold", 0.5), Wish("defer", 0.5), Wish("shed", 0.5)
     assert decide(granted(), hold) is FORWARD
     assert decide(granted(0.2), hold) == Hold(0.2)
-    assert decide(refused(0.7), hold) == Defer(0.7)  # beyond max_hold: defer
-    assert decide(refused(0.7), defer) == Defer(0.7)
+    assert decide(refused(0.7), hold) == Defer(0.7, 0.7)  # beyond max_hold: defer
+    assert decide(refused(0.7), defer) == Defer(0.7, 0.7)
+    # The queue slot is the hint to retry on; the real wait stays what it is.
+    assert decide(AcquireResult(False, 0.7, 0, (0.0,), 1.2), defer) == Defer(0.7, 1.2)
     assert decide(refused(0.7), shed) == Shed(0.7)

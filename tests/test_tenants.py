@@ -273,6 +273,7 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
         status, headers, body = await get(s, proxy, "/defer", **{"X-Quota-On-Limit": "defer"})
         assert status == 429 and headers["X-Quota-Action"] == "defer"
         assert int(headers["Retry-After"]) == 1 and int(headers["X-Quota-Retry-After-Ms"]) <= 500
+        assert body.pop("retry_after_ms") == int(headers["retry-after-ms"])
         assert body == {
             "error": "rate_limited",
             "action": "defer",
