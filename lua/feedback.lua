@@ -1,7 +1,8 @@
 -- feedback.lua: apply a vendor's own answer to its global buckets.
 --
 -- Time is in milliseconds, from the server (TIME), shifted by EPOCH as in
--- acquire.lua; buckets are the same {t, ts} hashes.
+-- acquire.lua; buckets are the same `t`/`ts` pairs, in their own hash or in the
+-- vendor's state hash.
 --
 -- mode "block" (a vendor 429): nothing is granted until `block` ms from now
 -- (or until tokens already reserved have matured, if later); then the bucket
@@ -14,14 +15,17 @@
 -- ARGV[1]       mode: "block" | "drain"
 -- ARGV[2]       block: ms to block for (ignored by drain)
 -- ARGV[3]       channel to PUBLISH the block's length (ms) on; "" = none
--- ARGV[2 + 2i]  rate of bucket i, tokens per ms
--- ARGV[3 + 2i]  burst of bucket i, tokens
+-- ARGV[1 + 3i]  rate of bucket i, tokens per ms
+-- ARGV[2 + 3i]  burst of bucket i, tokens
+-- ARGV[3 + 3i]  field: "" = the bucket is KEYS[i] itself; else its fields' prefix
+--               in the hash KEYS[i] (the vendor's state, as in acquire.lua)
 --
 -- Returns {until, level_1, ..., level_n}, numbers as strings:
 --   until    ms from now until the buckets grant again (0 for drain)
 --   level_i  tokens in bucket i now, after the change
 
 local EPOCH = 1700000000
+local STATE_TTL = 86400000 -- as in acquire.lua
 local time = redis.call('TIME')
 local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 
@@ -32,8 +36,12 @@ local channel = ARGV[3]
 local out = {'0'}
 local longest = 0
 for i = 1, #KEYS do
-  local rate, burst = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
-  local state = redis.call('HMGET', KEYS[i], 't', 'ts')
+  local rate, burst, field = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i]), ARGV[3 + 3 * i]
+  local ft, fts = 't', 'ts'
+  if field ~= '' then
+    ft, fts = field .. ':t', field .. ':ts'
+  end
+  local state = redis.call('HMGET', KEYS[i], ft, fts)
   local level = burst
   if state[1] then
     level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate)
@@ -47,8 +55,12 @@ for i = 1, #KEYS do
   elseif level > 0 then
     t, level = 0, 0
   end
-  redis.call('HSET', KEYS[i], 't', string.format('%.6f', t), 'ts', string.format('%.3f', ts))
-  redis.call('PEXPIRE', KEYS[i], math.ceil(ts - now + (burst - t) / rate) + 1000)
+  redis.call('HSET', KEYS[i], ft, string.format('%.6f', t), fts, string.format('%.3f', ts))
+  if field == '' then
+    redis.call('PEXPIRE', KEYS[i], math.ceil(ts - now + (burst - t) / rate) + 1000)
+  else
+    redis.call('PEXPIRE', KEYS[i], math.max(STATE_TTL, math.ceil(ts - now) + 1000))
+  end
   out[1 + i] = string.format('%.6f', level)
 end
 out[1] = string.format('%.3f', longest)

@@ -106,7 +106,13 @@ async def status(request: web.Request) -> web.Response:
         try:
             buckets, levels = await limiter.peek(vendor)
             entry["buckets"] = [
-                {"bucket": b.label, "key": b.key, "rate_per_second": b.rate, "burst": b.burst, "tokens": _finite(level)}
+                {
+                    "bucket": b.label,
+                    "key": b.ident,
+                    "rate_per_second": b.rate,
+                    "burst": b.burst,
+                    "tokens": _finite(level),
+                }
                 for b, level in zip(buckets.all, levels, strict=True)
             ]
             entry["tokens_available"] = _finite(min(levels)) if levels else None

@@ -97,6 +97,7 @@ class Runtime:
             key_prefix=settings.key_prefix,
             breaker=Breaker(self.clock, settings.breaker.failures, settings.breaker.cooloff),
             on_store_error=self._store_error,
+            on_state_lost=lambda vendor: self.metrics.state_lost.labels(vendor).inc(),
         )
 
     def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:

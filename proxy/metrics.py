@@ -51,6 +51,13 @@ class Metrics:
         self.store_errors = Counter(
             "ratelimit_store_errors", "Store calls that failed or timed out.", registry=registry
         )
+        self.state_lost = Counter(
+            "ratelimit_store_state_lost",
+            "Times the store was found to have lost a vendor's bucket state (restarted empty, flushed, "
+            "evicted, failed over to a lagging replica); its buckets then restart owing, never full.",
+            ["limiter"],
+            registry=registry,
+        )
         self.fail_open = Counter(
             "ratelimit_fail_open",
             "Requests forwarded unlimited because the store was down (on_failure: open).",
@@ -129,7 +136,7 @@ class Metrics:
         """Create a vendor's rare-event series at zero, so that its first vendor 429,
         fail-open or block shows up as an increase (rate() needs a previous sample)."""
         self.responses.labels(limiter, "429")
-        for counter in (self.deferred, self.shed, self.fail_open, self.vendor_blocks, self.drains):
+        for counter in (self.deferred, self.shed, self.fail_open, self.vendor_blocks, self.drains, self.state_lost):
             counter.labels(limiter)
 
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:

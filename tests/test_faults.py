@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
 from proxy.server import ProxyServer
 from tests.conftest import RedisServer, Samples, eventually, make_policy, metric_samples, value
 
@@ -118,10 +118,15 @@ class CountingStore:
         self.acquires = 0
 
     async def acquire(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
     ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait, queue)
+        return await self.inner.acquire(buckets, cost, max_wait, queue, guard)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)

@@ -45,10 +45,16 @@ def vendor_of_channel(channel: str) -> str | None:
     return channel[start + 1 : end] if 0 <= start < end else None
 
 
+def state_key(prefix: str, vendor: str) -> str:
+    """The vendor's state hash: its global buckets, and the counter and loss time that
+    tell a store that lost its keys (acquire.lua, "Lost state")."""
+    return f"{vendor_namespace(prefix, vendor)}:state"
+
+
 def global_buckets(prefix: str, vendor: Vendor) -> tuple[BucketSpec, ...]:
-    ns = vendor_namespace(prefix, vendor.name)
+    state = state_key(prefix, vendor.name)
     return tuple(
-        BucketSpec(f"{ns}:g:{lim.key}", lim.per_second, lim.burst, "global", f"global {lim.label}")
+        BucketSpec(state, lim.per_second, lim.burst, "global", f"global {lim.label}", field=f"g:{lim.key}")
         for lim in vendor.limits
     )
 

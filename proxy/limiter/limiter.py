@@ -20,9 +20,10 @@ from proxy.limiter.buckets import (
     block_channel_pattern,
     buckets_for,
     global_buckets,
+    state_key,
     vendor_of_channel,
 )
-from proxy.limiter.store import AcquireResult, BlockResult, BucketStore, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BlockResult, BucketStore, StateGuard, StoreUnavailable
 from proxy.policy.model import Vendor
 
 log = logging.getLogger("quota_proxy.limiter")
@@ -54,16 +55,19 @@ class Limiter:
         key_prefix: str,
         breaker: Breaker,
         on_store_error: Callable[[StoreUnavailable], None] | None = None,
+        on_state_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.breaker = breaker
         self.key_prefix = key_prefix
         self._on_store_error = on_store_error
+        self._on_state_lost = on_state_lost
         self._cache: dict[tuple[str, str], tuple[Vendor, Buckets]] = {}
         self._observed: dict[str, Observation] = {}
         self._blocked_until: dict[str, float] = {}
         self._block_generation: dict[str, int] = {}
+        self._seq: dict[str, int] = {}  # per vendor: the highest state counter the store reported
 
     # -- buckets ---------------------------------------------------------------
 
@@ -92,8 +96,11 @@ class Limiter:
         b = self.buckets(vendor, tenant)
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
+        guard = StateGuard(
+            state_key(self.key_prefix, vendor.name), self._seq.get(vendor.name, 0), vendor.on_limit.max_hold
+        )
         try:
-            result = await self.store.acquire(b.all, cost, max_wait, b.queue if enqueue else None)
+            result = await self.store.acquire(b.all, cost, max_wait, b.queue if enqueue else None, guard)
         except StoreUnavailable as exc:
             self._store_failed(exc)
             raise
@@ -101,6 +108,17 @@ class Limiter:
             self.breaker.release()
             raise
         self.breaker.success()
+        if result.seq > self._seq.get(vendor.name, 0):
+            self._seq[vendor.name] = result.seq
+        if result.lost:
+            log.error(
+                "the store lost %s's bucket state (restarted empty, flushed, evicted or failed over to a "
+                "lagging replica): its buckets restart owing up to %.3fs of reservations, never full",
+                vendor.name,
+                vendor.on_limit.max_hold,
+            )
+            if self._on_state_lost is not None:
+                self._on_state_lost(vendor.name)
         if b.tenant_count < len(result.levels):
             self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
         return result

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
 
@@ -22,6 +22,7 @@ class MemoryStore:
         self._state: dict[str, list[float]] = {}
         # deferral queue key -> (first free slot, expires_at), on the clock
         self._queues: dict[str, tuple[float, float]] = {}
+        self._seq: dict[str, int] = {}  # state key -> grants counted (acquire.lua's seq)
         self._ops = 0
 
     def __len__(self) -> int:
@@ -30,14 +31,14 @@ class MemoryStore:
         return len(self._state) + len(self._queues)
 
     def _level(self, b: BucketSpec, now: float) -> float:
-        st = self._state.get(b.key)
+        st = self._state.get(b.ident)
         if st is None or st[2] <= now:
             return b.burst
         return min(b.burst, st[0] + (now - st[1]) * b.rate)
 
     def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
         # Same expiry as the scripts: once refilled the key equals a missing one.
-        self._state[b.key] = [tokens, ts, ts + (b.burst - tokens) / b.rate + 1.0]
+        self._state[b.ident] = [tokens, ts, ts + (b.burst - tokens) / b.rate + 1.0]
 
     def _tick(self, now: float) -> None:
         self._ops += 1
@@ -51,7 +52,12 @@ class MemoryStore:
             del self._queues[key]
 
     async def acquire(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
     ) -> AcquireResult:
         now = self._clock.monotonic()
         self._tick(now)
@@ -61,14 +67,18 @@ class MemoryStore:
             need = (cost - level) / b.rate
             if need > wait:
                 wait, binding = need, i
+        # One process holds the state and its reservations alike: it cannot lose one
+        # without the other, so the guard only counts (acquire.lua's seq).
+        seq = self._seq.get(guard.key, 0) if guard is not None else 0
         if wait > max_wait:
-            return AcquireResult(
-                False, wait, binding, tuple(levels), self._slot(queue, now, wait, cost / buckets[binding].rate)
-            )
+            hint = self._slot(queue, now, wait, cost / buckets[binding].rate)
+            return AcquireResult(False, wait, binding, tuple(levels), hint, seq)
         for i, b in enumerate(buckets):
             levels[i] -= cost
             self._store(b, levels[i], now)
-        return AcquireResult(True, wait, binding, tuple(levels), wait)
+        if guard is not None:
+            seq = self._seq[guard.key] = seq + 1
+        return AcquireResult(True, wait, binding, tuple(levels), wait, seq)
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
         """The refused caller's retry hint: the queue's next free slot, never before ``wait``

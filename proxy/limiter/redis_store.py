@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
 from proxy.limiter.scripts import script
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard, StoreUnavailable
 
 log = logging.getLogger("quota_proxy.store")
 
@@ -81,7 +81,7 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
-    async def _call_fast(self, fast: PipelinedScript, keys: list[str], args: list[float]) -> Any:
+    async def _call_fast(self, fast: PipelinedScript, keys: list[str], args: list[float | str]) -> Any:
         assert self._pipe is not None
         try:
             return await fast(keys, args, reply_within=self._timeout)
@@ -90,21 +90,35 @@ class RedisStore:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
     async def acquire(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
     ) -> AcquireResult:
         keys = [b.key for b in buckets]
+        args: list[float | str] = [cost, max_wait * _MS, "", "", 0.0]
         if queue is not None:
             keys.append(queue)
-        args: list[float] = [cost, max_wait * _MS]
+            args[2] = "q"
+        if guard is not None:
+            keys.append(guard.key)
+            args[3], args[4] = guard.seen, guard.debt * _MS
         for b in buckets:
-            args += (b.rate / _MS, b.burst)
+            args += (b.rate / _MS, b.burst, b.field)
         if self._acquire_fast is not None:
             out = await self._call_fast(self._acquire_fast, keys, args)
         else:
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
-        binding = int(out[2]) - 1
         return AcquireResult(
-            out[0] == b"1", float(out[1]) / _MS, binding, tuple(float(x) for x in out[4:]), float(out[3]) / _MS
+            granted=out[0] == b"1",
+            wait=float(out[1]) / _MS,
+            binding=int(out[2]) - 1,
+            levels=tuple(float(x) for x in out[6:]),
+            hint=float(out[3]) / _MS,
+            seq=int(out[4]),
+            lost=out[5] == b"1",
         )
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
@@ -119,15 +133,15 @@ class RedisStore:
         keys = [b.key for b in buckets]
         args: list[float | str] = [mode, seconds * _MS, channel]
         for b in buckets:
-            args += (b.rate / _MS, b.burst)
+            args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._feedback(keys=keys, args=args))
         return BlockResult(float(out[0]) / _MS, tuple(float(x) for x in out[1:]))
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         keys = [b.key for b in buckets]
-        args: list[float] = []
+        args: list[float | str] = []
         for b in buckets:
-            args += (b.rate / _MS, b.burst)
+            args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._peek(keys=keys, args=args))
         return tuple(float(x) for x in out)
 

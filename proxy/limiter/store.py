@@ -27,6 +27,28 @@ class BucketSpec:
     scope: Scope
     label: str
     """For people: e.g. ``tenant acme 20/1s burst 20``."""
+    field: str = ""
+    """Empty: the bucket is the hash ``key`` itself (expiring once full again). Else
+    the bucket lives in the hash ``key`` (a vendor's state) under ``<field>:t`` and
+    ``<field>:ts``, so it cannot be lost without the state's counter (acquire.lua)."""
+
+    @property
+    def ident(self) -> str:
+        """One name for the bucket, whichever way it is stored."""
+        return f"{self.key}#{self.field}" if self.field else self.key
+
+
+@dataclass(frozen=True, slots=True)
+class StateGuard:
+    """What lets a store notice it lost its state (acquire.lua, "Lost state")."""
+
+    key: str
+    """The vendor's state key."""
+    seen: int
+    """The highest ``seq`` the caller has seen for this vendor; 0 before any."""
+    debt: float
+    """Seconds after a loss during which reservations granted before it may still be
+    outstanding (the vendor's longest hold)."""
 
 
 class AcquireResult(NamedTuple):
@@ -43,6 +65,10 @@ class AcquireResult(NamedTuple):
     """Seconds. Refused: when to retry, at least ``wait``: the caller's slot in the
     deferral queue, so callers refused together come back spread over the refill,
     not as a herd. Granted (or no queue): the same as ``wait``."""
+    seq: int = 0
+    """The vendor state's counter after this call (0 without a state guard)."""
+    lost: bool = False
+    """This call found that the store had lost its state (and applied the debt)."""
 
     @property
     def retry_after(self) -> float:
@@ -64,14 +90,22 @@ class BucketStore(Protocol):
     """Where bucket state lives. Every method is one atomic step on the store's clock."""
 
     async def acquire(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
     ) -> AcquireResult:
         """Take ``cost`` from every bucket, or from none.
 
         Granted when every bucket has ``cost`` tokens now, or will have within
         ``max_wait`` seconds (a reservation: the caller waits ``wait``). Refused with a
         ``queue`` key: the caller is given the next free slot of that deferral queue
-        as its ``hint`` (the queue takes nothing from any bucket).
+        as its ``hint`` (the queue takes nothing from any bucket). With a ``guard``, a
+        store that finds it lost its state (Redis restarted empty, flushed, failed over
+        to a lagging replica) restarts the buckets owing what may still be outstanding,
+        never full.
         """
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:

@@ -12,7 +12,7 @@ import proxy.limiter.limiter as limiter_module
 from proxy.clock import ManualClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
 from proxy.policy.model import Limit, TenantLimits, Vendor
 
 FAILURES = 3
@@ -45,10 +45,15 @@ class FlakyStore(MemoryStore):
             raise StoreUnavailable("ConnectionError: injected")
 
     async def acquire(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None = None
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
     ) -> AcquireResult:
         await self._enter()
-        return await super().acquire(buckets, cost, max_wait, queue)
+        return await super().acquire(buckets, cost, max_wait, queue, guard)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         await self._enter()
@@ -294,8 +299,8 @@ def test_a_reloaded_vendor_gets_fresh_buckets(limiter: Limiter) -> None:
     b_new = limiter.buckets(new, "acme")
     assert b_new is not b_old
     assert b_new.all[1].rate == 20
-    assert b_new.all[1].key != b_old.all[1].key  # a changed limit is a new bucket
-    assert b_new.all[0].key == b_old.all[0].key  # the unchanged tenant limit keeps its state
+    assert b_new.all[1].ident != b_old.all[1].ident  # a changed limit is a new bucket
+    assert b_new.all[0].ident == b_old.all[0].ident  # the unchanged tenant limit keeps its state
     assert limiter.buckets(new, "acme") is b_new
 
 
