@@ -75,7 +75,7 @@ async def readyz(request: web.Request) -> web.Response:
     deps = state.deps()
     try:
         async with asyncio.timeout(max(deps.policy.store.timeout * 4, 0.25)):
-            await deps.limiter.ping()
+            await deps.limiter.ping(deps.policy.vendors)
     except (StoreUnavailable, TimeoutError) as exc:
         return _json({"status": "store unavailable", "detail": str(exc) or type(exc).__name__}, 503)
     return _json({"status": "ready", "vendors": [v.name for v in deps.policy.vendors]})

@@ -229,6 +229,43 @@ async def test_readyz_follows_redis(own_redis: RedisServer, vendor: Any, start_p
         assert (await get(s, f"{proxy.url}/payments/v1/x"))[0] == 200
 
 
+@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory", "writes paused"])
+async def test_readyz_follows_whether_the_store_can_grant(
+    own_redis: RedisServer, vendor: Any, start_proxy: Any, refusal: str
+) -> None:
+    """Redis answering PING but refusing (or stalling) the script's writes defers every
+    request: a load balancer must stop routing here, so /readyz says 503 too."""
+    proxy = await start_proxy(vendor_policy(vendor.url, store=own_redis.url, on_limit="{action: defer}"))
+    async with aiohttp.ClientSession() as s:
+        assert (await admin_json(s, proxy, "/readyz"))[0] == 200
+        with own_redis.client() as c:
+            if refusal == "read-only replica":
+                c.replicaof("127.0.0.1", free_port())  # a master that is not there: stays read-only
+            elif refusal == "out of memory":
+                c.config_set("maxmemory-policy", "noeviction")
+                c.config_set("maxmemory", 1)
+            else:
+                c.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+            assert c.ping()  # what a PING-only check sees
+        status, _, _ = await get(s, f"{proxy.url}/payments/v1/x")
+        assert status == 429  # every request deferred...
+        status, body = await admin_json(s, proxy, "/readyz")
+        assert status == 503, body  # ...so not ready
+        assert "store" in body["status"]
+        with own_redis.client() as c:
+            if refusal == "read-only replica":
+                c.replicaof("NO", "ONE")
+            elif refusal == "out of memory":
+                c.config_set("maxmemory", 0)
+            else:
+                c.execute_command("CLIENT", "UNPAUSE")
+
+        async def ready() -> bool:
+            return (await admin_json(s, proxy, "/readyz"))[0] == 200
+
+        await eventually(ready, "/readyz once the store grants again")
+
+
 async def test_readyz_on_a_shared_redis(redis_url: str, vendor: Any, start_proxy: Any) -> None:
     proxy = await start_proxy(vendor_policy(vendor.url, store=redis_url))
     async with aiohttp.ClientSession() as s:

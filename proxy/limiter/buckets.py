@@ -51,6 +51,11 @@ def state_key(prefix: str, vendor: str) -> str:
     return f"{vendor_namespace(prefix, vendor)}:state"
 
 
+def probe_key(prefix: str, vendor: str) -> str:
+    """A key of the vendor's slot that readiness writes to (probe.lua)."""
+    return f"{vendor_namespace(prefix, vendor)}:probe"
+
+
 def global_buckets(prefix: str, vendor: Vendor) -> tuple[BucketSpec, ...]:
     state = state_key(prefix, vendor.name)
     return tuple(

@@ -9,7 +9,7 @@ request whose reservation predates the block does not go out during it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.clock import Clock
@@ -20,6 +20,7 @@ from proxy.limiter.buckets import (
     block_channel_pattern,
     buckets_for,
     global_buckets,
+    probe_key,
     state_key,
     vendor_of_channel,
 )
@@ -159,8 +160,10 @@ class Limiter:
             self._observed[vendor.name] = Observation(levels[b.tenant_count :], self.clock.monotonic())
         return b, levels
 
-    async def ping(self) -> None:
-        await self.store.ping()
+    async def ping(self, vendors: Iterable[Vendor] = ()) -> None:
+        """Raise StoreUnavailable unless the store answers and can take each vendor's
+        writes (readiness: whether a grant could succeed, not only whether Redis is up)."""
+        await self.store.ping(tuple(probe_key(self.key_prefix, v.name) for v in vendors))
 
     async def _feedback(self, call: Awaitable[BlockResult]) -> BlockResult:
         # Feedback bypasses the breaker's gate (it is rare and must not be lost to a

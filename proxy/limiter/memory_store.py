@@ -118,7 +118,7 @@ class MemoryStore:
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         return  # one process: the limiter already knows every block it made
 
-    async def ping(self) -> None:
+    async def ping(self, probes: tuple[str, ...] = ()) -> None:
         return
 
     async def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -61,6 +62,7 @@ class RedisStore:
         self._acquire = self._client.register_script(script("acquire"))
         self._feedback = self._client.register_script(script("feedback"))
         self._peek = self._client.register_script(script("peek"))
+        self._probe = self._client.register_script(script("probe"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either); Cluster's slot routing stays with redis-py.
@@ -145,8 +147,10 @@ class RedisStore:
         out = await self._call(lambda: self._peek(keys=keys, args=args))
         return tuple(float(x) for x in out)
 
-    async def ping(self) -> None:
+    async def ping(self, probes: tuple[str, ...] = ()) -> None:
         await self._call(self._client.ping)
+        for key in probes:
+            await self._call(functools.partial(self._probe, keys=[key]))
 
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         """Follow blocks announced by feedback.lua; reconnects until cancelled."""

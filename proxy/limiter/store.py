@@ -122,7 +122,9 @@ class BucketStore(Protocol):
         """Call ``on_block(channel, seconds)`` for every block other processes announce on
         channels matching ``pattern``; runs until cancelled. A single-process store returns."""
 
-    async def ping(self) -> None:
-        """Raise StoreUnavailable unless the store answers."""
+    async def ping(self, probes: tuple[str, ...] = ()) -> None:
+        """Raise StoreUnavailable unless the store answers, and takes a scripted write
+        to each of the ``probes`` keys (what every grant needs: a read-only replica, a
+        full ``noeviction`` memory or paused writes still answer PING)."""
 
     async def close(self) -> None: ...
