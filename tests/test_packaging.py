@@ -64,7 +64,11 @@ def _dist_info(names: list[str]) -> str:
 
 
 def test_every_lua_script_in_the_checkout_is_one_the_code_loads() -> None:
-    assert {p.stem for p in (ROOT / "lua").glob("*.lua")} == set(NAMES) == {"acquire", "feedback", "peek", "probe"}
+    assert (
+        {p.stem for p in (ROOT / "lua").glob("*.lua")}
+        == set(NAMES)
+        == {"acquire", "feedback", "peek", "probe", "refund"}
+    )
 
 
 def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> None:

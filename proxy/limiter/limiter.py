@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from proxy.clock import Clock
 from proxy.limiter.breaker import Breaker
@@ -24,10 +25,12 @@ from proxy.limiter.buckets import (
     state_key,
     vendor_of_channel,
 )
-from proxy.limiter.store import AcquireResult, BlockResult, BucketStore, StateGuard, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BucketStore, StateGuard, StoreUnavailable
 from proxy.policy.model import Vendor
 
 log = logging.getLogger("quota_proxy.limiter")
+
+T = TypeVar("T")
 
 _CACHE_MAX = 10_000  # (vendor, tenant) bucket lists kept; tenants are unbounded
 
@@ -152,6 +155,20 @@ class Limiter:
             return
         self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
 
+    async def refund(self, vendor: Vendor, tenant: str, cost: float = 1.0) -> bool:
+        """A held request of (vendor, tenant) that never went out: give its tokens back.
+
+        Best effort, never raises: a refund the store cannot take only leaves the
+        buckets as short as they were. Returns whether the store took it."""
+        b = self.buckets(vendor, tenant)
+        try:
+            levels = await self._feedback(self.store.refund(b.all, cost))
+        except StoreUnavailable:
+            return False
+        if b.tenant_count < len(levels):
+            self._observed[vendor.name] = Observation(levels[b.tenant_count :], self.clock.monotonic())
+        return True
+
     async def peek(self, vendor: Vendor, tenant: str | None = None) -> tuple[Buckets, tuple[float, ...]]:
         """Levels of the vendor's global buckets (and the tenant's, if given), taking nothing."""
         b = Buckets(global_buckets(self.key_prefix, vendor), 0) if tenant is None else self.buckets(vendor, tenant)
@@ -165,7 +182,7 @@ class Limiter:
         writes (readiness: whether a grant could succeed, not only whether Redis is up)."""
         await self.store.ping(tuple(probe_key(self.key_prefix, v.name) for v in vendors))
 
-    async def _feedback(self, call: Awaitable[BlockResult]) -> BlockResult:
+    async def _feedback(self, call: Awaitable[T]) -> T:
         # Feedback bypasses the breaker's gate (it is rare and must not be lost to a
         # half-open probe slot) but its failures still count.
         try:

@@ -111,6 +111,17 @@ class MemoryStore:
             levels.append(level)
         return BlockResult(0.0, tuple(levels))
 
+    async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        now = self._clock.monotonic()
+        levels: list[float] = []
+        for b in buckets:
+            level = self._level(b, now)
+            if b.ident in self._state:
+                level = min(b.burst, level + cost)
+                self._store(b, level, now)
+            levels.append(level)
+        return tuple(levels)
+
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         now = self._clock.monotonic()
         return tuple(self._level(b, now) for b in buckets)

@@ -63,6 +63,7 @@ class RedisStore:
         self._feedback = self._client.register_script(script("feedback"))
         self._peek = self._client.register_script(script("peek"))
         self._probe = self._client.register_script(script("probe"))
+        self._refund = self._client.register_script(script("refund"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either); Cluster's slot routing stays with redis-py.
@@ -138,6 +139,14 @@ class RedisStore:
             args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._feedback(keys=keys, args=args))
         return BlockResult(float(out[0]) / _MS, tuple(float(x) for x in out[1:]))
+
+    async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        keys = [b.key for b in buckets]
+        args: list[float | str] = [cost]
+        for b in buckets:
+            args += (b.rate / _MS, b.burst, b.field)
+        out = await self._call(lambda: self._refund(keys=keys, args=args))
+        return tuple(float(x) for x in out)
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         keys = [b.key for b in buckets]

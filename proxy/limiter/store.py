@@ -115,6 +115,10 @@ class BucketStore(Protocol):
     async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
         """Drop every positive level to zero now; reservations are kept."""
 
+    async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        """Give ``cost`` back to every bucket (a hold that never went out), never above
+        its burst; a missing bucket is left alone. Levels after."""
+
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""
 

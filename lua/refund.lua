@@ -1,0 +1,45 @@
+-- refund.lua: give back the tokens of a hold that never went out.
+--
+-- A held request's tokens were taken when it was granted (a reservation: the
+-- level went below zero). If the worker goes away before the reservation
+-- matures, nothing is sent: without a refund, 50 workers that gave up leave the
+-- bucket 50 tokens short and the next worker waits for tokens nobody used.
+-- The refund puts `cost` back, never more than was taken (the caller refunds
+-- only what its own grant took, once) and never above `burst`. Same `t`/`ts`
+-- pairs and time as acquire.lua; the level is written at `now` on the same
+-- line it followed, so a vendor block (`ts` in the future) keeps its effect.
+--
+-- KEYS[i]       bucket i
+-- ARGV[1]       cost: tokens to give back to every bucket
+-- ARGV[3i - 1]  rate of bucket i, tokens per ms
+-- ARGV[3i]      burst of bucket i, tokens
+-- ARGV[3i + 1]  field: "" = the bucket is KEYS[i] itself; else its fields' prefix
+--               in the hash KEYS[i] (the vendor's state, as in acquire.lua)
+--
+-- Returns {level_1, ..., level_n} as strings: tokens in bucket i after the refund.
+-- A bucket that is missing (full, or lost with the store's state) is left alone.
+
+local EPOCH = 1700000000
+local time = redis.call('TIME')
+local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
+
+local cost = tonumber(ARGV[1])
+local out = {}
+for i = 1, #KEYS do
+  local rate, burst, field = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), ARGV[3 * i + 1]
+  local ft, fts = 't', 'ts'
+  if field ~= '' then
+    ft, fts = field .. ':t', field .. ':ts'
+  end
+  local state = redis.call('HMGET', KEYS[i], ft, fts)
+  local level = burst
+  if state[1] then
+    level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate + cost)
+    redis.call('HSET', KEYS[i], ft, string.format('%.6f', level), fts, string.format('%.3f', now))
+    if field == '' then
+      redis.call('PEXPIRE', KEYS[i], math.ceil((burst - level) / rate) + 1000)
+    end
+  end
+  out[i] = string.format('%.6f', level)
+end
+return out
