@@ -51,7 +51,7 @@ class Ledger:
                 (deps.metrics.shed if refusal.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
             if refusal.tls_error is not None:
                 deps.metrics.tls_errors.labels(vendor, refusal.tls_error).inc()
-        answer = refusal_response(refusal, vendor)
+        answer = refusal_response(refusal, deps.policy.vendor(vendor) if vendor is not None else None)
         rec.status = answer.status
         return answer
 
