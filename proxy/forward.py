@@ -18,8 +18,7 @@ from aiohttp.http import HttpVersion11
 from yarl import URL
 
 from proxy.aiohttp_internals import HeadersWithBody, send_continue
-from proxy.headers import downstream_response_headers, upstream_request_headers
-from proxy.headers import idempotent as retry_safe
+from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import UpstreamFailed
 
@@ -118,10 +117,10 @@ async def send(
     headers = upstream_request_headers(request.headers, tenant_header)
     data = _body(request) if request.body_exists else None
     timeout = aiohttp.ClientTimeout(total=None, connect=vendor.timeouts.connect, sock_read=vendor.timeouts.read)
-    idempotent = retry_safe(request.method, request.headers)
+    safe = idempotent(request.method, request.headers)
 
     def failed(status: int, kind: str, detail: str, *, reached: bool) -> UpstreamFailed:
-        return UpstreamFailed(status, kind, f"{vendor.name}{detail}", reached, idempotent)
+        return UpstreamFailed(status, kind, f"{vendor.name}{detail}", reached, safe)
 
     try:
         return await session.request(
