@@ -126,7 +126,7 @@ class ProxyHandler:
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark)
         if blocked > 0:
-            why = "vendor block (vendor answered 429)"
+            why = "vendor block: the vendor answered 429"
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
     async def _forward(

@@ -42,7 +42,8 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
     limiter = vendor.name if vendor is not None else None
     match refusal:
         case Limited(action="shed"):
-            message = f"{_over_quota(limiter, refusal.bucket)}: the request was shed (not sent); do not retry it now"
+            over = _over_quota(limiter, refusal.scope, refusal.bucket)
+            message = f"{over}: the request was shed (not sent); do not retry it now"
             return _plain(
                 refusal,
                 message,
@@ -53,7 +54,7 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
             return _defer(
                 refusal,
                 vendor or _NO_VENDOR,
-                _over_quota(limiter, refusal.bucket),
+                _over_quota(limiter, refusal.scope, refusal.bucket),
                 {"scope": refusal.scope, "bucket": refusal.bucket},
                 {h.SCOPE: refusal.scope},
             )
@@ -90,7 +91,9 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
     raise TypeError(f"unknown refusal {refusal!r}")
 
 
-def _over_quota(limiter: str | None, bucket: str) -> str:
+def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
+    if scope == "tunnels":
+        return f"{limiter or 'the vendor'} has no free tunnel ({bucket})"
     return f"{limiter or 'the vendor'} is over its quota ({bucket})"
 
 

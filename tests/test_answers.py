@@ -236,3 +236,15 @@ def test_a_long_hint_is_shown_in_the_message_rounded_up() -> None:
         "payments is over its quota (tenant acme 20/1s burst 20); retry in 312.01 s"
         " (longer than one call should wait: re-enqueue the job)"
     )
+
+
+def test_the_sentence_names_what_refused() -> None:
+    tunnels = Limited("defer", 1.0, "tunnels", "max_tunnels 2 reached")
+    assert (
+        rendered(tunnels, VENDOR)[1]["message"]
+        == "payments has no free tunnel (max_tunnels 2 reached); retry in 1.00 s"
+    )
+    blocked = Limited("defer", 2.5, "global", "vendor block: the vendor answered 429")
+    assert rendered(blocked, VENDOR)[1]["message"] == (
+        "payments is over its quota (vendor block: the vendor answered 429); retry in 2.50 s"
+    )
