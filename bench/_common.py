@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -248,10 +249,21 @@ class Fleet:
         finally:
             client.close()
 
-    def vendor(self, rate: float, burst: float | None = None, name: str = "vendor", cpus: str | None = None) -> Proc:
+    def vendor(
+        self,
+        rate: float,
+        burst: float | None = None,
+        name: str = "vendor",
+        cpus: str | None = None,
+        window: str | None = None,
+    ) -> Proc:
+        """The mock vendor: a token bucket (``rate``, ``burst``) or, with ``window`` (e.g.
+        ``"1s"``), a strict sliding window of ``rate x window`` requests."""
         argv = [sys.executable, "-m", "proxy", "mock-vendor", "--listen", f"{LOOPBACK}:0", "--rate", f"{rate:g}"]
         if burst is not None:
             argv += ["--burst", f"{burst:g}"]
+        if window is not None:
+            argv += ["--window", window]
         proc = self.start(name, argv, cpus=cpus)
         m = self.wait_line(proc, _VENDOR_READY)
         proc.url = f"http://{m.group(1)}"
@@ -422,6 +434,20 @@ def outcomes(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, floa
         if name == "ratelimit_requests_total":
             out[labels.get("outcome", "?")] = out.get(labels.get("outcome", "?"), 0.0) + value
     return out
+
+
+def outcome_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What ``outcomes`` counted between two snapshots, by outcome."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+
+
+def http_json(url: str, method: str = "GET") -> Any:
+    """GET (or an empty POST) on 127.0.0.1, the answer parsed as JSON."""
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
 
 
 def metric_sum(samples: list[tuple[str, dict[str, str], float]], metric: str) -> float:

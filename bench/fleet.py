@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +39,10 @@ from _common import (
     cpu_seconds,
     dump_json,
     fetch_metrics,
+    http_json,
     loadavg,
     metric_sum,
+    outcome_delta,
     outcomes,
     policy,
     run_main,
@@ -124,12 +124,6 @@ async def drive(
     return stats, start, deadline, mid
 
 
-def http_json(url: str, method: str = "GET") -> Any:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
-
-
 def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int) -> dict[str, Any]:
     """One fleet: fresh redis, vendor and replicas; returns the figures."""
     redis = fleet.redis()
@@ -179,8 +173,7 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
     rate = len(steady) / (window_end - window_start)
     per_replica = []
     for i, (p, s) in enumerate(zip(procs, samples, strict=True)):
-        now, was = outcomes(s), before_metrics[i]
-        delta = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in set(now) | set(was)}
+        delta = outcome_delta(before_metrics[i], outcomes(s))
         per_replica.append(
             {
                 "replica": p.name,
