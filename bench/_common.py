@@ -9,6 +9,7 @@ however it ends; a watchdog bounds each script's wall-clock time. Traffic goes t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -490,6 +491,25 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*map(str, r)) for r in rows]
     return "\n".join(lines)
+
+
+def fleet_parser(prog: str, doc: str, *, duration: float, rate: float, burst: float) -> argparse.ArgumentParser:
+    """A fleet script's command line: its description from ``doc``, then --replicas, --workers,
+    --duration, --rate and --burst with these defaults."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
+    p.add_argument("--workers", type=int, default=40, help="concurrent workers (default 40)")
+    p.add_argument("--duration", type=float, default=duration, help=f"seconds each worker loops (default {duration:g})")
+    p.add_argument("--rate", type=float, default=rate, help=f"configured proxy rate, per second (default {rate:g})")
+    p.add_argument("--burst", type=float, default=burst, help=f"configured proxy burst (default {burst:g})")
+    return p
+
+
+def unclean_exits(per_replica: Iterable[dict[str, Any]]) -> list[str]:
+    """["a replica did not exit 0 on SIGTERM"] when one did not, else []."""
+    return ["a replica did not exit 0 on SIGTERM"] if any(r["exit_code"] != 0 for r in per_replica) else []
 
 
 def dump_json(path: str | None, payload: object) -> None:

@@ -42,6 +42,7 @@ from _common import (
     Limit,
     dump_json,
     fetch_metrics,
+    fleet_parser,
     http_json,
     loadavg,
     metric_sum,
@@ -50,6 +51,7 @@ from _common import (
     percentile,
     policy,
     run_main,
+    unclean_exits,
     watchdog,
 )
 
@@ -330,22 +332,11 @@ def problems(r: dict[str, Any]) -> list[str]:
         out.append(f"a worker starved: min/mean completions {r['fairness']:.2f} < {TARGET_FAIRNESS:g}")
     if r["vendor_429"]:
         out.append(f"{r['vendor_429']} vendor 429s")
-    if any(rep["exit_code"] != 0 for rep in r["per_replica"]):
-        out.append("a replica did not exit 0 on SIGTERM")
-    return out
+    return out + unclean_exits(r["per_replica"])
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(
-        prog="bench/herd.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--duration", type=float, default=60.0, help="seconds the workers loop (default 60)")
-    p.add_argument("--workers", type=int, default=40, help="concurrent workers (default 40)")
-    p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
-    p.add_argument("--rate", type=float, default=95.0, help="the proxy's global rate, per second (default 95)")
-    p.add_argument("--burst", type=float, default=5.0, help="the proxy's burst (default 5)")
+    p = fleet_parser("bench/herd.py", __doc__, duration=60.0, rate=95.0, burst=5.0)
     p.add_argument(
         "--vendor-window-limit",
         type=int,
