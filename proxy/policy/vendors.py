@@ -142,14 +142,9 @@ def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
     if ca is None or not isinstance(node, yaml.SequenceNode):
         return
     for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
-        host = split_host_port(entry)[0]
-        if not ca.permits(host):
-            m.walk.error(
-                item,
-                f"{m.child('hosts')}[{i}]",
-                f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
-                "(re-create it with: quota-proxy ca init -c POLICY)",
-            )
+        outside = ca.outside(split_host_port(entry)[0])
+        if outside is not None:
+            m.walk.error(item, f"{m.child('hosts')}[{i}]", outside)
 
 
 def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:
