@@ -9,6 +9,7 @@ however it ends; a watchdog bounds each script's wall-clock time. Traffic goes t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -26,6 +27,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -248,10 +250,21 @@ class Fleet:
         finally:
             client.close()
 
-    def vendor(self, rate: float, burst: float | None = None, name: str = "vendor", cpus: str | None = None) -> Proc:
+    def vendor(
+        self,
+        rate: float,
+        burst: float | None = None,
+        name: str = "vendor",
+        cpus: str | None = None,
+        window: str | None = None,
+    ) -> Proc:
+        """The mock vendor: a token bucket (``rate``, ``burst``) or, with ``window`` (e.g.
+        ``"1s"``), a strict sliding window of ``rate x window`` requests."""
         argv = [sys.executable, "-m", "proxy", "mock-vendor", "--listen", f"{LOOPBACK}:0", "--rate", f"{rate:g}"]
         if burst is not None:
             argv += ["--burst", f"{burst:g}"]
+        if window is not None:
+            argv += ["--window", window]
         proc = self.start(name, argv, cpus=cpus)
         m = self.wait_line(proc, _VENDOR_READY)
         proc.url = f"http://{m.group(1)}"
@@ -424,6 +437,20 @@ def outcomes(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, floa
     return out
 
 
+def outcome_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What ``outcomes`` counted between two snapshots, by outcome."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+
+
+def http_json(url: str, method: str = "GET") -> Any:
+    """GET (or an empty POST) on 127.0.0.1, the answer parsed as JSON."""
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
 def metric_sum(samples: list[tuple[str, dict[str, str], float]], metric: str) -> float:
     return sum(v for n, _, v in samples if n == metric)
 
@@ -464,6 +491,25 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*map(str, r)) for r in rows]
     return "\n".join(lines)
+
+
+def fleet_parser(prog: str, doc: str, *, duration: float, rate: float, burst: float) -> argparse.ArgumentParser:
+    """A fleet script's command line: its description from ``doc``, then --replicas, --workers,
+    --duration, --rate and --burst with these defaults."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
+    p.add_argument("--workers", type=int, default=40, help="concurrent workers (default 40)")
+    p.add_argument("--duration", type=float, default=duration, help=f"seconds each worker loops (default {duration:g})")
+    p.add_argument("--rate", type=float, default=rate, help=f"configured proxy rate, per second (default {rate:g})")
+    p.add_argument("--burst", type=float, default=burst, help=f"configured proxy burst (default {burst:g})")
+    return p
+
+
+def unclean_exits(per_replica: Iterable[dict[str, Any]]) -> list[str]:
+    """["a replica did not exit 0 on SIGTERM"] when one did not, else []."""
+    return ["a replica did not exit 0 on SIGTERM"] if any(r["exit_code"] != 0 for r in per_replica) else []
 
 
 def dump_json(path: str | None, payload: object) -> None:

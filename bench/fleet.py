@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,13 +39,17 @@ from _common import (
     cpu_seconds,
     dump_json,
     fetch_metrics,
+    fleet_parser,
+    http_json,
     loadavg,
     metric_sum,
+    outcome_delta,
     outcomes,
     policy,
     run_main,
     script_calls,
     table,
+    unclean_exits,
     watchdog,
 )
 
@@ -124,12 +126,6 @@ async def drive(
     return stats, start, deadline, mid
 
 
-def http_json(url: str, method: str = "GET") -> Any:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
-
-
 def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int) -> dict[str, Any]:
     """One fleet: fresh redis, vendor and replicas; returns the figures."""
     redis = fleet.redis()
@@ -179,8 +175,7 @@ def run_once(fleet: Fleet, args: argparse.Namespace, replicas: int, workers: int
     rate = len(steady) / (window_end - window_start)
     per_replica = []
     for i, (p, s) in enumerate(zip(procs, samples, strict=True)):
-        now, was = outcomes(s), before_metrics[i]
-        delta = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in set(now) | set(was)}
+        delta = outcome_delta(before_metrics[i], outcomes(s))
         per_replica.append(
             {
                 "replica": p.name,
@@ -269,22 +264,11 @@ def problems(r: dict[str, Any]) -> list[str]:
         out.append("vendor 429s")
     if abs(r["relative_error"]) > 0.05:
         out.append("rate off by more than 5%")
-    if any(rep["exit_code"] != 0 for rep in r["per_replica"]):
-        out.append("a replica did not exit 0 on SIGTERM")
-    return out
+    return out + unclean_exits(r["per_replica"])
 
 
 def main(fleet: Fleet, argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(
-        prog="bench/fleet.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
-    p.add_argument("--workers", type=int, default=40, help="concurrent workers (default 40)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds each worker loops (default 10)")
-    p.add_argument("--rate", type=float, default=100.0, help="configured proxy rate, per second (default 100)")
-    p.add_argument("--burst", type=float, default=10.0, help="configured proxy burst (default 10)")
+    p = fleet_parser("bench/fleet.py", __doc__, duration=10.0, rate=100.0, burst=10.0)
     p.add_argument("--vendor-rate", type=float, default=120.0, help="the mock vendor's own quota (default 120)")
     p.add_argument("--vendor-burst", type=float, default=None, help="the mock vendor's burst (default its rate)")
     p.add_argument(

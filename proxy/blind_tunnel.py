@@ -12,14 +12,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from proxy.accesslog import AccessRecord
-from proxy.decide import Wish, request_wish
+from proxy.decide import Admission, Wish, request_wish
 from proxy.deps import Deps
 from proxy.names import default_port, parse_authority
 from proxy.policy.model import Vendor
 from proxy.refusals import Limited, UpstreamFailed
 
-Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord], Awaitable[str]]
-"""Take a request's tokens, holding if need be; returns the outcome (ProxyHandler.admit)."""
+Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord], Awaitable[Admission]]
+"""Take a request's tokens, holding if need be (ProxyHandler.admit)."""
 
 
 class BlindTunnels:
@@ -63,7 +63,7 @@ class BlindTunnels:
         deps.metrics.tunnels_open.labels(vendor.name).inc()
         try:
             wish = request_wish(vendor.on_limit, headers)
-            rec.outcome = await self._admit(deps, vendor, tenant, wish, rec)
+            rec.outcome = (await self._admit(deps, vendor, tenant, wish, rec)).outcome
             up_transport, up_pipe = await _connect(vendor, address)
         except BaseException:
             self._closed(deps, vendor.name)
@@ -127,13 +127,11 @@ async def _connect(vendor: Vendor, address: tuple[str, int]) -> tuple[asyncio.Tr
         async with asyncio.timeout(vendor.timeouts.connect):
             return await loop.create_connection(_Pipe, up_host, up_port)
     except TimeoutError:
-        raise UpstreamFailed(
-            504, "upstream-timeout", f"{vendor.name}: connecting to {up_host}:{up_port} timed out"
-        ) from None
+        detail = f"{vendor.name}: connecting to {up_host}:{up_port} timed out"
+        raise UpstreamFailed(504, "upstream-timeout", detail, reached=False) from None
     except OSError as exc:
-        raise UpstreamFailed(
-            502, "upstream-unreachable", f"{vendor.name}: cannot connect to {up_host}:{up_port}: {exc}"
-        ) from None
+        detail = f"{vendor.name}: cannot connect to {up_host}:{up_port}: {exc}"
+        raise UpstreamFailed(502, "upstream-unreachable", detail, reached=False) from None
 
 
 def _origin_address(origin: str) -> tuple[str, int]:

@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     ca_init.add_argument(
         "-c", "--config", metavar="FILE", help="constrain the CA to this policy's vendor hosts (name constraints)"
     )
+    ca_init.add_argument(
+        "--permit",
+        type=_permit_list,
+        action="extend",
+        default=[],
+        metavar="NAMES",
+        help="comma-separated names the CA may vouch for: .domain suffixes (.stripe.com: every host under "
+        "stripe.com), hosts (with their subdomains), IP addresses and networks (10.0.0.0/8); with -c, "
+        "added to the policy's hosts",
+    )
     ca_init.add_argument("--name", default="quota-proxy CA", metavar="CN", help="the CA's common name")
     ca_init.add_argument("--days", type=_positive_int, default=3650, metavar="N", help="validity (default 3650)")
     ca_init.add_argument("--rsa", action="store_true", help="RSA-2048 instead of EC P-256")
@@ -95,6 +105,19 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _permit_list(text: str) -> list[str]:
+    """``--permit``'s comma-separated entries, each checked as ``ca init`` will read it."""
+    from proxy.ca.commands import parse_permit  # cryptography only for this command
+
+    entries = [entry.strip() for entry in text.split(",")]
+    for entry in entries:
+        try:
+            parse_permit(entry)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
 
 
 def _config_arg(p: argparse.ArgumentParser) -> None:
@@ -200,8 +223,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _ca_init(args: argparse.Namespace) -> int:
-    from proxy.ca.authority import CAError
-    from proxy.ca.commands import init_ca, trust_instructions
+    from proxy.ca.authority import CAError, CertificateAuthority
+    from proxy.ca.commands import constraint_lines, init_ca, trust_instructions
 
     hosts: list[str] = []
     if args.config:
@@ -212,7 +235,7 @@ def _ca_init(args: argparse.Namespace) -> int:
                 print(error, file=sys.stderr)
             return EXIT_CONFIG
         hosts = _vendor_hosts(policy)
-        if not hosts:
+        if not hosts and not args.permit:
             print(f"quota-proxy: {args.config} lists no vendor hosts: the CA is not name-constrained", file=sys.stderr)
     try:
         cert_path, key_path = init_ca(
@@ -220,7 +243,7 @@ def _ca_init(args: argparse.Namespace) -> int:
             common_name=args.name,
             days=args.days,
             key_type="rsa" if args.rsa else "ec",
-            permitted_hosts=hosts,
+            permitted_hosts=[*args.permit, *hosts],  # a policy host under a --permit suffix is left out
             force=args.force,
         )
     except (CAError, ValueError) as exc:
@@ -228,8 +251,9 @@ def _ca_init(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {cert_path} (the CA certificate, for workers)")
     print(f"wrote {key_path} (the CA private key, mode 0600: keep it on the proxy)")
-    if hosts:
-        print(f"name constraints: the CA can only vouch for {', '.join(hosts)} (and their subdomains)")
+    constraints = CertificateAuthority.load(cert_path, key_path).name_constraints
+    if constraints is not None:
+        print("\n".join(constraint_lines(constraints, recipe=False)))
     print()
     print(trust_instructions(cert_path), end="")
     return 0

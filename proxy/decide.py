@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from proxy import headers as h
 from proxy.limiter.store import AcquireResult
 from proxy.policy.durations import parse_duration
 from proxy.policy.model import ACTIONS, Action, OnLimit
+from proxy.ratelimit_fields import QuotaItem
 from proxy.refusals import BadRequest
 
 
@@ -50,6 +52,18 @@ class Shed:
 
 
 Decision = Forward | Hold | Defer | Shed
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request that took its tokens and may go."""
+
+    outcome: Literal["forwarded", "held"]
+    """How it is counted once sent."""
+    quota: QuotaItem | None = None
+    """Its tightest bucket, for the RateLimit fields of the forwarded answer (when the
+    vendor asks for them and the store answered)."""
+
 
 FORWARD = Forward()
 

@@ -18,7 +18,7 @@ from aiohttp.http import HttpVersion11
 from yarl import URL
 
 from proxy.aiohttp_internals import HeadersWithBody, send_continue
-from proxy.headers import downstream_response_headers, upstream_request_headers
+from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import UpstreamFailed
 
@@ -108,10 +108,20 @@ async def send(
     url: str,
     tenant_header: str,
 ) -> aiohttp.ClientResponse:
-    """Send the worker's request upstream; return once the vendor's headers are in."""
+    """Send the worker's request upstream; return once the vendor's headers are in.
+
+    A failure is a 502/504 that says whether the request may have reached the vendor:
+    not when no connection was made (refused, DNS, connect timeout, TLS handshake),
+    else it may have (the vendor went silent or the connection broke while it was
+    written or awaited), so that only a request that is safe to repeat is retried."""
     headers = upstream_request_headers(request.headers, tenant_header)
     data = _body(request) if request.body_exists else None
     timeout = aiohttp.ClientTimeout(total=None, connect=vendor.timeouts.connect, sock_read=vendor.timeouts.read)
+    safe = idempotent(request.method, request.headers)
+
+    def failed(status: int, kind: str, detail: str, *, reached: bool) -> UpstreamFailed:
+        return UpstreamFailed(status, kind, f"{vendor.name}{detail}", reached, safe)
+
     try:
         return await session.request(
             request.method,
@@ -123,17 +133,19 @@ async def send(
             compress=None,
         )
     except aiohttp.ClientConnectorCertificateError as exc:
-        raise UpstreamFailed(
-            502, "upstream-tls", f"{vendor.name}: certificate verification failed: {exc.certificate_error}"
-        ) from exc
-    except aiohttp.ClientSSLError as exc:
-        raise UpstreamFailed(502, "upstream-tls", f"{vendor.name}: TLS error: {exc}") from exc
+        cert = exc.certificate_error
+        raise failed(502, "upstream-tls", f": certificate verification failed: {cert}", reached=False) from exc
+    except aiohttp.ClientSSLError as exc:  # raised while connecting: the handshake failed
+        raise failed(502, "upstream-tls", f": TLS error: {exc}", reached=False) from exc
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise failed(504, "upstream-timeout", " did not accept a connection in time", reached=False) from exc
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamFailed(504, "upstream-timeout", f"{vendor.name} did not answer in time") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: cannot connect: {exc.os_error}") from exc
+        raise failed(504, "upstream-timeout", " did not answer in time", reached=True) from exc
+    except aiohttp.ClientConnectorError as exc:  # refused, DNS failure, unreachable network
+        raise failed(502, "upstream-unreachable", f": cannot connect: {exc.os_error}", reached=False) from exc
     except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamFailed(502, "upstream-unreachable", f"{vendor.name}: {type(exc).__name__}: {exc}") from exc
+        detail = f": {type(exc).__name__}: {exc}"
+        raise failed(502, "upstream-unreachable", detail, reached=True) from exc
 
 
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -165,8 +177,8 @@ async def relay(
     half-read upstream connection is dropped rather than returned to the pool."""
     resp = HeadersWithBody(status=upstream.status, reason=upstream.reason)
     resp.headers.extend(downstream_response_headers(upstream.headers))
-    if extra_headers:
-        resp.headers.update(extra_headers)
+    if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
+        resp.headers.extend(extra_headers)
     no_body = request.method == "HEAD" or upstream.status in _NO_BODY_STATUS or upstream.status < 200
     # Framing is this hop's business: with the vendor's Content-Length the body is
     # sent as is; without one aiohttp chunks it for an HTTP/1.1 worker and delimits

@@ -15,15 +15,17 @@ from aiohttp import web
 
 from proxy.accesslog import AccessRecord
 from proxy.aiohttp_internals import answer_begun
-from proxy.decide import Defer, Hold, Shed, Wish, decide, request_wish
+from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import apply_feedback
 from proxy.forward import relay, send
+from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import StoreUnavailable
 from proxy.match import Match
 from proxy.policy.model import Vendor
+from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.target import parse_target, parse_tunneled_target
 
@@ -49,7 +51,7 @@ class ProxyHandler:
             log.exception("internal error on %s %s", request.method, request.raw_path[:200])
             if answer_begun(request):
                 raise exc  # the answer had begun: aiohttp drops the connection, never a spliced body
-            return ledger.refuse(InternalError(INTERNAL_ERROR))
+            return ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
 
         return await accounted(ledger, self._handle(deps, request, ledger.rec), _as_is, crashed)
 
@@ -68,12 +70,12 @@ class ProxyHandler:
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
         wish = request_wish(match.vendor.on_limit, request.headers)
-        outcome = await self.admit(deps, match.vendor, match.tenant, wish, rec)
-        resp = await self._forward(deps, request, match, rec, outcome)
+        admission = await self.admit(deps, match.vendor, match.tenant, wish, rec)
+        resp = await self._forward(deps, request, match, rec, admission)
         rec.status = resp.status
         return resp
 
-    async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> str:
+    async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> Admission:
         """Take the request's tokens, holding if the decision says so; returns the outcome
         to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
@@ -81,11 +83,12 @@ class ProxyHandler:
             result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
-                raise StoreDown(limiter.breaker.retry_after(), f"store unavailable: {exc}") from None
+                wait = limiter.breaker.retry_after()
+                raise StoreDown(wait, f"store unavailable: {exc}", blocked_item(vendor, wait)) from None
             self._warn_fail_open(deps, vendor.name, exc)
             deps.metrics.fail_open.labels(vendor.name).inc()
             rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
-            return "forwarded"
+            return Admission("forwarded")
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = limiter.buckets(vendor, tenant).all[result.binding]
@@ -96,34 +99,38 @@ class ProxyHandler:
                 bucket.scope,
                 bucket.label,
                 hint,
+                tightest(request_limits(vendor, tenant), result.levels, result.binding),
             )
+        quota = tightest(request_limits(vendor, tenant), result.levels) if vendor.ratelimit_headers else None
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor.name, decision.wait, rec)
-            return "held"
-        return "forwarded"
+            await self._hold(deps, vendor, decision.wait, rec)
+            return Admission("held", quota)
+        return Admission("forwarded", quota)
 
-    async def _hold(self, deps: Deps, vendor: str, wait: float, rec: AccessRecord) -> None:
+    async def _hold(self, deps: Deps, vendor: Vendor, wait: float, rec: AccessRecord) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
         refill interval apart, so held requests leave in order and evenly paced."""
-        mark = deps.limiter.mark(vendor)
-        deps.held[vendor] = deps.held.get(vendor, 0) + 1
-        gauge = deps.metrics.held_now.labels(vendor)
+        name = vendor.name
+        mark = deps.limiter.mark(name)
+        deps.held[name] = deps.held.get(name, 0) + 1
+        gauge = deps.metrics.held_now.labels(name)
         gauge.inc()
         try:
             await deps.clock.sleep(wait)
         finally:
-            deps.held[vendor] -= 1
+            deps.held[name] -= 1
             gauge.dec()
             rec.hold = wait
-        deps.metrics.hold_seconds.labels(vendor).observe(wait)
+        deps.metrics.hold_seconds.labels(name).observe(wait)
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
-        blocked = deps.limiter.blocked_since(vendor, mark)
+        blocked = deps.limiter.blocked_since(name, mark)
         if blocked > 0:
-            raise Limited("defer", blocked, "global", "vendor block (vendor answered 429)")
+            why = "vendor block: the vendor answered 429"
+            raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
     async def _forward(
-        self, deps: Deps, request: web.BaseRequest, match: Match, rec: AccessRecord, outcome: str
+        self, deps: Deps, request: web.BaseRequest, match: Match, rec: AccessRecord, admission: Admission
     ) -> web.StreamResponse:
         vendor = match.vendor
         sent = deps.clock.monotonic()
@@ -132,7 +139,7 @@ class ProxyHandler:
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()
-        deps.recent.add(vendor.name, outcome)
+        deps.recent.add(vendor.name, admission.outcome)
         if upstream.status == 429:
             deps.recent.add(vendor.name, "vendor_429")
         try:
@@ -149,12 +156,14 @@ class ProxyHandler:
             )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
-        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else None
+        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
+        if admission.quota is not None:
+            extra.update(fields_for_forwarded(upstream.headers, admission.quota))
         resp, broken = await relay(upstream, request, extra)
         elapsed = deps.clock.monotonic() - sent
         deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
         deps.sizing.observe(vendor.name, elapsed)
-        rec.outcome = outcome
+        rec.outcome = admission.outcome
         if broken:
             rec.outcome, rec.detail = "error", broken
         return resp

@@ -1,6 +1,9 @@
-"""Header names the proxy reads or writes, and the hop-by-hop set (RFC 9110 §7.6.1)."""
+"""Header names the proxy reads or writes, the hop-by-hop set (RFC 9110 §7.6.1), and
+whether a request is safe to send twice."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -16,6 +19,11 @@ SCOPE = "X-Quota-Scope"
 ERROR = "X-Quota-Error"
 RETRY_AFTER = "Retry-After"
 HINT_MS = "retry-after-ms"  # the retry hint in ms, read first by OpenAI's and Stainless-generated SDKs
+SHOULD_RETRY = "x-should-retry"  # obeyed by OpenAI's and Stainless-generated SDKs (Anthropic's, ...)
+STRIPE_SHOULD_RETRY = "Stripe-Should-Retry"  # obeyed by Stripe's SDKs, which otherwise retry every 5xx
+IDEMPOTENCY_KEY = "Idempotency-Key"
+
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 
 # Connection-specific: meaningful for one hop only, never forwarded either way.
 HOP_BY_HOP = frozenset(
@@ -69,3 +77,10 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
             continue
         out.add(name, value)
     return out
+
+
+def idempotent(method: str, headers: Mapping[str, str]) -> bool:
+    """Whether sending the request twice does no more than sending it once: an idempotent
+    method (RFC 9110 §9.2.2, TRACE aside), or a request carrying an ``Idempotency-Key``
+    (the vendor deduplicates it)."""
+    return method.upper() in IDEMPOTENT_METHODS or IDEMPOTENCY_KEY in headers

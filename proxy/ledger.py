@@ -51,7 +51,9 @@ class Ledger:
                 (deps.metrics.shed if refusal.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
             if refusal.tls_error is not None:
                 deps.metrics.tls_errors.labels(vendor, refusal.tls_error).inc()
-        answer = refusal_response(refusal, vendor)
+        # The vendor's dialect and settings (answers, answers_max_wait) shape the answer.
+        speaker = next((v for v in deps.policy.vendors if v.name == vendor), None)
+        answer = refusal_response(refusal, speaker)
         rec.status = answer.status
         return answer
 

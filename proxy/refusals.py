@@ -1,19 +1,21 @@
 """Why the proxy answers a request itself instead of forwarding it.
 
-    Refusal             status   outcome          error
-    ├── BadRequest      400      denied           bad_request     malformed target, tenant or X-Quota-* header
-    ├── Denied          403      denied           forbidden       no vendor matches (never an open proxy)
-    ├── Limited         429/503  deferred/shed    rate_limited    the buckets are empty: defer or shed
-    ├── StoreDown       429      deferred         rate_limited    store unavailable and on_failure: closed
-    ├── UpstreamFailed  502/504  error            upstream_*      the vendor unreachable, timed out, bad TLS
-    └── InternalError   500      error            proxy_error     a bug in the proxy (logged with its traceback)
+    Refusal             status   outcome          error type       retry?
+    ├── BadRequest      400      denied           bad_request      no: malformed target, tenant or X-Quota-* header
+    ├── Denied          403      denied           forbidden        no: no vendor matches (never an open proxy)
+    ├── Limited         429/503  deferred/shed    rate_limited     defer yes, shed no: the buckets are empty
+    ├── StoreDown       429      deferred         rate_limited     yes: store unavailable and on_failure: closed
+    ├── UpstreamFailed  502/504  error            upstream_error   only if it cannot have reached the vendor,
+    │                                                              or is idempotent
+    └── InternalError   500      error            proxy_error      only if idempotent: a bug in the proxy (logged)
 
 Each refusal carries what the rest of the proxy needs to know about it, so nothing
 else has to ask which kind it is: ``status``, the ``outcome`` it is counted and
-logged as (SPEC §7), the ``error`` type its answer names, and ``detail``, the
-sentence for a person (in the answer and the access log; None for Limited, whose
-answer names its bucket instead). ``responses.refusal_response`` renders the answer;
-``ledger.Ledger.refuse`` does the accounting.
+logged as (SPEC §7), the ``error`` type and ``code`` its answer names (SPEC §5),
+whether a client may ``retry`` it (SPEC §9), and ``detail``, the sentence for the
+access log (None for Limited, whose answer names its bucket instead).
+``responses.refusal_response`` renders the answer; ``ledger.Ledger.refuse`` does the
+accounting.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.policy.model import Action
+from proxy.ratelimit_fields import QuotaItem
 
 Outcome = Literal["deferred", "shed", "denied", "error"]
 """How a refused request is counted: ``ratelimit_requests_total{outcome}`` and the access log."""
+
+ErrorType = Literal["rate_limited", "forbidden", "bad_request", "upstream_error", "proxy_error"]
+"""The ``error.type`` of an answer the proxy writes itself (SPEC §5)."""
 
 
 class Refusal(Exception):
@@ -33,8 +39,13 @@ class Refusal(Exception):
     status: int
     """The answer's HTTP status."""
     outcome: Outcome
-    error: str
-    """The answer's error type (rate_limited, forbidden, bad_request, upstream_..., proxy_error)."""
+    error: ErrorType
+    """The answer's ``error.type``."""
+    code: str
+    """The answer's ``error.code``: which refusal of its type, for programs."""
+    retry: bool
+    """Whether a client may send the request again (``x-should-retry``; a long defer is
+    turned into "do not retry" where it is written, per vendor)."""
     detail: str | None
     tls_error: str | None = None
     """The ``ratelimit_tls_errors_total`` reason this refusal counts as, if it is a TLS failure."""
@@ -48,6 +59,8 @@ class BadRequest(Refusal):
     status = 400
     outcome = "denied"
     error = "bad_request"
+    code = "bad_request"
+    retry = False
 
 
 @dataclass
@@ -59,6 +72,8 @@ class Denied(Refusal):
     status = 403
     outcome = "denied"
     error = "forbidden"
+    code = "denied"
+    retry = False
 
 
 @dataclass
@@ -73,11 +88,16 @@ class Limited(Refusal):
     hint: float | None = None
     """Seconds until this caller's slot in the deferral queue, when it has one: when to
     retry (never before ``retry_after``). None: the real wait is the hint."""
+    quota: QuotaItem | None = None
+    """The refusing bucket as the RateLimit fields describe it, if it is a bucket."""
     error = "rate_limited"
     detail = None
 
     def __post_init__(self) -> None:
-        self.status, self.outcome = (503, "shed") if self.action == "shed" else (429, "deferred")
+        shed = self.action == "shed"
+        self.status, self.outcome, self.code, self.retry = (
+            (503, "shed", "shed", False) if shed else (429, "deferred", "deferred", True)
+        )
         if self.hint is None or self.hint < self.retry_after:
             self.hint = self.retry_after
 
@@ -88,9 +108,13 @@ class StoreDown(Refusal):
 
     retry_after: float
     detail: str
+    quota: QuotaItem | None = None
+    """The vendor's quota as the RateLimit fields describe it while nothing is granted."""
     status = 429
     outcome = "deferred"
     error = "rate_limited"
+    code = "store_unavailable"
+    retry = True
 
 
 @dataclass
@@ -101,19 +125,31 @@ class UpstreamFailed(Refusal):
     kind: str
     """upstream-unreachable, upstream-timeout or upstream-tls (the X-Quota-Error header)."""
     detail: str
+    reached: bool
+    """The request may have reached the vendor (it was being written, or was written):
+    resending it could repeat it. False only when it certainly did not (no connection)."""
+    idempotent: bool = False
+    """The request is safe to repeat (headers.idempotent)."""
     outcome = "error"
+    error = "upstream_error"
 
     def __post_init__(self) -> None:
-        self.error = self.kind.replace("-", "_")
+        self.code = self.kind.replace("-", "_")
+        self.retry = not self.reached or self.idempotent
         if self.kind == "upstream-tls":
             self.tls_error = "upstream_verify"
 
 
 @dataclass
 class InternalError(Refusal):
-    """The proxy itself failed: 500, never forwarded."""
+    """The proxy itself failed: 500. The request may have gone out before the failure."""
 
     detail: str
+    idempotent: bool = False
     status = 500
     outcome = "error"
     error = "proxy_error"
+    code = "internal_error"
+
+    def __post_init__(self) -> None:
+        self.retry = self.idempotent

@@ -1,19 +1,25 @@
-"""Every answer the proxy gives in its own name: one place for bodies and headers.
+"""Every answer the proxy gives in its own name: one place for what each one says.
 
-The refusal says what the answer is (its status, error type and detail: refusals.py);
-this module says how it is written. A vendor's own 429 never carries X-Quota-Action,
-so a worker can tell the two apart.
+The refusal says what the answer is (its status, error type, code, whether to retry:
+refusals.py); this module turns it into an ``Answer`` (the sentence for a person, the
+generic body keys, the X-Quota-* and retry headers) and the vendor's dialect writes it
+(answers.py). A vendor's own 429 never carries X-Quota-Action, so a worker can tell
+the two apart.
 """
 
 from __future__ import annotations
 
-import json
 import math
+from typing import Final
 
 from aiohttp import web
 
 from proxy import headers as h
+from proxy.answers import Answer, render
+from proxy.policy.model import Vendor
 from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
+
+_NO_VENDOR: Final = Vendor(name="")
 
 
 def retry_after_seconds(wait: float) -> int:
@@ -21,57 +27,109 @@ def retry_after_seconds(wait: float) -> int:
     return max(1, math.ceil(wait - 1e-9))
 
 
-def _json(refusal: Refusal, body: dict[str, object], headers: dict[str, str]) -> web.Response:
-    return web.Response(
-        status=refusal.status,
-        body=json.dumps({"error": refusal.error, **body}, separators=(",", ":")).encode(),
-        content_type="application/json",
-        headers=headers,
-    )
+def _ms(seconds: float) -> int:
+    """Milliseconds, at least 1 and at least ``seconds``."""
+    return max(1, math.ceil(seconds * 1000 - 1e-6))
 
 
-def refusal_response(refusal: Refusal, limiter: str | None) -> web.Response:
+def refusal_response(refusal: Refusal, vendor: Vendor | None) -> web.Response:
+    """The answer to a refused request, in ``vendor``'s dialect (generic without a vendor)."""
+    answer = _answer(refusal, vendor)
+    return render(answer, vendor.answers if vendor is not None else "generic")
+
+
+def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
+    limiter = vendor.name if vendor is not None else None
     match refusal:
         case Limited(action="shed"):
-            return _json(
+            over = _over_quota(limiter, refusal.scope, refusal.bucket)
+            message = f"{over}: the request was shed (not sent); do not retry it now"
+            return _plain(
                 refusal,
+                message,
                 {"action": "shed", "limiter": limiter, "scope": refusal.scope, "bucket": refusal.bucket},
                 {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope},
             )
         case Limited():
             return _defer(
-                refusal, limiter, {"scope": refusal.scope, "bucket": refusal.bucket}, {h.SCOPE: refusal.scope}
+                refusal,
+                vendor or _NO_VENDOR,
+                _over_quota(limiter, refusal.scope, refusal.bucket),
+                {"scope": refusal.scope, "bucket": refusal.bucket},
+                {h.SCOPE: refusal.scope},
             )
         case StoreDown():
-            return _defer(refusal, limiter, {"reason": "store-unavailable"}, {h.REASON: "store-unavailable"})
+            why = f"{limiter}: the quota store is unavailable and the policy fails closed, so nothing is sent"
+            return _defer(
+                refusal, vendor or _NO_VENDOR, why, {"reason": "store-unavailable"}, {h.REASON: "store-unavailable"}
+            )
         case Denied():
-            return _json(refusal, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
+            message = f"{refusal.detail} (the proxy sends only what its policy allows)"
+            return _plain(refusal, message, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
         case BadRequest():
-            return _json(refusal, {"detail": refusal.detail}, {})
+            return _plain(refusal, f"bad request: {refusal.detail}", {"detail": refusal.detail}, {})
         case UpstreamFailed():
-            extra = {h.LIMITER: limiter} if limiter else {}
-            return _json(refusal, {"limiter": limiter, "detail": refusal.detail}, {h.ERROR: refusal.kind, **extra})
+            if not refusal.reached:
+                advice = "the request was not sent (safe to retry)"
+            elif refusal.retry:
+                advice = "the vendor may have processed the request (idempotent: safe to retry)"
+            else:
+                advice = "the vendor may have processed the request: do not resend it without an Idempotency-Key"
+            return _plain(
+                refusal,
+                f"{refusal.detail}: {advice}",
+                {"limiter": limiter, "detail": refusal.detail},
+                {h.ERROR: refusal.kind, **({h.LIMITER: limiter} if limiter else {})},
+            )
         case InternalError():
-            return _json(refusal, {"limiter": limiter, "detail": refusal.detail}, {h.ERROR: "proxy-error"})
+            return _plain(
+                refusal,
+                f"{refusal.detail} (see the proxy's log); the request may have been sent",
+                {"limiter": limiter, "detail": refusal.detail},
+                {h.ERROR: "proxy-error"},
+            )
     raise TypeError(f"unknown refusal {refusal!r}")
 
 
+def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
+    if scope == "tunnels":
+        return f"{limiter or 'the vendor'} has no free tunnel ({bucket})"
+    return f"{limiter or 'the vendor'} is over its quota ({bucket})"
+
+
+def _plain(refusal: Refusal, message: str, fields: dict[str, object], headers: dict[str, str]) -> Answer:
+    return Answer(refusal.status, refusal.error, refusal.code, message, refusal.retry, fields, headers)
+
+
 def _defer(
-    refusal: Limited | StoreDown, limiter: str | None, extra: dict[str, object], headers: dict[str, str]
-) -> web.Response:
+    refusal: Limited | StoreDown, vendor: Vendor, why: str, extra: dict[str, object], headers: dict[str, str]
+) -> Answer:
+    """A 429 that says when to come back: ``retry-after-ms`` the caller's slot (the hint),
+    ``Retry-After`` whole seconds at least that, ``X-Quota-Retry-After-Ms`` the real wait.
+    A hint beyond the vendor's ``answers_max_wait`` says "do not retry" (re-enqueue)."""
     wait = refusal.retry_after
     hint = refusal.hint if isinstance(refusal, Limited) and refusal.hint is not None else wait
-    seconds = retry_after_seconds(hint)
-    hint_ms = max(1, math.ceil(hint * 1000))
-    return _json(
-        refusal,
+    seconds, hint_ms = retry_after_seconds(hint), _ms(hint)
+    retry = hint <= vendor.answers_max_wait
+    message = f"{why}; retry in {math.ceil(hint_ms / 10) / 100:.2f} s"  # never before the hint
+    if not retry:
+        message += " (longer than one call should wait: re-enqueue the job)"
+    limiter = vendor.name or None
+    quota = refusal.quota.fields() if refusal.quota is not None else {}
+    return Answer(
+        refusal.status,
+        refusal.error,
+        refusal.code,
+        message,
+        retry,
         {"action": "defer", "limiter": limiter, "retry_after": seconds, "retry_after_ms": hint_ms, **extra},
         {
             h.RETRY_AFTER: str(seconds),
             h.HINT_MS: str(hint_ms),
             h.ACTION: "defer",
-            h.RETRY_AFTER_MS: str(max(1, math.ceil(wait * 1000))),
+            h.RETRY_AFTER_MS: str(_ms(wait)),
             h.LIMITER: limiter or "",
             **headers,
+            **quota,
         },
     )

@@ -148,10 +148,11 @@ async def test_a_tunnel_to_an_unreachable_vendor_is_502(start_proxy) -> None:
 
     policy = make_policy(TUNNEL_POLICY, upstream=f"https://127.0.0.1:{free_port()}", burst=5, max_tunnels=5)
     proxy = await start_proxy(policy)
-    status, _headers, body, _, writer = await raw_connect(proxy, "api.payments.example:443")
+    status, headers, body, _, writer = await raw_connect(proxy, "api.payments.example:443")
     writer.close()
     assert status == 502
-    assert json.loads(body)["error"] == "upstream_unreachable"
+    assert json.loads(body)["error"]["code"] == "upstream_unreachable"
+    assert headers["x-should-retry"] == "true"  # nothing went through the tunnel
     assert proxy.gate.tunnels.count("payments") == 0
 
 

@@ -138,11 +138,14 @@ class CountingStore:
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         return await self.inner.peek(buckets)
 
+    async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        return await self.inner.refund(buckets, cost)
+
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         await self.inner.watch_blocks(pattern, on_block)
 
-    async def ping(self) -> None:
-        await self.inner.ping()
+    async def ping(self, probes: tuple[str, ...] = ()) -> None:
+        await self.inner.ping(probes)
 
     async def close(self) -> None:
         await self.inner.close()

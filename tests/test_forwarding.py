@@ -372,10 +372,13 @@ async def test_unmatched_host_is_403_deny_with_json(recording_vendor, start_prox
         assert r.status == 403
         assert r.headers["X-Quota-Action"] == "deny"
         assert r.content_type == "application/json"
+        assert r.headers["x-should-retry"] == "false"
         body = await r.json()
-    assert body["error"] == "forbidden"
+    assert body["error"]["type"] == "forbidden" and body["error"]["code"] == "denied"
     assert body["action"] == "deny"
     assert "other.example" in body["detail"]
+    assert body["message"] == body["error"]["message"]
+    assert body["message"].startswith("no vendor in the policy matches 'other.example'")
     assert recording_vendor.seen == []
 
 
@@ -853,9 +856,11 @@ async def test_bad_worker_headers_are_400(recording_vendor, start_proxy, headers
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url, headers=headers) as r:
             assert r.status == 400
+            assert r.headers["x-should-retry"] == "false"
             body = await r.json()
-        assert body["error"] == "bad_request"
+        assert body["error"]["type"] == body["error"]["code"] == "bad_request"
         assert mentions in body["detail"]
+        assert body["message"] == body["error"]["message"] == f"bad request: {body['detail']}"
         assert recording_vendor.seen == []
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
             assert r.status == 200  # still serving
@@ -935,9 +940,11 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
             assert r.status == 502
+            assert r.headers["x-should-retry"] == "true"  # refused: the request never left
             body = await r.json()
-        assert body["error"] == "upstream_unreachable"
+        assert body["error"]["type"] == "upstream_error" and body["error"]["code"] == "upstream_unreachable"
         assert body["limiter"] == "payments"
+        assert body["message"].endswith("the request was not sent (safe to retry)")
         assert r.headers.get("X-Quota-Action") is None
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
             assert r.status == 502  # and again: nothing broke
@@ -955,7 +962,14 @@ async def test_a_bug_in_the_proxy_is_a_500_counted_as_an_error(vendor, start_pro
             assert r.headers["X-Quota-Error"] == "proxy-error"
             body = await r.json()
         samples = metric_samples(await (await s.get(f"{proxy.admin_url}/metrics")).text())
-    assert body == {"error": "proxy_error", "limiter": "payments", "detail": "internal proxy error"}
+    message = "internal proxy error (see the proxy's log); the request may have been sent"
+    assert body == {
+        "error": {"type": "proxy_error", "code": "internal_error", "message": message},
+        "message": message,
+        "limiter": "payments",
+        "detail": "internal proxy error",
+    }
+    assert r.headers["x-should-retry"] == "true"  # a GET is safe to repeat
     assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="error") == 1
     assert f"internal error on GET {VENDOR_URL}/v1" in caplog.text
     assert vendor.mock.accepted == 0
@@ -993,15 +1007,16 @@ async def test_vendor_silent_past_read_timeout_is_504_json(raw_vendor, start_pro
             body = await r.json()
     finally:
         release.set()
-    assert body["error"] == "upstream_timeout"
+    assert body["error"]["type"] == "upstream_error" and body["error"]["code"] == "upstream_timeout"
     assert body["limiter"] == "payments"
+    assert r.headers["x-should-retry"] == "true"  # it may have reached the vendor, but a GET is idempotent
 
 
 async def test_mock_vendor_slower_than_read_timeout_is_504(vendor, start_proxy) -> None:
     proxy = await start_proxy(vendor_policy(vendor.url, extra_vendor="timeouts: {read: 200ms}"))
     async with aiohttp.ClientSession() as s, s.get(f"{VENDOR_URL}/delay/400", proxy=proxy.url) as r:
         assert r.status == 504
-        assert (await r.json())["error"] == "upstream_timeout"
+        assert (await r.json())["error"]["code"] == "upstream_timeout"
 
 
 async def test_vendor_stalling_mid_body_past_read_timeout_breaks_the_worker_response(raw_vendor, start_proxy) -> None:
@@ -1187,7 +1202,8 @@ async def test_vendor_closing_before_answering_is_502(raw_vendor, start_proxy) -
     proxy = await start_proxy(vendor_policy(vendor.url))
     async with aiohttp.ClientSession() as s, s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
         assert r.status == 502
-        assert (await r.json())["error"] == "upstream_unreachable"
+        assert (await r.json())["error"]["code"] == "upstream_unreachable"
+        assert r.headers["x-should-retry"] == "true"  # sent, but a GET
 
 
 async def test_refused_request_with_unread_body_keeps_the_connection_usable(

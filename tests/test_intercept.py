@@ -522,7 +522,7 @@ async def test_an_upstream_certificate_that_does_not_verify_is_502_and_nothing_i
     assert r.headers["x-quota-error"] == "upstream-tls"
     assert "x-quota-action" not in r.headers
     body = r.json()
-    assert body["error"] == "upstream_tls"
+    assert body["error"]["type"] == "upstream_error" and body["error"]["code"] == "upstream_tls"
     assert body["limiter"] == "payments"
     assert "certificate verify failed" in body["detail"] and bad_upstream.why in body["detail"], body
     assert bad_upstream.vendor.mock.requests == []  # the TLS handshake failed: nothing was sent

@@ -16,7 +16,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,152 @@ def test_bad_quotas_are_refused():
     with pytest.raises(ValueError, match="burst"):
         MockVendor(rate=5, burst=0.5)
     assert MockVendor(rate=0.5).burst == 1.0  # a bucket must hold at least one request
+
+
+# -- sliding window ------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def windowed(aiohttp_client, clock):
+    """A vendor accepting at most 5 requests in any 1 s, on a clock the test moves."""
+    vendor = MockVendor(rate=5, window=1.0, clock=clock)
+    client = await aiohttp_client(vendor.app())
+    return vendor, client
+
+
+async def test_a_window_accepts_its_limit_at_once_then_nothing_until_the_oldest_leaves(windowed, clock):
+    vendor, client = windowed
+    remaining = []
+    for _ in range(5):  # no pacing: a window, unlike a bucket, takes its whole limit at once
+        resp = await client.get("/v1/x")
+        assert (resp.status, resp.headers["X-RateLimit-Limit"]) == (200, "5")
+        remaining.append(int(resp.headers["X-RateLimit-Remaining"]))
+        clock.advance(0.1)
+    assert remaining == [4, 3, 2, 1, 0]
+    clock.advance(0.2)  # t = 0.7: the five arrived in [0, 0.4]
+    resp = await client.get("/v1/x")
+    assert resp.status == 429
+    assert await resp.json() == {"error": "rate_limited"}
+    assert (resp.headers["Retry-After"], resp.headers["X-RateLimit-Remaining"]) == ("1", "0")  # 0.3 s, rounded up
+    clock.advance(0.3 - 1e-6)
+    assert (await client.get("/v1/x")).status == 429  # [0, 1) still holds five
+    clock.advance(1e-6)  # t = 1.0: the first arrival is out of (0, 1]
+    resp = await client.get("/v1/x")
+    assert (resp.status, resp.headers["X-RateLimit-Remaining"]) == (200, "0")
+    assert (await client.get("/v1/x")).status == 429
+    clock.advance(0.1)  # t = 1.1: the second one left; refused requests took no place
+    assert (await client.get("/v1/x")).status == 200
+
+    stats = vendor.stats()
+    assert (stats["accepted"], stats["rejected"]) == (7, 3)
+    assert stats["rejections"] == pytest.approx([1000.7, 1000.999999, 1001.0])
+    assert (stats["window"], stats["window_limit"], stats["burst"], stats["tokens"]) == (1.0, 5, None, None)
+    assert stats["window_max"] == 8  # (0.1, 1.1]: 4 accepted before, 3 refused, 1 accepted: 8 arrived
+
+
+async def test_no_window_ever_holds_more_than_the_limit_and_window_max_counts_every_arrival(aiohttp_client):
+    rng = random.Random(7)
+    clock = HandClock()
+    vendor = MockVendor(rate=20, window=0.5, clock=clock)  # at most 10 in any 0.5 s
+    client = await aiohttp_client(vendor.app())
+    times, statuses = [], []
+    for _ in range(400):
+        clock.advance(rng.choice([0.0, 0.001, 0.01, 0.03, 0.1]))
+        times.append(clock.now)
+        statuses.append((await client.get("/")).status)
+    accepted = [t for t, status in zip(times, statuses, strict=True) if status == 200]
+    refused = [t for t, status in zip(times, statuses, strict=True) if status == 429]
+    assert accepted and refused and vendor.window_limit == 10
+
+    def most_in_a_window(arrivals: list[float]) -> int:  # every window that holds the most starts at an arrival
+        return max(sum(1 for t in arrivals if start <= t < start + 0.5) for start in arrivals)
+
+    assert most_in_a_window(accepted) == 10
+    for t in refused:  # refused only when full: ten accepted in (t - 0.5, t]
+        assert sum(1 for a in accepted if t - 0.5 < a <= t) == 10
+    assert vendor.stats()["window_max"] == most_in_a_window(times) > 10
+    assert list(vendor.arrivals) == accepted and list(vendor.rejections) == refused
+
+
+async def test_scripted_answers_take_no_place_in_the_window(windowed, clock):
+    vendor, client = windowed
+    vendor.script(status=500, count=2)
+    assert [(await client.get("/")).status for _ in range(2)] == [500, 500]
+    resp = await client.get("/")
+    assert (resp.status, resp.headers["X-RateLimit-Remaining"]) == (200, "4")
+    vendor.script(status=503)
+    resp = await client.get("/")
+    assert (resp.status, resp.headers["X-RateLimit-Remaining"]) == (503, "4")  # what is left, nothing taken
+
+
+async def test_config_switches_between_bucket_and_window(limited, clock):
+    vendor, client = limited
+    resp = await client.post("/__mock/config", json={"rate": 100, "window": 1})
+    assert await resp.json() == {"ok": True, "rate": 100, "burst": None}
+    assert (vendor.window, vendor.window_limit, vendor.burst) == (1.0, 100, None)
+    assert [(await client.get("/")).status for _ in range(101)] == [200] * 100 + [429]
+    await client.post("/__mock/config", json={"rate": 3})  # the window stays, with the new rate
+    assert (vendor.window, vendor.window_limit) == (1.0, 3)
+    assert (await client.post("/__mock/config", json={"burst": 2})).status == 400  # a window has no burst
+    await client.post("/__mock/config", json={"window": None})  # back to a bucket, burst = rate
+    assert (vendor.window, vendor.window_limit, vendor.burst) == (None, None, 3)
+    assert vendor.stats()["window_max"] is None
+    resp = await client.post("/__mock/config", json={"rate": 2, "window": 0.25})
+    assert resp.status == 400 and "at least 1 request" in (await resp.json())["detail"]
+    assert (vendor.rate, vendor.burst, vendor.window) == (3, 3, None)  # a refused config changes nothing
+
+
+def test_bad_windows_are_refused():
+    with pytest.raises(ValueError, match="a window needs a rate"):
+        MockVendor(rate=None, window=1.0)
+    with pytest.raises(ValueError, match="no burst"):
+        MockVendor(rate=5, burst=5, window=1.0)
+    with pytest.raises(ValueError, match="at least 1 request"):
+        MockVendor(rate=0.5, window=1.0)
+    for window in (0, -1, float("inf"), True):
+        with pytest.raises(ValueError, match="window must be a positive number"):
+            MockVendor(rate=5, window=window)
+    assert MockVendor(rate=2.5, window=2.0).window_limit == 5
+
+
+# -- in flight -----------------------------------------------------------------------------
+
+
+async def test_in_flight_counts_the_requests_being_handled_at_once(unlimited):
+    vendor, client = unlimited
+    release = asyncio.Event()
+
+    async def held_body() -> AsyncIterator[bytes]:
+        yield b"x"
+        await release.wait()
+        yield b"y"
+
+    responses = [await client.post("/echo", data=held_body()) for _ in range(3)]
+    for resp in responses:  # the echo of the first chunk: each handler is running
+        assert await resp.content.readexactly(1) == b"x"
+    stats = await (await client.get("/__mock/stats")).json()  # control requests are not counted
+    assert (stats["in_flight"], stats["max_in_flight"]) == (3, 3)
+
+    release.set()
+    for resp in responses:
+        assert await resp.content.read() == b"y"
+        resp.release()
+    await client.get("/v1/one-more")
+    assert (vendor.in_flight, vendor.max_in_flight) == (0, 3)
+    vendor.reset()
+    assert vendor.stats()["max_in_flight"] == 0
+
+
+async def test_a_delay_is_in_flight_while_it_waits(unlimited):
+    vendor, client = unlimited
+    task = asyncio.ensure_future(client.get("/delay/300"))
+    deadline = time.monotonic() + 5
+    while vendor.in_flight == 0 and not task.done():
+        assert time.monotonic() < deadline, "the delayed request never reached the vendor"
+        await asyncio.sleep(0.005)
+    assert (vendor.in_flight, task.done()) == (1, False)
+    assert (await task).status == 200
+    assert (vendor.in_flight, vendor.max_in_flight) == (0, 1)
 
 
 # -- special paths -------------------------------------------------------------------------
@@ -448,6 +595,20 @@ def test_main_rejects_bad_arguments(capsys):
     assert "HOST:PORT" in capsys.readouterr().err
 
 
+def test_main_rejects_bad_windows(capsys):
+    for argv, problem in (
+        (["--window", "1x"], '"1x" is not a duration'),
+        (["--window", "0"], "the window must be longer than 0"),
+        (["--rate", "0", "--window", "1s"], "--window needs a --rate"),
+        (["--burst", "5", "--window", "1s"], "not --burst"),
+        (["--rate", "2", "--window", "100ms"], "--rate x --window must be at least 1 request"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["mock-vendor", *argv])
+        assert exc.value.code == 2, argv
+        assert problem in capsys.readouterr().err, argv
+
+
 def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
@@ -464,10 +625,12 @@ def _get(url: str) -> tuple[int, dict[str, str], bytes]:
             return err.code, dict(err.headers), err.read()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_the_command_serves_and_exits_cleanly_on_signal(sig):
+@contextmanager
+def _serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``quota-proxy mock-vendor ARGS`` on a free port: the process and its ready line; killed
+    if the test leaves it running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "mock-vendor", "--listen", "127.0.0.1:0", "--rate", "5"],
+        [sys.executable, "-m", "proxy", "mock-vendor", "--listen", "127.0.0.1:0", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -475,7 +638,16 @@ def test_the_command_serves_and_exits_cleanly_on_signal(sig):
         text=True,
     )
     try:
-        line = _readline(proc, timeout=20)
+        yield proc, _readline(proc, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()  # reaps it and closes the pipes
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_command_serves_and_exits_cleanly_on_signal(sig):
+    with _serving("--rate", "5") as (proc, line):
         match = re.fullmatch(r"mock-vendor listening on http://127\.0\.0\.1:(\d+) \(rate 5/s, burst 5\)\n", line)
         assert match, line
         port = int(match.group(1))
@@ -501,7 +673,20 @@ def test_the_command_serves_and_exits_cleanly_on_signal(sig):
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
         assert out == ""  # exactly one line, already read
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+
+
+def test_the_command_serves_a_sliding_window():
+    with _serving("--rate", "50", "--window", "1m") as (proc, line):
+        match = re.fullmatch(
+            r"mock-vendor listening on http://127\.0\.0\.1:(\d+) "
+            r"\(rate 50/s, sliding window 60s: at most 3000 requests in any window\)\n",
+            line,
+        )
+        assert match, line
+        base = f"http://127.0.0.1:{match.group(1)}"
+        status, headers, _ = _get(f"{base}/v1/x")
+        assert (status, headers["X-RateLimit-Limit"], headers["X-RateLimit-Remaining"]) == (200, "3000", "2999")
+        stats = json.loads(_get(f"{base}/__mock/stats")[2])
+        assert (stats["window"], stats["window_limit"], stats["window_max"], stats["burst"]) == (60, 3000, 1, None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0

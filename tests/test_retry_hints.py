@@ -41,6 +41,7 @@ async def test_workers_refused_together_are_told_successive_slots(vendor, redis_
     assert all(80 <= step <= 120 for step in steps), hints
     for _, headers, body in refused:
         assert headers["X-Quota-Action"] == "defer"
+        assert headers["x-should-retry"] == "true"
         assert int(headers["Retry-After"]) == max(1, math.ceil(int(headers["retry-after-ms"]) / 1000))
         assert body["retry_after_ms"] == int(headers["retry-after-ms"])
         assert body["retry_after"] == int(headers["Retry-After"])
@@ -83,3 +84,4 @@ async def test_a_shed_carries_no_hint(vendor, start_proxy):
                 if want == 503:
                     assert "Retry-After" not in r.headers
                     assert "retry-after-ms" not in r.headers
+                    assert r.headers["x-should-retry"] == "false"  # SDK retries must not undo a shed

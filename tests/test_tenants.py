@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import statistics
 import time
 from typing import Any
@@ -274,8 +275,12 @@ async def test_x_quota_on_limit_and_max_hold_per_request(vendor, redis_url, star
         assert status == 429 and headers["X-Quota-Action"] == "defer"
         assert int(headers["Retry-After"]) == 1 and int(headers["X-Quota-Retry-After-Ms"]) <= 500
         assert body.pop("retry_after_ms") == int(headers["retry-after-ms"])
+        assert headers["x-should-retry"] == "true"
+        message = body.pop("message")
+        hint = math.ceil(int(headers["retry-after-ms"]) / 10) / 100  # in the message: rounded up to 10 ms
+        assert message == f"payments is over its quota (global 2/1s burst 1); retry in {hint:.2f} s"
         assert body == {
-            "error": "rate_limited",
+            "error": {"type": "rate_limited", "code": "deferred", "message": message},
             "action": "defer",
             "limiter": "payments",
             "retry_after": 1,

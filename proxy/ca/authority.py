@@ -3,7 +3,8 @@
 ``CertificateAuthority.load`` reads a PEM certificate and key and refuses anything that
 could not sign usable leaves (not a CA, expired, key and certificate from different
 pairs), raising ``CAError`` naming the file and the problem. ``permits`` answers whether
-the CA's name constraints cover a host, as OpenSSL would. ``normalize_host`` is a host
+the CA's name constraints cover a host, as OpenSSL would, and ``outside`` says which
+constraint a host falls outside and how to re-create the CA. ``normalize_host`` is a host
 as a certificate names it.
 """
 
@@ -27,11 +28,14 @@ __all__ = [
     "CAError",
     "CAPrivateKey",
     "CertificateAuthority",
+    "constraint_text",
+    "dns_within",
     "format_utc",
     "key_usage",
     "load_ca_certificate",
     "load_ca_key",
     "normalize_host",
+    "permit_entries",
 ]
 
 CAPrivateKey: TypeAlias = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey
@@ -263,33 +267,79 @@ class CertificateAuthority:
     def permits(self, host: str) -> bool:
         """Whether the CA's name constraints allow a leaf for ``host`` (a normalised DNS name
         or IP literal), matched the way OpenSSL matches them (a DNS constraint covers the
-        name and its subdomains)."""
+        name and its subdomains, ``.example.com`` only the subdomains)."""
+        return self._breach(host) is None
+
+    def outside(self, host: str) -> str | None:
+        """None when the CA may vouch for ``host`` (as ``permits``); else one sentence naming
+        the host, the constraint it falls outside and the ``ca init --permit`` that would
+        cover it, e.g. ``"api.openai.com" is outside the CA's name constraints (permitted:
+        .stripe.com, api.payments.example): re-create the CA with ca init --permit
+        .stripe.com,api.payments.example,api.openai.com (…)``."""
+        breach = self._breach(host)
+        if breach is None:
+            return None
+        assert self._constraints is not None  # no constraints, no breach
+        permitted = [constraint_text(g) for g in self._constraints.permitted_subtrees or ()]
+        shown = [f"permitted: {', '.join(permitted)}"] if permitted else []
+        if breach:  # the excluded subtrees the host falls in
+            shown.append(f"excluded: {', '.join(constraint_text(g) for g in breach)}")
+        entries = [*permit_entries(self._constraints), host]
+        advice = f"re-create the CA with ca init --permit {','.join(entries)}"
+        parent = host.partition(".")[2]
+        if ip_or_none(host) is None and parent.count(".") >= 1:
+            advice += f" (a suffix such as .{parent} covers every host under {parent})"
+        return f'"{host}" is outside the CA\'s name constraints ({"; ".join(shown)}): {advice}'
+
+    def _breach(self, host: str) -> list[x509.GeneralName] | None:
+        """None when the constraints permit ``host``; else the excluded subtrees it falls in
+        (empty when it is simply in no permitted subtree of its kind)."""
         nc = self._constraints
         if nc is None:
-            return True
+            return None
         ip = ip_or_none(host)
-        if ip is not None:
-            kind: type[x509.GeneralName] = x509.IPAddress
+        kind: type[x509.GeneralName] = x509.DNSName if ip is None else x509.IPAddress
 
-            def matches(general: x509.GeneralName) -> bool:
-                network = general.value
-                return isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network) and ip in network
-        else:
-            kind = x509.DNSName
+        def matches(general: x509.GeneralName) -> bool:
+            if not isinstance(general, kind):
+                return False
+            if ip is None:
+                return dns_within(host, str(general.value))
+            network = general.value
+            return isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network) and ip in network
 
-            def matches(general: x509.GeneralName) -> bool:
-                return _dns_within(host, str(general.value))
-
-        if any(isinstance(g, kind) and matches(g) for g in nc.excluded_subtrees or ()):
-            return False
+        excluded = [g for g in nc.excluded_subtrees or () if matches(g)]
+        if excluded:
+            return excluded
         permitted = [g for g in nc.permitted_subtrees or () if isinstance(g, kind)]
-        return not permitted or any(matches(g) for g in permitted)
+        return None if not permitted or any(matches(g) for g in permitted) else []
+
+
+def constraint_text(general: x509.GeneralName) -> str:
+    """One name constraint as ``ca init --permit`` writes it: ``.stripe.com``,
+    ``api.payments.example``, ``10.0.0.7`` (a single address), ``10.0.0.0/8``;
+    ``every DNS name`` for the empty DNS constraint."""
+    value = general.value
+    if isinstance(general, x509.DNSName):
+        return str(value) or "every DNS name"
+    if isinstance(value, ipaddress.IPv4Network | ipaddress.IPv6Network):
+        return str(value.network_address) if value.prefixlen == value.max_prefixlen else str(value)
+    return str(value)
+
+
+def permit_entries(constraints: x509.NameConstraints) -> list[str]:
+    """The permitted DNS and IP subtrees as ``ca init --permit`` entries, in certificate order."""
+    return [
+        constraint_text(g)
+        for g in constraints.permitted_subtrees or ()
+        if isinstance(g, x509.DNSName | x509.IPAddress) and g.value != ""
+    ]
 
 
 _CURVES: Final = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
 
 
-def _dns_within(name: str, base: str) -> bool:
+def dns_within(name: str, base: str) -> bool:
     """RFC 5280 §4.2.1.10 as OpenSSL applies it: ``example.com`` covers itself and every
     subdomain, ``.example.com`` only subdomains, the empty name everything."""
     base = base.lower()

@@ -2,8 +2,9 @@
 running proxy never creates a CA).
 
 ``init_ca`` writes a fresh CA (``ca.pem``, and ``ca-key.pem`` created with mode 0600),
-optionally name-constrained to the policy's vendor hosts; ``trust_instructions`` and
-``describe`` are what the two commands print.
+optionally name-constrained (``parse_permit``: domain suffixes, hosts, addresses and
+networks, e.g. the policy's vendor hosts); ``trust_instructions`` and ``describe`` are what
+the two commands print.
 """
 
 from __future__ import annotations
@@ -28,13 +29,24 @@ from proxy.ca.authority import (
     CAError,
     CAPrivateKey,
     CertificateAuthority,
+    constraint_text,
+    dns_within,
     format_utc,
     key_usage,
     normalize_host,
+    permit_entries,
 )
 from proxy.names import ip_or_none
 
-__all__ = ["CA_CERT_NAME", "CA_KEY_NAME", "describe", "init_ca", "trust_instructions"]
+__all__ = [
+    "CA_CERT_NAME",
+    "CA_KEY_NAME",
+    "constraint_lines",
+    "describe",
+    "init_ca",
+    "parse_permit",
+    "trust_instructions",
+]
 
 CA_CERT_NAME: Final = "ca.pem"
 CA_KEY_NAME: Final = "ca-key.pem"
@@ -59,12 +71,15 @@ def init_ca(
     valid from an hour ago (clock skew) for ``days`` days, with basicConstraints CA:TRUE
     pathlen 0 and keyUsage keyCertSign+cRLSign (both critical) and a subject key identifier.
 
-    ``permitted_hosts`` (DNS names, IPv4 or IPv6 literals, no ports) adds a critical
-    NameConstraints extension: the CA can then only vouch for those names (and their
-    subdomains) and those exact addresses (/32, /128); an address family with no permitted
-    address is excluded whole, so the CA vouches for no IP at all when only names are
-    given. OpenSSL-based clients honour it on the trust anchor (Python ssl, requests,
-    httpx, aiohttp, curl, Node.js); Java's default trust manager does not.
+    ``permitted_hosts`` (the entries ``parse_permit`` reads: ``.domain`` suffixes, DNS
+    names, IPv4 or IPv6 addresses and networks, no ports) adds a critical NameConstraints
+    extension: the CA can then only vouch for those suffixes' hosts, those names (and their
+    subdomains), those addresses and networks. Each is kept once, and not at all when
+    another entry covers it (``api.stripe.com`` beside ``.stripe.com``). An address family
+    with no permitted address is excluded whole, so the CA vouches for no IP at all when
+    only names are given, and for no DNS name when only addresses are. OpenSSL-based
+    clients honour it on the trust anchor (Python ssl, requests, httpx, aiohttp, curl,
+    Node.js); Java's default trust manager does not.
 
     Files are written to a temporary name in ``out_dir`` and moved into place, the key
     created with mode 0600 from the start (never readable by others, not even briefly).
@@ -133,29 +148,89 @@ def init_ca(
     return cert_path, key_path
 
 
-def _name_constraints(hosts: Sequence[str]) -> x509.NameConstraints | None:
-    if isinstance(hosts, str):
-        raise ValueError("permitted_hosts must be a sequence of host names, not one string")
-    names: list[str] = []
-    for host in hosts:
-        name = normalize_host(host)
-        if name not in names:
-            names.append(name)
-    if not names:
-        return None
+def parse_permit(entry: str) -> x509.GeneralName:
+    """One ``ca init --permit`` entry as the name constraint it stands for: ``.stripe.com``
+    (every host under stripe.com, not stripe.com itself), ``api.stripe.com`` (that host and
+    every host under it: X.509 has no exact-host constraint), ``10.0.0.7`` or ``[::1]`` (one
+    address), ``10.0.0.0/8`` or ``2001:db8::/32`` (a network). ValueError names what is wrong
+    with anything else: wildcards, ports, a network with host bits set, a suffix that is a
+    whole top-level domain (``.com``)."""
+    if not isinstance(entry, str):
+        raise ValueError(f"a permitted name must be a string, got {type(entry).__name__}")
+    text = entry.strip()
+    if not text:
+        raise ValueError("an empty permitted name (a constraint must name something)")
+    if text.startswith("*."):
+        suffix = text[1:]
+        raise ValueError(f'"{text}": a name constraint has no wildcard; "{suffix}" permits every host under {text[2:]}')
+    if "/" in text:
+        return x509.IPAddress(_network(text))
+    if text.startswith("."):
+        try:
+            domain = normalize_host(text[1:])
+        except ValueError:
+            raise ValueError(f'"{text}" is not a domain suffix (a dot, then a domain name)') from None
+        if ip_or_none(domain) is not None:
+            raise ValueError(f'"{text}" is not a domain suffix: write an address without the dot, or a network')
+        if "." not in domain:
+            raise ValueError(
+                f'"{text}" would let the CA vouch for every host in a top-level domain: name a domain under it'
+            )
+        return x509.DNSName(f".{domain}")
+    name = normalize_host(text)
+    ip = ip_or_none(name)
+    if ip is None:
+        return x509.DNSName(name)
+    return x509.IPAddress(ipaddress.ip_network(f"{ip}/{ip.max_prefixlen}"))
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    address, _, prefix = text.partition("/")
+    if address.startswith("[") and address.endswith("]"):
+        address = address[1:-1]
+    try:
+        return ipaddress.ip_network(f"{address}/{prefix}")
+    except ValueError as exc:
+        if "has host bits set" in str(exc):
+            loose = ipaddress.ip_network(f"{address}/{prefix}", strict=False)
+            raise ValueError(f'"{text}" has host bits set: the network is {loose}') from None
+        raise ValueError(f'"{text}" is not an IP network (e.g. 10.0.0.0/8 or 2001:db8::/32)') from None
+
+
+def _name_constraints(entries: Sequence[str]) -> x509.NameConstraints | None:
+    if isinstance(entries, str):
+        raise ValueError("permitted_hosts must be a sequence of names, not one string")
     permitted: list[x509.GeneralName] = []
-    families: set[int] = set()
-    for name in names:
-        ip = ip_or_none(name)
-        if ip is None:
-            permitted.append(x509.DNSName(name))
-        else:
-            families.add(ip.version)
-            permitted.append(x509.IPAddress(ipaddress.ip_network(f"{ip}/{ip.max_prefixlen}")))
+    for entry in entries:
+        general = parse_permit(entry)
+        if any(_covers(kept, general) for kept in permitted):
+            continue  # each name once; none that another already covers
+        permitted = [kept for kept in permitted if not _covers(general, kept)]
+        permitted.append(general)
+    if not permitted:
+        return None
+    families = {g.value.version for g in permitted if isinstance(g, x509.IPAddress)}
     excluded: list[x509.GeneralName] = [
         x509.IPAddress(network) for network in (_ALL_IPV4, _ALL_IPV6) if network.version not in families
     ]
+    if not any(isinstance(g, x509.DNSName) for g in permitted):
+        excluded.append(x509.DNSName(""))  # addresses only: no DNS name at all (the empty name matches every one)
     return x509.NameConstraints(permitted_subtrees=permitted, excluded_subtrees=excluded or None)
+
+
+def _covers(wide: x509.GeneralName, narrow: x509.GeneralName) -> bool:
+    """Whether every name ``narrow`` permits, ``wide`` permits too (DNS as OpenSSL matches it)."""
+    if isinstance(wide, x509.IPAddress) and isinstance(narrow, x509.IPAddress):
+        a, b = narrow.value, wide.value
+        if isinstance(a, ipaddress.IPv4Network) and isinstance(b, ipaddress.IPv4Network):
+            return a.subnet_of(b)
+        return isinstance(a, ipaddress.IPv6Network) and isinstance(b, ipaddress.IPv6Network) and a.subnet_of(b)
+    if isinstance(wide, x509.DNSName) and isinstance(narrow, x509.DNSName):
+        name, base = narrow.value, wide.value
+        if name.startswith("."):  # only subdomains: a base that covers the domain covers them
+            return name[1:] == base.lstrip(".") or dns_within(name[1:], base)
+        return dns_within(name, base)
+    return False
 
 
 def _place(path: Path, data: bytes, mode: int, *, force: bool) -> None:
@@ -236,12 +311,34 @@ def describe(ca: CertificateAuthority, *, now: dt.datetime | None = None) -> str
     if nc is None:
         lines.append("name constraints: none (the CA can vouch for any host)")
     else:
-        lines.append(f"name constraints: permits {_general_names(nc.permitted_subtrees)}")
-        if nc.excluded_subtrees:
-            lines.append(f"                  excludes {_general_names(nc.excluded_subtrees)}")
+        lines += constraint_lines(nc)
     return "\n".join(lines)
 
 
-def _general_names(names: Sequence[x509.GeneralName] | None) -> str:
-    shown = [str(name.value) for name in names or ()]
-    return ", ".join(shown) if shown else "nothing"
+def constraint_lines(nc: x509.NameConstraints, *, recipe: bool = True) -> list[str]:
+    """``name constraints: permits …``: one line per constraint, saying what it covers, then
+    (``recipe``) the ``ca init --permit`` that makes a CA with the same permitted names."""
+    shown: list[str] = []
+    for general in nc.permitted_subtrees or ():
+        shown.append(f"permits {constraint_text(general)}{_reach(general)}")
+    for general in nc.excluded_subtrees or ():
+        shown.append(f"excludes {constraint_text(general)}{_reach(general)}")
+    lead = ["name constraints: "] + ["                  "] * len(shown)
+    lines = [f"{head}{text}" for head, text in zip(lead, shown, strict=False)]
+    entries = permit_entries(nc)
+    if entries and recipe:
+        lines.append(f"{lead[-1]}(the same names: ca init --permit {','.join(entries)})")
+    return lines
+
+
+def _reach(general: x509.GeneralName) -> str:
+    value = general.value
+    if isinstance(general, x509.DNSName):
+        if not value:
+            return ""
+        if value.startswith("."):
+            return f" (every host under {value[1:]})"
+        return " (and every host under it)"
+    if isinstance(value, ipaddress.IPv4Network | ipaddress.IPv6Network) and value.prefixlen == 0:
+        return f" (every IPv{value.version} address)"
+    return ""

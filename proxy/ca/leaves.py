@@ -159,8 +159,9 @@ class LeafMinter:
         ca_end = ca.not_after.timestamp()
         if ca_end <= now:
             raise CAError(f"expired on {format_utc(ca.not_after)}; cannot mint a leaf for {name}")
-        if not ca.permits(name):
-            raise CAError(f"{name} is outside the CA's name constraints (re-create the CA with it: ca init -c)")
+        outside = ca.outside(name)
+        if outside is not None:
+            raise CAError(outside)
         start = math.floor(now)
         end = min(math.ceil(now + self._validity), math.floor(ca_end))
         ip = ip_or_none(name)

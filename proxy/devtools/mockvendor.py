@@ -1,15 +1,18 @@
 """A mock third-party vendor API that enforces its own quota and answers like a real one.
 
 Used by ``quota-proxy mock-vendor``, by the test suite and by the benchmarks. It keeps a
-token bucket (capacity ``burst``, refilled at ``rate`` per second) and answers every
-normal request either ``200`` with a small JSON body or ``429`` with ``Retry-After``.
-It records what arrived so a test can check the rate the proxy let through and the
-headers it forwarded.
+token bucket (capacity ``burst``, refilled at ``rate`` per second) or, with ``window``, a
+strict sliding window (at most ``floor(rate x window)`` requests accepted in *any*
+interval of ``window`` seconds, each counted at its arrival, as a vendor that keeps a
+log of request times does), and answers every normal request either ``200`` with a
+small JSON body or ``429`` with ``Retry-After``. It records what arrived so a test can
+check the rate the proxy let through and the headers it forwarded.
 
 Normal requests (any method, any path not under ``/__mock/``) take one token. Every
 answer to them carries ``X-RateLimit-Limit`` (the rate) and ``X-RateLimit-Remaining``
 (whole tokens left after this request), unless the vendor is unlimited: then it sends
-no quota headers at all, because any number would be made up. A refusal is ``429``,
+no quota headers at all, because any number would be made up. With a window, the limit
+is the window's (requests per window) and the remaining count what the window has left. A refusal is ``429``,
 ``Retry-After: <whole seconds, >= 1>`` and ``{"error": "rate_limited"}``.
 
 Special paths, quota-limited like any other:
@@ -20,19 +23,22 @@ Special paths, quota-limited like any other:
 - ``/bytes/{n}``: ``n`` bytes of a repeating ``bytes(range(256))`` pattern, streamed in
   64 KiB chunks with ``Content-Length: n``.
 - ``/sha256`` (POST/PUT): reads the body in chunks; ``{"sha256": hex, "bytes": n}``.
-- ``/delay/{ms}``: answers ``200`` after ``ms`` milliseconds.
+- ``/delay/{ms}``: answers ``200`` after ``ms`` milliseconds (in flight meanwhile).
 - ``/status/{code}``: answers ``code`` (200-599), with the quota headers.
 
 Control endpoints (never quota-limited, never recorded):
 
-- ``GET /__mock/stats``: ``{"accepted", "rejected", "arrivals", "rate", "burst",
-  "tokens", "scripted"}``.
+- ``GET /__mock/stats``: ``{"accepted", "rejected", "arrivals", "rejections", "rate",
+  "burst", "tokens", "scripted", "window", "window_limit", "window_max", "in_flight",
+  "max_in_flight"}`` (``burst`` and ``tokens`` are null with a window, the ``window*``
+  keys null without one).
 - ``GET /__mock/requests``: recorded requests, ``[{"method", "path_qs", "headers"}]``.
 - ``POST /__mock/reset``: clears counters, arrivals, recorded requests and pending
   scripts; refills the bucket.
-- ``POST /__mock/config`` ``{"rate": r, "burst": b}``: a new quota (``null`` or ``0``
-  rate = unlimited; a missing key keeps its value, except that ``burst`` follows a new
-  ``rate`` when not given). The bucket starts full.
+- ``POST /__mock/config`` ``{"rate": r, "burst": b, "window": w}``: a new quota (``null``
+  or ``0`` rate = unlimited; ``window`` in seconds, ``null`` = a token bucket; a missing
+  key keeps its value, except that ``burst`` follows a new ``rate`` when not given, and
+  an unlimited vendor has no window). The bucket starts full, the window empty.
 - ``POST /__mock/script`` ``{"status": 429, "retry_after": "2", "remaining": 3,
   "count": 1}``: the next ``count`` normal requests get that answer. Scripts queue in
   order of arrival.
@@ -40,7 +46,13 @@ Control endpoints (never quota-limited, never recorded):
 Accounting. ``accepted`` counts normal requests answered with anything but 429 and
 ``arrivals`` holds their arrival times (the ``clock``, ``time.monotonic()`` by
 default); ``rejected`` counts those answered 429 (by the quota, by a script or by
-``/status/429``). A scripted answer replaces the whole answer and takes no token.
+``/status/429``) and ``rejections`` holds their arrival times. A scripted answer
+replaces the whole answer and takes no token (and no place in the window).
+``window_max`` is the largest number of requests that arrived in any one window,
+accepted or refused: above ``window_limit``, the window was overrun by that many.
+``in_flight`` is the number of normal requests being handled now (from arrival until
+the handler returns, so a ``/delay`` counts while it waits) and ``max_in_flight`` the
+most at once since the start or the last reset.
 """
 
 from __future__ import annotations
@@ -104,10 +116,16 @@ class Stats(TypedDict):
     accepted: int
     rejected: int
     arrivals: list[float]
+    rejections: list[float]
     rate: float | None
     burst: float | None
     tokens: float | None
     scripted: int
+    window: float | None
+    window_limit: int | None
+    window_max: int | None
+    in_flight: int
+    max_in_flight: int
 
 
 @dataclass(slots=True)
@@ -151,6 +169,22 @@ async def _no_expect_handler(request: web.Request) -> None:
     return None
 
 
+def _check_window(rate: float | None, burst: float | None, window: float | None) -> int:
+    """The most requests a window accepts (0 without a window)."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int | float) or not math.isfinite(window) or window <= 0:
+        raise ValueError(f"window must be a positive number of seconds or None, not {window!r}")
+    if rate is None:
+        raise ValueError("a window needs a rate (requests per second)")
+    if burst is not None:
+        raise ValueError("burst is a token bucket's: a window accepts rate x window requests, no burst")
+    limit = math.floor(rate * window + _EPSILON)
+    if limit < 1:
+        raise ValueError(f"rate x window must be at least 1 request, not {rate * window:g}")
+    return limit
+
+
 def _check_quota(rate: float | None, burst: float | None) -> tuple[float | None, float | None]:
     if rate is None:
         return None, None
@@ -164,15 +198,20 @@ def _check_quota(rate: float | None, burst: float | None) -> tuple[float | None,
 
 
 class MockVendor:
-    """A vendor API with a token-bucket quota; see the module docstring for the endpoints.
+    """A vendor API with a token-bucket or sliding-window quota; see the module docstring
+    for the endpoints.
 
     ``rate`` is requests per second (``None``: unlimited); ``burst`` is the bucket's
-    capacity, by default the rate (at least 1). ``clock`` returns seconds; it drives the
-    bucket and stamps ``arrivals``, so tests can pass a clock they move by hand.
+    capacity, by default the rate (at least 1). ``window`` (seconds) replaces the bucket
+    with a strict sliding window of ``floor(rate x window)`` requests (no ``burst`` then).
+    ``clock`` returns seconds; it drives the quota and stamps ``arrivals``, so tests can
+    pass a clock they move by hand.
 
-    Attributes: ``accepted``, ``rejected`` (counters), ``arrivals`` (deque of arrival
-    times of accepted requests, the last ``max_arrivals``), ``requests`` (recorded
-    requests, the last ``max_recorded``), ``rate``, ``burst``.
+    Attributes: ``accepted``, ``rejected`` (counters), ``arrivals`` and ``rejections``
+    (deques of arrival times of accepted and refused requests, the last
+    ``max_arrivals``), ``requests`` (recorded requests, the last ``max_recorded``),
+    ``window_max``, ``in_flight``, ``max_in_flight``, ``rate``, ``burst``, ``window``,
+    ``window_limit``.
     """
 
     def __init__(
@@ -181,6 +220,7 @@ class MockVendor:
         burst: float | None = None,
         clock: Clock = time.monotonic,
         *,
+        window: float | None = None,
         max_recorded: int = MAX_RECORDED,
         max_arrivals: int = MAX_ARRIVALS,
     ) -> None:
@@ -188,6 +228,14 @@ class MockVendor:
         self.accepted = 0
         self.rejected = 0
         self.arrivals: deque[float] = deque(maxlen=max_arrivals)
+        self.rejections: deque[float] = deque(maxlen=max_arrivals)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.window_max = 0
+        self._window: float | None = None
+        self._window_limit = 0
+        self._in_window: deque[float] = deque()  # accepted arrivals within the last window
+        self._arrived_in_window: deque[float] = deque()  # every arrival within it, refused ones too
         self._recorded: deque[tuple[str, URL, _Raw]] = deque(maxlen=max_recorded)
         self._scripts: deque[_Script] = deque()
         self._rate: float | None = None
@@ -195,7 +243,7 @@ class MockVendor:
         self._tokens = 0.0
         self._stamp = clock()
         self._limit_header = ""
-        self.configure(rate, burst)
+        self.configure(rate, burst, window)
 
     # -- quota -------------------------------------------------------------------------
 
@@ -207,15 +255,36 @@ class MockVendor:
     def burst(self) -> float | None:
         return self._burst
 
-    def configure(self, rate: float | None, burst: float | None = None) -> None:
-        """Set a new quota; the bucket starts full. Raises ``ValueError`` on a bad quota."""
-        self._rate, self._burst = _check_quota(rate, burst)
-        self._limit_header = "" if self._rate is None else _format_number(self._rate)
+    @property
+    def window(self) -> float | None:
+        return self._window
+
+    @property
+    def window_limit(self) -> int | None:
+        """The most requests any window accepts (None without a window)."""
+        return self._window_limit if self._window is not None else None
+
+    def configure(self, rate: float | None, burst: float | None = None, window: float | None = None) -> None:
+        """Set a new quota; the bucket starts full, the window empty. Raises ``ValueError``
+        on a bad quota."""
+        limit = _check_window(rate, burst, window)
+        if window is None:
+            self._rate, self._burst = _check_quota(rate, burst)
+        else:
+            self._rate, self._burst = _check_quota(rate, 1.0)[0], None
+        self._window = None if window is None else float(window)
+        self._window_limit = limit
+        if self._rate is None:
+            self._limit_header = ""
+        else:
+            self._limit_header = str(limit) if self._window is not None else _format_number(self._rate)
         self._refill_full()
 
     def _refill_full(self) -> None:
         self._tokens = self._burst if self._burst is not None else 0.0
         self._stamp = self._clock()
+        self._in_window.clear()
+        self._arrived_in_window.clear()
 
     def _refill(self, now: float) -> float:
         """Bring the bucket to ``now`` and return its tokens (limited vendors only)."""
@@ -231,10 +300,42 @@ class MockVendor:
         return tokens
 
     def tokens(self) -> float | None:
-        """Tokens in the bucket now (``None`` when unlimited)."""
-        if self._rate is None:
+        """Tokens in the bucket now (``None`` when unlimited or with a window)."""
+        if self._rate is None or self._window is not None:
             return None
         return self._refill(self._clock())
+
+    def _left(self, now: float) -> float:
+        """What the quota has left at ``now``, taking nothing (limited vendors only)."""
+        if self._window is None:
+            return self._refill(now)
+        edge = now - self._window
+        return float(self._window_limit - sum(1 for t in self._in_window if t > edge))
+
+    def _admit(self, now: float) -> tuple[float, float]:
+        """Take one request from the quota: (what is left after it, 0.0) when accepted, else
+        (0.0, seconds until a place frees up). Limited vendors only."""
+        window = self._window
+        if window is None:
+            tokens = self._refill(now)
+            if tokens < _GRANT_AT:
+                assert self._rate is not None
+                return 0.0, (1.0 - tokens) / self._rate
+            self._tokens = tokens = tokens - 1.0 if tokens > 1.0 else 0.0
+            return tokens, 0.0
+        edge = now - window  # a window is [start, start + window): an arrival at `edge` is out
+        arrived, accepted = self._arrived_in_window, self._in_window
+        while arrived and arrived[0] <= edge:
+            arrived.popleft()
+        while accepted and accepted[0] <= edge:
+            accepted.popleft()
+        arrived.append(now)
+        if len(arrived) > self.window_max:
+            self.window_max = len(arrived)
+        if len(accepted) >= self._window_limit:
+            return 0.0, accepted[0] - edge
+        accepted.append(now)
+        return float(self._window_limit - len(accepted)), 0.0
 
     # -- in-process helpers ------------------------------------------------------------
 
@@ -251,21 +352,32 @@ class MockVendor:
 
     def stats(self) -> Stats:
         tokens = self.tokens()
+        windowed = self._window is not None
         return {
             "accepted": self.accepted,
             "rejected": self.rejected,
             "arrivals": list(self.arrivals),
+            "rejections": list(self.rejections),
             "rate": self._rate,
             "burst": self._burst,
             "tokens": tokens,
             "scripted": sum(s.count for s in self._scripts),
+            "window": self._window,
+            "window_limit": self.window_limit,
+            "window_max": self.window_max if windowed else None,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
         }
 
     def reset(self) -> None:
-        """Clear counters, arrivals, recorded requests and pending scripts; refill the bucket."""
+        """Clear counters, arrivals, recorded requests and pending scripts; refill the bucket
+        (empty the window); ``max_in_flight`` starts again from the requests in flight now."""
         self.accepted = 0
         self.rejected = 0
         self.arrivals.clear()
+        self.rejections.clear()
+        self.window_max = 0
+        self.max_in_flight = self.in_flight
         self._recorded.clear()
         self._scripts.clear()
         if self._rate is not None:
@@ -330,6 +442,15 @@ class MockVendor:
         path = request.path
         if path.startswith(_CONTROL_PREFIX):
             return await self._control(request, path)
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
+        try:
+            return await self._serve(request, path)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         now = self._clock()
         self._recorded.append((request.method, request.rel_url, request.raw_headers))
         if self._scripts:
@@ -339,10 +460,9 @@ class MockVendor:
         if self._rate is None:
             headers = {}
         else:
-            tokens = self._refill(now)
-            if tokens < _GRANT_AT:
-                self.rejected += 1
-                wait = (1.0 - tokens) / self._rate
+            left, wait = self._admit(now)
+            if wait > 0:
+                self._reject(now)
                 return web.Response(
                     status=429,
                     body=_RATE_LIMITED_BODY,
@@ -353,9 +473,7 @@ class MockVendor:
                         _REMAINING: "0",
                     },
                 )
-            tokens = tokens - 1.0 if tokens > 1.0 else 0.0
-            self._tokens = tokens
-            headers = {_LIMIT: self._limit_header, _REMAINING: str(int(tokens))}
+            headers = {_LIMIT: self._limit_header, _REMAINING: str(int(left))}
 
         if path == "/echo":
             self._accept(now)
@@ -375,6 +493,10 @@ class MockVendor:
         self.accepted += 1
         self.arrivals.append(now)
 
+    def _reject(self, now: float) -> None:
+        self.rejected += 1
+        self.rejections.append(now)
+
     def _scripted(self, request: web.BaseRequest, now: float) -> web.Response:
         script = self._scripts[0]
         script.count -= 1
@@ -383,14 +505,14 @@ class MockVendor:
         headers: dict[str, str] = {}
         if self._rate is not None:
             headers[_LIMIT] = self._limit_header
-            headers[_REMAINING] = str(int(self._refill(now)))
+            headers[_REMAINING] = str(int(self._left(now)))
         if script.remaining is not None:
             headers[_REMAINING] = str(script.remaining)
         if script.retry_after is not None:
             headers["Retry-After"] = script.retry_after
         status = script.status
         if status == 429:
-            self.rejected += 1
+            self._reject(now)
             return web.Response(status=429, body=_RATE_LIMITED_BODY, content_type=_JSON, headers=headers)
         self._accept(now)
         if status in (204, 304):
@@ -481,7 +603,7 @@ class MockVendor:
             self._accept(now)
             return _json(400, {"error": "bad_request", "detail": "/status/{code} needs 200..599"}, headers)
         if code == 429:
-            self.rejected += 1
+            self._reject(now)
         else:
             self._accept(now)
         if code in (204, 304):
@@ -521,14 +643,24 @@ class MockVendor:
             return _json(400, {"error": "bad_request", "detail": str(exc)})
 
     def _configure_from(self, body: dict[str, Any]) -> None:
-        unknown = set(body) - {"rate", "burst"}
+        unknown = set(body) - {"rate", "burst", "window"}
         if unknown:
             raise _BadRequest(f"unknown keys: {', '.join(sorted(unknown))}")
         rate = _get(body, "rate", (int, float), self._rate) if "rate" in body else self._rate
         if rate == 0:
             rate = None
-        burst = _get(body, "burst", (int, float), None) if "burst" in body else None if "rate" in body else self._burst
-        self.configure(None if rate is None else float(rate), None if burst is None else float(burst))
+        window = _get(body, "window", (int, float), None) if "window" in body else self._window
+        if rate is None and "window" not in body:
+            window = None  # an unlimited vendor counts nothing
+        if "burst" in body:
+            burst = _get(body, "burst", (int, float), None)
+        else:
+            burst = None if "rate" in body or window is not None else self._burst
+        self.configure(
+            None if rate is None else float(rate),
+            None if burst is None else float(burst),
+            None if window is None else float(window),
+        )
 
 
 _CONTROL_METHODS: Final[dict[str, str]] = {
@@ -586,6 +718,11 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
         bound_port = runner.addresses[0][1]
         if vendor.rate is None:
             quota = "rate unlimited, burst unlimited"
+        elif vendor.window is not None:
+            quota = (
+                f"rate {_format_number(vendor.rate)}/s, sliding window {_format_number(vendor.window)}s: "
+                f"at most {vendor.window_limit} requests in any window"
+            )
         else:
             assert vendor.burst is not None
             quota = f"rate {_format_number(vendor.rate)}/s, burst {_format_number(vendor.burst)}"
@@ -601,7 +738,8 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
 def serve(vendor: MockVendor, host: str, port: int) -> int:
     """Serve ``vendor`` on ``host:port`` until SIGTERM or SIGINT, then return 0 (1 if it cannot listen).
 
-    Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound.
+    Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound
+    (``(rate R/s, sliding window Ws: at most N requests in any window)`` with a window).
     """
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:

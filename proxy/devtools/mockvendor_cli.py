@@ -11,6 +11,7 @@ import functools
 import math
 from typing import Final
 
+from proxy.policy.durations import parse_duration
 from proxy.policy.values import parse_address
 
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
@@ -25,6 +26,16 @@ def _parse_listen(value: str) -> tuple[str, int]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return address.host, address.port
+
+
+def _parse_window(value: str) -> float:
+    try:
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("the window must be longer than 0")
+    return seconds
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,11 +54,20 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second (default 100; 0 = unlimited)")
     parser.add_argument("--burst", type=float, default=None, help="bucket capacity (default: the rate)")
+    parser.add_argument(
+        "--window",
+        type=_parse_window,
+        default=None,
+        metavar="DURATION",
+        help="a strict sliding window instead of the bucket: at most rate x DURATION requests accepted in any "
+        "DURATION (e.g. 1s, 500ms, 1m), each counted on arrival; 429 beyond",
+    )
     parser.set_defaults(handler=functools.partial(run, parser=parser))
 
 
 def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
-    """Serve until SIGTERM or SIGINT, then exit 0; a bad ``--rate`` or ``--burst`` is ``parser``'s usage error."""
+    """Serve until SIGTERM or SIGINT, then exit 0; a bad ``--rate``, ``--burst`` or ``--window``
+    is ``parser``'s usage error."""
     host, port = args.listen
     rate: float = args.rate
     burst: float | None = args.burst
@@ -55,6 +75,14 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
         parser.error("--rate must be 0 (unlimited) or a positive number")
     if burst is not None and (not math.isfinite(burst) or burst < 1):
         parser.error("--burst must be at least 1")
+    window: float | None = args.window
+    if window is not None:
+        if rate == 0:
+            parser.error("--window needs a --rate (an unlimited vendor counts nothing)")
+        if burst is not None:
+            parser.error("--window replaces the bucket: give --rate and --window, not --burst")
+        if rate * window < 1:
+            parser.error("--rate x --window must be at least 1 request")
     from proxy.devtools.mockvendor import MockVendor, serve
 
-    return serve(MockVendor(None if rate == 0 else rate, burst), host, port)
+    return serve(MockVendor(None if rate == 0 else rate, burst, window=window), host, port)

@@ -13,10 +13,12 @@ from proxy.names import format_authority
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open"]
+AnswerDialect = Literal["generic", "stripe", "openai"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open")
+ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,14 @@ class Vendor:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_tunnels: int = 100
     """Concurrent ``connect: tunnel`` connections allowed for this vendor."""
+    answers: AnswerDialect = "generic"
+    """The dialect of the proxy's own answers for this vendor (SPEC §9): body shape, error
+    type and code, and the retry headers its official SDK reads."""
+    answers_max_wait: float = 60.0
+    """Seconds; a defer whose retry hint is longer tells the SDK not to retry (the job is
+    re-enqueued instead of blocking a worker), the wait still readable."""
+    ratelimit_headers: bool = False
+    """Add the IETF ``RateLimit-Policy`` / ``RateLimit`` fields to forwarded responses."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ def _vendor(vendor: Vendor) -> list[str]:
     rows.append(_row("feedback", _feedback(vendor.feedback), indent))
     connect = vendor.connect + (f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else "")
     rows.append(_row("connect", connect, indent))
+    rows.append(_row("answers", _answers(vendor), indent))
     timeouts = vendor.timeouts
     rows.append(
         _row(
@@ -101,3 +102,9 @@ def _feedback(feedback: Feedback) -> str:
         return f"no remaining header; {retry}"
     watermark = f"drain below {feedback.low_watermark:g}" if feedback.low_watermark > 0 else "no drain"
     return f"{feedback.remaining_header} ({watermark}); {retry}"
+
+
+def _answers(vendor: Vendor) -> str:
+    """The dialect of the proxy's own answers, and what they tell an SDK (SPEC §9)."""
+    ratelimit = "RateLimit fields on forwarded answers" if vendor.ratelimit_headers else "RateLimit fields on 429s only"
+    return f"{vendor.answers}, no SDK retry beyond {format_duration(vendor.answers_max_wait)}; {ratelimit}"

@@ -1,5 +1,5 @@
 """The ``vendors:`` section: each vendor's hosts, route, limits, tenant limits, answers
-when limited, feedback, CONNECT mode and timeouts.
+when limited, feedback, CONNECT mode, timeouts and the dialect of the proxy's own answers.
 
 Names, hosts and routes are claimed as they are read (``_Claims``), so a second vendor
 that reuses one is reported on its own line, naming the vendor that had it first.
@@ -17,6 +17,7 @@ from proxy.policy import values
 from proxy.policy.durations import format_duration
 from proxy.policy.model import (
     ACTIONS,
+    ANSWER_DIALECTS,
     CONNECT_MODES,
     Action,
     ConnectMode,
@@ -38,7 +39,7 @@ _DEFAULT_PER: Final = 1.0
 
 _VENDOR_KEYS: Final = (
     "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
-    "timeouts", "max_tunnels",
+    "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers",
 )  # fmt: skip
 _LIMIT_KEYS: Final = ("rate", "per", "burst")
 _TENANT_LIMITS_KEYS: Final = ("default", "overrides")
@@ -101,6 +102,9 @@ def _vendor(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _C
         connect=connect,
         timeouts=m.section("timeouts", _timeouts, _TIMEOUTS),
         max_tunnels=m.get("max_tunnels", values.integer_at_least(1), _VENDOR.max_tunnels),
+        answers=m.get("answers", values.choice(ANSWER_DIALECTS), _VENDOR.answers),
+        answers_max_wait=m.get("answers_max_wait", values.positive_duration, _VENDOR.answers_max_wait),
+        ratelimit_headers=m.get("ratelimit_headers", values.boolean, _VENDOR.ratelimit_headers),
     )
 
 
@@ -138,14 +142,9 @@ def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
     if ca is None or not isinstance(node, yaml.SequenceNode):
         return
     for i, (entry, item) in enumerate(zip(hosts, node.value, strict=False)):
-        host = split_host_port(entry)[0]
-        if not ca.permits(host):
-            m.walk.error(
-                item,
-                f"{m.child('hosts')}[{i}]",
-                f'host "{host}" is outside the name constraints of the CA in tls.ca_cert '
-                "(re-create it with: quota-proxy ca init -c POLICY)",
-            )
+        outside = ca.outside(split_host_port(entry)[0])
+        if outside is not None:
+            m.walk.error(item, f"{m.child('hosts')}[{i}]", outside)
 
 
 def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:

@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.ca.authority import CAError, CertificateAuthority, normalize_host
-from proxy.ca.commands import init_ca
+from proxy.ca.commands import init_ca, parse_permit
 from tests.ca.conftest import HOST, ext
 from tests.helpers.certs import write_self_signed
 
@@ -73,6 +73,108 @@ def test_a_ca_for_names_only_vouches_for_no_ip_address(tmp_path):
         x509.IPAddress(ipaddress.ip_network("::/0")),
     ]
     assert not ca.permits("127.0.0.1") and not ca.permits("::1")
+
+
+def net(text: str) -> x509.IPAddress:
+    return x509.IPAddress(ipaddress.ip_network(text))
+
+
+@pytest.mark.parametrize(
+    ("entry", "constraint"),
+    [
+        (".Stripe.COM.", x509.DNSName(".stripe.com")),
+        ("api.stripe.com", x509.DNSName("api.stripe.com")),
+        (" localhost ", x509.DNSName("localhost")),
+        ("10.0.0.7", net("10.0.0.7/32")),
+        ("[2001:DB8::1]", net("2001:db8::1/128")),
+        ("10.0.0.0/8", net("10.0.0.0/8")),
+        ("2001:db8::/32", net("2001:db8::/32")),
+        ("[2001:db8::]/32", net("2001:db8::/32")),
+    ],
+)
+def test_permit_entries_become_name_constraints(entry, constraint):
+    assert parse_permit(entry) == constraint
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("", "an empty permitted name (a constraint must name something)"),
+        (
+            "*.stripe.com",
+            '"*.stripe.com": a name constraint has no wildcard; ".stripe.com" permits every host under stripe.com',
+        ),
+        (".com", '".com" would let the CA vouch for every host in a top-level domain: name a domain under it'),
+        (".", '"." is not a domain suffix (a dot, then a domain name)'),
+        (".10.0.0.1", '".10.0.0.1" is not a domain suffix: write an address without the dot, or a network'),
+        ("10.0.0.1/8", '"10.0.0.1/8" has host bits set: the network is 10.0.0.0/8'),
+        ("10.0.0.0/33", '"10.0.0.0/33" is not an IP network (e.g. 10.0.0.0/8 or 2001:db8::/32)'),
+        ("api.stripe.com:443", "'api.stripe.com:443': a certificate names a host without a port"),
+    ],
+)
+def test_bad_permit_entries_say_what_is_wrong(entry, problem):
+    with pytest.raises(ValueError) as raised:
+        parse_permit(entry)
+    assert str(raised.value) == problem
+
+
+def test_a_suffix_permits_every_host_under_the_domain_but_not_the_domain(tmp_path):
+    ca = CertificateAuthority.load(*init_ca(tmp_path, permitted_hosts=[".stripe.com", HOST]))
+    assert ca.permits("api.stripe.com") and ca.permits("files.eu.stripe.com") and ca.permits(HOST)
+    assert not ca.permits("stripe.com") and not ca.permits("api.xstripe.com") and not ca.permits("stripe.com.evil")
+
+
+def test_each_name_is_kept_once_and_only_when_no_other_covers_it(tmp_path):
+    entries = ["api.stripe.com", ".stripe.com", "files.stripe.com", "payments.example", HOST, "10.0.0.7", "10.0.0.0/8"]
+    entries += ["10.1.2.3", "stripe.com", "::1", "::/0"]
+    nc = CertificateAuthority.load(*init_ca(tmp_path, permitted_hosts=entries)).name_constraints
+    assert nc is not None
+    assert nc.permitted_subtrees == [
+        x509.DNSName("payments.example"),  # covers api.payments.example
+        net("10.0.0.0/8"),  # covers 10.0.0.7, 10.1.2.3
+        x509.DNSName("stripe.com"),  # covers .stripe.com, which covered api. and files.stripe.com
+        net("::/0"),
+    ]
+    assert nc.excluded_subtrees is None
+
+
+def test_a_ca_for_addresses_only_excludes_every_dns_name(tmp_path):
+    ca = CertificateAuthority.load(*init_ca(tmp_path, permitted_hosts=["10.0.0.0/8"]))
+    nc = ca.name_constraints
+    assert nc is not None
+    assert nc.excluded_subtrees == [net("::/0"), x509.DNSName("")]
+    assert ca.permits("10.200.0.1") and not ca.permits("11.0.0.1") and not ca.permits("::1")
+    assert not ca.permits(HOST) and not ca.permits("localhost")
+
+
+def test_outside_names_the_constraint_and_the_ca_init_that_would_cover_the_host(tmp_path):
+    ca = CertificateAuthority.load(*init_ca(tmp_path, permitted_hosts=[".stripe.com", HOST]))
+    assert ca.outside("api.stripe.com") is None
+    assert ca.outside("api.openai.com") == (
+        '"api.openai.com" is outside the CA\'s name constraints (permitted: .stripe.com, api.payments.example): '
+        "re-create the CA with ca init --permit .stripe.com,api.payments.example,api.openai.com "
+        "(a suffix such as .openai.com covers every host under openai.com)"
+    )
+    assert ca.outside("stripe.com") == (  # two labels: no suffix to suggest
+        '"stripe.com" is outside the CA\'s name constraints (permitted: .stripe.com, api.payments.example): '
+        "re-create the CA with ca init --permit .stripe.com,api.payments.example,stripe.com"
+    )
+    assert ca.outside("10.0.0.8") == (
+        '"10.0.0.8" is outside the CA\'s name constraints (permitted: .stripe.com, api.payments.example; '
+        "excluded: 0.0.0.0/0): re-create the CA with ca init --permit .stripe.com,api.payments.example,10.0.0.8"
+    )
+    ips = CertificateAuthority.load(*init_ca(tmp_path / "ips", permitted_hosts=["10.0.0.0/8", "::1"]))
+    assert ips.outside("10.0.0.8") is None
+    assert ips.outside("11.0.0.1") == (
+        '"11.0.0.1" is outside the CA\'s name constraints (permitted: 10.0.0.0/8, ::1): '
+        "re-create the CA with ca init --permit 10.0.0.0/8,::1,11.0.0.1"
+    )
+    assert ips.outside("localhost") == (
+        '"localhost" is outside the CA\'s name constraints (permitted: 10.0.0.0/8, ::1; excluded: every DNS name): '
+        "re-create the CA with ca init --permit 10.0.0.0/8,::1,localhost"
+    )
+    unconstrained = CertificateAuthority.load(*init_ca(tmp_path / "any"))
+    assert unconstrained.outside("api.openai.com") is None and unconstrained.permits("10.0.0.8")
 
 
 def test_load_refuses_what_cannot_sign_leaves(tmp_path):

@@ -106,6 +106,8 @@ def test_init_ca_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="common name must be 1 to 64 characters"):
         init_ca(tmp_path, common_name="x" * 65)
     with pytest.raises(ValueError, match="is not a host name or IP address"):
+        init_ca(tmp_path, permitted_hosts=["api payments.example"])
+    with pytest.raises(ValueError, match=r'^"\*\.payments\.example": a name constraint has no wildcard; '):
         init_ca(tmp_path, permitted_hosts=["*.payments.example"])
     with pytest.raises(ValueError, match="not one string"):
         init_ca(tmp_path, permitted_hosts="api.payments.example")
@@ -121,7 +123,13 @@ def test_describe_names_fingerprint_expiry_key_and_constraints(tmp_path):
     assert f"subject:          CN=quota-proxy CA\nSHA-256:          {ca.fingerprint_sha256}\n" in text
     assert f"not after:        {ca.not_after:%Y-%m-%d %H:%M:%S} UTC (42 days left)" in text
     assert "key:              EC P-256" in text
-    assert f"name constraints: permits {HOST}\n                  excludes 0.0.0.0/0, ::/0" in text
+    assert text.endswith(
+        f"key:              EC P-256\n"
+        f"name constraints: permits {HOST} (and every host under it)\n"
+        "                  excludes 0.0.0.0/0 (every IPv4 address)\n"
+        "                  excludes ::/0 (every IPv6 address)\n"
+        f"                  (the same names: ca init --permit {HOST})"
+    )
     assert "(EXPIRED 3 days ago)" in describe(ca, now=ca.not_after + dt.timedelta(days=3))
 
 
@@ -231,3 +239,85 @@ def test_cli_ca_show_describes_an_rsa_ca(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "subject:          CN=Ops CA" in done.stdout and "key:              RSA 2048" in done.stdout
     assert "name constraints: none" in done.stdout
+
+
+def test_cli_ca_init_permit_with_a_policy_keeps_both_and_drops_what_a_suffix_covers(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.replace("hosts: [api.crm.example]", "hosts: [api.crm.example, files.crm.example]"))
+    out = tmp_path / "ca"
+    done = run_cli(
+        "ca", "init", "--out", str(out), "-c", str(policy), "--permit", ".crm.example, 10.0.0.0/8", "--permit", "::1"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    ca = CertificateAuthority.load(out / "ca.pem", out / "ca-key.pem")
+    assert ca.name_constraints is not None
+    assert ca.name_constraints.permitted_subtrees == [  # --permit first; policy hosts a --permit covers left out
+        x509.DNSName(".crm.example"),
+        x509.IPAddress(ipaddress.ip_network("10.0.0.0/8")),
+        x509.IPAddress(ipaddress.ip_network("::1/128")),
+        x509.DNSName(HOST),
+    ]
+    assert ca.name_constraints.excluded_subtrees is None
+    assert (
+        "name constraints: permits .crm.example (every host under crm.example)\n"
+        "                  permits 10.0.0.0/8\n"
+        "                  permits ::1\n"
+        f"                  permits {HOST} (and every host under it)\n\n"
+    ) in done.stdout
+
+    policy.write_text(POLICY.replace("api.crm.example", "billing.crm.example"))  # a new host under .crm.example...
+    shown = run_cli("ca", "show", "-c", str(policy))  # ...loads with the same CA
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.endswith(
+        "name constraints: permits .crm.example (every host under crm.example)\n"
+        "                  permits 10.0.0.0/8\n"
+        "                  permits ::1\n"
+        f"                  permits {HOST} (and every host under it)\n"
+        f"                  (the same names: ca init --permit .crm.example,10.0.0.0/8,::1,{HOST})\n"
+    )
+
+    policy.write_text(POLICY.replace("10.0.0.7]", "10.0.0.7, api.mail.example]"))  # one outside: exit 2, explained
+    refused = run_cli("ca", "show", "-c", str(policy))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == (
+        f'{policy}:4: vendors[0].hosts[4]: "api.mail.example" is outside the CA\'s name constraints (permitted: '
+        f".crm.example, 10.0.0.0/8, ::1, {HOST}): re-create the CA with ca init --permit "
+        f".crm.example,10.0.0.0/8,::1,{HOST},api.mail.example (a suffix such as .mail.example covers every host "
+        "under mail.example)\n"
+    )
+
+
+def test_cli_ca_init_permit_alone_constrains_without_a_policy(tmp_path):
+    out = tmp_path / "ca"
+    done = run_cli("ca", "init", "--out", str(out), "--permit", ".stripe.com,.openai.com")
+    assert done.returncode == 0, done.stderr
+    nc = CertificateAuthority.load(out / "ca.pem", out / "ca-key.pem").name_constraints
+    assert nc is not None
+    assert nc.permitted_subtrees == [x509.DNSName(".stripe.com"), x509.DNSName(".openai.com")]
+    assert len(nc.excluded_subtrees or ()) == 2  # no IP address at all
+
+    empty = tmp_path / "routes.yaml"  # a policy whose vendors have routes, not hosts
+    empty.write_text(
+        "version: 1\nvendors:\n  - {name: a, route: /a, upstream: 'http://127.0.0.1:1', limits: [{rate: 1}]}\n"
+    )
+    warned = run_cli("ca", "init", "--out", str(tmp_path / "warned"), "-c", str(empty))
+    assert warned.returncode == 0 and "lists no vendor hosts: the CA is not name-constrained" in warned.stderr
+    quiet = run_cli("ca", "init", "--out", str(tmp_path / "quiet"), "-c", str(empty), "--permit", ".stripe.com")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("permit", "problem"),
+    [
+        ("*.stripe.com", '"*.stripe.com": a name constraint has no wildcard; ".stripe.com" permits every host under'),
+        (".stripe.com,,.openai.com", "an empty permitted name (a constraint must name something)"),
+        ("10.0.0.1/8", '"10.0.0.1/8" has host bits set: the network is 10.0.0.0/8'),
+    ],
+)
+def test_cli_ca_init_refuses_a_bad_permit_as_a_usage_error(tmp_path, permit, problem):
+    done = run_cli("ca", "init", "--out", str(tmp_path / "ca"), "--permit", permit)
+    assert done.returncode == 2
+    assert f"quota-proxy ca init: error: argument --permit: {problem}" in done.stderr
+    assert_no_traceback(done.stderr)
+    assert not (tmp_path / "ca").exists()

@@ -95,12 +95,41 @@ async def test_clients_enforce_the_name_constraints_themselves(tmp_path, monkeyp
     cert_path, key_path = init_ca(tmp_path, permitted_hosts=[HOST])
     ca = CertificateAuthority.load(cert_path, key_path)
     with LeafMinter(ca, 3600) as minter:
-        with pytest.raises(CAError, match=r"api\.crm\.example is outside the CA's name constraints"):
+        outside = r'^"api\.crm\.example" is outside the CA\'s name constraints \(permitted: api\.payments\.example\)'
+        with pytest.raises(CAError, match=outside):
             minter.context_for("api.crm.example")  # the minter refuses first...
-        monkeypatch.setattr(CertificateAuthority, "permits", lambda self, host: True)
+        monkeypatch.setattr(CertificateAuthority, "outside", lambda self, host: None)
         for host, violation in (("api.crm.example", "permitted"), ("127.0.0.1", "excluded")):
             with pytest.raises(ssl.SSLCertVerificationError, match=f"{violation} subtree violation"):
                 await handshake(minter.context_for(host), client_trusting(cert_path), host)  # ...and so do clients
+
+
+async def test_a_suffix_constraint_means_to_openssl_what_it_means_to_the_minter(tmp_path, monkeypatch):
+    """``.payments.example`` covers every host under payments.example, not the domain itself:
+    a real OpenSSL client agrees with ``permits`` on both."""
+    cert_path, key_path = init_ca(tmp_path, permitted_hosts=[".payments.example"])
+    ca = CertificateAuthority.load(cert_path, key_path)
+    with LeafMinter(ca, 3600) as minter:
+        for host in (HOST, f"eu.{HOST}"):
+            assert await handshake(minter.context_for(host), client_trusting(cert_path), host)
+        with pytest.raises(CAError, match=r'^"payments\.example" is outside'):
+            minter.context_for("payments.example")
+        monkeypatch.setattr(CertificateAuthority, "outside", lambda self, host: None)
+        for host in ("payments.example", "api.xpayments.example"):
+            with pytest.raises(ssl.SSLCertVerificationError, match="permitted subtree violation"):
+                await handshake(minter.context_for(host), client_trusting(cert_path), host)
+
+
+async def test_a_ca_for_addresses_only_vouches_for_no_dns_name(tmp_path, monkeypatch):
+    cert_path, key_path = init_ca(tmp_path, permitted_hosts=["127.0.0.0/8"])
+    ca = CertificateAuthority.load(cert_path, key_path)
+    with LeafMinter(ca, 3600) as minter:
+        assert await handshake(minter.context_for("127.0.0.1"), client_trusting(cert_path), "127.0.0.1")
+        with pytest.raises(CAError, match=r'^"api\.crm\.example" is outside .*\(permitted: 127\.0\.0\.0/8; excluded: '):
+            minter.context_for("api.crm.example")
+        monkeypatch.setattr(CertificateAuthority, "outside", lambda self, host: None)
+        with pytest.raises(ssl.SSLCertVerificationError, match="excluded subtree violation"):
+            await handshake(minter.context_for("api.crm.example"), client_trusting(cert_path), "api.crm.example")
 
 
 # ---------------------------------------------------------------- leaves: contents

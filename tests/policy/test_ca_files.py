@@ -6,6 +6,7 @@ absolute path, so each message is exact."""
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import pytest
 from proxy.ca.commands import init_ca
 from proxy.policy import ConfigErrors, TlsSettings, load_policy
 from tests.helpers.certs import write_self_signed
+
+BAD = Path(__file__).parent / "bad"
 
 POLICY = """\
 version: 1
@@ -141,8 +144,22 @@ def test_intercepted_hosts_must_be_within_the_cas_name_constraints(tmp_path):
     cert, key = init_ca(tmp_path / "narrow", permitted_hosts=["api.other.example"])
     policy = write(tmp_path, cert, key)
     assert problems(policy) == [
-        f'{policy}:4: vendors[0].hosts[0]: host "api.payments.example" is outside the name constraints of the '
-        "CA in tls.ca_cert (re-create it with: quota-proxy ca init -c POLICY)",
+        f'{policy}:4: vendors[0].hosts[0]: "api.payments.example" is outside the CA\'s name constraints '
+        "(permitted: api.other.example): re-create the CA with ca init --permit "
+        "api.other.example,api.payments.example (a suffix such as .payments.example covers every host under "
+        "payments.example)",
+    ]
+
+
+def test_a_host_outside_a_suffix_ca_names_the_constraints_and_the_ca_init_that_covers_it(tmp_path):
+    policy = tmp_path / "ca_outside_constraints.yaml"
+    shutil.copy(BAD / policy.name, policy)
+    init_ca(tmp_path / "ca", permitted_hosts=[".stripe.com", "api.payments.example"])
+    assert problems(policy) == [  # api. and files.stripe.com are under .stripe.com: no new CA for them
+        f'{policy}:7: vendors[1].hosts[0]: "api.openai.com" is outside the CA\'s name constraints '
+        "(permitted: .stripe.com, api.payments.example): re-create the CA with ca init --permit "
+        ".stripe.com,api.payments.example,api.openai.com (a suffix such as .openai.com covers every host under "
+        "openai.com)"
     ]
 
 

@@ -94,12 +94,14 @@ def test_payments_policy_loads_with_overrides_and_several_vendors():
     assert payments.tenant_limits.for_tenant("someone-else") == (Limit(8, 1, 8),)
     assert payments.feedback.max_retry_after == 600
     assert payments.timeouts == Timeouts(connect=3, read=30)
+    assert (payments.answers, payments.answers_max_wait, payments.ratelimit_headers) == ("stripe", 30, True)
 
     assert policy.vendor("crm").on_limit.action == "defer"
     mail = policy.vendor("mail-api")
     assert (mail.on_limit.action, mail.connect, mail.max_tunnels) == ("shed", "tunnel", 20)
     assert mail.feedback.remaining_header is None
     assert mail.upstream is None and mail.route is None
+    assert (mail.answers, mail.answers_max_wait, mail.ratelimit_headers) == ("generic", 60, False)
 
 
 def test_spec_example_with_a_ca_defaults_connect_to_intercept():
@@ -264,6 +266,9 @@ BAD_FILES = {
     ),
     "intercept_without_ca": "6: vendors[0].connect: connect: intercept needs tls.ca_cert and tls.ca_key",
     "ca_cert_without_key": "7: tls.ca_cert: ca_cert and ca_key must be set together",
+    "bad_answers": '6: vendors[0].answers: answers must be generic, stripe or openai, got "anthropic"',
+    "bad_answers_max_wait": "7: vendors[0].answers_max_wait: answers_max_wait must be greater than 0",
+    "bad_ratelimit_headers": '6: vendors[0].ratelimit_headers: expected true or false, got "yes"',
     "retry_after_above_max": (
         "7: vendors[0].feedback.retry_after_default: retry_after_default (2h) exceeds max_retry_after (1h)"
     ),
@@ -277,7 +282,8 @@ def test_bad_file_reports_file_line_path_and_message(name):
 
 def test_every_bad_fixture_is_asserted():
     on_disk = {p.stem for p in (ROOT / BAD).glob("*.yaml")}
-    assert on_disk == set(BAD_FILES) | {"missing_ca_file", "wrong_type", "several_problems"}
+    # ca_outside_constraints needs a CA made at test time: asserted in test_ca_files.py
+    assert on_disk == set(BAD_FILES) | {"missing_ca_file", "wrong_type", "several_problems", "ca_outside_constraints"}
 
 
 def test_missing_ca_bundle_names_where_it_looked():

@@ -29,6 +29,7 @@ def test_example_summary_is_one_screen_with_effective_values():
         "  tenants     default 40/1s burst 40",
         "  on_limit    hold, max_hold 500ms",
         "  connect     deny",
+        "  answers     generic, no SDK retry beyond 1m; RateLimit fields on 429s only",
     ]:
         assert expected in lines
 
@@ -45,6 +46,9 @@ vendors:
     tenant_limits:
       overrides: {acme: [{rate: 2}], exempt: []}
     on_limit: {action: defer}
+    answers: stripe
+    answers_max_wait: 90s
+    ratelimit_headers: true
 tls: {upstream_verify: false}
 """,
         "p.yaml",
@@ -57,3 +61,4 @@ tls: {upstream_verify: false}
     assert "              acme: 2/1s burst 2" in text.splitlines()
     assert "              exempt: (none)" in text.splitlines()
     assert "  on_limit    defer, max_hold 500ms" in text.splitlines()
+    assert "  answers     stripe, no SDK retry beyond 90s; RateLimit fields on forwarded answers" in text.splitlines()
