@@ -25,7 +25,6 @@
 --   level_i  tokens in bucket i now, after the change
 
 local EPOCH = 1700000000
-local STATE_TTL = 86400000 -- as in acquire.lua
 local time = redis.call('TIME')
 local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 
@@ -56,10 +55,17 @@ for i = 1, #KEYS do
     t, level = 0, 0
   end
   redis.call('HSET', KEYS[i], ft, string.format('%.6f', t), fts, string.format('%.3f', ts))
+  local refilled = ts + (burst - t) / rate -- when this bucket reads full again
   if field == '' then
-    redis.call('PEXPIRE', KEYS[i], math.ceil(ts - now + (burst - t) / rate) + 1000)
+    redis.call('PEXPIRE', KEYS[i], math.ceil(refilled - now) + 1000)
   else
-    redis.call('PEXPIRE', KEYS[i], math.max(STATE_TTL, math.ceil(ts - now) + 1000))
+    -- The state hash lives until the last of its buckets is full again (acquire.lua's `horizon`).
+    local horizon = tonumber(redis.call('HGET', KEYS[i], 'horizon') or '0')
+    if refilled > horizon then
+      horizon = refilled
+      redis.call('HSET', KEYS[i], 'horizon', string.format('%.3f', horizon))
+    end
+    redis.call('PEXPIRE', KEYS[i], math.max(redis.call('PTTL', KEYS[i]), math.ceil(horizon - now) + 1000))
   end
   out[1 + i] = string.format('%.6f', level)
 end

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
 from proxy.server import ProxyServer
 from tests.conftest import RedisServer, Samples, eventually, make_policy, metric_samples, value
 
@@ -124,9 +124,10 @@ class CountingStore:
         max_wait: float,
         queue: str | None = None,
         guard: StateGuard | None = None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait, queue, guard)
+        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)

@@ -71,7 +71,9 @@ class Limiter:
         self._observed: dict[str, Observation] = {}
         self._blocked_until: dict[str, float] = {}
         self._block_generation: dict[str, int] = {}
-        self._seq: dict[str, int] = {}  # per vendor: the highest state counter the store reported
+        # Per state key: the highest counter the store reported, and until when (local clock)
+        # a missing state would mean a loss: after that its buckets were full again anyway.
+        self._seen: dict[str, tuple[int, float]] = {}
 
     # -- buckets ---------------------------------------------------------------
 
@@ -100,9 +102,7 @@ class Limiter:
         b = self.buckets(vendor, tenant)
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
-        guard = StateGuard(
-            state_key(self.key_prefix, vendor.name), self._seq.get(vendor.name, 0), vendor.on_limit.max_hold
-        )
+        guard = StateGuard(state_key(self.key_prefix, vendor.name), self._seen_seq(vendor), vendor.on_limit.max_hold)
         try:
             result = await self.store.acquire(b.all, cost, max_wait, b.queue if enqueue else None, guard)
         except StoreUnavailable as exc:
@@ -112,8 +112,7 @@ class Limiter:
             self.breaker.release()
             raise
         self.breaker.success()
-        if result.seq > self._seq.get(vendor.name, 0):
-            self._seq[vendor.name] = result.seq
+        self._note_state(vendor, result)
         if result.lost:
             log.error(
                 "the store lost %s's bucket state (restarted empty, flushed, evicted or failed over to a "
@@ -126,6 +125,22 @@ class Limiter:
         if b.tenant_count < len(result.levels):
             self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
         return result
+
+    def _seen_seq(self, vendor: Vendor) -> int:
+        """The state counter to check the store against: 0 once the state may have
+        expired of itself (idle: every bucket full, no reservation outstanding)."""
+        seq, matters_until = self._seen.get(state_key(self.key_prefix, vendor.name), (0, 0.0))
+        return seq if self.clock.monotonic() < matters_until else 0
+
+    def _note_state(self, vendor: Vendor, result: AcquireResult) -> None:
+        key = state_key(self.key_prefix, vendor.name)
+        seq, _ = self._seen.get(key, (0, 0.0))
+        if result.seq >= seq or result.lost:
+            # The state lives ``debt`` + 1 s past its buckets' refill (the ttl the store
+            # reports, whoever extended it last): only until then can a missing state be
+            # a loss that matters (acquire.lua, "Lost state").
+            until = self.clock.monotonic() + result.ttl - vendor.on_limit.max_hold - 1.0
+            self._seen[key] = (result.seq, until)
 
     async def block(self, vendor: Vendor, seconds: float) -> float:
         """A vendor 429: block its global buckets fleet-wide; returns the block's length.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, StateGuard
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
 
@@ -23,12 +23,14 @@ class MemoryStore:
         # deferral queue key -> (first free slot, expires_at), on the clock
         self._queues: dict[str, tuple[float, float]] = {}
         self._seq: dict[str, int] = {}  # state key -> grants counted (acquire.lua's seq)
+        # lease set key -> {lease id: expires_at}, on the clock
+        self._leases: dict[str, dict[str, float]] = {}
         self._ops = 0
 
     def __len__(self) -> int:
         """Live keys (after sweeping the expired ones)."""
         self._sweep(self._clock.monotonic())
-        return len(self._state) + len(self._queues)
+        return len(self._state) + len(self._queues) + len(self._leases)
 
     def _level(self, b: BucketSpec, now: float) -> float:
         st = self._state.get(b.ident)
@@ -50,6 +52,9 @@ class MemoryStore:
             del self._state[key]
         for key in [k for k, (_, expires) in self._queues.items() if expires <= now]:
             del self._queues[key]
+        for key in list(self._leases):
+            self._live(key, now)
+        self._forget_empty()
 
     async def acquire(
         self,
@@ -58,6 +63,7 @@ class MemoryStore:
         max_wait: float,
         queue: str | None = None,
         guard: StateGuard | None = None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
         now = self._clock.monotonic()
         self._tick(now)
@@ -67,18 +73,64 @@ class MemoryStore:
             need = (cost - level) / b.rate
             if need > wait:
                 wait, binding = need, i
+        sets = leases.sets if leases is not None else ()
+        inflight = [len(self._live(ls.key, now)) for ls in sets]
+        full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
         # One process holds the state and its reservations alike: it cannot lose one
         # without the other, so the guard only counts (acquire.lua's seq).
         seq = self._seq.get(guard.key, 0) if guard is not None else 0
-        if wait > max_wait:
-            hint = self._slot(queue, now, wait, cost / buckets[binding].rate)
-            return AcquireResult(False, wait, binding, tuple(levels), hint, seq)
+        if wait > max_wait or full >= 0:
+            self._forget_empty()
+            hint = wait if full >= 0 else self._slot(queue, now, wait, cost / buckets[binding].rate)
+            return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
         for i, b in enumerate(buckets):
             levels[i] -= cost
             self._store(b, levels[i], now)
+        if leases is not None:
+            for j, ls in enumerate(sets):
+                self._live(ls.key, now)[leases.id] = now + wait + leases.life
+                inflight[j] += 1
         if guard is not None:
             seq = self._seq[guard.key] = seq + 1
-        return AcquireResult(True, wait, binding, tuple(levels), wait, seq)
+        return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
+
+    def _live(self, key: str, now: float) -> dict[str, float]:
+        """The live leases of a set (expired ones dropped; an empty set forgotten)."""
+        held = self._leases.setdefault(key, {})
+        for lease_id in [i for i, expires in held.items() if expires <= now]:
+            del held[lease_id]
+        return held
+
+    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
+        now = self._clock.monotonic()
+        counts = []
+        for ls in sets:
+            held = self._live(ls.key, now)
+            held.pop(lease_id, None)
+            counts.append(len(held))
+        self._forget_empty()
+        return tuple(counts)
+
+    async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
+        now = self._clock.monotonic()
+        renewed = 0
+        for ls, lease_id in leases:
+            held = self._live(ls.key, now)
+            if lease_id in held:
+                held[lease_id] = max(held[lease_id], now + life)
+                renewed += 1
+        self._forget_empty()
+        return renewed
+
+    async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
+        now = self._clock.monotonic()
+        counts = tuple(len(self._live(ls.key, now)) for ls in sets)
+        self._forget_empty()
+        return counts
+
+    def _forget_empty(self) -> None:
+        for key in [k for k, held in self._leases.items() if not held]:
+            del self._leases[key]
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
         """The refused caller's retry hint: the queue's next free slot, never before ``wait``
@@ -125,6 +177,9 @@ class MemoryStore:
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         now = self._clock.monotonic()
         return tuple(self._level(b, now) for b in buckets)
+
+    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
+        return  # one process: the limiter wakes its own waiters on its own releases
 
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         return  # one process: the limiter already knows every block it made

@@ -23,7 +23,15 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
 from proxy.limiter.scripts import script
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard, StoreUnavailable
+from proxy.limiter.store import (
+    AcquireResult,
+    BlockResult,
+    BucketSpec,
+    Leases,
+    LeaseSet,
+    StateGuard,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("quota_proxy.store")
 
@@ -64,6 +72,9 @@ class RedisStore:
         self._peek = self._client.register_script(script("peek"))
         self._probe = self._client.register_script(script("probe"))
         self._refund = self._client.register_script(script("refund"))
+        self._release = self._client.register_script(script("release"))
+        self._renew = self._client.register_script(script("renew"))
+        self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either); Cluster's slot routing stays with redis-py.
@@ -99,30 +110,54 @@ class RedisStore:
         max_wait: float,
         queue: str | None = None,
         guard: StateGuard | None = None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
-        keys = [b.key for b in buckets]
-        args: list[float | str] = [cost, max_wait * _MS, "", "", 0.0]
+        sets = leases.sets if leases is not None else ()
+        keys = [b.key for b in buckets] + [ls.key for ls in sets]
+        args: list[float | str] = [cost, max_wait * _MS, "", "", 0.0, len(buckets), "", 0.0]
         if queue is not None:
             keys.append(queue)
             args[2] = "q"
         if guard is not None:
             keys.append(guard.key)
             args[3], args[4] = guard.seen, guard.debt * _MS
+        if leases is not None:
+            args[6], args[7] = leases.id, leases.life * _MS
         for b in buckets:
             args += (b.rate / _MS, b.burst, b.field)
+        args += [ls.cap for ls in sets]
         if self._acquire_fast is not None:
             out = await self._call_fast(self._acquire_fast, keys, args)
         else:
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
+        n = len(buckets)
         return AcquireResult(
             granted=out[0] == b"1",
             wait=float(out[1]) / _MS,
             binding=int(out[2]) - 1,
-            levels=tuple(float(x) for x in out[6:]),
+            levels=tuple(float(x) for x in out[8 : 8 + n]),
             hint=float(out[3]) / _MS,
             seq=int(out[4]),
             lost=out[5] == b"1",
+            full=int(out[6]) - 1,
+            inflight=tuple(int(x) for x in out[8 + n :]),
+            ttl=int(out[7]) / _MS,
         )
+
+    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
+        keys = [ls.key for ls in sets]
+        out = await self._call(lambda: self._release(keys=keys, args=[lease_id, channel]))
+        return tuple(int(x) for x in out)
+
+    async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
+        keys = [ls.key for ls, _ in leases]
+        args: list[float | str] = [life * _MS, *(lease_id for _, lease_id in leases)]
+        return int(await self._call(lambda: self._renew(keys=keys, args=args)))
+
+    async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
+        keys = [ls.key for ls in sets]
+        out = await self._call(lambda: self._inflight(keys=keys, args=[]))
+        return tuple(int(x) for x in out)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self._feedback_call(buckets, "block", seconds, channel)
@@ -163,6 +198,19 @@ class RedisStore:
 
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         """Follow blocks announced by feedback.lua; reconnects until cancelled."""
+
+        def message(channel: str, data: str) -> None:
+            on_block(channel, float(data) / _MS)
+
+        await self._follow(pattern, message)
+
+    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
+        """Follow lease releases announced by release.lua; reconnects until cancelled."""
+        await self._follow(pattern, lambda _channel, data: on_release(tuple(data.split())))
+
+    async def _follow(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
+        """Call ``on_message(channel, data)`` for every message on channels matching
+        ``pattern``; reconnects with backoff until cancelled."""
         backoff = 0.1
         while True:
             pubsub = self._client.pubsub()
@@ -173,14 +221,13 @@ class RedisStore:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "pmessage":
                         continue
-                    channel = msg["channel"]
-                    name = channel.decode() if isinstance(channel, bytes) else str(channel)
+                    name, data = _text(msg["channel"]), _text(msg["data"])
                     try:
-                        on_block(name, float(msg["data"]) / _MS)
+                        on_message(name, data)
                     except ValueError:
-                        log.warning("ignoring malformed block announcement on %s: %r", name, msg["data"])
+                        log.warning("ignoring a malformed announcement on %s: %r", name, data)
             except (RedisError, OSError) as exc:
-                log.debug("block watch lost its connection (%s); retrying in %.1fs", exc, backoff)
+                log.debug("watch of %s lost its connection (%s); retrying in %.1fs", pattern, exc, backoff)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -191,3 +238,7 @@ class RedisStore:
         if self._pipe is not None:
             self._pipe.close()
         await self._client.aclose()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

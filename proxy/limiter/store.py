@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
-Scope = Literal["tenant", "global"]
+Scope = Literal["tenant", "endpoint", "global"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,28 @@ class StateGuard:
     outstanding (the vendor's longest hold)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseSet:
+    """Requests in flight to a vendor (or an endpoint class), fleet-wide, at most ``cap``."""
+
+    key: str
+    cap: int
+    label: str
+    """For people: e.g. ``concurrency 50`` or ``endpoint search concurrency 5``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leases:
+    """The leases one request asks for with its tokens (acquire.lua, "Leases")."""
+
+    id: str
+    """Unique per request: what release and renew name."""
+    life: float
+    """Seconds a lease lives past the reservation's maturity unless renewed: the
+    vendor's connect + read timeouts, after which a dead replica's slot is free."""
+    sets: tuple[LeaseSet, ...]
+
+
 class AcquireResult(NamedTuple):
     granted: bool
     """True: ``cost`` was taken from every bucket. False: from none."""
@@ -69,6 +91,12 @@ class AcquireResult(NamedTuple):
     """The vendor state's counter after this call (0 without a state guard)."""
     lost: bool = False
     """This call found that the store had lost its state (and applied the debt)."""
+    full: int = -1
+    """Index of a lease set at its cap (then nothing was taken), -1 when none is."""
+    inflight: tuple[int, ...] = ()
+    """Live leases in each lease set after this call."""
+    ttl: float = 0.0
+    """Seconds the vendor's state lives from now (0 without a state guard)."""
 
     @property
     def retry_after(self) -> float:
@@ -96,8 +124,9 @@ class BucketStore(Protocol):
         max_wait: float,
         queue: str | None = None,
         guard: StateGuard | None = None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
-        """Take ``cost`` from every bucket, or from none.
+        """Take ``cost`` from every bucket and a lease in every lease set, or nothing.
 
         Granted when every bucket has ``cost`` tokens now, or will have within
         ``max_wait`` seconds (a reservation: the caller waits ``wait``). Refused with a
@@ -105,7 +134,7 @@ class BucketStore(Protocol):
         as its ``hint`` (the queue takes nothing from any bucket). With a ``guard``, a
         store that finds it lost its state (Redis restarted empty, flushed, failed over
         to a lagging replica) restarts the buckets owing what may still be outstanding,
-        never full.
+        never full. With ``leases``, a lease set at its cap refuses (``full``), taking nothing.
         """
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
@@ -121,6 +150,20 @@ class BucketStore(Protocol):
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""
+
+    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
+        """Give lease ``lease_id`` back in every set and announce it on ``channel`` (if the
+        store can); live leases per set after."""
+
+    async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
+        """Extend each (set, lease id) to ``life`` seconds from now; how many were still live."""
+
+    async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
+        """Live leases per set now."""
+
+    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
+        """Call ``on_release(set keys)`` for every release other processes announce on
+        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
 
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         """Call ``on_block(channel, seconds)`` for every block other processes announce on

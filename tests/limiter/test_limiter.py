@@ -12,7 +12,7 @@ import proxy.limiter.limiter as limiter_module
 from proxy.clock import ManualClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
 from proxy.policy.model import Limit, TenantLimits, Vendor
 
 FAILURES = 3
@@ -51,9 +51,10 @@ class FlakyStore(MemoryStore):
         max_wait: float,
         queue: str | None = None,
         guard: StateGuard | None = None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
         await self._enter()
-        return await super().acquire(buckets, cost, max_wait, queue, guard)
+        return await super().acquire(buckets, cost, max_wait, queue, guard, leases)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         await self._enter()

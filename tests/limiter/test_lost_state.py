@@ -111,8 +111,9 @@ async def test_a_replica_that_lags_is_a_loss(redis_url, stores):
 
 async def test_tenant_buckets_untouched_since_the_loss_owe_as_well(redis_url, stores):
     store = stores(redis_url)
-    limiter, v = limiter_on(store), payments(rate=1000, burst=1000, max_hold=1.0, tenant=True)
+    limiter, v = limiter_on(store), payments(rate=10, burst=1, max_hold=1.0, tenant=True)
     assert (await limiter.acquire(v, "default", 0)).granted
+    assert (await limiter.acquire(v, "default", 1.0)).granted  # a hold: a reservation outstanding
     await store.client.flushall()
     after = await limiter.acquire(v, "default", 0)
     assert after.lost and not after.granted
@@ -138,6 +139,19 @@ async def test_idle_keys_that_expired_when_full_are_not_a_loss(redis_url, stores
     await store.client.delete(tenant_key)  # as if it had expired, full again
     r = await limiter.acquire(v, "default", 0)
     assert r.granted and not r.lost
+
+
+async def test_a_state_that_expired_idle_is_not_a_loss(redis_url, stores):
+    """The state lives until its buckets are full again (plus the hold window): missing
+    after that, nothing was outstanding, so nothing is owed."""
+    store = stores(redis_url)
+    limiter, v = limiter_on(store), payments(rate=1000, burst=5, max_hold=0.1)
+    first = await limiter.acquire(v, "default", 0)
+    assert first.granted and 0 < first.ttl <= 1.2
+    await asyncio.sleep(first.ttl + 0.05)
+    assert await store.client.exists(state_key(PREFIX, "payments")) == 0  # expired by itself
+    again = await limiter.acquire(v, "default", 0)
+    assert again.granted and not again.lost
 
 
 async def test_without_a_guard_the_store_behaves_as_before(redis_url, stores):

@@ -176,10 +176,19 @@ async def test_the_clock_is_redis_time_never_the_replicas(
     for entry in evalshas:
         _, _sha, nkeys, *rest = entry["command"].split(b" ")
         argv = rest[int(nkeys) :]
-        # ARGV is cost, max_wait, the queue flag, seq seen and the debt window, then rate, burst
-        # and field per bucket: durations, rates and names, nothing that could be a time.
-        assert argv[2:5] == [b"", b"", b"0.0"] and argv[7] == b""
-        assert [float(x) for x in argv[:2] + argv[5:7]] == [1.0, 0.0, pytest.approx(10 / 1000), 100.0]
+        # ARGV is cost, max_wait, the queue flag, seq seen, the debt window, the bucket count,
+        # lease id and lease life, then rate, burst and field per bucket: durations, rates,
+        # counts and names, nothing that could be a time.
+        assert argv[2:4] == [b"", b""] and argv[6] == b"" and argv[10] == b""
+        assert [float(x) for x in argv[:2] + argv[4:6] + argv[7:10]] == [
+            1.0,
+            0.0,
+            0.0,
+            1.0,
+            0.0,
+            pytest.approx(10 / 1000),
+            100.0,
+        ]
 
 
 # -- the script cache --------------------------------------------------------------

@@ -1,0 +1,30 @@
+-- release.lua: give back a request's leases (acquire.lua), and say so.
+--
+-- Called when the vendor's answer has been relayed, the exchange failed, the
+-- worker went away, or a hold was cancelled: whichever comes first, once. The
+-- announcement on `channel` wakes requests held for a free slot on every
+-- replica (they are woken, not polling).
+--
+-- KEYS[j]   lease set j
+-- ARGV[1]   lease id
+-- ARGV[2]   channel to PUBLISH the released sets' names on; "" = none
+--
+-- Returns {inflight_1, ..., inflight_m}: live leases in each set after the release.
+
+local EPOCH = 1700000000
+local time = redis.call('TIME')
+local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
+
+local out = {}
+local released = {}
+for j = 1, #KEYS do
+  if redis.call('ZREM', KEYS[j], ARGV[1]) == 1 then
+    released[#released + 1] = KEYS[j]
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', string.format('%.3f', now))
+  out[j] = tostring(redis.call('ZCARD', KEYS[j]))
+end
+if ARGV[2] ~= '' and #released > 0 then
+  redis.call('PUBLISH', ARGV[2], table.concat(released, ' '))
+end
+return out
