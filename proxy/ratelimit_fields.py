@@ -16,12 +16,13 @@ the vendor's own fields, which pass through unchanged (SPEC §9).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multidict import MultiMapping
 
 from proxy.policy.model import Limit, Vendor
+from proxy.quota_headers import field, items
 
 POLICY = "RateLimit-Policy"
 RATELIMIT = "RateLimit"
@@ -110,28 +111,5 @@ def fields_for_forwarded(vendor_headers: MultiMapping[str], item: QuotaItem) -> 
 
 def vendor_remaining(headers: MultiMapping[str]) -> int | None:
     """The fewest tokens any item of the vendor's ``RateLimit`` field says remain, or None."""
-    found: list[int] = []
-    for value in headers.getall(RATELIMIT, ()):
-        for member in _split(value, ","):
-            for param in list(_split(member, ";"))[1:]:
-                key, _, raw = param.partition("=")
-                if key.strip() == "r" and raw.strip().isdigit():
-                    found.append(int(raw.strip()))
+    found = [int(r) for _, params in items(field(headers, RATELIMIT)) if (r := params.get("r", "")).isdigit()]
     return min(found) if found else None
-
-
-def _split(text: str, sep: str) -> Iterator[str]:
-    """``text`` cut at each ``sep`` outside a quoted string (Structured Field strings may hold
-    commas and semicolons)."""
-    start, quoted, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if escaped:
-            escaped = False
-        elif quoted and ch == "\\":
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == sep and not quoted:
-            yield text[start:i]
-            start = i + 1
-    yield text[start:]
