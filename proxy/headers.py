@@ -54,14 +54,7 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
 def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str) -> CIMultiDict[str]:
     """The worker's headers minus hop-by-hop ones, ``Host`` (set from the upstream URL),
     the tenant header and every ``X-Quota-*`` header."""
-    drop = _REQUEST_DROP | _connection_tokens(headers) | {tenant_header.lower()}
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        low = name.lower()
-        if low in drop or low.startswith(QUOTA_PREFIX):
-            continue
-        out.add(name, value)
-    return out
+    return _without(headers, _REQUEST_DROP | {tenant_header.lower()})
 
 
 def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -69,11 +62,17 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
 
     ``X-Quota-*`` is the proxy's namespace: a worker must be able to trust that
     ``X-Quota-Action`` came from the proxy, so a vendor's 429 never carries it (SPEC §5)."""
-    drop = HOP_BY_HOP | _connection_tokens(headers)
+    return _without(headers, HOP_BY_HOP)
+
+
+def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` minus the names in ``drop``, those its ``Connection`` field names and
+    every ``X-Quota-*`` header, in their order."""
+    dropped = drop | _connection_tokens(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         low = name.lower()
-        if low in drop or low.startswith(QUOTA_PREFIX):
+        if low in dropped or low.startswith(QUOTA_PREFIX):
             continue
         out.add(name, value)
     return out
