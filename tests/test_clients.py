@@ -27,7 +27,7 @@ import requests
 
 from tests.conftest import curl, vendor_policy
 from tests.helpers.cli import PROXY_VARS
-from tests.helpers.node import NodeAnswer, node_fetch
+from tests.helpers.node import node_request
 
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
@@ -78,12 +78,7 @@ async def via_curl(method: str, url: str, headers: dict[str, str], body: bytes |
 
 async def via_node(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
     # undici's EnvHttpProxyAgent reads the monkeypatched HTTP_PROXY; Node's built-in fetch would not.
-    upload = None
-    if body is not None:
-        upload = tmp / "node-upload"
-        upload.write_bytes(body)
-    got = await node_fetch(method, url, headers, upload)
-    assert isinstance(got, NodeAnswer), got
+    got = await node_request(method, url, headers, body, tmp)
     return Answer(got.status, got.headers, got.body)
 
 

@@ -27,12 +27,12 @@ import pytest
 import requests
 
 from tests.conftest import curl, value
-from tests.helpers.cli import PROXY_VARS
+from tests.helpers.cli import PROXY_VARS, TRUST_VARS
 from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
-from tests.helpers.node import NodeAnswer, NodeFailure, node_fetch
+from tests.helpers.node import NodeAnswer, NodeFailure, node_fetch, node_request
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-CLIENT_VARS = (*PROXY_VARS, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS")
+CLIENT_VARS = (*PROXY_VARS, *TRUST_VARS)
 
 
 @dataclass
@@ -91,12 +91,8 @@ async def via_curl(w: Worker, method: str, url: str, headers: dict[str, str], bo
 
 async def via_node(w: Worker, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Answer:
     # HTTPS_PROXY for undici's EnvHttpProxyAgent, the proxy's CA through NODE_EXTRA_CA_CERTS.
-    upload = None
-    if body is not None:
-        upload = w.tmp / "node-upload"
-        upload.write_bytes(body)
-    got = await node_fetch(method, url, headers, upload, env={**os.environ, "NODE_EXTRA_CA_CERTS": str(w.ca.cert)})
-    assert isinstance(got, NodeAnswer), got
+    env = {**os.environ, "NODE_EXTRA_CA_CERTS": str(w.ca.cert)}
+    got = await node_request(method, url, headers, body, w.tmp, env=env)
     return Answer(got.status, got.headers, got.body)
 
 

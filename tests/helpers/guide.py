@@ -17,7 +17,6 @@ clean environment. Only these stand-ins differ from a real deployment:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shlex
@@ -26,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers.cli import ROOT, clean_env
+from tests.helpers.cli import ROOT, TRUST_VARS, clean_env, run_process
 from tests.helpers.node import NODE_DIR, node
 from tests.helpers.sdks import HOSTS
 
@@ -35,15 +34,7 @@ GUIDE = ROOT / "docs" / "clients.md"
 _BLOCK = re.compile(
     r"(?:<!-- (?P<kind>snippet|untested): (?P<name>[\w-]+) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S
 )
-_CLIENT_ENV = (
-    "SSL_CERT_FILE",
-    "SSL_CERT_DIR",
-    "REQUESTS_CA_BUNDLE",
-    "CURL_CA_BUNDLE",
-    "NODE_EXTRA_CA_CERTS",
-    "NODE_OPTIONS",
-    "CELERY_BROKER_URL",
-)
+_CLIENT_ENV = (*TRUST_VARS, "NODE_OPTIONS", "CELERY_BROKER_URL")
 _REAL_HOSTS = {"stripe": "api.stripe.com", "openai": "api.openai.com", "anthropic": "api.anthropic.com"}
 
 SITECUSTOMIZE = f"""
@@ -151,25 +142,9 @@ class GuideWorker:
             command = ["python", str(script), str(path)]
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
         (self.work / "env.sh").write_text(setup + "\n" + exports)
-        proc = await asyncio.create_subprocess_exec(
-            "bash",
-            "-ec",
-            'source "$1"; shift; exec "$@"',
-            "guide",
-            str(self.work / "env.sh"),
-            *command,
-            *argv,
-            cwd=cwd,
+        status, out, err = await run_process(
+            ["bash", "-ec", 'source "$1"; shift; exec "$@"', "guide", str(self.work / "env.sh"), *command, *argv],
             env=self.environment(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
         )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 90)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise
-        assert proc.returncode is not None
-        return Ran(proc.returncode, out.decode(), err.decode(errors="replace"))
+        return Ran(status, out, err)

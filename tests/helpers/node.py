@@ -8,7 +8,6 @@ package, fails these tests rather than skipping them.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.cli import ROOT
+from tests.helpers.cli import ROOT, run_process
 
 NODE_DIR = ROOT / "tests" / "node"
 
@@ -53,23 +52,7 @@ class NodeFailure:
 
 async def run_node(argv: list[str], env: Mapping[str, str], cwd: Path = NODE_DIR) -> tuple[int, str, str]:
     """``node ARGV`` in ``cwd`` with exactly ``env``: (exit status, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        node(),
-        *argv,
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode(errors="replace")
+    return await run_process([node(), *argv], env=env, cwd=cwd, timeout=60)
 
 
 async def node_fetch(
@@ -91,3 +74,22 @@ async def node_fetch(
         return NodeFailure(parsed["error"], parsed["code"], parsed["cause"])
     assert status == 0 and parsed is not None, f"node exited {status}: {err}"
     return NodeAnswer(parsed["status"], parsed["headers"], base64.b64decode(parsed["body"]))
+
+
+async def node_request(
+    method: str,
+    url: str,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    tmp: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> NodeAnswer:
+    """``node_fetch`` with ``body`` (uploaded from a file in ``tmp``); the answer must be HTTP."""
+    upload = None
+    if body is not None:
+        upload = tmp / "node-upload"
+        upload.write_bytes(body)
+    got = await node_fetch(method, url, headers, upload, env=env)
+    assert isinstance(got, NodeAnswer), got
+    return got

@@ -88,58 +88,37 @@ class SdkVendor:
             await self._release.wait()
         return await handler(request)
 
+    def _answer(self, request_id_header: str, body: dict[str, object]) -> web.Response:
+        """``body`` with the vendor's request-id header (the SDKs log it)."""
+        return web.json_response(body, headers={request_id_header: f"req_{len(self.seen)}"})
+
     async def _stripe_customer(self, request: web.Request) -> web.Response:
         form = dict(parse_qsl(self.seen[-1].body.decode())) if request.method == "POST" else {}
         number = len(self.seen)
-        return web.json_response(
-            {
-                "id": request.match_info.get("id", f"cus_test{number}"),
-                "object": "customer",
-                "created": 1700000000 + number,
-                "email": form.get("email"),
-                "livemode": False,
-                "metadata": {},
-            },
-            headers={"Request-Id": f"req_{number}"},
+        customer = {"id": request.match_info.get("id", f"cus_test{number}"), "object": "customer"}
+        return self._answer(
+            "Request-Id",
+            {**customer, "created": 1700000000 + number, "email": form.get("email"), "livemode": False, "metadata": {}},
         )
 
     async def _openai_chat(self, request: web.Request) -> web.Response:
-        asked = await request.json()
-        number = len(self.seen)
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{number}",
-                "object": "chat.completion",
-                "created": 1700000000 + number,
-                "model": asked["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "hello from the mock", "refusal": None},
-                        "logprobs": None,
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-            },
-            headers={"x-request-id": f"req_{number}"},
+        model, number = (await request.json())["model"], len(self.seen)
+        message = {"role": "assistant", "content": "hello from the mock", "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        return self._answer(
+            "x-request-id",
+            {"id": f"chatcmpl-{number}", "object": "chat.completion", "created": 1700000000 + number, "model": model}
+            | {"choices": [choice], "usage": usage},
         )
 
     async def _anthropic_message(self, request: web.Request) -> web.Response:
-        asked = await request.json()
-        number = len(self.seen)
-        return web.json_response(
-            {
-                "id": f"msg_{number}",
-                "type": "message",
-                "role": "assistant",
-                "model": asked["model"],
-                "content": [{"type": "text", "text": "hello from the mock"}],
-                "stop_reason": "end_turn",
-                "stop_sequence": None,
-                "usage": {"input_tokens": 3, "output_tokens": 4},
-            },
-            headers={"request-id": f"req_{number}"},
+        model, number = (await request.json())["model"], len(self.seen)
+        content = [{"type": "text", "text": "hello from the mock"}]
+        return self._answer(
+            "request-id",
+            {"id": f"msg_{number}", "type": "message", "role": "assistant", "model": model, "content": content}
+            | {"stop_reason": "end_turn", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 4}},
         )
 
     async def _other(self, request: web.Request) -> web.Response:

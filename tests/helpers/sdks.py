@@ -10,6 +10,7 @@ retries and how long it waited between them.
 
 from __future__ import annotations
 
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ import requests
 import stripe
 
 from proxy.policy import Policy
+from proxy.server import ProxyServer
 from tests.conftest import make_policy
+from tests.helpers.intercept import INTERCEPT_HEAD
 
 HOSTS = {"stripe": "api.stripe.example", "openai": "api.openai.example", "anthropic": "api.anthropic.example"}
 """Where each SDK is pointed (its base URL): names that resolve nowhere, so a request that
@@ -30,40 +33,15 @@ arrives anywhere came through the proxy, which maps them to the mock vendor."""
 DIALECTS = {"stripe": "stripe", "openai": "openai", "anthropic": "openai"}
 """``answers:`` per vendor: Anthropic's SDK is generated like OpenAI's (x-should-retry, retry-after-ms)."""
 
-SDK_POLICY = """
-    version: 1
-    listen: 127.0.0.1:0
-    admin_listen: 127.0.0.1:0
-    store: {url: "$store", timeout: 1s}
-    tls:
-      ca_cert: $ca_cert
-      ca_key: $ca_key
-      upstream_ca_file: $vendor_ca
-    vendors:
-      - name: stripe
-        hosts: [api.stripe.example]
-        upstream: $upstream
-        answers: stripe
-        limits: $limits
-        on_limit: $on_limit
-        timeouts: {read: $read}
-        $vendor_extra
-      - name: openai
-        hosts: [api.openai.example]
-        upstream: $upstream
-        answers: openai
-        limits: $limits
-        on_limit: $on_limit
-        timeouts: {read: $read}
-        $vendor_extra
-      - name: anthropic
-        hosts: [api.anthropic.example]
-        upstream: $upstream
-        answers: openai
-        limits: $limits
-        on_limit: $on_limit
-        timeouts: {read: $read}
-        $vendor_extra
+SDK_VENDOR = """
+      - name: $name
+        hosts: [$host]
+        upstream: $$upstream
+        answers: $dialect
+        limits: $$limits
+        on_limit: $$on_limit
+        timeouts: {read: $$read}
+        $$vendor_extra
 """
 
 
@@ -79,13 +57,20 @@ def sdk_policy(
     read: str = "30s",
     vendor_extra: str = "",
 ) -> Policy:
-    """The three SDK vendors, intercepted, all sent to ``upstream`` (the mock vendor)."""
+    """The three SDK vendors, intercepted, each in its dialect, all sent to ``upstream``
+    (the mock vendor) with the same limits."""
+    vendors = "".join(
+        string.Template(SDK_VENDOR).substitute(name=name, host=host, dialect=DIALECTS[name])
+        for name, host in HOSTS.items()
+    )
     return make_policy(
-        SDK_POLICY,
+        INTERCEPT_HEAD + "\n    vendors:" + vendors,
         store=store,
         ca_cert=ca_cert,
         ca_key=ca_key,
-        vendor_ca=vendor_ca,
+        leaf_validity="1d",
+        upstream_ca=f"upstream_ca_file: {vendor_ca}",
+        tls_extra="",
         upstream=upstream,
         limits=limits,
         on_limit=on_limit,
@@ -161,45 +146,53 @@ def _httpx_hooks(call: SdkCall) -> dict[str, list[Callable[[Any], None]]]:
     return {"request": [request], "response": [response]}
 
 
-def call_openai(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
-    """``client.chat.completions.create``: POST /v1/chat/completions."""
+def _call_generated(
+    sdk: Any, client_class: Any, base_url: str, send: Callable[[Any, dict[str, str] | None], Any], **options: Any
+) -> SdkCall:
+    """One call of an SDK generated like OpenAI's (``sdk`` is its module): ``send(client,
+    extra_headers)`` makes it."""
     call = SdkCall()
-    with openai.OpenAI(
+    key = options.pop("idempotency_key", None)
+    hooks = _httpx_hooks(call)
+    with client_class(
         api_key="sk-test-quota-proxy",
-        base_url=f"https://{HOSTS['openai']}/v1",
-        max_retries=max_retries,
-        http_client=openai.DefaultHttpxClient(event_hooks=_httpx_hooks(call)),
+        base_url=base_url,
+        http_client=sdk.DefaultHttpxClient(event_hooks=hooks),
+        **options,
     ) as client:
         try:
-            call.result = client.chat.completions.create(
-                model="gpt-test",
-                messages=[{"role": "user", "content": "hello"}],
-                extra_headers={"Idempotency-Key": idempotency_key} if idempotency_key else None,
-            )
-        except openai.OpenAIError as exc:
+            call.result = send(client, {"Idempotency-Key": key} if key else None)
+        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
             call.error = exc
     return call
+
+
+def call_openai(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
+    """``client.chat.completions.create``: POST /v1/chat/completions."""
+    return _call_generated(
+        openai,
+        openai.OpenAI,
+        f"https://{HOSTS['openai']}/v1",
+        lambda client, extra: client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hello"}], extra_headers=extra
+        ),
+        max_retries=max_retries,
+        idempotency_key=idempotency_key,
+    )
 
 
 def call_anthropic(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
     """``client.messages.create``: POST /v1/messages."""
-    call = SdkCall()
-    with anthropic.Anthropic(
-        api_key="sk-ant-test-quota-proxy",
-        base_url=f"https://{HOSTS['anthropic']}",
+    return _call_generated(
+        anthropic,
+        anthropic.Anthropic,
+        f"https://{HOSTS['anthropic']}",
+        lambda client, extra: client.messages.create(
+            model="claude-test", max_tokens=16, messages=[{"role": "user", "content": "hello"}], extra_headers=extra
+        ),
         max_retries=max_retries,
-        http_client=anthropic.DefaultHttpxClient(event_hooks=_httpx_hooks(call)),
-    ) as client:
-        try:
-            call.result = client.messages.create(
-                model="claude-test",
-                max_tokens=16,
-                messages=[{"role": "user", "content": "hello"}],
-                extra_headers={"Idempotency-Key": idempotency_key} if idempotency_key else None,
-            )
-        except anthropic.AnthropicError as exc:
-            call.error = exc
-    return call
+        idempotency_key=idempotency_key,
+    )
 
 
 @dataclass(frozen=True)
@@ -228,3 +221,23 @@ SDKS = {
         "anthropic", call_anthropic, "/v1/messages", anthropic.RateLimitError, anthropic.InternalServerError, True
     ),
 }
+
+
+def outcomes(proxy: ProxyServer, vendor: str) -> dict[str, float]:
+    """``ratelimit_requests_total`` of ``vendor`` by outcome, every tenant, zeros left out."""
+    counts: dict[str, float] = {}
+    for family in proxy.runtime.registry.collect():
+        for s in family.samples:
+            if s.name == "ratelimit_requests_total" and s.labels["limiter"] == vendor and s.value:
+                counts[s.labels["outcome"]] = counts.get(s.labels["outcome"], 0) + s.value
+    return counts
+
+
+def connects(proxy: ProxyServer) -> float:
+    """Every CONNECT the proxy has seen (``ratelimit_connects_total``, all labels)."""
+    return sum(
+        s.value
+        for family in proxy.runtime.registry.collect()
+        for s in family.samples
+        if s.name == "ratelimit_connects_total"
+    )

@@ -20,7 +20,7 @@ import trustme
 from proxy.ca.commands import init_ca
 from proxy.server import ProxyServer
 from tests.conftest import ProxyFactory
-from tests.helpers.cli import PROXY_VARS
+from tests.helpers.cli import PROXY_VARS, TRUST_VARS
 from tests.helpers.sdk_vendor import SdkVendor
 from tests.helpers.sdks import HOSTS, sdk_policy
 
@@ -99,7 +99,7 @@ class SdkProxies:
     def point_worker_at(self, proxy: ProxyServer) -> None:
         """What a worker's deployment sets; nothing else of the worker changes."""
         mp = self.monkeypatch
-        for var in WORKER_VARS:
+        for var in (*PROXY_VARS, *TRUST_VARS):
             mp.delenv(var, raising=False)
         mp.setenv("HTTPS_PROXY", proxy.url)
         mp.setenv("https_proxy", proxy.url)

@@ -20,7 +20,7 @@ from proxy.server import ProxyServer
 from tests.conftest import client_session
 from tests.helpers.cli import ROOT
 from tests.helpers.guide import GUIDE, GuideWorker, Ran, blocks, snippets
-from tests.helpers.sdks import HOSTS
+from tests.helpers.sdks import HOSTS, connects, outcomes
 
 CUSTOMER = f"https://{HOSTS['stripe']}/v1/customers/cus_123"
 SPENT = "[{rate: 1, per: 1h, burst: 1}]"
@@ -70,24 +70,6 @@ async def run(guide: GuideWorker, name: str, proxy: ProxyServer, **kwargs) -> Ra
 def ok(ran: Ran) -> list[str]:
     assert ran.status == 0, f"exit {ran.status}\nstdout:\n{ran.out}\nstderr:\n{ran.err}"
     return ran.out.splitlines()
-
-
-def outcomes(proxy: ProxyServer, vendor: str) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for family in proxy.runtime.registry.collect():
-        for s in family.samples:
-            if s.name == "ratelimit_requests_total" and s.labels["limiter"] == vendor and s.value:
-                counts[s.labels["outcome"]] = counts.get(s.labels["outcome"], 0) + s.value
-    return counts
-
-
-def connects(proxy: ProxyServer) -> float:
-    return sum(
-        s.value
-        for family in proxy.runtime.registry.collect()
-        for s in family.samples
-        if s.name == "ratelimit_connects_total"
-    )
 
 
 async def spend_the_token(proxy: ProxyServer) -> None:

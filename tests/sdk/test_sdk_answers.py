@@ -13,7 +13,7 @@ import pytest
 
 from proxy.server import ProxyServer
 from tests.conftest import client_session, eventually
-from tests.helpers.sdks import SDKS
+from tests.helpers.sdks import SDKS, outcomes
 
 NAMES = list(SDKS)
 
@@ -27,16 +27,6 @@ async def test_a_forwarded_call_returns_the_sdks_own_object(name, sdk_proxies):
     assert [a.status for a in call.attempts] == [200]
     assert sdk_proxies.vendor.mock.paths() == [sdk.path]
     print(type(call.result), call.result)
-
-
-def outcomes(proxy, vendor: str) -> dict[str, float]:
-    """ratelimit_requests_total of ``vendor`` by outcome (every tenant)."""
-    counts: dict[str, float] = {}
-    for family in proxy.runtime.registry.collect():
-        for s in family.samples:
-            if s.name == "ratelimit_requests_total" and s.labels["limiter"] == vendor:
-                counts[s.labels["outcome"]] = counts.get(s.labels["outcome"], 0) + s.value
-    return {k: v for k, v in counts.items() if v}
 
 
 @pytest.mark.parametrize("name", NAMES)
