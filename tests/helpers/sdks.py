@@ -104,101 +104,122 @@ class SdkCall:
         return [b.sent - a.answered for a, b in zip(self.attempts, self.attempts[1:], strict=False)]
 
 
-def _lower(headers: Any) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers.items()}
+class Caller:
+    """A worker's SDK client, configured once (building one loads its CA bundle, which
+    can hold the GIL for a while: done before the measured part of a test), whose calls
+    are watched."""
 
+    errors: tuple[type[BaseException], ...] = ()
 
-def call_stripe(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
-    """``client.v1.customers.create``: POST /v1/customers."""
-    call = SdkCall()
-    session = requests.Session()
+    def __init__(self) -> None:
+        self.current = SdkCall()
 
-    def seen(r: requests.Response, *args: object, **kwargs: object) -> None:
-        now = time.monotonic()
-        call.attempts.append(Attempt(now - r.elapsed.total_seconds(), now, r.status_code, _lower(r.headers)))
-
-    session.hooks["response"].append(seen)
-    client = stripe.StripeClient(
-        "sk_test_quota_proxy",
-        base_addresses={"api": f"https://{HOSTS['stripe']}"},
-        max_network_retries=max_retries,
-        http_client=stripe.RequestsClient(session=session),
-    )
-    options: Any = {"idempotency_key": idempotency_key} if idempotency_key else {}
-    try:
-        call.result = client.v1.customers.create(params={"email": "worker@example.com"}, options=options)
-    except stripe.StripeError as exc:
-        call.error = exc
-    finally:
-        session.close()
-    return call
-
-
-def _httpx_hooks(call: SdkCall) -> dict[str, list[Callable[[Any], None]]]:
-    sent: list[float] = []
-
-    def request(_: Any) -> None:
-        sent.append(time.monotonic())
-
-    def response(r: Any) -> None:
-        call.attempts.append(Attempt(sent[-1], time.monotonic(), r.status_code, _lower(r.headers)))
-
-    return {"request": [request], "response": [response]}
-
-
-def _call_generated(
-    sdk: Any, client_class: Any, base_url: str, send: Callable[[Any, dict[str, str] | None], Any], **options: Any
-) -> SdkCall:
-    """One call of an SDK generated like OpenAI's (``sdk`` is its module): ``send(client,
-    extra_headers)`` makes it."""
-    call = SdkCall()
-    key = options.pop("idempotency_key", None)
-    hooks = _httpx_hooks(call)
-    with client_class(
-        api_key="sk-test-quota-proxy",
-        base_url=base_url,
-        http_client=sdk.DefaultHttpxClient(event_hooks=hooks),
-        **options,
-    ) as client:
+    def call(self, idempotency_key: str | None = None) -> SdkCall:
+        self.current = SdkCall()
         try:
-            call.result = send(client, {"Idempotency-Key": key} if key else None)
-        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
-            call.error = exc
-    return call
+            self.current.result = self.send(idempotency_key)
+        except self.errors as exc:
+            self.current.error = exc
+        return self.current
+
+    def send(self, idempotency_key: str | None) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def seen(self, sent: float, answered: float, status: int, headers: Any) -> None:
+        self.current.attempts.append(Attempt(sent, answered, status, {k.lower(): v for k, v in headers.items()}))
 
 
-def call_openai(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
+class StripeCaller(Caller):
+    """``client.v1.customers.create``: POST /v1/customers (a requests response hook watches)."""
+
+    errors = (stripe.StripeError,)
+
+    def __init__(self, max_retries: int) -> None:
+        super().__init__()
+        self.session = requests.Session()
+        self.session.hooks["response"].append(self._response)
+        self.client = stripe.StripeClient(
+            "sk_test_quota_proxy",
+            base_addresses={"api": f"https://{HOSTS['stripe']}"},
+            max_network_retries=max_retries,
+            http_client=stripe.RequestsClient(session=self.session),
+        )
+
+    def _response(self, r: requests.Response, *args: object, **kwargs: object) -> None:
+        now = time.monotonic()
+        self.seen(now - r.elapsed.total_seconds(), now, r.status_code, r.headers)
+
+    def send(self, idempotency_key: str | None) -> Any:
+        options: Any = {"idempotency_key": idempotency_key} if idempotency_key else {}
+        return self.client.v1.customers.create(params={"email": "worker@example.com"}, options=options)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class GeneratedCaller(Caller):
+    """An SDK generated like OpenAI's (``sdk`` is its module; httpx2 event hooks watch)."""
+
+    errors = (openai.OpenAIError, anthropic.AnthropicError)
+
+    def __init__(self, sdk: Any, client_class: Any, base_url: str, max_retries: int) -> None:
+        super().__init__()
+        self._sent = 0.0
+        hooks = {"request": [self._request], "response": [self._response]}
+        self.client = client_class(
+            api_key="sk-test-quota-proxy",
+            base_url=base_url,
+            max_retries=max_retries,
+            http_client=sdk.DefaultHttpxClient(event_hooks=hooks),
+        )
+
+    def _request(self, _: Any) -> None:
+        self._sent = time.monotonic()
+
+    def _response(self, r: Any) -> None:
+        self.seen(self._sent, time.monotonic(), r.status_code, r.headers)
+
+    def extra(self, idempotency_key: str | None) -> dict[str, str] | None:
+        return {"Idempotency-Key": idempotency_key} if idempotency_key else None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class OpenAICaller(GeneratedCaller):
     """``client.chat.completions.create``: POST /v1/chat/completions."""
-    return _call_generated(
-        openai,
-        openai.OpenAI,
-        f"https://{HOSTS['openai']}/v1",
-        lambda client, extra: client.chat.completions.create(
-            model="gpt-test", messages=[{"role": "user", "content": "hello"}], extra_headers=extra
-        ),
-        max_retries=max_retries,
-        idempotency_key=idempotency_key,
-    )
+
+    def __init__(self, max_retries: int) -> None:
+        super().__init__(openai, openai.OpenAI, f"https://{HOSTS['openai']}/v1", max_retries)
+
+    def send(self, idempotency_key: str | None) -> Any:
+        return self.client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hello"}], extra_headers=self.extra(idempotency_key)
+        )
 
 
-def call_anthropic(*, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
+class AnthropicCaller(GeneratedCaller):
     """``client.messages.create``: POST /v1/messages."""
-    return _call_generated(
-        anthropic,
-        anthropic.Anthropic,
-        f"https://{HOSTS['anthropic']}",
-        lambda client, extra: client.messages.create(
-            model="claude-test", max_tokens=16, messages=[{"role": "user", "content": "hello"}], extra_headers=extra
-        ),
-        max_retries=max_retries,
-        idempotency_key=idempotency_key,
-    )
+
+    def __init__(self, max_retries: int) -> None:
+        super().__init__(anthropic, anthropic.Anthropic, f"https://{HOSTS['anthropic']}", max_retries)
+
+    def send(self, idempotency_key: str | None) -> Any:
+        return self.client.messages.create(
+            model="claude-test",
+            max_tokens=16,
+            messages=[{"role": "user", "content": "hello"}],
+            extra_headers=self.extra(idempotency_key),
+        )
 
 
 @dataclass(frozen=True)
 class Sdk:
     name: str
-    call: Callable[..., SdkCall]
+    opener: Callable[[int], Caller]
     path: str
     """what the call sends: POST ``path``"""
     rate_limit_error: type[Exception]
@@ -211,14 +232,25 @@ class Sdk:
     def host(self) -> str:
         return HOSTS[self.name]
 
+    def open(self, max_retries: int = 2) -> Caller:
+        return self.opener(max_retries)
+
+    def call(self, *, max_retries: int = 2, idempotency_key: str | None = None) -> SdkCall:
+        """One call by a client made for it (blocking: run it in a thread)."""
+        caller = self.open(max_retries)
+        try:
+            return caller.call(idempotency_key)
+        finally:
+            caller.close()
+
 
 SDKS = {
-    "stripe": Sdk("stripe", call_stripe, "/v1/customers", stripe.RateLimitError, stripe.APIError, False),
+    "stripe": Sdk("stripe", StripeCaller, "/v1/customers", stripe.RateLimitError, stripe.APIError, False),
     "openai": Sdk(
-        "openai", call_openai, "/v1/chat/completions", openai.RateLimitError, openai.InternalServerError, True
+        "openai", OpenAICaller, "/v1/chat/completions", openai.RateLimitError, openai.InternalServerError, True
     ),
     "anthropic": Sdk(
-        "anthropic", call_anthropic, "/v1/messages", anthropic.RateLimitError, anthropic.InternalServerError, True
+        "anthropic", AnthropicCaller, "/v1/messages", anthropic.RateLimitError, anthropic.InternalServerError, True
     ),
 }
 

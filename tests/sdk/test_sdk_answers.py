@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -43,6 +44,21 @@ async def test_a_shed_reaches_the_proxy_once(name, sdk_proxies):
     assert sdk_proxies.vendor.mock.paths() == [sdk.path]
 
 
+@contextlib.contextmanager
+def without_full_collections() -> Iterator[None]:
+    """The SDKs' modules live in this process, beside the proxy under test: a full garbage
+    collection of them stalls the proxy's event loop for 0.2-0.4 s here, and requests held
+    until a moment inside the stall then leave together (five within 4 ms were seen, 26 in
+    a second at a vendor allowing 25). A proxy process does not carry them: what exists is
+    frozen out of the collector while the quota is measured."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 @contextlib.asynccontextmanager
 async def other_demand(proxy: ProxyServer, host: str, workers: int) -> AsyncIterator[collections.Counter[int]]:
     """Other workers (tenant "hog") that hold for tokens as long as the proxy lets them, so
@@ -58,8 +74,8 @@ async def other_demand(proxy: ProxyServer, host: str, workers: int) -> AsyncIter
                 async with session.get(f"http://{host}/v1/hog", proxy=proxy.url, headers=headers) as r:
                     await r.read()
                     statuses[r.status] += 1
-                    if r.status == 429:  # its hint, as a precise retrier would
-                        await asyncio.sleep(int(r.headers["retry-after-ms"]) / 1000)
+                    if r.status == 429:  # its hint, as a precise retrier would (a vendor's 429 has none)
+                        await asyncio.sleep(int(r.headers.get("retry-after-ms", 1000)) / 1000)
 
         tasks = [asyncio.ensure_future(hog()) for _ in range(workers)]
         try:
@@ -87,12 +103,25 @@ async def test_a_defer_is_the_sdks_rate_limit_error_after_its_own_retries(name, 
         limits="[{rate: 20, per: 1s, burst: 1}]", on_limit="{action: defer, max_hold: 500ms}"
     )
 
-    async with other_demand(proxy, sdk.host, workers=12) as hogs:
-        call = await asyncio.to_thread(sdk.call, max_retries=2)
+    caller = await asyncio.to_thread(sdk.open, 2)  # made before the load starts (see Caller)
+    try:
+        with without_full_collections():
+            async with other_demand(proxy, sdk.host, workers=12) as hogs:
+                call = await asyncio.to_thread(caller.call)
+    finally:
+        caller.close()
 
-    print(name, [(a.status, a.headers.get("retry-after-ms"), a.headers.get("retry-after")) for a in call.attempts])
-    print(name, "gaps", [round(g, 3) for g in call.gaps()], "hogs", dict(hogs))
+    print(name, "hints", [a.headers.get("retry-after-ms") for a in call.attempts], "gaps", call.gaps())
+    print(name, "vendor: most in 1 s", vendor.max_in_window(), "of", len(vendor.seen), "other demand", dict(hogs))
     assert isinstance(call.error, sdk.rate_limit_error), repr(call.error)
+    error: Any = call.error
+    if name == "stripe":
+        assert (error.http_status, error.error.type, error.error.code) == (429, "invalid_request_error", "rate_limit")
+    else:
+        assert error.status_code == 429
+    if name == "openai":
+        assert (error.type, error.code) == ("requests", "rate_limit_exceeded")
+    assert "over its quota" in str(error)  # the proxy's sentence, as the SDK's message
     assert [a.status for a in call.attempts] == [429, 429, 429]  # the first try and the SDK's two retries
     for a in call.attempts:
         assert a.headers["x-quota-action"] == "defer"
