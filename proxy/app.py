@@ -30,7 +30,7 @@ from proxy.match import Router
 from proxy.metrics import GaugeCollector, Metrics
 from proxy.policy.model import Policy
 from proxy.recent import Recent
-from proxy.tasks import spawn
+from proxy.tasks import cancel_and_wait, spawn
 
 if TYPE_CHECKING:
     from proxy.ca.leaves import LeafMinter
@@ -225,7 +225,7 @@ class Runtime:
         log.debug("store error: %s", exc)
 
     async def close(self) -> None:
-        self._watch.cancel()
+        await cancel_and_wait(self._watch)  # before the store it reads is closed
         for task in list(self._retiring):
             task.cancel()  # their finally blocks close what they held
         await asyncio.gather(*self._retiring, return_exceptions=True)

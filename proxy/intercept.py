@@ -130,15 +130,30 @@ class Handshake:
         return True
 
 
+CLOSED_IN_HANDSHAKE = "closed_in_handshake"
+"""The worker closed the connection during the handshake without a TLS alert. Node does
+this when it rejects the proxy's certificate: it reads the server's flight (certificate
+included), sends no alert and no Finished, and closes with a FIN. asyncio and uvloop
+report that end of stream as a bare ``ConnectionResetError()`` (no errno), which is
+not a reset: no RST crossed the wire."""
+
+
 def tls_error_reason(exc: BaseException) -> str:
-    """A short, bounded label for a failed handshake: unknown_ca, bad_certificate, timeout..."""
+    """A short, bounded label for a failed handshake, named after what the worker did:
+    the alert it sent (``unknown_ca``, ``bad_certificate``...; OpenSSL-based clients such
+    as curl and Python send one when they reject the certificate), ``closed_in_handshake``
+    (it closed without an alert, as Node does), ``reset`` (a TCP RST), ``timeout``."""
     if isinstance(exc, TimeoutError):
         return "timeout"
+    if isinstance(exc, ssl.SSLEOFError):
+        return CLOSED_IN_HANDSHAKE
     if isinstance(exc, ssl.SSLError):
         reason = (exc.reason or type(exc).__name__).lower()
         for prefix in ("tlsv1_alert_", "sslv3_alert_", "tlsv13_alert_"):
             reason = reason.removeprefix(prefix)
         return reason[:40]
+    if isinstance(exc, ConnectionResetError) and exc.errno is None:
+        return CLOSED_IN_HANDSHAKE  # the event loop's name for an end of stream mid-handshake
     if isinstance(exc, ConnectionResetError | BrokenPipeError):
         return "reset"
     if isinstance(exc, ConnectionError | EOFError):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterable
 
@@ -26,6 +28,20 @@ from proxy.reload import Reloader
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy")
+
+
+class CannotListen(Exception):
+    """A listener could not be bound (the port is in use, the address is not this host's...)."""
+
+    def __init__(self, role: str, address: Address, error: OSError) -> None:
+        if isinstance(error, socket.gaierror) or not error.errno or error.errno < 0:
+            reason = error.strerror or str(error)  # a name that does not resolve: its own message
+        else:
+            reason = os.strerror(error.errno)  # not the event loop's long wording of it
+        super().__init__(f"cannot listen on {address} ({role}): {reason[:1].lower()}{reason[1:]}")
+        self.role = role
+        self.address = address
+        self.error = error
 
 
 def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
@@ -58,18 +74,19 @@ class ProxyServer:
         self.admin_address = admin_listen
 
     async def start(self) -> None:
+        """Bind both listeners; raises CannotListen (having bound nothing) if either fails."""
         await self._admin_runner.setup()
+        role, address = "admin_listen", self._admin_listen
         try:
-            admin_site = web.TCPSite(
-                self._admin_runner, self._admin_listen.host, self._admin_listen.port, reuse_address=True
-            )
+            admin_site = web.TCPSite(self._admin_runner, address.host, address.port, reuse_address=True)
             await admin_site.start()
+            role, address = "listen", self._listen
             self._listener = await asyncio.get_running_loop().create_server(
-                self.gate.protocol, self._listen.host, self._listen.port, reuse_address=True, backlog=1024
+                self.gate.protocol, address.host, address.port, reuse_address=True, backlog=1024
             )
-        except OSError:
+        except OSError as exc:
             await self._admin_runner.cleanup()
-            raise
+            raise CannotListen(role, address, exc) from exc
         self.address = _bound(s.getsockname() for s in self._listener.sockets)
         self.admin_address = _bound(self._admin_runner.addresses)
         self.admin.serving = True
@@ -139,8 +156,8 @@ async def serve(
         loop.add_signal_handler(signal.SIGHUP, lambda: spawn(reloader.reload("SIGHUP"), name="reload"))
     try:
         await server.start()
-    except OSError as exc:
-        log.error("cannot listen: %s", exc)
+    except CannotListen as exc:
+        print(f"quota-proxy: {exc}", file=sys.stderr, flush=True)  # one line, like the CLI's other refusals
         await runtime.close()
         return 1
     watcher = spawn(reloader.watch(watch), name="watch-policy") if reloader and watch else None

@@ -321,20 +321,31 @@ def test_bad_configuration_never_binds_a_port(tmp_path: Path, flaw: str) -> None
     assert port_is_free(admin_port)
 
 
-def test_a_listen_port_in_use_fails_with_a_message(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        argv = cli("run", "-c", str(EXAMPLE), "--listen", f"127.0.0.1:{port}", "--admin-listen", "127.0.0.1:0")
+@pytest.mark.parametrize("store", ["memory", "redis"])
+@pytest.mark.parametrize("taken", ["listen", "admin_listen"])
+def test_a_port_in_use_fails_with_one_clear_line(tmp_path: Path, taken: str, store: str, request) -> None:
+    """A second ``run`` on a port in use: exit 1 and one line naming the address, never a
+    traceback; with Redis, the background block watch must not outlive the store it reads
+    (it once did: "Task exception was never retrieved", or a process that never exited)."""
+    flags = ["--store", request.getfixturevalue("redis_url")] if store == "redis" else []
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        other = free_port()
+        listen, admin = (port, other) if taken == "listen" else (other, port)
+        argv = cli(
+            "run", "-c", str(EXAMPLE), "--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}", *flags
+        )
         with server_process(argv, tmp_path) as proc:
-            status = proc.wait(timeout=60)
+            status = proc.wait(timeout=30)
             assert proc.proc.stdout is not None
             assert proc.proc.stdout.read() == ""
             stderr = proc.stderr()
-    assert status != 0
-    assert "cannot listen" in stderr
+    assert status == 1, stderr
     assert_no_traceback(stderr)
+    assert stderr.splitlines() == [f"quota-proxy: cannot listen on 127.0.0.1:{port} ({taken}): address already in use"]
+    assert port_is_free(other)  # what it did bind, it let go
 
 
 # -- mock-vendor, --version ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Real HTTP clients configured the way workers are: only through the HTTP_PROXY environment.
 
-Each client (requests, httpx, aiohttp, curl) sends a GET and a 2 MiB POST that must reach
+Each client (requests, httpx, aiohttp, curl, and Node's fetch through undici's
+EnvHttpProxyAgent) sends a GET and a 2 MiB POST that must reach
 the vendor through the in-process proxy with the tenant and X-Quota-* headers stripped,
 then sees a proxy defer as 429 + Retry-After + X-Quota-Action, and a 403 for a host no
 vendor owns. ``api.payments.example`` does not resolve: the vendor is only reachable
@@ -26,6 +27,7 @@ import requests
 
 from tests.conftest import curl, vendor_policy
 from tests.helpers.cli import PROXY_VARS
+from tests.helpers.node import node_request
 
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
@@ -74,7 +76,19 @@ async def via_curl(method: str, url: str, headers: dict[str, str], body: bytes |
     return Answer(*await curl(method, url, headers, body, tmp))
 
 
-CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp, "curl": via_curl}
+async def via_node(method: str, url: str, headers: dict[str, str], body: bytes | None, tmp: Path) -> Answer:
+    # undici's EnvHttpProxyAgent reads the monkeypatched HTTP_PROXY; Node's built-in fetch would not.
+    got = await node_request(method, url, headers, body, tmp)
+    return Answer(got.status, got.headers, got.body)
+
+
+CLIENTS: dict[str, Client] = {
+    "requests": via_requests,
+    "httpx": via_httpx,
+    "aiohttp": via_aiohttp,
+    "curl": via_curl,
+    "node": via_node,
+}
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))

@@ -1,7 +1,8 @@
 """Real HTTPS clients configured the way workers are: HTTPS_PROXY in the environment and
 the proxy's CA trusted, calling ``https://api.payments.example`` with unchanged code.
 
-Each client (requests, httpx, aiohttp, curl) sends a GET and a 2 MiB POST through TLS
+Each client (requests, httpx, aiohttp, curl, and Node's fetch through undici's
+EnvHttpProxyAgent with NODE_EXTRA_CA_CERTS) sends a GET and a 2 MiB POST through TLS
 interception: both reach the HTTPS mock vendor with the tenant and X-Quota-* headers
 stripped; a vendor 429 comes back as the vendor's (no X-Quota-Action); then a proxy defer
 comes back inside the tunnel as 429 + Retry-After + X-Quota-Action. The vendor's host name
@@ -26,11 +27,12 @@ import pytest
 import requests
 
 from tests.conftest import curl, value
-from tests.helpers.cli import PROXY_VARS
+from tests.helpers.cli import PROXY_VARS, TRUST_VARS
 from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
+from tests.helpers.node import NodeAnswer, NodeFailure, node_fetch, node_request
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
-CLIENT_VARS = (*PROXY_VARS, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")
+CLIENT_VARS = (*PROXY_VARS, *TRUST_VARS)
 
 
 @dataclass
@@ -87,12 +89,25 @@ async def via_curl(w: Worker, method: str, url: str, headers: dict[str, str], bo
     return Answer(*await curl(method, url, headers, body, w.tmp, "--cacert", str(w.ca.cert)))
 
 
+async def via_node(w: Worker, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Answer:
+    # HTTPS_PROXY for undici's EnvHttpProxyAgent, the proxy's CA through NODE_EXTRA_CA_CERTS.
+    env = {**os.environ, "NODE_EXTRA_CA_CERTS": str(w.ca.cert)}
+    got = await node_request(method, url, headers, body, w.tmp, env=env)
+    return Answer(got.status, got.headers, got.body)
+
+
 @pytest.fixture
 def proxy_ca(tmp_path: Path) -> ProxyCA:
     return new_proxy_ca(tmp_path)
 
 
-CLIENTS: dict[str, Client] = {"requests": via_requests, "httpx": via_httpx, "aiohttp": via_aiohttp, "curl": via_curl}
+CLIENTS: dict[str, Client] = {
+    "requests": via_requests,
+    "httpx": via_httpx,
+    "aiohttp": via_aiohttp,
+    "curl": via_curl,
+    "node": via_node,
+}
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))
@@ -202,3 +217,32 @@ async def test_the_environment_alone_is_enough_for_requests(https_vendor, start_
     with pytest.raises(requests.exceptions.SSLError):
         await asyncio.to_thread(post)
     assert len(https_vendor.mock.requests) == 1
+
+
+async def test_a_node_worker_that_does_not_trust_the_ca_is_counted_as_closing_in_the_handshake(
+    https_vendor, start_proxy, proxy_ca, monkeypatch
+):
+    """Node rejects the proxy's leaf without a TLS alert: it reads the server's flight, sends
+    no Finished and closes (a FIN, not a reset). The reason names that, not ``reset``."""
+    proxy = await start_proxy(
+        intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
+    )
+    for var in CLIENT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+
+    refused = await node_fetch("GET", f"{URL}/v1/untrusted", {}, None)  # no NODE_EXTRA_CA_CERTS
+    assert isinstance(refused, NodeFailure), refused
+    assert refused.code == "SELF_SIGNED_CERT_IN_CHAIN", refused
+    trusted = await node_fetch(
+        "GET", f"{URL}/v1/trusted", {}, None, env={**os.environ, "NODE_EXTRA_CA_CERTS": str(proxy_ca.cert)}
+    )
+    assert isinstance(trusted, NodeAnswer) and trusted.status == 200, trusted
+
+    samples = await scrape(proxy)
+    reasons = {
+        dict(labels)["reason"]: v for (name, labels), v in samples.items() if name == "ratelimit_tls_errors_total"
+    }
+    assert reasons == {"closed_in_handshake": 1}, reasons
+    assert value(samples, "ratelimit_connects_total", limiter="payments", mode="intercept", result="tls-failed") == 1
+    assert [r["path_qs"] for r in https_vendor.mock.requests] == ["/v1/trusted"]

@@ -5,6 +5,7 @@ the environment's proxy variables.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import select
@@ -44,6 +45,9 @@ PROXY_VARS = (
     "all_proxy",
     "no_proxy",
 )
+
+# Every environment variable a client reads the CAs it trusts from (docs/clients.md).
+TRUST_VARS = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 
 
 def cli(*args: str) -> list[str]:
@@ -226,3 +230,26 @@ def http_get(url: str, *, via: str | None = None, timeout: float = 10) -> tuple[
 def write_policy(path: Path, text: str) -> Path:
     path.write_text(textwrap.dedent(text).lstrip("\n"))
     return path
+
+
+async def run_process(
+    argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, timeout: float = 90
+) -> tuple[int, str, str]:
+    """``argv`` to completion with exactly ``env``, from the event loop: (exit status,
+    stdout, stderr). Killed, and the test failed, if it outlives ``timeout``."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        pytest.fail(f"{argv[0]} still running after {timeout}s: {' '.join(argv)}")
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode(errors="replace")

@@ -17,7 +17,7 @@ from tests.conftest import HttpsVendor, client_session, make_policy, metric_samp
 HOST = "api.payments.example"
 URL = f"https://{HOST}"
 
-INTERCEPT_POLICY = """
+INTERCEPT_HEAD = """
     version: 1
     listen: 127.0.0.1:0
     admin_listen: 127.0.0.1:0
@@ -28,6 +28,12 @@ INTERCEPT_POLICY = """
       leaf_validity: $leaf_validity
       $upstream_ca
       $tls_extra
+"""
+"""Everything but the vendors of an intercepting proxy's policy (make_policy's placeholders)."""
+
+INTERCEPT_POLICY = (
+    INTERCEPT_HEAD
+    + """
     vendors:
       - name: payments
         hosts: [$host]
@@ -37,6 +43,7 @@ INTERCEPT_POLICY = """
         feedback: {retry_after_default: 3s}
         $vendor_extra
 """
+)
 
 
 @dataclass(frozen=True)
