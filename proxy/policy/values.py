@@ -5,8 +5,9 @@ field in messages such as ``rate must be a positive number``. Most are built by 
 factories: ``bounded`` (a parsed value that must pass a check), ``matching`` (a string
 that must match a pattern) and ``choice`` (one of a Literal's values).
 
-``parse_address``, ``parse_store_url`` and ``mask_password`` are also public: the
-command line's ``--listen`` and ``--store`` obey the file's rules.
+``parse_address``, ``parse_store_url``, ``parse_admin_token`` and ``mask_password`` are
+also public: the command line's ``--listen``, ``--store`` and ``QUOTA_PROXY_ADMIN_TOKEN``
+obey the file's rules.
 """
 
 from __future__ import annotations
@@ -126,6 +127,23 @@ def _mask_query(rest: str) -> str:
         name, eq, _ = item.partition("=")
         items.append(f"{name}=***" if eq and _SECRET_ARGUMENT.search(unquote_plus(name)) else item)
     return f"{path}?{'&'.join(items)}{hash_sign}{fragment}"
+
+
+ADMIN_TOKEN_MIN: Final = 16
+_BEARER_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token
+
+
+def parse_admin_token(text: str) -> str:
+    """An admin bearer token (RFC 6750 ``b64token``, at least 16 characters); ValueError
+    otherwise. Messages never repeat the token.
+
+    Shared with the command line, whose ``QUOTA_PROXY_ADMIN_TOKEN`` obeys the file's rules.
+    """
+    if len(text) < ADMIN_TOKEN_MIN:
+        raise ValueError(f"the admin token must be at least {ADMIN_TOKEN_MIN} characters long, it has {len(text)}")
+    if not _BEARER_TOKEN.fullmatch(text):
+        raise ValueError("the admin token may hold only letters, digits and -._~+/ (and = at the end)")
+    return text
 
 
 # ---------------------------------------------------------------- factories
@@ -254,6 +272,17 @@ vendor_name: Final = matching(
 
 def address(key: str, value: object) -> Address:
     return parse_address(string(key, value))
+
+
+def admin_token(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("the admin token must be a string (quote it)")  # never echoed: it is a secret
+    return parse_admin_token(value)
+
+
+def host(key: str, value: object) -> str:
+    """A host name or IP literal without a port, normalised."""
+    return parse_host(string(key, value))
 
 
 def store_url(key: str, value: object) -> str:
