@@ -10,9 +10,9 @@ from proxy.ca.commands import init_ca
 from proxy.policy import (
     Address,
     Breaker,
-    Connections,
     ConfigError,
     ConfigErrors,
+    Connections,
     Feedback,
     Limit,
     OnLimit,
