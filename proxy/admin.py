@@ -39,10 +39,18 @@ class AdminState:
     """What the admin endpoints read: the live deps, the listener's open tunnels, and
     whether we are serving or draining."""
 
-    def __init__(self, deps: DepsGetter, tunnels_open: Callable[[str], int], reload: Reload | None = None) -> None:
+    def __init__(
+        self,
+        deps: DepsGetter,
+        tunnels_open: Callable[[str], int],
+        reload: Reload | None = None,
+        connections: Callable[[], dict[str, object]] | None = None,
+    ) -> None:
         self.deps = deps
         self.tunnels_open = tunnels_open
         """Open blind tunnels of a vendor."""
+        self.connections = connections
+        """The proxy listener's connections: open, the cap, the timeouts."""
         self.reload = reload
         """Reload the policy (None when this process cannot reload: no policy file)."""
         self.serving = False
@@ -86,7 +94,8 @@ def _finite(x: float) -> float | None:
 
 
 async def status(request: web.Request) -> web.Response:
-    deps = request.app[ADMIN].deps()
+    state = request.app[ADMIN]
+    deps = state.deps()
     limiter = deps.limiter
     vendors: list[dict[str, Any]] = []
     for vendor in deps.policy.vendors:
@@ -156,6 +165,7 @@ async def status(request: web.Request) -> web.Response:
                 "on_failure": deps.policy.store.on_failure,
                 "breaker": limiter.breaker.state,
             },
+            **({"connections": state.connections()} if state.connections is not None else {}),
             "vendors": vendors,
         }
     )
