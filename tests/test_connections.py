@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import resource
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from proxy.connections import TURNED_AWAY_MAX
+from proxy.fdlimit import RESERVED
 from proxy.policy import Connections
 from proxy.server import ProxyServer
 from tests.conftest import HttpsVendor, Vendor, eventually, metric_samples, value, vendor_policy
+from tests.helpers.cli import cli, server_process, write_policy
 from tests.helpers.intercept import intercept_policy, new_proxy_ca, upstream_of
 
 HEAD = 0.5  # connections.head_timeout in these tests
@@ -271,3 +275,92 @@ async def test_inside_an_intercepted_connect_heads_and_idle_time_out_too(
         assert IDLE * 0.9 <= time.monotonic() - answered <= IDLE + SLACK
     finally:
         writer.close()
+
+
+# -- a real process at its file-descriptor limit ------------------------------------------------------
+
+
+def limited(hard: int, soft: int, *args: str) -> list[str]:
+    """``quota-proxy ARGS`` under ``ulimit -Hn hard -Sn soft``."""
+    return ["bash", "-c", f'ulimit -Sn {soft} && ulimit -Hn {hard} && exec "$@"', "limited", *cli(*args)]
+
+
+def flood_policy(tmp_path: Path, upstream: str) -> Path:
+    return write_policy(
+        tmp_path / "flood.yaml",
+        f"""
+        version: 1
+        listen: 127.0.0.1:0
+        admin_listen: 127.0.0.1:0
+        access_log: false
+        connections: {{head_timeout: 2s}}
+        vendors:
+          - name: payments
+            hosts: [api.payments.example]
+            route: /payments
+            upstream: {upstream}
+            limits: [{{rate: 1000, per: 1s}}]
+        """,
+    )
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-files line")
+
+
+async def test_healthz_and_a_kept_alive_worker_keep_working_while_the_proxy_port_is_flooded(
+    tmp_path: Path, vendor: Vendor
+) -> None:
+    """1,030 silent connections used to stop everything on a process at 1,024 descriptors;
+    here 300 on one at 256, which cannot raise its limit."""
+    with server_process(limited(256, 256, "run", "-c", str(flood_policy(tmp_path, vendor.url))), tmp_path) as proc:
+        ready = await asyncio.to_thread(proc.wait_ready)
+        assert open_files_limit(proc.pid) == (256, 256)
+        capacity = (256 - RESERVED - TURNED_AWAY_MAX) // 2
+        assert f"connections.max 4096 lowered to {capacity}: the file-descriptor limit (256)" in proc.stderr()
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), trust_env=False) as worker,
+            aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=3)) as probe,
+            AsyncExitStack() as flood,
+        ):
+            async with worker.get(f"{ready.url}/payments/v1/before") as r:
+                assert r.status == 200  # its connection stays open (keep-alive)
+            host, port = ready.host, ready.port
+            for _ in range(300):
+                _, writer = await asyncio.open_connection(host, port)
+                flood.callback(writer.close)
+            for path in ("/healthz", "/readyz"):
+                async with probe.get(f"{ready.admin_url}{path}") as r:
+                    assert r.status == 200, path
+            async with probe.get(f"{ready.admin_url}/status") as r:
+                connections = (await r.json())["connections"]
+            assert connections["open"] == connections["max"] == capacity
+            async with worker.get(f"{ready.url}/payments/v1/during") as r:
+                assert r.status == 200  # the worker already connected is served as before
+
+            async def new_worker_served() -> bool:
+                try:
+                    async with probe.get(f"{ready.url}/payments/v1/after") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            # The flood's connections say nothing: closed at head_timeout, the cap frees.
+            await eventually(new_worker_served, "a new worker served again", deadline=2 + SLACK + 5)
+        assert proc.terminate_and_wait() == 0
+
+
+async def test_the_file_descriptor_limit_is_raised_to_the_hard_limit_at_start(tmp_path: Path, vendor: Vendor) -> None:
+    hard = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    soft = hard // 2
+    with server_process(limited(hard, soft, "run", "-c", str(flood_policy(tmp_path, vendor.url))), tmp_path) as proc:
+        await asyncio.to_thread(proc.wait_ready)
+        assert open_files_limit(proc.pid) == (hard, hard)
+        log = proc.stderr()
+        assert f"file-descriptor limit raised from {soft} to {hard} (the hard limit: {hard})" in log
+        assert f"lowered to {(hard - RESERVED - TURNED_AWAY_MAX) // 2}:" in log  # 4096 needs twice that
+        assert proc.terminate_and_wait() == 0
