@@ -1,7 +1,8 @@
-"""The admin listener: /metrics, /healthz, /readyz, /status.
+"""The admin listener: /metrics, /healthz, /readyz, /status, POST /reload.
 
 /readyz is what a load balancer routes on: 503 while the store is unreachable
-(the proxy would only defer) and while draining for shutdown.
+(the proxy would only defer) and while draining for shutdown. Who may use which
+endpoint (the admin token, the Host and Origin checks) is admin_access.py's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
+from proxy.admin_access import admin_access
 from proxy.deps import Deps
 from proxy.limiter import StoreUnavailable
 from proxy.policy import Policy, mask_password
@@ -180,7 +182,7 @@ async def reload(request: web.Request) -> web.Response:
 
 
 def admin_app(state: AdminState) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[admin_access(lambda: state.deps().policy)])
     app[ADMIN] = state
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
