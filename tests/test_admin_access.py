@@ -16,7 +16,8 @@ import pytest
 
 from proxy.server import ProxyServer
 from tests.conftest import Vendor, vendor_policy
-from tests.helpers.cli import cli, run_cli, server_process, write_policy
+from tests.helpers.cli import cli, run_cli, server_process
+from tests.helpers.policies import payments_policy
 
 TOKEN = "admin-token-0123456789abcdef"
 
@@ -120,22 +121,7 @@ async def test_a_post_from_another_origin_is_refused(vendor: Vendor, start_proxy
 
 
 def token_policy(tmp_path: Path, upstream: str, token: str | None) -> Path:
-    line = f'admin_token: "{token}"' if token else ""
-    return write_policy(
-        tmp_path / "admin.yaml",
-        f"""
-        version: 1
-        listen: 127.0.0.1:0
-        admin_listen: 127.0.0.1:0
-        {line}
-        vendors:
-          - name: payments
-            hosts: [api.payments.example]
-            route: /payments
-            upstream: {upstream}
-            limits: [{{rate: 100, per: 1s}}]
-        """,
-    )
+    return payments_policy(tmp_path / "admin.yaml", upstream, top=f'admin_token: "{token}"' if token else "", rate=100)
 
 
 def fetch(url: str, method: str = "GET", token: str | None = None) -> int:

@@ -25,8 +25,9 @@ from proxy.fdlimit import RESERVED
 from proxy.policy import Connections
 from proxy.server import ProxyServer
 from tests.conftest import HttpsVendor, Vendor, eventually, metric_samples, value, vendor_policy
-from tests.helpers.cli import cli, server_process, write_policy
+from tests.helpers.cli import cli, server_process
 from tests.helpers.intercept import intercept_policy, new_proxy_ca, upstream_of
+from tests.helpers.policies import payments_policy
 
 HEAD = 0.5  # connections.head_timeout in these tests
 IDLE = 0.7  # connections.idle_timeout
@@ -286,22 +287,7 @@ def limited(hard: int, soft: int, *args: str) -> list[str]:
 
 
 def flood_policy(tmp_path: Path, upstream: str) -> Path:
-    return write_policy(
-        tmp_path / "flood.yaml",
-        f"""
-        version: 1
-        listen: 127.0.0.1:0
-        admin_listen: 127.0.0.1:0
-        access_log: false
-        connections: {{head_timeout: 2s}}
-        vendors:
-          - name: payments
-            hosts: [api.payments.example]
-            route: /payments
-            upstream: {upstream}
-            limits: [{{rate: 1000, per: 1s}}]
-        """,
-    )
+    return payments_policy(tmp_path / "flood.yaml", upstream, top="connections: {head_timeout: 2s}")
 
 
 def open_files_limit(pid: int) -> tuple[int, int]:
