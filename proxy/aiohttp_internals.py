@@ -160,9 +160,10 @@ class _ServedConnection(web.RequestHandler):
             self._timer = None
 
     def _head_timeout(self) -> None:
+        # Armed only while no request is being served, disarmed when a head arrives whole:
+        # so this head is overdue, whether or not aiohttp's task has started waiting for it
+        # (a connection handed over with its deadline already past).
         self._timer = None
-        if not self._waiting():  # a request is being served: its own timeouts apply
-            return
         answer = self._guard.head_timed_out(self._head_bytes)
         if answer and self.transport is not None:
             self.transport.write(answer)

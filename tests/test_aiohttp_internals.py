@@ -220,6 +220,32 @@ async def test_a_head_not_in_by_its_deadline_gets_the_guards_answer_then_close()
         writer.close()
 
 
+async def test_a_first_head_already_overdue_when_aiohttp_takes_the_connection_still_times_out() -> None:
+    """The front door hands a connection over, its first bytes in hand, with what is left of
+    the head's time: none left (a first byte just before the deadline) is a timeout at once."""
+    guard = Guard(head_timeout=60.0, idle_timeout=60.0)
+    server = web.Server(ok, access_log=None)
+
+    class Door(asyncio.Protocol):
+        """What front_door.FrontDoor does with a plain request's first bytes."""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            overdue = asyncio.get_running_loop().time() - 1
+            proto = served_connection(server, guard, head_deadline=overdue)
+            self.transport.set_protocol(proto)
+            proto.connection_made(self.transport)
+            proto.data_received(data)
+
+    async with listening(Door) as url:
+        reader, writer = await connect(url)
+        writer.write(b"GET / HTTP/1.1\r\n")
+        assert (await asyncio.wait_for(reader.read(), WAIT)).startswith(b"HTTP/1.1 408")
+        writer.close()
+
+
 async def test_requests_being_served_are_never_timed_and_a_later_head_is_timed_from_its_first_byte() -> None:
     guard = Guard(head_timeout=0.3, idle_timeout=5.0)
     async with served(guard, ok) as url:
