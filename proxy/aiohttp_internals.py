@@ -67,12 +67,13 @@ class HeadersWithBody(web.StreamResponse):
 #   ``head_timeout`` from the connection's start, or from the first byte of a later request;
 #   else 408 (or, with nothing received, silence) and close. It needs two private attributes:
 #   ``_waiter`` (pending exactly while the connection waits for its next request head, the
-#   test aiohttp's own keep-alive timer makes) and ``_request_count`` (heads parsed so far).
+#   test aiohttp's own keep-alive timer makes: a byte then starts a head, not a body) and
+#   ``_request_count`` (heads parsed so far: a head arrived whole when it moves).
 # - the idle keep-alive timeout: the documented ``keepalive_timeout`` (aiohttp's default is
 #   an hour), with ``keep_alive(True)`` (undocumented; it cancels the pending idle timer) so
 #   the idle timer covers silence between requests only, never a head being received.
 #
-# Nor the subclassing nor the constructor's signature (manager, *, loop, ...) is documented.
+# Neither the subclassing nor the constructor's signature (manager, *, loop, ...) is documented.
 # Upgrade: if the constructor changes, every connection fails at its first request; if
 # request.protocol goes away, requests inside tunnels are routed as plain ones; if _waiter or
 # _request_count change meaning, heads stop timing out (slowloris holds connections again)
