@@ -1,7 +1,8 @@
-"""The admin listener: /metrics, /healthz, /readyz, /status.
+"""The admin listener: /metrics, /healthz, /readyz, /status, POST /reload.
 
 /readyz is what a load balancer routes on: 503 while the store is unreachable
-(the proxy would only defer) and while draining for shutdown.
+(the proxy would only defer) and while draining for shutdown. Who may use which
+endpoint (the admin token, the Host and Origin checks) is admin_access.py's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
+from proxy.admin_access import admin_access
 from proxy.deps import Deps
 from proxy.limiter import StoreUnavailable
 from proxy.policy import Policy, mask_password
@@ -39,10 +41,18 @@ class AdminState:
     """What the admin endpoints read: the live deps, the listener's open tunnels, and
     whether we are serving or draining."""
 
-    def __init__(self, deps: DepsGetter, tunnels_open: Callable[[str], int], reload: Reload | None = None) -> None:
+    def __init__(
+        self,
+        deps: DepsGetter,
+        tunnels_open: Callable[[str], int],
+        reload: Reload | None = None,
+        connections: Callable[[], dict[str, object]] | None = None,
+    ) -> None:
         self.deps = deps
         self.tunnels_open = tunnels_open
         """Open blind tunnels of a vendor."""
+        self.connections = connections
+        """The proxy listener's connections: open, the cap, the timeouts."""
         self.reload = reload
         """Reload the policy (None when this process cannot reload: no policy file)."""
         self.serving = False
@@ -86,7 +96,8 @@ def _finite(x: float) -> float | None:
 
 
 async def status(request: web.Request) -> web.Response:
-    deps = request.app[ADMIN].deps()
+    state = request.app[ADMIN]
+    deps = state.deps()
     limiter = deps.limiter
     vendors: list[dict[str, Any]] = []
     for vendor in deps.policy.vendors:
@@ -156,6 +167,7 @@ async def status(request: web.Request) -> web.Response:
                 "on_failure": deps.policy.store.on_failure,
                 "breaker": limiter.breaker.state,
             },
+            **({"connections": state.connections()} if state.connections is not None else {}),
             "vendors": vendors,
         }
     )
@@ -170,7 +182,7 @@ async def reload(request: web.Request) -> web.Response:
 
 
 def admin_app(state: AdminState) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[admin_access(lambda: state.deps().policy)])
     app[ADMIN] = state
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)

@@ -9,6 +9,7 @@ subtly in production. Written against aiohttp 3.14.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from aiohttp import web
 
@@ -54,37 +55,136 @@ class HeadersWithBody(web.StreamResponse):
     _send_headers_immediately = False
 
 
-# -- a tag on a connection: a RequestHandler subclass --------------------------------------------------
+# -- one served connection: a RequestHandler subclass, its head and idle timers ---------------------
 #
-# Why: the requests inside an intercepted CONNECT tunnel must know where the tunnel
-# leads (their own Host may say anything). aiohttp's HTTP/1.1 protocol, RequestHandler,
-# is built here by hand (as web.Server.__call__ does) with one more slot for that, and
-# read back from request.protocol. Neither the subclassing nor the constructor's
-# signature (manager, *, loop, ...) is documented.
-# Upgrade: if the constructor changes, every intercepted connection fails at its first
-# request; if request.protocol goes away, requests inside tunnels are routed as plain ones.
+# Why: every connection of the proxy listener is handed to aiohttp by hand (the front door
+# reads its first bytes; an intercepted CONNECT first terminates TLS), so aiohttp's HTTP/1.1
+# protocol, RequestHandler, is built here as web.Server.__call__ does, with three additions:
+#
+# - a tag for its requests: the requests inside an intercepted CONNECT must know where the
+#   tunnel leads (their own Host may say anything); read back from request.protocol.
+# - a request-head timeout, which aiohttp does not have: a head must arrive whole within
+#   ``head_timeout`` from the connection's start, or from the first byte of a later request;
+#   else 408 (or, with nothing received, silence) and close. It needs two private attributes:
+#   ``_waiter`` (pending exactly while the connection waits for its next request head, the
+#   test aiohttp's own keep-alive timer makes: a byte then starts a head, not a body) and
+#   ``_request_count`` (heads parsed so far: a head arrived whole when it moves).
+# - the idle keep-alive timeout: the documented ``keepalive_timeout`` (aiohttp's default is
+#   an hour), with ``keep_alive(True)`` (undocumented; it cancels the pending idle timer) so
+#   the idle timer covers silence between requests only, never a head being received.
+#
+# Neither the subclassing nor the constructor's signature (manager, *, loop, ...) is documented.
+# Upgrade: if the constructor changes, every connection fails at its first request; if
+# request.protocol goes away, requests inside tunnels are routed as plain ones; if _waiter or
+# _request_count change meaning, heads stop timing out (slowloris holds connections again)
+# or a request being served is cut: tests/test_aiohttp_internals.py fails either way.
 
 
-class _TaggedHandler(web.RequestHandler):
-    """aiohttp's HTTP/1.1 handler for one connection, carrying a tag for its requests."""
+class ConnectionGuard(Protocol):
+    """What a served connection reports to, and the timeouts it applies (read per connection)."""
 
-    __slots__ = ("tag",)
+    @property
+    def head_timeout(self) -> float: ...
 
-    tag: object
+    @property
+    def idle_timeout(self) -> float: ...
+
+    def opened(self) -> None:
+        """A connection is being served."""
+
+    def closed(self) -> None:
+        """A served connection is gone (called once per ``opened``)."""
+
+    def head_timed_out(self, partial: bool) -> bytes:
+        """A head did not arrive in time: the bytes to write before closing (``partial``:
+        part of it arrived; b"" closes silently)."""
 
 
-def tagged_handler(server: web.Server, tag: object) -> asyncio.Protocol:
+class _ServedConnection(web.RequestHandler):
+    """aiohttp's HTTP/1.1 handler for one connection, with a tag for its requests and a
+    request-head timer."""
+
+    __slots__ = ("_deadline", "_guard", "_head_bytes", "_open", "_timer", "tag")
+
+    def __init__(self, server: web.Server, guard: ConnectionGuard, tag: object, deadline: float) -> None:
+        super().__init__(
+            server,
+            loop=asyncio.get_running_loop(),
+            access_log=None,  # type: ignore[arg-type]  # None turns aiohttp's access log off
+            keepalive_timeout=guard.idle_timeout,
+        )
+        self.tag = tag
+        self._guard = guard
+        self._deadline = deadline
+        self._timer: asyncio.TimerHandle | None = None
+        self._head_bytes = False
+        self._open = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._open = True
+        self._guard.opened()
+        self.keep_alive(True)  # no idle timer before the first answer: the head timer rules
+        self._arm(self._deadline)
+
+    def data_received(self, data: bytes) -> None:
+        if data:
+            if self._timer is None and self._waiting():  # a new head begins: no longer idle
+                self.keep_alive(True)
+                self._arm(asyncio.get_running_loop().time() + self._guard.head_timeout)
+            self._head_bytes = True
+        heads = self._request_count
+        super().data_received(data)
+        if self._request_count != heads:  # a head arrived whole
+            self._disarm()
+            self._head_bytes = False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        if self._open:
+            self._open = False
+            self._guard.closed()
+        super().connection_lost(exc)
+
+    def _waiting(self) -> bool:
+        """Is aiohttp waiting for the next request's head (not serving one, not lingering)?"""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def _arm(self, when: float) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_at(when, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timeout(self) -> None:
+        # Armed only while no request is being served, disarmed when a head arrives whole:
+        # so this head is overdue, whether or not aiohttp's task has started waiting for it
+        # (a connection handed over with its deadline already past).
+        self._timer = None
+        answer = self._guard.head_timed_out(self._head_bytes)
+        if answer and self.transport is not None:
+            self.transport.write(answer)
+        self.force_close()  # flushes what was written, then closes
+
+
+def served_connection(
+    server: web.Server, guard: ConnectionGuard, *, tag: object = None, head_deadline: float | None = None
+) -> asyncio.Protocol:
     """An HTTP/1.1 protocol serving ``server``'s handler on a connection the caller attaches;
-    every request on it carries ``tag`` (see ``connection_tag``)."""
-    proto = _TaggedHandler(server, loop=asyncio.get_running_loop(), access_log=None)  # type: ignore[arg-type]
-    proto.tag = tag
-    return proto
+    every request on it carries ``tag`` (see ``connection_tag``). The first request's head
+    must be in by ``head_deadline`` (loop time; default: ``guard.head_timeout`` from now)."""
+    deadline = asyncio.get_running_loop().time() + guard.head_timeout if head_deadline is None else head_deadline
+    return _ServedConnection(server, guard, tag, deadline)
 
 
 def connection_tag(request: web.BaseRequest) -> object:
     """The tag of the connection ``request`` came on (None for an untagged one)."""
     proto = request.protocol
-    return proto.tag if isinstance(proto, _TaggedHandler) else None
+    return proto.tag if isinstance(proto, _ServedConnection) else None
 
 
 # -- closing a low-level server's connections: Server.pre_shutdown, RequestHandler.force_close ----------

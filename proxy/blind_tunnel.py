@@ -37,6 +37,11 @@ class BlindTunnels:
         return self._open.get(vendor, 0)
 
     @property
+    def open_tunnels(self) -> int:
+        """Tunnels spliced and open, all vendors (a CONNECT still being dialled is not one yet)."""
+        return len(self._pipes)
+
+    @property
     def idle(self) -> bool:
         """No tunnel is open."""
         return not self._pipes

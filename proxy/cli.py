@@ -1,7 +1,7 @@
 """The ``quota-proxy`` command: run, check, ca; and the developer tools' mock-vendor and demo,
 which register themselves (``proxy.devtools.*_cli``).
 
-Precedence: flag > environment (QUOTA_PROXY_CONFIG, QUOTA_PROXY_STORE) > file.
+Precedence: flag > environment (QUOTA_PROXY_CONFIG, QUOTA_PROXY_STORE, QUOTA_PROXY_ADMIN_TOKEN) > file.
 Bad configuration never starts a server: exit 2, one line per problem on stderr.
 """
 
@@ -18,7 +18,15 @@ from collections.abc import Callable, Sequence
 from proxy import __version__
 from proxy.devtools import demo_cli, mockvendor_cli
 from proxy.names import split_host_port
-from proxy.policy import ConfigErrors, Policy, load_policy, parse_address, parse_store_url, summarize
+from proxy.policy import (
+    ConfigErrors,
+    Policy,
+    load_policy,
+    parse_address,
+    parse_admin_token,
+    parse_store_url,
+    summarize,
+)
 
 EXIT_CONFIG = 2
 
@@ -161,6 +169,12 @@ def _overridden(policy: Policy, args: argparse.Namespace) -> Policy:
             changes["store"] = dataclasses.replace(policy.store, url=parse_store_url(store_url))
         except ValueError as exc:
             problems.append(f"{origin}: {exc}")
+    token = os.environ.get("QUOTA_PROXY_ADMIN_TOKEN")
+    if token is not None:  # a Secret made from a file may end in a newline
+        try:
+            changes["admin_token"] = parse_admin_token(token.strip())
+        except ValueError as exc:
+            problems.append(f"QUOTA_PROXY_ADMIN_TOKEN: {exc}")
     if problems:
         raise ValueError("\n".join(problems))
     return dataclasses.replace(policy, **changes) if changes else policy  # type: ignore[arg-type]

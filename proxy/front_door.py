@@ -1,8 +1,10 @@
 """The proxy listener's front door, and CONNECT (what HTTPS_PROXY makes clients send).
 
-Every connection starts here. Its first bytes decide: a plain HTTP request hands
-the connection to aiohttp (the request path in handler.py); ``CONNECT host:port``
-is answered here, per the vendor's ``connect`` mode:
+Every connection starts here: beyond the cap on open connections it is turned away
+(connections.py); a connection whose first request head does not arrive within
+``connections.head_timeout`` is closed (408 if part of a head came). Its first bytes
+decide: a plain HTTP request hands the connection to aiohttp (the request path in
+handler.py); ``CONNECT host:port`` is answered here, per the vendor's ``connect`` mode:
 
 - ``intercept``: 200, then TLS is terminated and the requests inside go to the
   request path (intercept.py).
@@ -21,7 +23,9 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.aiohttp_internals import served_connection
 from proxy.blind_tunnel import BlindTunnels
+from proxy.connections import ConnectionLimits, raw_response
 from proxy.deps import Deps
 from proxy.handler import ProxyHandler
 from proxy.intercept import Interception, Interceptor, LeafSource
@@ -34,7 +38,6 @@ log = logging.getLogger("quota_proxy.connect")
 
 _CONNECT = b"CONNECT "
 _MAX_HEAD = 16 * 1024  # a CONNECT request head larger than this is refused
-_FIRST_REQUEST_TIMEOUT = 60.0  # a connection that says nothing (or only part of a CONNECT) is closed
 _ESTABLISHED = b"HTTP/1.1 200 Connection Established\r\n\r\n"
 
 
@@ -65,33 +68,37 @@ def parse_connect_head(head: bytes) -> ConnectHead:
     return ConnectHead(parts[1], headers)
 
 
-def _raw_response(resp: web.Response) -> bytes:
-    """A proxy answer to a CONNECT, serialised by hand: the connection is ours, not aiohttp's."""
-    body = resp.body if isinstance(resp.body, bytes) else b""
-    lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
-    lines += [f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in ("content-length", "connection")]
-    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
-    return "\r\n".join(lines).encode("latin-1") + body
-
-
 class ConnectGate:
     """Owns the listener's connections until each is handed to aiohttp, tunnelled or
-    intercepted. ``protocol`` is the listener's protocol factory; ``leaf_minter`` the
-    current leaf minter (it changes when a reload changes the CA)."""
+    intercepted, and counts them all. ``protocol`` is the listener's protocol factory;
+    ``leaf_minter`` the current leaf minter (it changes when a reload changes the CA);
+    ``limits`` the cap and the timeouts."""
 
     def __init__(
-        self, handler: ProxyHandler, web_server: web.Server, leaf_minter: Callable[[], LeafSource | None]
+        self,
+        handler: ProxyHandler,
+        web_server: web.Server,
+        leaf_minter: Callable[[], LeafSource | None],
+        limits: ConnectionLimits,
     ) -> None:
         self.handler = handler
         self.web = web_server
+        self.limits = limits
         self._doors: set[FrontDoor] = set()
+        self._handshakes = 0
         self._empty = asyncio.Event()
         self._empty.set()
         self.tunnels = BlindTunnels(handler.admit, on_change=self._update)
-        self.interceptor = Interceptor(web_server, leaf_minter)
+        self.interceptor = Interceptor(lambda tag: served_connection(web_server, limits, tag=tag), leaf_minter)
 
-    def protocol(self) -> FrontDoor:
-        return FrontDoor(self)
+    def protocol(self) -> asyncio.Protocol:
+        return self.limits.turn_away(self.open_connections) or FrontDoor(self)
+
+    @property
+    def open_connections(self) -> int:
+        """Workers' connections open now, whatever they became: undecided or CONNECTs being
+        answered, TLS handshakes, connections aiohttp serves, blind tunnels."""
+        return len(self._doors) + self._handshakes + self.limits.served + self.tunnels.open_tunnels
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -120,14 +127,15 @@ class ConnectGate:
 
     def cut(self) -> None:
         self.tunnels.cut()
+        self.limits.cut()
         for door in list(self._doors):
             door.close()
 
     # -- hand-offs ---------------------------------------------------------------
 
-    def handoff(self, transport: asyncio.Transport, data: bytes) -> None:
-        """A plain HTTP connection: aiohttp takes it from here."""
-        proto = self.web()
+    def handoff(self, transport: asyncio.Transport, data: bytes, head_deadline: float) -> None:
+        """A plain HTTP connection: aiohttp takes it from here; its first head is due by ``head_deadline``."""
+        proto = served_connection(self.web, self.limits, head_deadline=head_deadline)
         transport.set_protocol(proto)
         proto.connection_made(transport)
         proto.data_received(data)
@@ -141,7 +149,7 @@ class ConnectGate:
 
         def answer(resp: web.Response) -> None:
             if not transport.is_closing():
-                transport.write(_raw_response(resp))
+                transport.write(raw_response(resp))
                 transport.close()
 
         def crashed(exc: Exception) -> None:
@@ -186,9 +194,13 @@ class ConnectGate:
                     tenant = deps.router.tenant(parsed.headers)
                 rec.tenant = None if tenant == "-" else tenant
                 handshake = self.interceptor.prepare(deps, Interception(vendor, host, port, rec.tenant))
-                door.established()
-                if await handshake.take_over(door.transport, early, rec):
-                    ledger.counted = False  # an interception is not a request: the requests inside it are
+                self._handshakes += 1  # counted open from the door's release to aiohttp's taking over
+                try:
+                    door.established()
+                    if await handshake.take_over(door.transport, early, rec):
+                        ledger.counted = False  # an interception is not a request: the requests inside it are
+                finally:
+                    self._handshakes -= 1
         except Refusal:
             deps.metrics.connects.labels(vendor.name, vendor.connect, "refused").inc()
             raise
@@ -203,7 +215,8 @@ class FrontDoor(asyncio.Protocol):
         self._buffer = bytearray()
         self._task: asyncio.Task[None] | None = None
         self._released = False
-        self._idle: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def transport(self) -> asyncio.Transport:
@@ -213,13 +226,24 @@ class FrontDoor(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._gate.track_door(self)
-        self._idle = asyncio.get_running_loop().call_later(_FIRST_REQUEST_TIMEOUT, self.close_if_idle)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + self._gate.limits.head_timeout
+        self._timer = loop.call_at(self._deadline, self._head_timed_out)
 
     def _settled(self) -> None:
-        """The first request is in: no more first-request timeout."""
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        """The first request is in (or handed to aiohttp, which times the rest of it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        """The first request head is not in: 408 if part of one came, else just close."""
+        self._timer = None
+        if self._task is None and self._transport is not None:
+            answer = self._gate.limits.head_timed_out(bool(self._buffer))
+            if answer:
+                self._transport.write(answer)
+            self._transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._task is not None:  # early bytes after a CONNECT head: kept for the tunnel
@@ -233,7 +257,7 @@ class FrontDoor(asyncio.Protocol):
         if not buf.startswith(_CONNECT):
             self._settled()
             self._gate.track_door(self, done=True)
-            self._gate.handoff(self._transport, bytes(buf))
+            self._gate.handoff(self._transport, bytes(buf), self._deadline)
             return
         end = buf.find(b"\r\n\r\n")
         if end < 0:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from proxy.accesslog import AccessRecord
-from proxy.aiohttp_internals import connection_tag, tagged_handler
+from proxy.aiohttp_internals import connection_tag
 from proxy.deps import Deps
 from proxy.policy.model import Vendor
 from proxy.refusals import BadRequest, Denied
@@ -52,13 +52,17 @@ def interception_of(request: web.BaseRequest) -> Interception | None:
     return tag if isinstance(tag, Interception) else None
 
 
-class Interceptor:
-    """Terminates workers' TLS and gives the connection to aiohttp (``web_server``'s
-    handler: the request path). ``leaf_minter`` is the current leaf minter (it changes
-    when a reload changes the CA)."""
+Serve = Callable[[Interception], asyncio.Protocol]
+"""An HTTP/1.1 protocol serving the request path on a connection, its requests tagged with
+where the tunnel leads, its heads and idle time timed (aiohttp_internals.served_connection)."""
 
-    def __init__(self, web_server: web.Server, leaf_minter: Callable[[], LeafSource | None]) -> None:
-        self._web = web_server
+
+class Interceptor:
+    """Terminates workers' TLS and gives the connection to aiohttp (``serve``: the request
+    path). ``leaf_minter`` is the current leaf minter (it changes when a reload changes the CA)."""
+
+    def __init__(self, serve: Serve, leaf_minter: Callable[[], LeafSource | None]) -> None:
+        self._serve = serve
         self._leaf_minter = leaf_minter
 
     def prepare(self, deps: Deps, where: Interception) -> Handshake:
@@ -74,14 +78,14 @@ class Interceptor:
         except Exception as exc:  # CAError: expired CA, host outside its name constraints
             deps.metrics.tls_errors.labels(where.vendor.name, "leaf").inc()
             raise Denied(f"cannot intercept {where.host}: {exc}", where.host) from None
-        return Handshake(self._web, deps, where, ctx)
+        return Handshake(self._serve, deps, where, ctx)
 
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
     """One CONNECT about to be intercepted, its TLS context ready."""
 
-    server: web.Server
+    serve: Serve
     deps: Deps
     where: Interception
     ctx: ssl.SSLContext
@@ -118,7 +122,7 @@ class Handshake:
         if tls is None:  # pragma: no cover - the worker closed during the handshake
             transport.abort()
             return False
-        proto = tagged_handler(self.server, self.where)
+        proto = self.serve(self.where)
         tls.set_protocol(proto)
         proto.connection_made(tls)
         if pending.buffer:

@@ -121,6 +121,16 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
             registry=registry,
         )
+        self.connections_closed = Counter(
+            "ratelimit_connections_closed",
+            "Worker connections the proxy closed itself: over_cap (beyond connections.max, answered 503), "
+            "ceiling (far beyond it, closed unanswered), head_timeout (a request head not in within "
+            "connections.head_timeout).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("over_cap", "ceiling", "head_timeout"):
+            self.connections_closed.labels(reason)
         self.reloads = Counter(
             "ratelimit_config_reload", "Policy reloads by result (success, failure).", ["result"], registry=registry
         )

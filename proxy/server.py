@@ -1,5 +1,9 @@
 """Binding the two listeners, and stopping gracefully.
 
+At start the file-descriptor limit is raised to its hard limit (fdlimit.py), and the
+cap on workers' connections lowered to what it holds, so the admin listener keeps
+answering however many connections the proxy port is sent.
+
 SIGTERM: /readyz turns 503, the proxy listener stops accepting, in-flight and
 held requests finish (bounded by ``drain_timeout``), then the process exits 0.
 """
@@ -21,13 +25,18 @@ from proxy.accesslog import AccessLog
 from proxy.admin import AdminState, Reload, admin_app
 from proxy.aiohttp_internals import cut_connections, stop_keep_alive
 from proxy.app import Runtime
+from proxy.connections import ConnectionLimits
+from proxy.fdlimit import raise_fd_limit
 from proxy.front_door import ConnectGate
+from proxy.metrics import GaugeCollector
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
 from proxy.reload import Reloader
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy")
+
+_ADMIN_IDLE_TIMEOUT = 75.0  # seconds an admin connection may idle: longer than common scrape intervals
 
 
 class CannotListen(Exception):
@@ -54,22 +63,43 @@ class ProxyServer:
     """Both listeners of one Runtime. ``start`` binds, ``stop`` drains.
 
     The proxy listener's connections go through the ConnectGate: plain HTTP is handed
-    to aiohttp's low-level server, CONNECT is answered by the gate.
+    to aiohttp's low-level server, CONNECT is answered by the gate. ``fd_capacity``:
+    the worker connections the file-descriptor limit holds (None: no such bound).
     """
 
     def __init__(
-        self, runtime: Runtime, listen: Address, admin_listen: Address, *, reload: Reload | None = None
+        self,
+        runtime: Runtime,
+        listen: Address,
+        admin_listen: Address,
+        *,
+        reload: Reload | None = None,
+        fd_capacity: int | None = None,
     ) -> None:
         self.runtime = runtime
         self._listen = listen
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
-        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter)
-        self.admin = AdminState(lambda: runtime.deps, self.gate.tunnels.count, reload)
+        self.limits = ConnectionLimits(lambda: runtime.policy.connections, runtime.metrics, fd_capacity)
+        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter, self.limits)
+        self.admin = AdminState(lambda: runtime.deps, self.gate.tunnels.count, reload, self._connections)
         self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(
-            admin_app(self.admin), access_log=None, handle_signals=False, shutdown_timeout=1.0
+            admin_app(self.admin),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            keepalive_timeout=_ADMIN_IDLE_TIMEOUT,
         )
+        for name, doc, read in (
+            ("ratelimit_connections_open", "Workers' connections open on the proxy listener.", self._open),
+            (
+                "ratelimit_connections_max",
+                "The cap on them: connections.max, or what file descriptors hold.",
+                self._cap,
+            ),
+        ):
+            runtime.metrics.add_gauges(GaugeCollector(name, doc, [], read))
         self.address = listen
         self.admin_address = admin_listen
 
@@ -90,6 +120,23 @@ class ProxyServer:
         self.address = _bound(s.getsockname() for s in self._listener.sockets)
         self.admin_address = _bound(self._admin_runner.addresses)
         self.admin.serving = True
+
+    def _open(self) -> list[tuple[list[str], float]]:
+        return [([], float(self.gate.open_connections))]
+
+    def _cap(self) -> list[tuple[list[str], float]]:
+        return [([], float(self.limits.cap))]
+
+    def _connections(self) -> dict[str, object]:
+        """/status's view of the proxy listener's connections."""
+        settings = self.runtime.policy.connections
+        return {
+            "open": self.gate.open_connections,
+            "max": self.limits.cap,
+            "max_configured": settings.max,
+            "head_timeout_seconds": settings.head_timeout,
+            "idle_timeout_seconds": settings.idle_timeout,
+        }
 
     @property
     def url(self) -> str:
@@ -142,10 +189,17 @@ async def serve(
     """Run until SIGTERM or SIGINT; returns the exit status. With ``load``, SIGHUP and
     POST /reload reload the policy; with ``watch`` (the policy's path) so does a change
     to the file."""
+    fd_capacity = _fd_capacity(policy)
     # The access log is one JSON object per line, nothing around it, for log pipelines.
     runtime = Runtime(policy, access_log=AccessLog(sys.stderr))
     reloader = Reloader(runtime, load) if load is not None else None
-    server = ProxyServer(runtime, listen, admin_listen, reload=reloader.reload if reloader is not None else None)
+    server = ProxyServer(
+        runtime,
+        listen,
+        admin_listen,
+        reload=reloader.reload if reloader is not None else None,
+        fd_capacity=fd_capacity,
+    )
     # Handlers first: /readyz may answer while the proxy listener is still binding,
     # and a SIGTERM from whoever saw it ready must drain, not kill.
     stop = asyncio.Event()
@@ -174,3 +228,22 @@ async def serve(
     await server.stop()
     log.info("stopped")
     return 0
+
+
+def _fd_capacity(policy: Policy) -> int | None:
+    """Raise the file-descriptor limit; the worker connections it holds, and a warning when
+    that is below ``connections.max``."""
+    limit = raise_fd_limit()
+    if limit is None:
+        return None
+    capacity = limit.connection_capacity
+    if capacity < policy.connections.max:
+        log.warning(
+            "connections.max %d lowered to %d: the file-descriptor limit (%d) cannot hold more (a worker "
+            "connection may need a vendor connection too); raise it (ulimit -n, systemd LimitNOFILE=, "
+            "the container runtime's nofile) to serve more",
+            policy.connections.max,
+            capacity,
+            limit.soft,
+        )
+    return capacity

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from unittest import mock
 
 import aiohttp
@@ -22,8 +24,8 @@ from proxy.aiohttp_internals import (
     connection_tag,
     cut_connections,
     send_continue,
+    served_connection,
     stop_keep_alive,
-    tagged_handler,
 )
 from tests.conftest import eventually
 
@@ -54,6 +56,29 @@ async def exchange(url: str, request: bytes) -> bytes:
 
 
 GET_AND_CLOSE = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+class Guard:
+    """A ConnectionGuard that records what the connection reported."""
+
+    def __init__(self, head_timeout: float = 60.0, idle_timeout: float = 60.0) -> None:
+        self.head_timeout = head_timeout
+        self.idle_timeout = idle_timeout
+        self.open = 0
+        self.timeouts: list[tuple[bool, float]] = []
+        self.closed_all = asyncio.Event()
+
+    def opened(self) -> None:
+        self.open += 1
+
+    def closed(self) -> None:
+        self.open -= 1
+        if self.open == 0:
+            self.closed_all.set()
+
+    def head_timed_out(self, partial: bool) -> bytes:
+        self.timeouts.append((partial, time.monotonic()))
+        return b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n" if partial else b""
 
 
 async def test_answer_begun_counts_the_answer_but_not_an_interim_100_continue() -> None:
@@ -100,7 +125,7 @@ async def test_a_tagged_connection_hands_its_tag_to_every_request_on_it() -> Non
 
     server = web.Server(handler, access_log=None)
     async with (
-        listening(lambda: tagged_handler(server, "the tag")) as tagged,
+        listening(lambda: served_connection(server, Guard(), tag="the tag")) as tagged,
         listening(server) as plain,
         aiohttp.ClientSession() as s,
     ):
@@ -146,3 +171,111 @@ async def test_keep_alive_can_be_stopped_and_requests_in_flight_cut() -> None:
         assert await asyncio.wait_for(cut.read(), WAIT) == b""
         for writer in (released_writer, cut_writer):
             writer.close()
+
+
+# -- the head and idle timers of a served connection ----------------------------------------------
+
+
+def test_the_private_attributes_the_head_timer_reads_exist() -> None:
+    slots = {name for cls in web.RequestHandler.__mro__ for name in getattr(cls, "__slots__", ())}
+    assert {"_waiter", "_request_count", "_keepalive_handle"} <= slots
+
+
+@contextlib.asynccontextmanager
+async def served(guard: Guard, handler: Callable[[web.BaseRequest], Any]) -> AsyncIterator[str]:
+    server = web.Server(handler, handler_cancellation=True, access_log=None)
+    async with listening(lambda: served_connection(server, guard)) as url:
+        yield url
+
+
+async def ok(request: web.BaseRequest) -> web.StreamResponse:
+    await request.read()
+    if request.path == "/slow":
+        await asyncio.sleep(0.6)
+    return web.Response(text="ok")
+
+
+async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+    return head + await asyncio.wait_for(reader.readexactly(2), WAIT)  # "ok"
+
+
+async def test_a_head_not_in_by_its_deadline_gets_the_guards_answer_then_close() -> None:
+    guard = Guard(head_timeout=0.3)
+    async with served(guard, ok) as url:
+        reader, writer = await connect(url)
+        started = time.monotonic()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        assert (
+            await asyncio.wait_for(reader.read(), WAIT) == b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"
+        )
+        ((partial, at),) = guard.timeouts
+        assert partial and 0.25 <= at - started < WAIT
+        await asyncio.wait_for(guard.closed_all.wait(), WAIT)
+        writer.close()
+
+
+async def test_a_first_head_already_overdue_when_aiohttp_takes_the_connection_still_times_out() -> None:
+    """The front door hands a connection over, its first bytes in hand, with what is left of
+    the head's time: none left (a first byte just before the deadline) is a timeout at once."""
+    guard = Guard(head_timeout=60.0, idle_timeout=60.0)
+    server = web.Server(ok, access_log=None)
+
+    class Door(asyncio.Protocol):
+        """What front_door.FrontDoor does with a plain request's first bytes."""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            overdue = asyncio.get_running_loop().time() - 1
+            proto = served_connection(server, guard, head_deadline=overdue)
+            self.transport.set_protocol(proto)
+            proto.connection_made(self.transport)
+            proto.data_received(data)
+
+    async with listening(Door) as url:
+        reader, writer = await connect(url)
+        writer.write(b"GET / HTTP/1.1\r\n")
+        assert (await asyncio.wait_for(reader.read(), WAIT)).startswith(b"HTTP/1.1 408")
+        writer.close()
+
+
+async def test_requests_being_served_are_never_timed_and_a_later_head_is_timed_from_its_first_byte() -> None:
+    guard = Guard(head_timeout=0.3, idle_timeout=5.0)
+    async with served(guard, ok) as url:
+        reader, writer = await connect(url)
+        for path in ("/slow", "/slow"):  # each served longer than the head timeout
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert (await read_answer(reader)).startswith(b"HTTP/1.1 200 OK")
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        await asyncio.sleep(0.5)  # a body arriving slowly is the handler's business, not a head
+        writer.write(b"cd")
+        assert (await read_answer(reader)).startswith(b"HTTP/1.1 200 OK")
+        assert guard.timeouts == []
+        await asyncio.sleep(0.5)  # idle for longer than a head may take: no head is due
+        started = time.monotonic()
+        writer.write(b"GET / HTTP/1.1\r\n")
+        assert (await asyncio.wait_for(reader.read(), WAIT)).startswith(b"HTTP/1.1 408")
+        ((partial, at),) = guard.timeouts
+        assert partial and 0.25 <= at - started < WAIT
+        writer.close()
+
+
+async def test_an_idle_connection_is_closed_silently_by_the_idle_timer() -> None:
+    guard = Guard(head_timeout=5.0, idle_timeout=0.3)
+    async with served(guard, ok) as url:
+        reader, writer = await connect(url)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await read_answer(reader)
+        answered = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), WAIT) == b""
+        assert 0.25 <= time.monotonic() - answered < WAIT
+        assert guard.timeouts == []  # idle is not a head timeout
+        await asyncio.wait_for(guard.closed_all.wait(), WAIT)
+        writer.close()

@@ -59,6 +59,9 @@ METRICS: dict[str, set[str]] = {
     "http_client_request_duration_seconds": {"limiter"},
     "ratelimit_recommended_concurrency": {"limiter"},
     "ratelimit_config_reload_total": {"result"},
+    "ratelimit_connections_open": set(),
+    "ratelimit_connections_max": set(),
+    "ratelimit_connections_closed_total": {"reason"},
 }
 HISTOGRAMS = {"ratelimit_hold_seconds", "http_client_request_duration_seconds"}
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "container", "service", "node"}
@@ -663,13 +666,15 @@ def test_k8s_selectors_services_and_pdb_agree(k8s: dict[tuple[str, str], dict[st
     assert pdb["spec"]["selector"]["matchLabels"] == selector
     assert pdb["spec"]["minAvailable"] == 1 < deployment["spec"]["replicas"]
 
-    service = k8s[("Service", "quota-proxy")]
-    assert service["spec"]["selector"] == selector
+    # Two Services over the proxy pods: workers' (the proxy port only) and the admin one.
     container_ports = {p["name"]: p["containerPort"] for p in _container(deployment)["ports"]}
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert set(service_ports) == {"proxy", "admin"}
-    for name, port in service_ports.items():
-        assert container_ports[port["targetPort"]] == port["port"] == container_ports[name]
+    for name, port_name in (("quota-proxy", "proxy"), ("quota-proxy-admin", "admin")):
+        service = k8s[("Service", name)]
+        assert service["spec"]["selector"] == selector, name
+        assert service["spec"]["type"] == "ClusterIP", name
+        (port,) = service["spec"]["ports"]
+        assert port["name"] == port["targetPort"] == port_name, name
+        assert container_ports[port["targetPort"]] == port["port"], name
 
     # The store URL names a Service of this kustomization, on that Service's port, which
     # selects a pod listening there.
@@ -686,3 +691,77 @@ def test_k8s_selectors_services_and_pdb_agree(k8s: dict[tuple[str, str], dict[st
     ]
     redis_ports = {p["name"]: p["containerPort"] for p in _container(redis)["ports"]}
     assert redis_ports[redis_port["targetPort"]] == 6379
+
+
+def test_k8s_network_policy_admits_workers_to_the_proxy_port_and_monitoring_to_the_admin_port(
+    k8s: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    deployment = k8s[("Deployment", "quota-proxy")]
+    proxy_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (proxy_policy,) = [
+        d
+        for (kind, _), d in k8s.items()
+        if kind == "NetworkPolicy" and _matches(d["spec"]["podSelector"]["matchLabels"], proxy_labels)
+    ]
+    assert proxy_policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted: dict[str, list[dict[str, Any]]] = {}
+    for rule in proxy_policy["spec"]["ingress"]:
+        assert rule.get("from"), "a rule without `from` admits everyone"
+        (port,) = rule["ports"]
+        admitted[port["port"]] = rule["from"]
+    assert set(admitted) == {"proxy", "admin"}, "no other port, and each port its own sources"
+    assert admitted["proxy"] == [{"namespaceSelector": {"matchLabels": {"quota-proxy/client": "true"}}}]
+    assert admitted["admin"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert {p["name"] for p in _container(deployment)["ports"]} == set(admitted)
+
+    # Redis: the proxy pods only.
+    redis_service = k8s[("Service", "quota-proxy-redis")]
+    (redis_policy,) = [
+        d
+        for (kind, _), d in k8s.items()
+        if kind == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == redis_service["spec"]["selector"]
+    ]
+    (rule,) = redis_policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": proxy_labels}}]
+    assert [p["port"] for p in rule["ports"]] == ["redis"]
+
+
+def test_k8s_admin_token_comes_from_a_secret_and_the_admin_service_names_are_admin_hosts(
+    k8s: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    policy, _ = _k8s_policy(k8s)
+    assert policy.admin_token is None, "never a token in the ConfigMap"
+    env = {e["name"]: e for e in _container(k8s[("Deployment", "quota-proxy")])["env"]}
+    ref = env["QUOTA_PROXY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "quota-proxy-admin", "key": "token"}, "required: no Secret, no pod (never unguarded)"
+    assert not any(kind == "Secret" for kind, _ in k8s), "the Secret is made by the operator, not shipped"
+    kustomization = (K8S / "kustomization.yaml").read_text()
+    assert "create secret generic quota-proxy-admin --from-literal=token=" in kustomization
+    namespace = k8s[("Kustomization", "")]["namespace"]
+    service = "quota-proxy-admin"
+    for name in (
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ):
+        assert name in policy.admin_names, name
+
+
+def test_compose_takes_the_admin_token_from_the_environment_and_keeps_redis_to_the_proxies(
+    compose: dict[str, Any],
+) -> None:
+    policy = load_policy(COMPOSE_POLICY)
+    assert policy.admin_token is None, "never a token in the compose policy"
+    services = compose["services"]
+    proxies = _proxy_services(compose)
+    for name, svc in proxies.items():
+        token = svc["environment"]["QUOTA_PROXY_ADMIN_TOKEN"]
+        assert token.startswith("${QUOTA_PROXY_ADMIN_TOKEN:?"), f"{name}: compose must refuse to start without it"
+        assert set(svc["networks"]) == {"default", "store"}, name
+        # Prometheus scrapes the replicas by service name: the admin listener answers to it.
+        assert name in policy.admin_names, name
+    assert compose["networks"]["store"]["internal"] is True
+    on_store = {name for name, svc in services.items() if "store" in svc.get("networks", [])}
+    assert on_store == {"redis", *proxies}
+    assert services["redis"]["networks"] == ["store"]

@@ -2,7 +2,14 @@
 
 from proxy.policy.durations import format_duration, parse_duration
 from proxy.policy.errors import ConfigError, ConfigErrors
-from proxy.policy.loader import load_policy, mask_password, parse_address, parse_policy, parse_store_url
+from proxy.policy.loader import (
+    load_policy,
+    mask_password,
+    parse_address,
+    parse_admin_token,
+    parse_policy,
+    parse_store_url,
+)
 from proxy.policy.model import (
     ACTIONS,
     CONNECT_MODES,
@@ -10,6 +17,7 @@ from proxy.policy.model import (
     Action,
     Address,
     Breaker,
+    Connections,
     ConnectMode,
     FailureMode,
     Feedback,
@@ -35,6 +43,7 @@ __all__ = [
     "ConfigError",
     "ConfigErrors",
     "ConnectMode",
+    "Connections",
     "FailureMode",
     "Feedback",
     "Limit",
@@ -50,6 +59,7 @@ __all__ = [
     "load_policy",
     "mask_password",
     "parse_address",
+    "parse_admin_token",
     "parse_duration",
     "parse_policy",
     "parse_store_url",

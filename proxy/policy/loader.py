@@ -23,10 +23,10 @@ from pathlib import Path
 from proxy.policy.errors import ConfigError, ConfigErrors
 from proxy.policy.model import Policy
 from proxy.policy.sections import build_policy
-from proxy.policy.values import mask_password, parse_address, parse_store_url
+from proxy.policy.values import mask_password, parse_address, parse_admin_token, parse_store_url
 from proxy.policy.walker import Walk, compose
 
-__all__ = ["load_policy", "mask_password", "parse_address", "parse_policy", "parse_store_url"]
+__all__ = ["load_policy", "mask_password", "parse_address", "parse_admin_token", "parse_policy", "parse_store_url"]
 
 
 def load_policy(path: str | os.PathLike[str], *, check_ca: bool = True) -> Policy:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.names import format_authority
+from proxy.names import format_authority, ip_or_none
 
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
@@ -168,6 +168,21 @@ class TlsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class Connections:
+    """Workers' connections to the proxy listener: plain HTTP, CONNECT, tunnels, interceptions."""
+
+    max: int = 4096
+    """Open at once; beyond it a new connection is answered 503 (``Connection: close``) and
+    closed. Lowered at start when the file-descriptor limit cannot hold it (logged)."""
+    head_timeout: float = 10.0
+    """Seconds a request head may take to arrive whole: from the connection's opening (its
+    first request, or the TLS handshake's end inside an intercepted CONNECT), or from the
+    first byte of a later request on a kept-alive connection. Then 408 and close."""
+    idle_timeout: float = 60.0
+    """Seconds a kept-alive connection may wait for its next request before it is closed."""
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     version: int = 1
     listen: Address = Address("127.0.0.1", 8080)
@@ -179,8 +194,22 @@ class Policy:
     drain_timeout: float = 10.0
     """Seconds SIGTERM waits for in-flight requests before closing them."""
     access_log: bool = True
+    connections: Connections = field(default_factory=Connections)
+    admin_token: str | None = field(default=None, repr=False)
+    """The bearer token ``GET /status`` and ``POST /reload`` require (``QUOTA_PROXY_ADMIN_TOKEN``
+    wins over the file); None: they are open to whoever reaches the admin listener."""
+    admin_hosts: tuple[str, ...] = ()
+    """Names the admin listener answers to (its ``Host``), besides its own address,
+    ``localhost`` and IP literals: what stops DNS rebinding."""
     source: str = "<memory>"
     """The file the policy came from, for messages."""
+
+    @property
+    def admin_names(self) -> tuple[str, ...]:
+        """The host names the admin listener answers to, besides any IP literal:
+        ``localhost``, its own listen name if it is one, and ``admin_hosts``."""
+        own = () if ip_or_none(self.admin_listen.host) is not None else (self.admin_listen.host,)
+        return tuple(dict.fromkeys(("localhost", *own, *self.admin_hosts)))
 
     def vendor(self, name: str) -> Vendor:
         for v in self.vendors:

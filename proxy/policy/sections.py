@@ -1,5 +1,5 @@
-"""The policy document's top-level sections: version, listeners, store, tenant, tls
-(the ``vendors:`` list is built in ``vendors``).
+"""The policy document's top-level sections: version, listeners, store, tenant, tls,
+connections and the admin listener's access (the ``vendors:`` list is built in ``vendors``).
 
 Each builder ``(walk, node, path) -> model object`` falls back to the model's defaults
 where a value is missing or wrong; a wrong value has already been recorded on the walk,
@@ -17,6 +17,7 @@ from proxy.policy.model import (
     FAILURE_MODES,
     Address,
     Breaker,
+    Connections,
     FailureMode,
     Policy,
     StoreSettings,
@@ -33,14 +34,17 @@ _STORE: Final = StoreSettings()
 _BREAKER: Final = Breaker()
 _TENANT: Final = TenantSettings()
 _TLS: Final = TlsSettings()
+_CONNECTIONS: Final = Connections()
 
 _ROOT_KEYS: Final = (
     "version", "listen", "admin_listen", "store", "tenant", "vendors", "tls", "drain_timeout", "access_log",
+    "connections", "admin_token", "admin_hosts",
 )  # fmt: skip
 _STORE_KEYS: Final = ("url", "timeout", "on_failure", "key_prefix", "breaker")
 _BREAKER_KEYS: Final = ("failures", "cooloff")
 _TENANT_KEYS: Final = ("header", "default")
 _TLS_KEYS: Final = ("upstream_verify", "upstream_ca_file", "ca_cert", "ca_key", "leaf_validity")
+_CONNECTIONS_KEYS: Final = ("max", "head_timeout", "idle_timeout")
 
 
 def build_policy(walk: Walk, root: yaml.Node) -> Policy:
@@ -65,6 +69,9 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         tls=tls,
         drain_timeout=m.get("drain_timeout", values.duration, _POLICY.drain_timeout),
         access_log=m.get("access_log", values.boolean, _POLICY.access_log),
+        connections=m.section("connections", _connections, _CONNECTIONS),
+        admin_token=m.get("admin_token", values.nullable(values.admin_token), _POLICY.admin_token),
+        admin_hosts=m.section("admin_hosts", _admin_hosts, _POLICY.admin_hosts),
         source=walk.source,
     )
 
@@ -112,6 +119,25 @@ def _tenant(walk: Walk, node: yaml.Node, path: str) -> TenantSettings:
         header=m.get("header", values.header_name, _TENANT.header),
         default=m.get("default", values.nullable(values.tenant_name), _TENANT.default),
     )
+
+
+def _connections(walk: Walk, node: yaml.Node, path: str) -> Connections:
+    m = walk.mapping(node, path, _CONNECTIONS_KEYS)
+    if m is None:
+        return _CONNECTIONS
+    return Connections(
+        max=m.get("max", values.integer_at_least(1), _CONNECTIONS.max),
+        head_timeout=m.get("head_timeout", values.positive_duration, _CONNECTIONS.head_timeout),
+        idle_timeout=m.get("idle_timeout", values.positive_duration, _CONNECTIONS.idle_timeout),
+    )
+
+
+def _admin_hosts(walk: Walk, node: yaml.Node, path: str) -> tuple[str, ...]:
+    hosts = (
+        walk.leaf(item, f"{path}[{i}]", "host", values.host, "")
+        for i, item in enumerate(walk.sequence(node, path) or ())
+    )
+    return tuple(dict.fromkeys(h for h in hosts if h))
 
 
 def _tls(walk: Walk, node: yaml.Node, path: str) -> TlsSettings:

@@ -2,7 +2,8 @@
 
 It shows what the proxy will actually enforce, defaults filled in, so an
 operator can read the effective policy rather than the YAML they meant.
-Passwords in the store URL are masked: this text ends up in CI logs.
+Passwords in the store URL are masked and the admin token is never shown: this text
+ends up in CI logs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Feedback, Limit, Policy, TenantLimits, Vendor
+from proxy.policy.model import Connections, Feedback, Limit, Policy, TenantLimits, Vendor
 from proxy.policy.values import mask_password
 
 _WIDTH = 14  # label column, so values line up
@@ -53,7 +54,27 @@ def _general(policy: Policy) -> list[str]:
             "drain",
             f"{format_duration(policy.drain_timeout)}, access_log {'on' if policy.access_log else 'off'}",
         ),
+        _row("connections", _connections(policy.connections)),
+        *(_row("admin access" if i == 0 else "", text) for i, text in enumerate(_admin_access(policy))),
     ]
+
+
+def _connections(connections: Connections) -> str:
+    return (
+        f"at most {connections.max} open (then 503), request head within "
+        f"{format_duration(connections.head_timeout)} (then 408), idle keep-alive "
+        f"{format_duration(connections.idle_timeout)}"
+    )
+
+
+def _admin_access(policy: Policy) -> list[str]:
+    """Who may read /status and reload (never the token itself), and which Host names the
+    admin listener answers to."""
+    if policy.admin_token is not None:
+        token = "bearer token (admin_token) required for /status and POST /reload"
+    else:
+        token = "no admin_token: /status and POST /reload are open unless QUOTA_PROXY_ADMIN_TOKEN is set"
+    return [token, f"Host must be an IP address or {', '.join(policy.admin_names)}"]
 
 
 def _vendor(vendor: Vendor) -> list[str]:

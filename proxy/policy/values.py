@@ -5,8 +5,9 @@ field in messages such as ``rate must be a positive number``. Most are built by 
 factories: ``bounded`` (a parsed value that must pass a check), ``matching`` (a string
 that must match a pattern) and ``choice`` (one of a Literal's values).
 
-``parse_address``, ``parse_store_url`` and ``mask_password`` are also public: the
-command line's ``--listen`` and ``--store`` obey the file's rules.
+``parse_address``, ``parse_store_url``, ``parse_admin_token`` and ``mask_password`` are
+also public: the command line's ``--listen``, ``--store`` and ``QUOTA_PROXY_ADMIN_TOKEN``
+obey the file's rules.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from proxy.names import TENANT_NAME, format_authority, parse_host, parse_host_port, parse_port, split_host_port
 from proxy.policy.durations import parse_duration, show
@@ -75,13 +76,74 @@ def parse_store_url(text: str) -> str:
 
 
 def mask_password(url: str) -> str:
-    """The URL with its password, if any, replaced by ``***``: messages and summaries get printed."""
+    """The URL with every credential redis-py would read replaced by ``***``: the password
+    of ``user:pass@`` or ``:pass@``, and secret query arguments (``?password=``,
+    ``ssl_password``...). Usernames stay. Used wherever a store URL is shown (messages,
+    the summary, the ready line, /status), so it errs on the side of hiding: a userinfo
+    that holds the URL's own delimiters (a password pasted unencoded) is hidden whole.
+    """
     scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{hostpart}"
+    prefix = scheme + sep if sep else ""
+    if not sep:
+        rest = url
+    end = _userinfo_end(rest)
+    if end >= 0:
+        userinfo, rest = rest[:end], rest[end + 1 :]
+        user, colon, _ = userinfo.partition(":")
+        if any(c in userinfo for c in "/?#"):
+            prefix += "***@"
+        else:
+            prefix += f"{user}:***@" if colon else f"{user}@"
+    return prefix + _mask_query(rest)
+
+
+_SECRET_ARGUMENT: Final = re.compile(r"pass|secret|token|credential|auth", re.IGNORECASE)
+"""Query arguments that hold a credential; redis-py passes unknown ones on as keywords."""
+
+
+def _userinfo_end(rest: str) -> int:
+    """Where the userinfo ends (its ``@``), or -1: the last ``@`` that is not inside a
+    ``name=value`` argument of the query."""
+    query = rest.find("?")
+    for at in range(len(rest) - 1, -1, -1):
+        if rest[at] != "@":
+            continue
+        if query < 0 or at < query:
+            return at
+        item = max(rest.rfind("&", query, at), query) + 1
+        if "=" not in rest[item:at]:
+            return at
+    return -1
+
+
+def _mask_query(rest: str) -> str:
+    """``rest`` with the values of its secret query arguments replaced by ``***``."""
+    path, sep, query = rest.partition("?")
+    if not sep:
+        return rest
+    query, hash_sign, fragment = query.partition("#")
+    items = []
+    for item in query.split("&"):
+        name, eq, _ = item.partition("=")
+        items.append(f"{name}=***" if eq and _SECRET_ARGUMENT.search(unquote_plus(name)) else item)
+    return f"{path}?{'&'.join(items)}{hash_sign}{fragment}"
+
+
+ADMIN_TOKEN_MIN: Final = 16
+_BEARER_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token
+
+
+def parse_admin_token(text: str) -> str:
+    """An admin bearer token (RFC 6750 ``b64token``, at least 16 characters); ValueError
+    otherwise. Messages never repeat the token.
+
+    Shared with the command line, whose ``QUOTA_PROXY_ADMIN_TOKEN`` obeys the file's rules.
+    """
+    if len(text) < ADMIN_TOKEN_MIN:
+        raise ValueError(f"the admin token must be at least {ADMIN_TOKEN_MIN} characters long, it has {len(text)}")
+    if not _BEARER_TOKEN.fullmatch(text):
+        raise ValueError("the admin token may hold only letters, digits and -._~+/ (and = at the end)")
+    return text
 
 
 # ---------------------------------------------------------------- factories
@@ -210,6 +272,17 @@ vendor_name: Final = matching(
 
 def address(key: str, value: object) -> Address:
     return parse_address(string(key, value))
+
+
+def admin_token(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("the admin token must be a string (quote it)")  # never echoed: it is a secret
+    return parse_admin_token(value)
+
+
+def host(key: str, value: object) -> str:
+    """A host name or IP literal without a port, normalised."""
+    return parse_host(string(key, value))
 
 
 def store_url(key: str, value: object) -> str:

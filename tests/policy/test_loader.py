@@ -12,6 +12,7 @@ from proxy.policy import (
     Breaker,
     ConfigError,
     ConfigErrors,
+    Connections,
     Feedback,
     Limit,
     OnLimit,
@@ -210,6 +211,25 @@ vendors:
     ]
 
 
+def test_connections_and_admin_access_settings():
+    text = (
+        MINIMAL
+        + """\
+connections: {max: 200, head_timeout: 2s, idle_timeout: 30s}
+admin_token: "0123456789abcdef-._~+/=="
+admin_hosts: [Quota-Proxy-Admin.quota-proxy.svc., "::1", 10.0.0.7, quota-proxy-admin.quota-proxy.svc]
+"""
+    )
+    policy = parse_policy(text, "x.yaml")
+    assert policy.connections == Connections(max=200, head_timeout=2, idle_timeout=30)
+    assert policy.admin_token == "0123456789abcdef-._~+/=="
+    assert policy.admin_hosts == ("quota-proxy-admin.quota-proxy.svc", "::1", "10.0.0.7")
+    assert "0123456789abcdef" not in repr(policy)  # a policy printed in a log never shows the token
+    defaults = parse_policy(MINIMAL, "x.yaml")
+    assert defaults.connections == Connections(max=4096, head_timeout=10, idle_timeout=60)
+    assert (defaults.admin_token, defaults.admin_hosts) == (None, ())
+
+
 def test_listeners_on_port_zero_may_coincide():
     text = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n" + MINIMAL
     assert parse_policy(text, "x.yaml").listen == Address("127.0.0.1", 0)
@@ -269,6 +289,13 @@ BAD_FILES = {
     "bad_answers": '6: vendors[0].answers: answers must be generic, stripe or openai, got "anthropic"',
     "bad_answers_max_wait": "7: vendors[0].answers_max_wait: answers_max_wait must be greater than 0",
     "bad_ratelimit_headers": '6: vendors[0].ratelimit_headers: expected true or false, got "yes"',
+    "bad_connections_max": "3: connections.max: max must be at least 1",
+    "bad_head_timeout": "4: connections.head_timeout: head_timeout must be greater than 0",
+    "bad_idle_timeout": '3: connections.idle_timeout: "forever" is not a duration',
+    "short_admin_token": "2: admin_token: the admin token must be at least 16 characters long, it has 7",
+    "bad_admin_token": "2: admin_token: the admin token may hold only letters, digits and -._~+/ (and = at the end)",
+    "unquoted_admin_token": "2: admin_token: the admin token must be a string (quote it)",
+    "bad_admin_host": '4: admin_hosts[1]: "proxy admin" is not a host name or IP address',
     "retry_after_above_max": (
         "7: vendors[0].feedback.retry_after_default: retry_after_default (2h) exceeds max_retry_after (1h)"
     ),

@@ -30,6 +30,9 @@ def test_example_summary_is_one_screen_with_effective_values():
         "  on_limit    hold, max_hold 500ms",
         "  connect     deny",
         "  answers     generic, no SDK retry beyond 1m; RateLimit fields on 429s only",
+        "connections   at most 4096 open (then 503), request head within 10s (then 408), idle keep-alive 1m",
+        "admin access  no admin_token: /status and POST /reload are open unless QUOTA_PROXY_ADMIN_TOKEN is set",
+        "              Host must be an IP address or localhost",
     ]:
         assert expected in lines
 
@@ -62,3 +65,25 @@ tls: {upstream_verify: false}
     assert "              exempt: (none)" in text.splitlines()
     assert "  on_limit    defer, max_hold 500ms" in text.splitlines()
     assert "  answers     stripe, no SDK retry beyond 90s; RateLimit fields on forwarded answers" in text.splitlines()
+
+
+def test_summary_shows_connection_limits_and_admin_access_but_never_the_token():
+    policy = parse_policy(
+        """\
+version: 1
+connections: {max: 500, head_timeout: 5s, idle_timeout: 2m}
+admin_token: "k8s-secret-0123456789"
+admin_hosts: [quota-proxy-admin.quota-proxy.svc]
+vendors:
+  - name: crm
+    hosts: [api.crm.example]
+    limits: [{rate: 10}]
+""",
+        "p.yaml",
+    )
+    text = summarize(policy)
+    assert "k8s-secret" not in text
+    lines = text.splitlines()
+    assert "connections   at most 500 open (then 503), request head within 5s (then 408), idle keep-alive 2m" in lines
+    assert "admin access  bearer token (admin_token) required for /status and POST /reload" in lines
+    assert "              Host must be an IP address or localhost, quota-proxy-admin.quota-proxy.svc" in lines
