@@ -9,6 +9,7 @@ granted it, or when the store is down and the policy explicitly fails open.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from proxy.policy.model import Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.target import parse_target, parse_tunneled_target
+from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy")
 
@@ -36,6 +38,13 @@ CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the 
 
 def _as_is(answer: web.Response) -> web.StreamResponse:
     return answer
+
+
+def _give_back(deps: Deps, vendor: Vendor, tenant: str) -> None:
+    """Refund a held request that will not go out (``Limiter.refund``: every bucket it
+    took from, never above its burst). In the background: a worker that went away is
+    not kept waiting for the store, and a refund the store cannot take is only lost."""
+    spawn(deps.limiter.refund(vendor, tenant), name=f"refund-{vendor.name}")
 
 
 class ProxyHandler:
@@ -103,13 +112,16 @@ class ProxyHandler:
             )
         quota = tightest(request_limits(vendor, tenant), result.levels) if vendor.ratelimit_headers else None
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, decision.wait, rec)
+            await self._hold(deps, vendor, tenant, decision.wait, rec)
             return Admission("held", quota)
         return Admission("forwarded", quota)
 
-    async def _hold(self, deps: Deps, vendor: Vendor, wait: float, rec: AccessRecord) -> None:
+    async def _hold(self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
-        refill interval apart, so held requests leave in order and evenly paced."""
+        refill interval apart, so held requests leave in order and evenly paced.
+
+        A hold that ends without the request going out (the worker went away, or a
+        vendor block began meanwhile) gives its tokens back, once: nothing used them."""
         name = vendor.name
         mark = deps.limiter.mark(name)
         deps.held[name] = deps.held.get(name, 0) + 1
@@ -117,6 +129,9 @@ class ProxyHandler:
         gauge.inc()
         try:
             await deps.clock.sleep(wait)
+        except asyncio.CancelledError:
+            _give_back(deps, vendor, tenant)
+            raise
         finally:
             deps.held[name] -= 1
             gauge.dec()
@@ -126,6 +141,7 @@ class ProxyHandler:
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark)
         if blocked > 0:
+            _give_back(deps, vendor, tenant)
             why = "vendor block: the vendor answered 429"
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
