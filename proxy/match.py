@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.names import format_origin, is_tenant_name, parse_authority
+from proxy.names import default_port, format_origin, is_tenant_name, parse_authority
 from proxy.policy.model import Policy, Vendor
 from proxy.refusals import BadRequest, Denied
 from proxy.target import RequestTarget
@@ -43,20 +43,21 @@ class Router:
         self._tenant_header = policy.tenant.header
         self._tenant_default = policy.tenant.default
 
-    def vendor_for_host(self, host: str, port: int | None) -> Vendor | None:
-        if port is not None:
-            vendor = self._by_host_port.get((host, port))
-            if vendor is not None:
-                return vendor
-        return self._by_host.get(host)
-
-    def vendor_for_connect(self, host: str, port: int) -> Vendor | None:
-        """The vendor a ``CONNECT host:port`` is for: a host listed with a port matches
-        that port only; one listed without matches the TLS port, 443."""
+    def vendor_for_host(self, host: str, port: int | None, scheme: str = "http") -> Vendor | None:
+        """The vendor of ``scheme://host[:port]``: a host listed with a port matches that
+        port only; one listed without matches the scheme's default port only (80, or 443
+        for https and CONNECT), so no vendor entry reaches another service on its host."""
+        default = default_port(scheme)
+        if port is None:
+            port = default
         vendor = self._by_host_port.get((host, port))
-        if vendor is None and port == 443:
+        if vendor is None and port == default:
             vendor = self._by_host.get(host)
         return vendor
+
+    def vendor_for_connect(self, host: str, port: int) -> Vendor | None:
+        """The vendor a ``CONNECT host:port`` is for (a host listed without a port: 443)."""
+        return self.vendor_for_host(host, port, "https")
 
     def tenant(self, headers: Mapping[str, str], default: str | None = None) -> str:
         """The tenant a request names, else ``default``, else the policy's default (or 400)."""
@@ -74,7 +75,7 @@ class Router:
                     path_qs = rest if rest.startswith("/") else "/" + rest
                     break
         if vendor is None and target.host:
-            vendor = self.vendor_for_host(target.host, target.port)
+            vendor = self.vendor_for_host(target.host, target.port, target.scheme)
         if vendor is None:
             shown = target.host + (f":{target.port}" if target.port else "")
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)

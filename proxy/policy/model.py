@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.names import format_authority
+from proxy.policy.errors import ConfigError
 
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
@@ -181,6 +182,9 @@ class Policy:
     access_log: bool = True
     source: str = "<memory>"
     """The file the policy came from, for messages."""
+    warnings: tuple[ConfigError, ...] = field(default=(), compare=False)
+    """What the loader found worth a look without refusing the policy (``check`` prints
+    them, ``run`` logs them), e.g. a vendor host that is an IP address."""
 
     def vendor(self, name: str) -> Vendor:
         for v in self.vendors:

@@ -66,6 +66,7 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         drain_timeout=m.get("drain_timeout", values.duration, _POLICY.drain_timeout),
         access_log=m.get("access_log", values.boolean, _POLICY.access_log),
         source=walk.source,
+        warnings=tuple(walk.warnings),  # last: keyword arguments are evaluated in order, vendors' included
     )
 
 
