@@ -24,7 +24,9 @@ from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import StoreUnavailable
+from proxy.loudly import Loudly
 from proxy.match import Match
+from proxy.policy.durations import format_duration
 from proxy.policy.model import Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
@@ -50,7 +52,7 @@ def _give_back(deps: Deps, vendor: Vendor, tenant: str) -> None:
 class ProxyHandler:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
-        self._fail_open_warned = -1.0
+        self._loudly = Loudly(log, deps.clock)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps  # one policy generation for the whole request
@@ -170,6 +172,17 @@ class ProxyHandler:
                 vendor.name,
                 applied.blocked_for,
             )
+            if applied.capped_from is not None:
+                self._loudly.warn(
+                    f"max_retry_after {vendor.name}",
+                    60.0,
+                    "vendor %s asked to be left alone for %s (Retry-After: %s): the block is capped at "
+                    "feedback.max_retry_after %s",
+                    vendor.name,
+                    format_duration(applied.capped_from),
+                    upstream.headers.get("Retry-After", "none"),
+                    format_duration(vendor.feedback.max_retry_after),
+                )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
@@ -185,7 +198,7 @@ class ProxyHandler:
         return resp
 
     def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
-        now = deps.clock.monotonic()
-        if now - self._fail_open_warned >= 1.0:  # loud, but one line a second, not one per request
-            self._fail_open_warned = now
-            log.warning("store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor)
+        # Loud, but one line a second, not one per request.
+        self._loudly.warn(
+            "fail-open", 1.0, "store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor
+        )

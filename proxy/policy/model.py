@@ -90,8 +90,9 @@ class Feedback:
     """Remaining below this drains the global buckets; 0 disables the drain."""
     retry_after_default: float = 10.0
     """Seconds to block after a vendor 429 that carries no usable Retry-After."""
-    max_retry_after: float = 3600.0
-    """Longest block a vendor's Retry-After can impose, in seconds."""
+    max_retry_after: float = 300.0
+    """Longest block a vendor's Retry-After can impose, in seconds: longer blocks stop the
+    whole fleet, so the cap is minutes and a capped block is logged."""
 
 
 @dataclass(frozen=True, slots=True)
