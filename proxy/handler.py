@@ -30,6 +30,7 @@ from proxy.policy.durations import format_duration
 from proxy.policy.model import Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
+from proxy.seats import Seats
 from proxy.target import parse_target, parse_tunneled_target
 from proxy.tasks import spawn
 
@@ -53,6 +54,7 @@ class ProxyHandler:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self._loudly = Loudly(log, deps.clock)
+        self._seats = Seats(deps.clock)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps  # one policy generation for the whole request
@@ -76,7 +78,7 @@ class ProxyHandler:
             match = deps.router.match(target, request.headers)
         else:
             target = parse_tunneled_target(request, tunnel.host, tunnel.port)
-            match = deps.router.match(target, request.headers, default_tenant=tunnel.tenant)
+            match = deps.router.match(target, request.headers, tunnel.claim)
         rec.host, rec.path = target.host, target.path_qs
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
@@ -90,6 +92,7 @@ class ProxyHandler:
         """Take the request's tokens, holding if the decision says so; returns the outcome
         to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
+        self._seat(deps, vendor, tenant)
         try:
             result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
         except StoreUnavailable as exc:
@@ -117,6 +120,24 @@ class ProxyHandler:
             await self._hold(deps, vendor, tenant, decision.wait, rec)
             return Admission("held", quota)
         return Admission("forwarded", quota)
+
+    def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
+        """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
+        seats before it may create store keys (seats.py); none free: deferred."""
+        cap = deps.policy.tenant.max_active
+        if cap is None or tenant in deps.router.tenancy.named:
+            return
+        wait = self._seats.take(vendor, tenant, cap)
+        if wait > 0:
+            self._loudly.warn(
+                f"max_active {vendor.name}",
+                60.0,
+                "vendor %s is tracking tenant.max_active %d tenants: new tenants are deferred (tenant ids sprayed? "
+                "tenant.known_only: true accepts only the policy's tenants)",
+                vendor.name,
+                cap,
+            )
+            raise Limited("defer", wait, "tenants", f"tenant.max_active {cap} reached")
 
     async def _hold(self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord) -> None:
         """Sleep until the reservation matures. The store spaced reservations one

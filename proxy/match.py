@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.names import default_port, format_origin, is_tenant_name, parse_authority
+from proxy.names import default_port, format_origin, parse_authority
 from proxy.policy.model import Policy, Vendor
-from proxy.refusals import BadRequest, Denied
+from proxy.refusals import Denied
 from proxy.target import RequestTarget
+from proxy.tenancy import NO_CLAIM, Claim, Tenancy
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,7 @@ class Router:
                 self._routes.append((vendor.route, vendor))
         # Longest prefix first, so /api/v2 wins over /api.
         self._routes.sort(key=lambda rv: len(rv[0]), reverse=True)
-        self._tenant_header = policy.tenant.header
-        self._tenant_default = policy.tenant.default
+        self.tenancy = Tenancy(policy)
 
     def vendor_for_host(self, host: str, port: int | None, scheme: str = "http") -> Vendor | None:
         """The vendor of ``scheme://host[:port]``: a host listed with a port matches that
@@ -59,11 +59,15 @@ class Router:
         """The vendor a ``CONNECT host:port`` is for (a host listed without a port: 443)."""
         return self.vendor_for_host(host, port, "https")
 
-    def tenant(self, headers: Mapping[str, str], default: str | None = None) -> str:
-        """The tenant a request names, else ``default``, else the policy's default (or 400)."""
-        return self._tenant(headers, default)
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a blind tunnel's CONNECT (tenancy.Tenancy.of_request); raises the refusal."""
+        return self.tenancy.of_request(headers)
 
-    def match(self, target: RequestTarget, headers: Mapping[str, str], default_tenant: str | None = None) -> Match:
+    def match(self, target: RequestTarget, headers: Mapping[str, str], tunnel: Claim = NO_CLAIM) -> Match:
+        """The vendor and tenant of a request (inside a tunnel bound by ``tunnel``); raises
+        the refusal. Proxy credentials are checked before anything else is said (407 first),
+        so an unauthenticated client cannot learn which hosts are vendors."""
+        tenant = self.tenancy.of_request(headers, tunnel) if self.tenancy.authenticates else None
         vendor: Vendor | None = None
         path_qs = target.path_qs
         if not target.absolute:
@@ -79,20 +83,9 @@ class Router:
         if vendor is None:
             shown = target.host + (f":{target.port}" if target.port else "")
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
-        return Match(vendor, self._tenant(headers, default_tenant), self._origin(vendor, target), path_qs)
-
-    def _tenant(self, headers: Mapping[str, str], default: str | None) -> str:
-        value = headers.get(self._tenant_header)
-        if value is None:
-            if default is not None:
-                return default
-            if self._tenant_default is None:
-                raise BadRequest(f"missing {self._tenant_header} header (this policy has no default tenant)")
-            return self._tenant_default
-        value = value.strip()
-        if not is_tenant_name(value):
-            raise BadRequest(f"bad {self._tenant_header} header: letters, digits and ._:@- only, at most 128")
-        return value
+        if tenant is None:
+            tenant = self.tenancy.of_request(headers, tunnel)
+        return Match(vendor, tenant, self._origin(vendor, target), path_qs)
 
     @staticmethod
     def _origin(vendor: Vendor, target: RequestTarget) -> str:

@@ -15,11 +15,13 @@ Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open"]
 AnswerDialect = Literal["generic", "stripe", "openai"]
+TenantFrom = Literal["header", "proxy_auth"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open")
 ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
+TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +158,28 @@ class StoreSettings:
 @dataclass(frozen=True, slots=True)
 class TenantSettings:
     header: str = "X-Tenant-Id"
+    """Names the tenant with ``from_ = "header"``; stripped before forwarding either way."""
     default: str | None = "default"
     """Tenant when the header is absent; None means such a request gets 400."""
+    from_: TenantFrom = "header"
+    """Where the tenant comes from (YAML ``from``): the tenant header, or the worker's
+    proxy credentials (``Proxy-Authorization: Basic``, checked against ``credentials``)."""
+    credentials: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)
+    """(tenant, SHA-256 digest of its secret) pairs, for ``from_ = "proxy_auth"``."""
+    known_only: bool = False
+    """Accept only the tenants the policy names (the default and every vendor's overrides);
+    another tenant in the header gets 400."""
+    max_active: int | None = 10_000
+    """Other tenants (not named in the policy) a vendor tracks at once on one replica: a new
+    one beyond it is deferred until a seat frees up. None: no bound."""
+
+    def named(self, vendors: tuple[Vendor, ...]) -> frozenset[str]:
+        """The tenants the policy names: the default, every vendor's overrides, every credential."""
+        names = {tenant for vendor in vendors for tenant, _ in vendor.tenant_limits.overrides}
+        names.update(tenant for tenant, _ in self.credentials)
+        if self.default is not None:
+            names.add(self.default)
+        return frozenset(names)
 
 
 @dataclass(frozen=True, slots=True)
