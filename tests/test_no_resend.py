@@ -12,68 +12,53 @@ itself, never sent upstream (so no vendor ``417`` can make the client resend).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 
-from tests.conftest import client_session, vendor_policy
+from tests.conftest import RawHandler, RawVendor, client_session, vendor_policy
 
 VENDOR_URL = "http://api.payments.example"
 
 
 @dataclass
-class DroppingVendor:
-    """A TCP vendor that reads each request head and answers per ``answer`` (None: hang up)."""
+class Vendor:
+    """A raw vendor that reads each request head and answers per ``answer`` (None: hang up)."""
 
-    url: str = ""
+    raw: RawVendor
     heads: list[bytes] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.raw.url
 
 
 Answer = Callable[[bytes], bytes | None]
 
 
 @pytest.fixture
-async def dropping_vendor() -> AsyncIterator[Callable[[Answer], Awaitable[DroppingVendor]]]:
-    servers: list[asyncio.Server] = []
+def dropping_vendor(raw_vendor: Callable[[RawHandler], Awaitable[RawVendor]]) -> Callable[[Answer], Awaitable[Vendor]]:
+    async def start(answer: Answer) -> Vendor:
+        heads: list[bytes] = []
 
-    async def start(answer: Answer) -> DroppingVendor:
-        vendor = DroppingVendor()
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                heads.append(head)
+                lines = head.lower().split(b"\r\n")
+                length = next((int(x.split(b":", 1)[1]) for x in lines if x.startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                reply = answer(head)
+                if reply is None:
+                    return  # hang up without a word, like a recycled connection
+                writer.write(reply)
+                await writer.drain()
 
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    vendor.heads.append(head)
-                    length = next(
-                        (
-                            int(line.split(b":", 1)[1])
-                            for line in head.split(b"\r\n")
-                            if line.lower().startswith(b"content-length:")
-                        ),
-                        0,
-                    )
-                    await reader.readexactly(length)
-                    reply = answer(head)
-                    if reply is None:
-                        return  # hang up without a word, like a recycled connection
-                    writer.write(reply)
-                    await writer.drain()
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
+        return Vendor(await raw_vendor(handler), heads)
 
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        servers.append(server)
-        vendor.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        return vendor
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
+    return start
 
 
 def hang_up(head: bytes) -> None:

@@ -13,7 +13,8 @@ import asyncio
 
 import aiohttp
 
-from tests.conftest import RedisServer, vendor_policy
+from proxy.policy import Policy
+from tests.conftest import RedisServer, Vendor, vendor_policy
 
 SPRAYED = 200
 VENDOR_URL = "http://api.payments.example"
@@ -22,6 +23,16 @@ VENDOR_URL = "http://api.payments.example"
 def keys(server: RedisServer) -> int:
     with server.client() as c:
         return int(c.dbsize())
+
+
+def policy(vendor: Vendor, store: str, tenant: str) -> Policy:
+    """Vendor ``payments``, whose tenants each have a bucket (``acme`` its own), with ``tenant: {TENANT}``."""
+    return vendor_policy(
+        vendor.url,
+        store=store,
+        tenant_limits="tenant_limits: {default: [{rate: 10, per: 1m}], overrides: {acme: [{rate: 10, per: 1m}]}}",
+        extra_top=f"tenant: {{{tenant}}}",
+    )
 
 
 async def spray(proxy_url: str) -> list[int]:
@@ -37,14 +48,7 @@ async def spray(proxy_url: str) -> list[int]:
 
 
 async def test_sprayed_tenant_ids_are_bounded_by_max_active(vendor, redis_server, redis_url, start_proxy) -> None:
-    proxy = await start_proxy(
-        vendor_policy(
-            vendor.url,
-            store=redis_url,
-            tenant_limits="tenant_limits: {default: [{rate: 10, per: 1m}], overrides: {acme: [{rate: 10, per: 1m}]}}",
-            extra_top="tenant: {max_active: 20}",
-        )
-    )
+    proxy = await start_proxy(policy(vendor, redis_url, "max_active: 20"))
     statuses = await spray(proxy.url)
     print(f"{SPRAYED} sprayed tenants with max_active 20: {keys(redis_server)} keys")
     assert statuses.count(200) == 20 and statuses.count(429) == SPRAYED - 20, statuses
@@ -74,14 +78,7 @@ async def test_sprayed_tenant_ids_are_bounded_by_max_active(vendor, redis_server
 async def test_known_only_refuses_tenants_the_policy_does_not_name(
     vendor, redis_server, redis_url, start_proxy
 ) -> None:
-    proxy = await start_proxy(
-        vendor_policy(
-            vendor.url,
-            store=redis_url,
-            tenant_limits="tenant_limits: {default: [{rate: 10, per: 1m}], overrides: {acme: [{rate: 10, per: 1m}]}}",
-            extra_top="tenant: {known_only: true}",
-        )
-    )
+    proxy = await start_proxy(policy(vendor, redis_url, "known_only: true"))
     statuses = await spray(proxy.url)
     assert set(statuses) == {400}
     assert keys(redis_server) == 0
