@@ -23,7 +23,7 @@ from proxy.forward import relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.limiter import StoreUnavailable
+from proxy.limiter import BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
 from proxy.policy.durations import format_duration
@@ -43,11 +43,17 @@ def _as_is(answer: web.Response) -> web.StreamResponse:
     return answer
 
 
-def _give_back(deps: Deps, vendor: Vendor, tenant: str) -> None:
+def _give_back(deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark) -> None:
     """Refund a held request that will not go out (``Limiter.refund``: every bucket it
     took from, never above its burst). In the background: a worker that went away is
-    not kept waiting for the store, and a refund the store cannot take is only lost."""
-    spawn(deps.limiter.refund(vendor, tenant), name=f"refund-{vendor.name}")
+    not kept waiting for the store, and a refund the store cannot take is only lost.
+
+    Not after a vendor block began (``mark``): the block restarted the vendor's buckets
+    from empty at its end, absorbing the reservation, so a refund would land there as a
+    burst at the block's edge (SPEC §6). The tenant's token is lost with it: the limiter
+    refunds every bucket of a request or none."""
+    if deps.limiter.mark(vendor.name) == mark:
+        spawn(deps.limiter.refund(vendor, tenant), name=f"refund-{vendor.name}")
 
 
 class ProxyHandler:
@@ -143,8 +149,8 @@ class ProxyHandler:
         """Sleep until the reservation matures. The store spaced reservations one
         refill interval apart, so held requests leave in order and evenly paced.
 
-        A hold that ends without the request going out (the worker went away, or a
-        vendor block began meanwhile) gives its tokens back, once: nothing used them."""
+        A hold whose worker goes away gives its tokens back, once: nothing used them
+        (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
         name = vendor.name
         mark = deps.limiter.mark(name)
         deps.held[name] = deps.held.get(name, 0) + 1
@@ -153,7 +159,7 @@ class ProxyHandler:
         try:
             await deps.clock.sleep(wait)
         except asyncio.CancelledError:
-            _give_back(deps, vendor, tenant)
+            _give_back(deps, vendor, tenant, mark)
             raise
         finally:
             deps.held[name] -= 1
@@ -163,8 +169,7 @@ class ProxyHandler:
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark)
-        if blocked > 0:
-            _give_back(deps, vendor, tenant)
+        if blocked > 0:  # nothing to give back: the block absorbed the reservation
             why = "vendor block: the vendor answered 429"
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
