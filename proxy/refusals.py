@@ -76,7 +76,7 @@ class UnknownTenant(BadRequest):
 class ProxyAuthRequired(Refusal):
     """``tenant.from: proxy_auth``: no usable proxy credentials: 407 and a Basic challenge.
 
-    ``detail`` never holds the secret, nor a user name the policy does not know."""
+    ``detail`` never holds the secret nor the user name: which users exist is not told."""
 
     detail: str
     status = 407

@@ -14,8 +14,9 @@ checked again against the current policy (a reload that revokes or rotates the s
 ends the binding), and a blind tunnel's token is that tenant's.
 
 Secrets are compared as SHA-256 digests in constant time (``hmac.compare_digest``), an
-unknown user against a stand-in digest, so timing tells nothing; neither a secret nor an
-unknown user name ever reaches a log line or an answer.
+unknown user against a stand-in digest, and a wrong secret is answered like an unknown
+user, so neither timing nor words tell which users exist; neither a secret nor a user
+name that failed ever reaches a log line or an answer.
 """
 
 from __future__ import annotations
@@ -117,9 +118,8 @@ class Tenancy:
         expected = self._digests.get(user)
         # Constant time, and the same work for an unknown user as for a known one.
         matched = hmac.compare_digest(proof, expected if expected is not None else _STAND_IN)
-        if expected is None or not matched:
-            who = f" for tenant {user}" if expected is not None else ""
-            raise ProxyAuthRequired(f"proxy credentials not accepted{who}")
+        if expected is None or not matched:  # one answer for both: which users exist is not told
+            raise ProxyAuthRequired("proxy credentials not accepted")
         return user, proof
 
     def _still_valid(self, tenant: str, proof: bytes) -> bool:
