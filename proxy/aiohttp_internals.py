@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+import aiohttp
 from aiohttp import web
 
 # -- the answer's byte count: StreamWriter.output_size ----------------------------------------------
@@ -207,3 +208,30 @@ def cut_connections(server: web.Server) -> None:
     """Close every connection now, cancelling the requests still in flight on them."""
     for connection in server.connections:
         connection.force_close()
+
+
+# -- no hidden resend: ClientSession._retry_connection ----------------------------------------------
+#
+# Why: aiohttp's client sends an idempotent request (GET, HEAD, OPTIONS, TRACE, PUT, DELETE)
+# a second time when the connection it went out on is reset or closed before an answer
+# (ClientSession._request, ``retry_persistent_connection``; RFC 9112 §9.3.1 allows it). A
+# vendor that reads the request and then drops the connection (a load balancer recycling
+# it) would receive it twice for one worker request and one token. Every request that
+# reaches a vendor must have taken its tokens, so the proxy never lets the library resend:
+# the worker gets a 502 saying whether it may retry, and its retry takes a token. The
+# switch has no public API; aiohttp's own test client turns it off the same way
+# (test_utils.TestClient).
+# Upgrade: if the attribute is renamed or removed, no_hidden_resend raises and the proxy
+# does not start (it must not run with a resend it cannot turn off); if aiohttp drops the
+# resend altogether, delete this entry and its test.
+
+
+def no_hidden_resend(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
+    """``session``, told never to resend a request on a connection that broke."""
+    if not hasattr(session, "_retry_connection"):
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__}: ClientSession._retry_connection is gone; "
+            "proxy/aiohttp_internals.py must learn how to stop its request resend"
+        )
+    session._retry_connection = False
+    return session

@@ -205,18 +205,25 @@ def _run(args: argparse.Namespace) -> int:
     if policy is None:
         return EXIT_CONFIG
     _setup_logging(args.log_level)
+    _log_warnings(policy)
     if not policy.tls.upstream_verify:
         log.warning("tls.upstream_verify is false: vendors' certificates are NOT verified")
 
     def reload() -> Policy:
         """What SIGHUP, POST /reload and --watch load: the file, then the same overrides."""
-        return _overridden(load_policy(args.config), args)
+        return _log_warnings(_overridden(load_policy(args.config), args))
 
     from proxy.server import serve
 
     return _asyncio_run(
         serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
     )
+
+
+def _log_warnings(policy: Policy) -> Policy:
+    for warning in policy.warnings:
+        log.warning("policy: %s", warning)
+    return policy
 
 
 def _asyncio_run(coro: object) -> int:
@@ -232,6 +239,8 @@ def _check(args: argparse.Namespace) -> int:
     policy = _load(args.config)
     if policy is None:
         return EXIT_CONFIG
+    for warning in policy.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(summarize(policy))
     return 0
 

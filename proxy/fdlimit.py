@@ -9,13 +9,10 @@ what the limit holds once the rest of the process has what it needs.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Final
 
 from proxy.connections import TURNED_AWAY_MAX
-
-log = logging.getLogger("quota_proxy")
 
 RESERVED: Final = 128
 """Descriptors for everything but worker connections: the listeners, the admin listener's
@@ -31,6 +28,10 @@ class FdLimit:
     """The ceiling an unprivileged process may raise it to (None: unlimited)."""
     raised_from: int | None = None
     """The limit before ``raise_fd_limit`` raised it (None: unchanged)."""
+    report: str = ""
+    """What happened, for the log once the proxy listens (a refusal to start stays one line)."""
+    problem: bool = False
+    """The limit could not be raised (``report`` is then a warning)."""
 
     @property
     def connection_capacity(self) -> int:
@@ -40,7 +41,7 @@ class FdLimit:
 
 
 def raise_fd_limit() -> FdLimit | None:
-    """Raise the soft limit to the hard one where the OS allows, and log what it is.
+    """Raise the soft limit to the hard one where the OS allows; ``report`` says what it is.
     None where the platform has no RLIMIT_NOFILE."""
     try:
         import resource
@@ -57,10 +58,9 @@ def raise_fd_limit() -> FdLimit | None:
             problem = exc
             continue
         shown = "unlimited" if unlimited else str(hard)
-        log.info("file-descriptor limit raised from %d to %d (the hard limit: %s)", soft, target, shown)
-        return FdLimit(target, None if unlimited else hard, raised_from=soft)
+        report = f"file-descriptor limit raised from {soft} to {target} (the hard limit: {shown})"
+        return FdLimit(target, None if unlimited else hard, raised_from=soft, report=report)
     if targets:
-        log.warning("cannot raise the file-descriptor limit from %d: %s", soft, problem)
-    else:
-        log.info("file-descriptor limit %d (the hard limit)", soft)
-    return FdLimit(soft, None if unlimited else hard)
+        report = f"cannot raise the file-descriptor limit from {soft}: {problem}"
+        return FdLimit(soft, None if unlimited else hard, report=report, problem=True)
+    return FdLimit(soft, None if unlimited else hard, report=f"file-descriptor limit {soft} (the hard limit)")

@@ -2,7 +2,8 @@
 
 A 429 blocks the vendor's global buckets for its Retry-After (seconds or an
 HTTP-date; ``retry_after_default`` when absent or unreadable, capped at
-``max_retry_after``). A remaining-quota header below ``low_watermark`` drains
+``max_retry_after``, 5 minutes by default: one vendor answer must not stop the
+fleet for an hour). A remaining-quota header below ``low_watermark`` drains
 them to empty.
 """
 
@@ -45,12 +46,15 @@ def parse_retry_after(value: str | None, date: str | None = None, now: float | N
     return max(when - reference, 0.0)
 
 
+def asked_block(feedback: Feedback, headers: Mapping[str, str]) -> float:
+    """How long a vendor 429 with these headers asks to block the vendor (before the cap)."""
+    seconds = parse_retry_after(headers.get("Retry-After"), headers.get("Date"))
+    return feedback.retry_after_default if seconds is None else seconds
+
+
 def block_seconds(feedback: Feedback, headers: Mapping[str, str]) -> float:
     """How long a vendor 429 with these headers blocks the vendor."""
-    seconds = parse_retry_after(headers.get("Retry-After"), headers.get("Date"))
-    if seconds is None:
-        seconds = feedback.retry_after_default
-    return min(seconds, feedback.max_retry_after)
+    return min(asked_block(feedback, headers), feedback.max_retry_after)
 
 
 def remaining_is_low(feedback: Feedback, headers: Mapping[str, str]) -> bool:
@@ -74,6 +78,8 @@ class Applied:
     drained: bool = False
     added_retry_after: str | None = None
     """Retry-After the proxy adds to a vendor 429 that carried none."""
+    capped_from: float | None = None
+    """The block the vendor asked for, when ``max_retry_after`` cut it short."""
 
 
 NOTHING = Applied()
@@ -83,13 +89,14 @@ async def apply_feedback(limiter: Limiter, vendor: Vendor, status: int, headers:
     """Feed one vendor response back; costs a store call only on a 429 or low quota."""
     feedback = vendor.feedback
     if status == 429:
-        seconds = block_seconds(feedback, headers)
+        asked = asked_block(feedback, headers)
+        seconds = min(asked, feedback.max_retry_after)
         if seconds <= 0:
             await limiter.drain(vendor)
             return Applied(drained=True)
         until = await limiter.block(vendor, seconds)
         added = None if "Retry-After" in headers else str(max(1, math.ceil(until)))
-        return Applied(blocked_for=until, added_retry_after=added)
+        return Applied(blocked_for=until, added_retry_after=added, capped_from=asked if asked > seconds else None)
     if remaining_is_low(feedback, headers):
         await limiter.drain(vendor)
         return Applied(drained=True)

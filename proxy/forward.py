@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
-from proxy.aiohttp_internals import HeadersWithBody, send_continue
+from proxy.aiohttp_internals import HeadersWithBody, no_hidden_resend, send_continue
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import UpstreamFailed
@@ -74,13 +74,15 @@ def _session(ssl_ctx: ssl.SSLContext | bool) -> aiohttp.ClientSession:
         keepalive_timeout=30,
         ttl_dns_cache=60,
     )
-    return aiohttp.ClientSession(
+    session = aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None),
     )
+    # A request that reaches the vendor has taken its tokens: the library never resends one.
+    return no_hidden_resend(session)
 
 
 async def _continue(request: web.BaseRequest) -> None:

@@ -168,6 +168,10 @@ class ConnectGate:
             raise BadRequest(f"bad CONNECT target: {exc}") from None
         if port is None:
             raise BadRequest(f"CONNECT target {parsed.authority!r} has no port")
+        tenancy = deps.router.tenancy
+        # Proxy credentials are checked before anything else is said (407 first).
+        claim = tenancy.of_connect(parsed.headers) if tenancy.authenticates else None
+        rec.tenant = claim.tenant if claim is not None else None
         vendor = deps.router.vendor_for_connect(host, port)
         if vendor is None:
             raise Denied(f"CONNECT {host}:{port}: no vendor in the policy has this host on this port", host)
@@ -180,7 +184,7 @@ class ConnectGate:
                     host,
                 )
             if vendor.connect == "tunnel":
-                tenant = rec.tenant = deps.router.tenant(parsed.headers)
+                tenant = rec.tenant = claim.tenant if claim and claim.tenant else deps.router.tenant(parsed.headers)
                 tunnel = await self.tunnels.dial(deps, vendor, tenant, parsed.headers, (host, port), rec)
                 if door.transport.is_closing():  # the worker went away while the vendor was dialled
                     self.tunnels.abandon(tunnel)
@@ -189,11 +193,9 @@ class ConnectGate:
                 rec.status = 200
                 self.tunnels.splice(tunnel, door.transport, early)
             else:
-                tenant = "-"
-                if parsed.headers.get(deps.policy.tenant.header) is not None:
-                    tenant = deps.router.tenant(parsed.headers)
-                rec.tenant = None if tenant == "-" else tenant
-                handshake = self.interceptor.prepare(deps, Interception(vendor, host, port, rec.tenant))
+                claim = claim or tenancy.of_connect(parsed.headers)
+                rec.tenant = claim.tenant
+                handshake = self.interceptor.prepare(deps, Interception(vendor, host, port, claim))
                 self._handshakes += 1  # counted open from the door's release to aiohttp's taking over
                 try:
                     door.established()

@@ -9,6 +9,7 @@ granted it, or when the store is down and the policy explicitly fails open.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -22,12 +23,16 @@ from proxy.forward import relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.limiter import StoreUnavailable
+from proxy.limiter import BlockMark, StoreUnavailable
+from proxy.loudly import Loudly
 from proxy.match import Match
+from proxy.policy.durations import format_duration
 from proxy.policy.model import Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
+from proxy.seats import Seats
 from proxy.target import parse_target, parse_tunneled_target
+from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy")
 
@@ -38,10 +43,24 @@ def _as_is(answer: web.Response) -> web.StreamResponse:
     return answer
 
 
+def _give_back(deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark) -> None:
+    """Refund a held request that will not go out (``Limiter.refund``: every bucket it
+    took from, never above its burst). In the background: a worker that went away is
+    not kept waiting for the store, and a refund the store cannot take is only lost.
+
+    Not after a vendor block began (``mark``): the block restarted the vendor's buckets
+    from empty at its end, absorbing the reservation, so a refund would land there as a
+    burst at the block's edge (SPEC §6). The tenant's token is lost with it: the limiter
+    refunds every bucket of a request or none."""
+    if deps.limiter.mark(vendor.name) == mark:
+        spawn(deps.limiter.refund(vendor, tenant), name=f"refund-{vendor.name}")
+
+
 class ProxyHandler:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
-        self._fail_open_warned = -1.0
+        self._loudly = Loudly(log, deps.clock)
+        self._seats = Seats(deps.clock)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps  # one policy generation for the whole request
@@ -65,7 +84,7 @@ class ProxyHandler:
             match = deps.router.match(target, request.headers)
         else:
             target = parse_tunneled_target(request, tunnel.host, tunnel.port)
-            match = deps.router.match(target, request.headers, default_tenant=tunnel.tenant)
+            match = deps.router.match(target, request.headers, tunnel.claim)
         rec.host, rec.path = target.host, target.path_qs
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
@@ -79,6 +98,7 @@ class ProxyHandler:
         """Take the request's tokens, holding if the decision says so; returns the outcome
         to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
+        self._seat(deps, vendor, tenant)
         try:
             result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
         except StoreUnavailable as exc:
@@ -103,13 +123,34 @@ class ProxyHandler:
             )
         quota = tightest(request_limits(vendor, tenant), result.levels) if vendor.ratelimit_headers else None
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, decision.wait, rec)
+            await self._hold(deps, vendor, tenant, decision.wait, rec)
             return Admission("held", quota)
         return Admission("forwarded", quota)
 
-    async def _hold(self, deps: Deps, vendor: Vendor, wait: float, rec: AccessRecord) -> None:
+    def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
+        """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
+        seats before it may create store keys (seats.py); none free: deferred."""
+        cap = deps.policy.tenant.max_active
+        if cap is None or tenant in deps.router.tenancy.named:
+            return
+        wait = self._seats.take(vendor, tenant, cap)
+        if wait > 0:
+            self._loudly.warn(
+                f"max_active {vendor.name}",
+                60.0,
+                "vendor %s is tracking tenant.max_active %d tenants: new tenants are deferred (tenant ids sprayed? "
+                "tenant.known_only: true accepts only the policy's tenants)",
+                vendor.name,
+                cap,
+            )
+            raise Limited("defer", wait, "tenants", f"tenant.max_active {cap} reached")
+
+    async def _hold(self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
-        refill interval apart, so held requests leave in order and evenly paced."""
+        refill interval apart, so held requests leave in order and evenly paced.
+
+        A hold whose worker goes away gives its tokens back, once: nothing used them
+        (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
         name = vendor.name
         mark = deps.limiter.mark(name)
         deps.held[name] = deps.held.get(name, 0) + 1
@@ -117,6 +158,9 @@ class ProxyHandler:
         gauge.inc()
         try:
             await deps.clock.sleep(wait)
+        except asyncio.CancelledError:
+            _give_back(deps, vendor, tenant, mark)
+            raise
         finally:
             deps.held[name] -= 1
             gauge.dec()
@@ -125,7 +169,7 @@ class ProxyHandler:
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark)
-        if blocked > 0:
+        if blocked > 0:  # nothing to give back: the block absorbed the reservation
             why = "vendor block: the vendor answered 429"
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
@@ -154,6 +198,17 @@ class ProxyHandler:
                 vendor.name,
                 applied.blocked_for,
             )
+            if applied.capped_from is not None:
+                self._loudly.warn(
+                    f"max_retry_after {vendor.name}",
+                    60.0,
+                    "vendor %s asked to be left alone for %s (Retry-After: %s): the block is capped at "
+                    "feedback.max_retry_after %s",
+                    vendor.name,
+                    format_duration(applied.capped_from),
+                    upstream.headers.get("Retry-After", "none"),
+                    format_duration(vendor.feedback.max_retry_after),
+                )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
@@ -169,7 +224,7 @@ class ProxyHandler:
         return resp
 
     def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
-        now = deps.clock.monotonic()
-        if now - self._fail_open_warned >= 1.0:  # loud, but one line a second, not one per request
-            self._fail_open_warned = now
-            log.warning("store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor)
+        # Loud, but one line a second, not one per request.
+        self._loudly.warn(
+            "fail-open", 1.0, "store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor
+        )

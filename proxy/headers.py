@@ -22,6 +22,8 @@ HINT_MS = "retry-after-ms"  # the retry hint in ms, read first by OpenAI's and S
 SHOULD_RETRY = "x-should-retry"  # obeyed by OpenAI's and Stainless-generated SDKs (Anthropic's, ...)
 STRIPE_SHOULD_RETRY = "Stripe-Should-Retry"  # obeyed by Stripe's SDKs, which otherwise retry every 5xx
 IDEMPOTENCY_KEY = "Idempotency-Key"
+PROXY_AUTHORIZATION = "Proxy-Authorization"  # hop-by-hop: read by the proxy, never forwarded
+PROXY_AUTHENTICATE = "Proxy-Authenticate"
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 

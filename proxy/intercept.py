@@ -23,6 +23,7 @@ from proxy.aiohttp_internals import connection_tag
 from proxy.deps import Deps
 from proxy.policy.model import Vendor
 from proxy.refusals import BadRequest, Denied
+from proxy.tenancy import Claim
 
 log = logging.getLogger("quota_proxy.connect")
 
@@ -42,8 +43,9 @@ class Interception:
     vendor: Vendor
     host: str
     port: int
-    tenant: str | None
-    """The tenant named on the CONNECT itself, the default for requests inside."""
+    claim: Claim
+    """Who the CONNECT said it was: the tenant for requests inside that name none, or
+    (with proxy credentials) the tenant of every request inside."""
 
 
 def interception_of(request: web.BaseRequest) -> Interception | None:

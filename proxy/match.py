@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.names import format_origin, is_tenant_name, parse_authority
+from proxy.names import default_port, format_origin, parse_authority
 from proxy.policy.model import Policy, Vendor
-from proxy.refusals import BadRequest, Denied
+from proxy.refusals import Denied
 from proxy.target import RequestTarget
+from proxy.tenancy import NO_CLAIM, Claim, Tenancy
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,29 +41,33 @@ class Router:
                 self._routes.append((vendor.route, vendor))
         # Longest prefix first, so /api/v2 wins over /api.
         self._routes.sort(key=lambda rv: len(rv[0]), reverse=True)
-        self._tenant_header = policy.tenant.header
-        self._tenant_default = policy.tenant.default
+        self.tenancy = Tenancy(policy)
 
-    def vendor_for_host(self, host: str, port: int | None) -> Vendor | None:
-        if port is not None:
-            vendor = self._by_host_port.get((host, port))
-            if vendor is not None:
-                return vendor
-        return self._by_host.get(host)
-
-    def vendor_for_connect(self, host: str, port: int) -> Vendor | None:
-        """The vendor a ``CONNECT host:port`` is for: a host listed with a port matches
-        that port only; one listed without matches the TLS port, 443."""
+    def vendor_for_host(self, host: str, port: int | None, scheme: str = "http") -> Vendor | None:
+        """The vendor of ``scheme://host[:port]``: a host listed with a port matches that
+        port only; one listed without matches the scheme's default port only (80, or 443
+        for https and CONNECT), so no vendor entry reaches another service on its host."""
+        default = default_port(scheme)
+        if port is None:
+            port = default
         vendor = self._by_host_port.get((host, port))
-        if vendor is None and port == 443:
+        if vendor is None and port == default:
             vendor = self._by_host.get(host)
         return vendor
 
-    def tenant(self, headers: Mapping[str, str], default: str | None = None) -> str:
-        """The tenant a request names, else ``default``, else the policy's default (or 400)."""
-        return self._tenant(headers, default)
+    def vendor_for_connect(self, host: str, port: int) -> Vendor | None:
+        """The vendor a ``CONNECT host:port`` is for (a host listed without a port: 443)."""
+        return self.vendor_for_host(host, port, "https")
 
-    def match(self, target: RequestTarget, headers: Mapping[str, str], default_tenant: str | None = None) -> Match:
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a blind tunnel's CONNECT (tenancy.Tenancy.of_request); raises the refusal."""
+        return self.tenancy.of_request(headers)
+
+    def match(self, target: RequestTarget, headers: Mapping[str, str], tunnel: Claim = NO_CLAIM) -> Match:
+        """The vendor and tenant of a request (inside a tunnel bound by ``tunnel``); raises
+        the refusal. Proxy credentials are checked before anything else is said (407 first),
+        so an unauthenticated client cannot learn which hosts are vendors."""
+        tenant = self.tenancy.of_request(headers, tunnel) if self.tenancy.authenticates else None
         vendor: Vendor | None = None
         path_qs = target.path_qs
         if not target.absolute:
@@ -74,24 +79,13 @@ class Router:
                     path_qs = rest if rest.startswith("/") else "/" + rest
                     break
         if vendor is None and target.host:
-            vendor = self.vendor_for_host(target.host, target.port)
+            vendor = self.vendor_for_host(target.host, target.port, target.scheme)
         if vendor is None:
             shown = target.host + (f":{target.port}" if target.port else "")
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
-        return Match(vendor, self._tenant(headers, default_tenant), self._origin(vendor, target), path_qs)
-
-    def _tenant(self, headers: Mapping[str, str], default: str | None) -> str:
-        value = headers.get(self._tenant_header)
-        if value is None:
-            if default is not None:
-                return default
-            if self._tenant_default is None:
-                raise BadRequest(f"missing {self._tenant_header} header (this policy has no default tenant)")
-            return self._tenant_default
-        value = value.strip()
-        if not is_tenant_name(value):
-            raise BadRequest(f"bad {self._tenant_header} header: letters, digits and ._:@- only, at most 128")
-        return value
+        if tenant is None:
+            tenant = self.tenancy.of_request(headers, tunnel)
+        return Match(vendor, tenant, self._origin(vendor, target), path_qs)
 
     @staticmethod
     def _origin(vendor: Vendor, target: RequestTarget) -> str:

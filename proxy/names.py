@@ -33,6 +33,7 @@ __all__ = [
     "default_port",
     "format_authority",
     "format_origin",
+    "host_caution",
     "ip_or_none",
     "is_tenant_name",
     "parse_authority",
@@ -131,6 +132,28 @@ def default_port(scheme: str) -> int:
 def format_origin(scheme: str, host: str, port: int | None) -> str:
     """``scheme://host[:port]``, the port left out when it is the scheme's default."""
     return f"{scheme}://{format_authority(host, None if port == default_port(scheme) else port)}"
+
+
+def host_caution(host: str) -> str | None:
+    """What to tell the operator about a vendor host (normalised, without its port) that
+    may reach more than the vendor, or None: ``localhost``, an IP literal, a single-label
+    name. The sentence follows the quoted host in a loader warning."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return (
+            "is this machine: the proxy would reach whatever listens there on the ports listed "
+            "(80 and 443 without a port); name the vendor by its public DNS name"
+        )
+    if ip_or_none(host) is not None:
+        return (
+            "is an IP address: anything at that address is reachable on the ports listed "
+            "(80 and 443 without a port); name the vendor by its DNS name"
+        )
+    if "." not in host:
+        return (
+            "is a single-label name: it resolves through the search domains of the proxy's host, "
+            "possibly to an internal service; use a fully qualified name"
+        )
+    return None
 
 
 def is_tenant_name(text: str) -> bool:

@@ -2,6 +2,8 @@
 
     Refusal             status   outcome          error type       retry?
     ├── BadRequest      400      denied           bad_request      no: malformed target, tenant or X-Quota-* header
+    │   └── UnknownTenant                                          no: a tenant the policy does not name (known_only)
+    ├── ProxyAuthRequired 407    denied           forbidden        no: missing or wrong proxy credentials (proxy_auth)
     ├── Denied          403      denied           forbidden        no: no vendor matches (never an open proxy)
     ├── Limited         429/503  deferred/shed    rate_limited     defer yes, shed no: the buckets are empty
     ├── StoreDown       429      deferred         rate_limited     yes: store unavailable and on_failure: closed
@@ -60,6 +62,27 @@ class BadRequest(Refusal):
     outcome = "denied"
     error = "bad_request"
     code = "bad_request"
+    retry = False
+
+
+@dataclass
+class UnknownTenant(BadRequest):
+    """``tenant.known_only``: the request names a tenant the policy does not: 400."""
+
+    code = "unknown_tenant"
+
+
+@dataclass
+class ProxyAuthRequired(Refusal):
+    """``tenant.from: proxy_auth``: no usable proxy credentials: 407 and a Basic challenge.
+
+    ``detail`` never holds the secret nor the user name: which users exist is not told."""
+
+    detail: str
+    status = 407
+    outcome = "denied"
+    error = "forbidden"
+    code = "proxy_auth_required"
     retry = False
 
 

@@ -17,9 +17,20 @@ from aiohttp import web
 from proxy import headers as h
 from proxy.answers import Answer, render
 from proxy.policy.model import Vendor
-from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
+from proxy.refusals import (
+    BadRequest,
+    Denied,
+    InternalError,
+    Limited,
+    ProxyAuthRequired,
+    Refusal,
+    StoreDown,
+    UpstreamFailed,
+)
 
 _NO_VENDOR: Final = Vendor(name="")
+PROXY_CHALLENGE: Final = 'Basic realm="quota-proxy"'
+"""What a 407 asks for (RFC 9110 §11.7.1): Basic credentials, as HTTP_PROXY=http://user:secret@... sends them."""
 
 
 def retry_after_seconds(wait: float) -> int:
@@ -66,6 +77,17 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
         case Denied():
             message = f"{refusal.detail} (the proxy sends only what its policy allows)"
             return _plain(refusal, message, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
+        case ProxyAuthRequired():
+            message = (
+                f"{refusal.detail}: this proxy takes the tenant from proxy credentials "
+                "(HTTP_PROXY=http://TENANT:SECRET@proxy:port)"
+            )
+            return _plain(
+                refusal,
+                message,
+                {"action": "deny", "detail": refusal.detail},
+                {h.ACTION: "deny", h.PROXY_AUTHENTICATE: PROXY_CHALLENGE},
+            )
         case BadRequest():
             return _plain(refusal, f"bad request: {refusal.detail}", {"detail": refusal.detail}, {})
         case UpstreamFailed():
@@ -94,6 +116,8 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
 def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
     if scope == "tunnels":
         return f"{limiter or 'the vendor'} has no free tunnel ({bucket})"
+    if scope == "tenants":
+        return f"{limiter or 'the vendor'} has no room for another tenant ({bucket})"
     return f"{limiter or 'the vendor'} is over its quota ({bucket})"
 
 

@@ -26,7 +26,7 @@ from proxy.admin import AdminState, Reload, admin_app
 from proxy.aiohttp_internals import cut_connections, stop_keep_alive
 from proxy.app import Runtime
 from proxy.connections import ConnectionLimits
-from proxy.fdlimit import raise_fd_limit
+from proxy.fdlimit import FdLimit, raise_fd_limit
 from proxy.front_door import ConnectGate
 from proxy.metrics import GaugeCollector
 from proxy.policy import mask_password
@@ -189,7 +189,7 @@ async def serve(
     """Run until SIGTERM or SIGINT; returns the exit status. With ``load``, SIGHUP and
     POST /reload reload the policy; with ``watch`` (the policy's path) so does a change
     to the file."""
-    fd_capacity = _fd_capacity(policy)
+    fd_limit = raise_fd_limit()  # before binding: the listeners' sockets count too
     # The access log is one JSON object per line, nothing around it, for log pipelines.
     runtime = Runtime(policy, access_log=AccessLog(sys.stderr))
     reloader = Reloader(runtime, load) if load is not None else None
@@ -198,7 +198,7 @@ async def serve(
         listen,
         admin_listen,
         reload=reloader.reload if reloader is not None else None,
-        fd_capacity=fd_capacity,
+        fd_capacity=None if fd_limit is None else fd_limit.connection_capacity,
     )
     # Handlers first: /readyz may answer while the proxy listener is still binding,
     # and a SIGTERM from whoever saw it ready must drain, not kill.
@@ -214,6 +214,7 @@ async def serve(
         print(f"quota-proxy: {exc}", file=sys.stderr, flush=True)  # one line, like the CLI's other refusals
         await runtime.close()
         return 1
+    _log_fd_limit(fd_limit, policy)  # only once listening: a refusal to start stays one line
     watcher = spawn(reloader.watch(watch), name="watch-policy") if reloader and watch else None
     if ready_line:
         print(
@@ -230,12 +231,12 @@ async def serve(
     return 0
 
 
-def _fd_capacity(policy: Policy) -> int | None:
-    """Raise the file-descriptor limit; the worker connections it holds, and a warning when
-    that is below ``connections.max``."""
-    limit = raise_fd_limit()
+def _log_fd_limit(limit: FdLimit | None, policy: Policy) -> None:
+    """Say what the file-descriptor limit is, and warn when it holds fewer worker
+    connections than ``connections.max`` (the cap is then lowered to what fits)."""
     if limit is None:
-        return None
+        return
+    (log.warning if limit.problem else log.info)("%s", limit.report)
     capacity = limit.connection_capacity
     if capacity < policy.connections.max:
         log.warning(
@@ -246,4 +247,3 @@ def _fd_capacity(policy: Policy) -> int | None:
             capacity,
             limit.soft,
         )
-    return capacity

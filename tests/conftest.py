@@ -265,6 +265,51 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
         await server.stop()
 
 
+# -- a raw TCP vendor: exact bytes, exact failures ------------------------------------
+
+RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class RawVendor:
+    """A TCP vendor whose every connection runs ``handler``: exact bytes, exact failures."""
+
+    server: asyncio.Server
+    url: str
+    connections: int = 0
+
+
+@pytest.fixture
+async def raw_vendor() -> AsyncIterator[Callable[[RawHandler], Awaitable[RawVendor]]]:
+    servers: list[asyncio.Server] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def start(handler: RawHandler) -> RawVendor:
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            raw.connections += 1
+            writers.append(writer)
+            try:
+                await handler(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        raw = RawVendor(server, f"http://127.0.0.1:{port}")
+        return raw
+
+    yield start
+    for server in servers:
+        server.close()
+    for writer in writers:
+        writer.close()
+    for server in servers:
+        await server.wait_closed()
+
+
 # -- small helpers shared by the end-to-end tests ------------------------------------
 
 

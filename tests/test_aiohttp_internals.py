@@ -15,6 +15,7 @@ from typing import Any
 from unittest import mock
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
@@ -23,6 +24,7 @@ from proxy.aiohttp_internals import (
     answer_begun,
     connection_tag,
     cut_connections,
+    no_hidden_resend,
     send_continue,
     served_connection,
     stop_keep_alive,
@@ -279,3 +281,43 @@ async def test_an_idle_connection_is_closed_silently_by_the_idle_timer() -> None
         assert guard.timeouts == []  # idle is not a head timeout
         await asyncio.wait_for(guard.closed_all.wait(), WAIT)
         writer.close()
+
+
+class _HangUp(asyncio.Protocol):
+    """Reads a request head, counts it, and closes the connection without answering."""
+
+    def __init__(self, heads: list[bytes]) -> None:
+        self.heads = heads
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if b"\r\n\r\n" in self.buffer:
+            self.heads.append(self.buffer)
+            self.transport.close()
+
+
+async def test_aiohttp_resends_a_get_on_a_broken_connection_unless_told_not_to() -> None:
+    """The resend exists (so the switch matters), and no_hidden_resend turns it off."""
+    heads: list[bytes] = []
+    async with listening(lambda: _HangUp(heads)) as url:
+        for fix, sent in ((lambda s: s, 2), (no_hidden_resend, 1)):
+            heads.clear()
+            async with aiohttp.ClientSession() as session:
+                fixed = fix(session)
+                assert fixed is session
+                with contextlib.suppress(aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    async with session.get(url):
+                        pass
+            assert len(heads) == sent, f"aiohttp sent {len(heads)} copies of one GET, expected {sent}"
+
+
+async def test_no_hidden_resend_refuses_a_session_it_cannot_fix() -> None:
+    class Renamed:
+        """A ClientSession whose switch went away in an upgrade."""
+
+    with pytest.raises(RuntimeError, match="_retry_connection is gone"):
+        no_hidden_resend(Renamed())  # type: ignore[arg-type]

@@ -12,7 +12,17 @@ from aiohttp import web
 
 from proxy.policy.model import AnswerDialect, Vendor
 from proxy.ratelimit_fields import QuotaItem
-from proxy.refusals import BadRequest, Denied, InternalError, Limited, Refusal, StoreDown, UpstreamFailed
+from proxy.refusals import (
+    BadRequest,
+    Denied,
+    InternalError,
+    Limited,
+    ProxyAuthRequired,
+    Refusal,
+    StoreDown,
+    UnknownTenant,
+    UpstreamFailed,
+)
 from proxy.responses import refusal_response
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
@@ -27,6 +37,9 @@ REFUSALS: dict[str, Refusal] = {
     "refused": UpstreamFailed(502, "upstream-unreachable", "payments: cannot connect: refused", reached=False),
     "timeout": UpstreamFailed(504, "upstream-timeout", "payments did not answer in time", reached=True),
     "bug": InternalError("internal proxy error"),
+    "proxy-auth": ProxyAuthRequired("proxy credentials required"),
+    "unknown-tenant": UnknownTenant("unknown tenant 'x' in X-Tenant-Id"),
+    "no-seat": Limited("defer", 30.0, "tenants", "tenant.max_active 10000 reached"),
 }
 
 STATUS = {
@@ -38,6 +51,9 @@ STATUS = {
     "refused": 502,
     "timeout": 504,
     "bug": 500,
+    "proxy-auth": 407,
+    "unknown-tenant": 400,
+    "no-seat": 429,
 }
 RETRY = {
     "defer": "true",
@@ -48,6 +64,9 @@ RETRY = {
     "refused": "true",  # never reached the vendor
     "timeout": "false",  # a POST the vendor may have processed
     "bug": "false",
+    "proxy-auth": "false",
+    "unknown-tenant": "false",
+    "no-seat": "true",
 }
 MESSAGES = {
     "defer": "payments is over its quota (global 100/1s burst 10); retry in 0.42 s",
@@ -63,6 +82,12 @@ MESSAGES = {
         "do not resend it without an Idempotency-Key"
     ),
     "bug": "internal proxy error (see the proxy's log); the request may have been sent",
+    "proxy-auth": (
+        "proxy credentials required: this proxy takes the tenant from proxy credentials "
+        "(HTTP_PROXY=http://TENANT:SECRET@proxy:port)"
+    ),
+    "unknown-tenant": "bad request: unknown tenant 'x' in X-Tenant-Id",
+    "no-seat": "payments has no room for another tenant (tenant.max_active 10000 reached); retry in 30.00 s",
 }
 # (error.type, error.code) per dialect: what each SDK reads to pick its error class.
 ERRORS: dict[AnswerDialect, dict[str, tuple[str, str]]] = {
@@ -75,6 +100,9 @@ ERRORS: dict[AnswerDialect, dict[str, tuple[str, str]]] = {
         "refused": ("upstream_error", "upstream_unreachable"),
         "timeout": ("upstream_error", "upstream_timeout"),
         "bug": ("proxy_error", "internal_error"),
+        "proxy-auth": ("forbidden", "proxy_auth_required"),
+        "unknown-tenant": ("bad_request", "unknown_tenant"),
+        "no-seat": ("rate_limited", "deferred"),
     },
     "stripe": {
         "defer": ("invalid_request_error", "rate_limit"),
@@ -85,6 +113,9 @@ ERRORS: dict[AnswerDialect, dict[str, tuple[str, str]]] = {
         "refused": ("api_error", "upstream_unreachable"),
         "timeout": ("api_error", "upstream_timeout"),
         "bug": ("api_error", "internal_error"),
+        "proxy-auth": ("invalid_request_error", "proxy_auth_required"),
+        "unknown-tenant": ("invalid_request_error", "unknown_tenant"),
+        "no-seat": ("invalid_request_error", "rate_limit"),
     },
     "openai": {
         "defer": ("requests", "rate_limit_exceeded"),
@@ -95,6 +126,9 @@ ERRORS: dict[AnswerDialect, dict[str, tuple[str, str]]] = {
         "refused": ("server_error", "upstream_unreachable"),
         "timeout": ("server_error", "upstream_timeout"),
         "bug": ("server_error", "internal_error"),
+        "proxy-auth": ("invalid_request_error", "proxy_auth_required"),
+        "unknown-tenant": ("invalid_request_error", "unknown_tenant"),
+        "no-seat": ("requests", "rate_limit_exceeded"),
     },
 }
 # The generic top-level keys, kept in every dialect.
@@ -120,6 +154,16 @@ FIELDS: dict[str, dict[str, object]] = {
     "refused": {"limiter": "payments", "detail": "payments: cannot connect: refused"},
     "timeout": {"limiter": "payments", "detail": "payments did not answer in time"},
     "bug": {"limiter": "payments", "detail": "internal proxy error"},
+    "proxy-auth": {"action": "deny", "detail": "proxy credentials required"},
+    "unknown-tenant": {"detail": "unknown tenant 'x' in X-Tenant-Id"},
+    "no-seat": {
+        "action": "defer",
+        "limiter": "payments",
+        "retry_after": 30,
+        "retry_after_ms": 30000,
+        "scope": "tenants",
+        "bucket": "tenant.max_active 10000 reached",
+    },
 }
 
 DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
@@ -248,3 +292,10 @@ def test_the_sentence_names_what_refused() -> None:
     assert rendered(blocked, VENDOR)[1]["message"] == (
         "payments is over its quota (vendor block: the vendor answered 429); retry in 2.50 s"
     )
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_407_challenges_for_basic_proxy_credentials(dialect: AnswerDialect) -> None:
+    resp, _ = rendered(REFUSALS["proxy-auth"], replace(VENDOR, answers=dialect))
+    assert resp.headers["Proxy-Authenticate"] == 'Basic realm="quota-proxy"'
+    assert resp.headers["X-Quota-Action"] == "deny"

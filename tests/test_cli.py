@@ -124,6 +124,36 @@ def test_check_unreadable_policy_exits_2_naming_the_file(tmp_path: Path) -> None
     assert line.startswith(f"{missing}: cannot read policy"), line
 
 
+LOCAL_HOST_POLICY = """
+    version: 1
+    listen: 127.0.0.1:0
+    admin_listen: 127.0.0.1:0
+    vendors:
+      - name: local
+        hosts: [api.local.example, localhost]
+        limits: [{rate: 10}]
+"""
+
+
+def test_check_prints_warnings_and_still_exits_0(tmp_path: Path) -> None:
+    path = write_policy(tmp_path / "warned.yaml", LOCAL_HOST_POLICY)
+    result = run_cli("check", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f'warning: {path}:6: vendors[0].hosts[1]: "localhost" is this machine'), line
+    assert result.stdout.startswith(f"OK {path}: 1 vendor(s)")
+
+
+def test_run_logs_the_policys_warnings(tmp_path: Path) -> None:
+    path = write_policy(tmp_path / "warned.yaml", LOCAL_HOST_POLICY)
+    with server_process(cli("run", "-c", str(path)), tmp_path) as proc:
+        proc.wait_ready()
+        assert (
+            f'WARNING quota_proxy policy: {path}:6: vendors[0].hosts[1]: "localhost" is this machine' in proc.stderr()
+        )
+        assert proc.terminate_and_wait() == 0
+
+
 def test_quota_proxy_config_stands_in_for_c(tmp_path: Path) -> None:
     by_env = run_cli("check", env={"QUOTA_PROXY_CONFIG": str(EXAMPLE)})
     assert by_env.returncode == 0, by_env.stderr

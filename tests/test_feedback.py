@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.clock import ManualClock
 from proxy.feedback import apply_feedback, block_seconds, parse_retry_after, remaining_is_low
 from proxy.limiter import Breaker, Limiter
 from proxy.limiter.memory_store import MemoryStore
 from proxy.policy.model import Feedback, Limit, Vendor
+from tests.conftest import vendor_policy
 
 
 @pytest.mark.parametrize(
@@ -81,3 +87,47 @@ async def test_apply_feedback_blocks_drains_and_adds_retry_after() -> None:
     _, levels = await limiter.peek(vendor)
     assert levels == (0.0,)
     assert not (await apply_feedback(limiter, vendor, 200, {"X-RateLimit-Remaining": "50"})).drained
+
+
+def test_a_vendor_retry_after_blocks_at_most_five_minutes_by_default() -> None:
+    """An hour-long Retry-After would stop the whole fleet for an hour (issue 9): the default
+    cap is one an operator accepts without noticing."""
+    assert Feedback().max_retry_after == 300.0
+    assert block_seconds(Feedback(), {"Retry-After": "3600"}) == 300.0
+
+
+async def test_a_capped_retry_after_is_logged_loudly_once_a_minute(aiohttp_raw_server, start_proxy, caplog) -> None:
+    arrived, together = 0, asyncio.Event()
+
+    async def vendor(request: web.BaseRequest) -> web.Response:
+        # Three requests granted before any answer, then three 429s asking for an hour.
+        nonlocal arrived
+        arrived += 1
+        if arrived == 3:
+            together.set()
+        await together.wait()
+        return web.Response(status=429, headers={"Retry-After": "3600"})
+
+    server = await aiohttp_raw_server(vendor)
+    proxy = await start_proxy(
+        vendor_policy(str(server.make_url("")).rstrip("/"), extra_vendor="feedback: {max_retry_after: 2m}")
+    )
+    caplog.set_level(logging.WARNING, logger="quota_proxy")
+    async with aiohttp.ClientSession() as s:
+
+        async def call() -> None:
+            async with s.get("http://api.payments.example/v1", proxy=proxy.url) as r:
+                assert r.status == 429
+                assert r.headers["Retry-After"] == "3600"  # the vendor's answer is passed on untouched
+                assert "X-Quota-Action" not in r.headers
+
+        await asyncio.gather(call(), call(), call())
+    assert proxy.runtime.limiter.blocked_for("payments") <= 120.0
+    capped = [r for r in caplog.records if "max_retry_after" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in capped] == [
+        (
+            logging.WARNING,
+            "vendor payments asked to be left alone for 1h (Retry-After: 3600): the block is capped at "
+            "feedback.max_retry_after 2m",
+        )
+    ]

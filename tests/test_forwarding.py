@@ -232,49 +232,6 @@ async def read_request(reader: asyncio.StreamReader) -> VendorRequest:
     return VendorRequest(method, target, headers, body)
 
 
-RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@dataclass
-class RawVendor:
-    """A TCP vendor whose every connection runs ``handler``: exact bytes, exact failures."""
-
-    server: asyncio.Server
-    url: str
-    connections: int = 0
-
-
-@pytest.fixture
-async def raw_vendor() -> AsyncIterator[Callable[[RawHandler], Awaitable[RawVendor]]]:
-    servers: list[asyncio.Server] = []
-    writers: list[asyncio.StreamWriter] = []
-
-    async def start(handler: RawHandler) -> RawVendor:
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            vendor.connections += 1
-            writers.append(writer)
-            try:
-                await handler(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        servers.append(server)
-        port = server.sockets[0].getsockname()[1]
-        vendor = RawVendor(server, f"http://127.0.0.1:{port}")
-        return vendor
-
-    yield start
-    for server in servers:
-        server.close()
-    for writer in writers:
-        writer.close()
-    for server in servers:
-        await server.wait_closed()
-
-
 def no_quota_headers(headers: CIMultiDict[str] | Any) -> bool:
     return not [name for name in headers if name.lower().startswith("x-quota-")]
 

@@ -25,7 +25,7 @@ POLICY = make_policy("""
         upstream: http://127.0.0.1:9999
         limits: [{rate: 1, per: 1s}]
       - name: local
-        hosts: [localhost]
+        hosts: [localhost, "localhost:8081"]
         limits: [{rate: 1, per: 1s}]
 """)
 ROUTER = Router(POLICY)
@@ -36,12 +36,14 @@ def target(host: str, port: int | None = None, path: str = "/x", absolute: bool 
     return RequestTarget(absolute, "http", host, port, path)
 
 
-def test_host_without_port_matches_any_port_host_with_port_only_that_port() -> None:
+def test_host_without_port_matches_the_default_port_host_with_port_only_that_port() -> None:
+    # SPEC §12: a host without a port is the scheme's default port (80 here), never any port
+    # (tests/test_ports.py has the whole table).
     assert ROUTER.match(target("api.example"), ACME).vendor.name == "api"
-    assert ROUTER.match(target("api.example", 8080), ACME).vendor.name == "api"
+    assert ROUTER.match(target("api.example", 80), ACME).vendor.name == "api"
     assert ROUTER.match(target("api2.example", 8443), ACME).vendor.name == "api-v2"
     assert ROUTER.match(target("::1", 80), ACME).vendor.name == "api"
-    for other in (target("api2.example"), target("api2.example", 443)):
+    for other in (target("api.example", 8080), target("api2.example"), target("api2.example", 443)):
         with pytest.raises(Denied):
             ROUTER.match(other, ACME)
 

@@ -9,16 +9,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.names import format_authority, ip_or_none
+from proxy.policy.errors import ConfigError
 
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open"]
 AnswerDialect = Literal["generic", "stripe", "openai"]
+TenantFrom = Literal["header", "proxy_auth"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open")
 ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
+TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +92,9 @@ class Feedback:
     """Remaining below this drains the global buckets; 0 disables the drain."""
     retry_after_default: float = 10.0
     """Seconds to block after a vendor 429 that carries no usable Retry-After."""
-    max_retry_after: float = 3600.0
-    """Longest block a vendor's Retry-After can impose, in seconds."""
+    max_retry_after: float = 300.0
+    """Longest block a vendor's Retry-After can impose, in seconds: longer blocks stop the
+    whole fleet, so the cap is minutes and a capped block is logged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +158,28 @@ class StoreSettings:
 @dataclass(frozen=True, slots=True)
 class TenantSettings:
     header: str = "X-Tenant-Id"
+    """Names the tenant with ``from_ = "header"``; stripped before forwarding either way."""
     default: str | None = "default"
     """Tenant when the header is absent; None means such a request gets 400."""
+    from_: TenantFrom = "header"
+    """Where the tenant comes from (YAML ``from``): the tenant header, or the worker's
+    proxy credentials (``Proxy-Authorization: Basic``, checked against ``credentials``)."""
+    credentials: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)
+    """(tenant, SHA-256 digest of its secret) pairs, for ``from_ = "proxy_auth"``."""
+    known_only: bool = False
+    """Accept only the tenants the policy names (the default and every vendor's overrides);
+    another tenant in the header gets 400."""
+    max_active: int | None = 10_000
+    """Other tenants (not named in the policy) a vendor tracks at once on one replica: a new
+    one beyond it is deferred until a seat frees up. None: no bound."""
+
+    def named(self, vendors: tuple[Vendor, ...]) -> frozenset[str]:
+        """The tenants the policy names: the default, every vendor's overrides, every credential."""
+        names = {tenant for vendor in vendors for tenant, _ in vendor.tenant_limits.overrides}
+        names.update(tenant for tenant, _ in self.credentials)
+        if self.default is not None:
+            names.add(self.default)
+        return frozenset(names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +227,9 @@ class Policy:
     ``localhost`` and IP literals: what stops DNS rebinding."""
     source: str = "<memory>"
     """The file the policy came from, for messages."""
+    warnings: tuple[ConfigError, ...] = field(default=(), compare=False)
+    """What the loader found worth a look without refusing the policy (``check`` prints
+    them, ``run`` logs them), e.g. a vendor host that is an IP address."""
 
     @property
     def admin_names(self) -> tuple[str, ...]:

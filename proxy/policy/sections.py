@@ -8,6 +8,7 @@ so the fallback never reaches a running proxy.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import yaml
@@ -15,14 +16,17 @@ import yaml
 from proxy.policy import values
 from proxy.policy.model import (
     FAILURE_MODES,
+    TENANT_FROM,
     Address,
     Breaker,
     Connections,
     FailureMode,
     Policy,
     StoreSettings,
+    TenantFrom,
     TenantSettings,
     TlsSettings,
+    Vendor,
 )
 from proxy.policy.vendors import build_vendors
 from proxy.policy.walker import CheckedMapping, Walk
@@ -42,7 +46,9 @@ _ROOT_KEYS: Final = (
 )  # fmt: skip
 _STORE_KEYS: Final = ("url", "timeout", "on_failure", "key_prefix", "breaker")
 _BREAKER_KEYS: Final = ("failures", "cooloff")
-_TENANT_KEYS: Final = ("header", "default")
+_TENANT_KEYS: Final = ("header", "default", "from", "credentials", "known_only", "max_active")
+_CREDENTIAL_KEYS: Final = ("sha256",)
+_SHA256_RE: Final = re.compile(r"[0-9a-fA-F]{64}")
 _TLS_KEYS: Final = ("upstream_verify", "upstream_ca_file", "ca_cert", "ca_key", "leaf_validity")
 _CONNECTIONS_KEYS: Final = ("max", "head_timeout", "idle_timeout")
 
@@ -59,13 +65,16 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
     if walk.clean_since(listeners):
         _check_listeners(m, listen, admin_listen)
     tls = m.section("tls", _tls, _TLS)
+    tenant = m.section("tenant", _tenant, _TENANT)
+    vendors: tuple[Vendor, ...] = m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls), ())
+    _check_known_tenants(m, tenant, vendors)
     return Policy(
         version=version,
         listen=listen,
         admin_listen=admin_listen,
         store=m.section("store", _store, _STORE),
-        tenant=m.section("tenant", _tenant, _TENANT),
-        vendors=m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls), ()),
+        tenant=tenant,
+        vendors=vendors,
         tls=tls,
         drain_timeout=m.get("drain_timeout", values.duration, _POLICY.drain_timeout),
         access_log=m.get("access_log", values.boolean, _POLICY.access_log),
@@ -73,6 +82,7 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         admin_token=m.get("admin_token", values.nullable(values.admin_token), _POLICY.admin_token),
         admin_hosts=m.section("admin_hosts", _admin_hosts, _POLICY.admin_hosts),
         source=walk.source,
+        warnings=tuple(walk.warnings),  # last: keyword arguments are evaluated in order, vendors' included
     )
 
 
@@ -112,12 +122,33 @@ def _breaker(walk: Walk, node: yaml.Node, path: str) -> Breaker:
 
 
 def _tenant(walk: Walk, node: yaml.Node, path: str) -> TenantSettings:
+    """Where the tenant comes from (the header, or proxy credentials), which tenants are
+    accepted (``known_only``) and how many others a vendor tracks at once (``max_active``)."""
     m = walk.mapping(node, path, _TENANT_KEYS)
     if m is None:
         return _TENANT
+    source: TenantFrom = m.get("from", values.choice(TENANT_FROM), _TENANT.from_)
+    credentials = m.section("credentials", _credentials, _TENANT.credentials)
+    known_only = m.get("known_only", values.boolean, _TENANT.known_only)
+    if source == "proxy_auth":
+        if not credentials and not m.has("credentials"):
+            walk.error(m.node_of("from") or m.node, m.child("from"), "from: proxy_auth needs tenant.credentials")
+        if known_only:
+            message = "known_only is for from: header (with proxy_auth only tenants with credentials get in)"
+            walk.error(m.node_of("known_only") or m.node, m.child("known_only"), message)
+        if m.has("default"):
+            message = "default is not used with from: proxy_auth: a request without credentials gets 407"
+            walk.warn(m.node_of("default") or m.node, m.child("default"), message)
+    elif m.has("credentials"):
+        message = "credentials are used only with from: proxy_auth (set tenant.from, or the tenant header decides)"
+        walk.error(m.node_of("credentials") or m.node, m.child("credentials"), message)
     return TenantSettings(
         header=m.get("header", values.header_name, _TENANT.header),
         default=m.get("default", values.nullable(values.tenant_name), _TENANT.default),
+        from_=source,
+        credentials=credentials,
+        known_only=known_only,
+        max_active=m.get("max_active", values.nullable(values.integer_at_least(1)), _TENANT.max_active),
     )
 
 
@@ -138,6 +169,66 @@ def _admin_hosts(walk: Walk, node: yaml.Node, path: str) -> tuple[str, ...]:
         for i, item in enumerate(walk.sequence(node, path) or ())
     )
     return tuple(dict.fromkeys(h for h in hosts if h))
+
+
+def _credentials(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, bytes], ...]:
+    """``{acme: {sha256: <64 hex digits>}}``: each tenant and the SHA-256 of its secret
+    (the secret itself never goes in the policy)."""
+    m = walk.mapping(node, path, None)
+    if m is None:
+        return ()
+    if not m.entries:
+        walk.error(node, path, "at least one tenant's credentials are required")
+    found: list[tuple[str, bytes]] = []
+    for tenant, entry in m.entries.items():
+        sub = m.child(tenant)
+        try:
+            values.tenant_name("tenant", tenant)
+            if ":" in tenant:
+                raise ValueError(f'"{tenant}" cannot be a proxy user: Basic credentials end the user at the first ":"')
+        except ValueError as exc:
+            walk.error(entry.key_node, sub, str(exc))
+            continue
+        digest = _credential(walk, entry.value_node, sub)
+        if digest is not None:
+            found.append((tenant, digest))
+    return tuple(found)
+
+
+def _credential(walk: Walk, node: yaml.Node, path: str) -> bytes | None:
+    m = walk.mapping(node, path, None)
+    if m is None:
+        return None
+    for key, entry in m.entries.items():
+        if key not in _CREDENTIAL_KEYS:
+            hint = (
+                ': give the secret\'s SHA-256 as sha256 (printf %s "$SECRET" | sha256sum), never the secret'
+                if key in ("password", "secret")
+                else ""
+            )
+            walk.error(entry.key_node, m.child(key), f'unknown key "{key}"{hint}')
+    digest = m.require("sha256", _sha256, None)
+    return None if digest is None else bytes.fromhex(digest)
+
+
+_sha256: Final = values.matching(_SHA256_RE, "sha256 must be 64 hex digits (the SHA-256 of the secret), got {value}")
+
+
+def _check_known_tenants(m: CheckedMapping, tenant: TenantSettings, vendors: tuple[Vendor, ...]) -> None:
+    """``known_only`` with no tenant named anywhere would refuse every request."""
+    if not tenant.known_only or tenant.named(vendors):
+        return
+    section = m.node_of("tenant")
+    node = (
+        next(
+            (value for key, value in section.value if getattr(key, "value", None) == "known_only"),
+            section,
+        )
+        if isinstance(section, yaml.MappingNode)
+        else m.node
+    )
+    message = "the policy names no tenant (no default, no tenant_limits.overrides): every request would get 400"
+    m.walk.error(node, "tenant.known_only", message)
 
 
 def _tls(walk: Walk, node: yaml.Node, path: str) -> TlsSettings:

@@ -35,7 +35,6 @@ def _general(policy: Policy) -> list[str]:
     on_failure = "closed" if store.on_failure == "closed" else "open (store down = NO LIMITS)"
     cooloff = format_duration(store.breaker.cooloff)
     breaker = f"breaker opens after {store.breaker.failures} failures, probes after {cooloff}"
-    default = f'"{policy.tenant.default}"' if policy.tenant.default is not None else "none (400 without header)"
     verify = "on" if tls.upstream_verify else "OFF (vendor certificates are NOT verified)"
     ca = f"{tls.ca_cert}, leaf validity {format_duration(tls.leaf_validity)}" if tls.ca_cert else "none"
     return [
@@ -44,7 +43,7 @@ def _general(policy: Policy) -> list[str]:
         _row("store", mask_password(store.url)),
         _row("", f"timeout {format_duration(store.timeout)}, on_failure {on_failure}"),
         _row("", f"key_prefix {store.key_prefix}, {breaker}"),
-        _row("tenant", f"header {policy.tenant.header}, default {default}"),
+        *_tenant(policy),
         _row(
             "tls",
             f"upstream_verify {verify}" + (f", CA file {tls.upstream_ca_file}" if tls.upstream_ca_file else ""),
@@ -75,6 +74,26 @@ def _admin_access(policy: Policy) -> list[str]:
     else:
         token = "no admin_token: /status and POST /reload are open unless QUOTA_PROXY_ADMIN_TOKEN is set"
     return [token, f"Host must be an IP address or {', '.join(policy.admin_names)}"]
+
+
+def _tenant(policy: Policy) -> list[str]:
+    """Where the tenant comes from and which tenants get in; never a secret or a digest."""
+    tenant = policy.tenant
+    if tenant.from_ == "proxy_auth":
+        users = ", ".join(name for name, _ in tenant.credentials)
+        return [
+            _row("tenant", f"from proxy credentials (Basic; 407 without): {users}"),
+            _row("", f"header {tenant.header} ignored (and stripped)"),
+        ]
+    default = f'"{tenant.default}"' if tenant.default is not None else "none (400 without header)"
+    if tenant.known_only:
+        named = ", ".join(sorted(tenant.named(policy.vendors)))
+        accepted = f"known only: {named} (others 400)"
+    elif tenant.max_active is None:
+        accepted = "any tenant, no bound on how many"
+    else:
+        accepted = f"any tenant; at most {tenant.max_active} not in the policy per vendor and replica at once"
+    return [_row("tenant", f"header {tenant.header}, default {default}"), _row("", accepted)]
 
 
 def _vendor(vendor: Vendor) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Final
 
 import yaml
 
-from proxy.names import split_host_port
+from proxy.names import host_caution, split_host_port
 from proxy.policy import values
 from proxy.policy.durations import format_duration
 from proxy.policy.model import (
@@ -176,22 +176,33 @@ def _hosts(walk: Walk, node: yaml.Node, path: str, owner: _Owner, claims: _Claim
             continue
         if _claim_host(walk, item, f"{path}[{i}]", host, owner, claims):
             hosts.append(host)
+            caution = host_caution(split_host_port(host)[0])
+            if caution is not None:
+                walk.warn(item, f"{path}[{i}]", f'"{host}" {caution}')
     return tuple(hosts)
 
 
 def _claim_host(walk: Walk, node: yaml.Node, path: str, host: str, owner: _Owner, claims: _Claims) -> bool:
-    """A host without a port matches every port, so it overlaps any entry for the same name."""
+    """A host without a port matches the default ports (80 plain, 443 CONNECT and https),
+    so it overlaps an entry for the same name on either of them."""
     name, port = split_host_port(host)
     for entry, other in claims.hosts.get(name, []):
-        other_port = split_host_port(entry)[1]
         if other == owner and entry == host:
             walk.error(node, path, f'host "{host}" is listed twice')
             return False
-        if other != owner and (port is None or other_port is None or port == other_port):
+        if other != owner and _ports(port) & _ports(split_host_port(entry)[1]):
             walk.error(node, path, f'host "{host}" already belongs to vendor "{other.name}"')
             return False
     claims.hosts.setdefault(name, []).append((host, owner))
     return True
+
+
+def _ports(port: str | None) -> frozenset[int]:
+    """The ports a host entry matches: its own, or both default ports without one."""
+    return _DEFAULT_PORTS if port is None else frozenset((int(port),))
+
+
+_DEFAULT_PORTS: Final = frozenset((80, 443))
 
 
 def _vendor_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:

@@ -106,11 +106,17 @@ class Walk:
         """The interception CA, once loaded: intercepted hosts must be within its name constraints."""
         self.found: list[tuple[int, ConfigError]] = []
         """(column, problem) pairs; the column orders problems that share a line."""
+        self.warnings: list[ConfigError] = []
+        """What deserves the operator's attention without stopping the load (in file order)."""
         self._constructor = yaml.constructor.SafeConstructor()
 
     def error(self, node: yaml.Node, path: str, message: str) -> None:
         column = node.start_mark.column if node.start_mark is not None else 0
         self.found.append((column, ConfigError(self.source, line_of(node), path, message)))
+
+    def warn(self, node: yaml.Node, path: str, message: str) -> None:
+        """A problem that does not stop the load: ``check`` prints it, ``run`` logs it."""
+        self.warnings.append(ConfigError(self.source, line_of(node), path, message))
 
     def errors(self) -> list[ConfigError]:
         """Every problem once (an anchor merged twice reports once), in file order."""

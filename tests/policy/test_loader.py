@@ -299,6 +299,34 @@ BAD_FILES = {
     "retry_after_above_max": (
         "7: vendors[0].feedback.retry_after_default: retry_after_default (2h) exceeds max_retry_after (1h)"
     ),
+    "tenant_bad_from": '3: tenant.from: from must be header or proxy_auth, got "password"',
+    "proxy_auth_without_credentials": "4: tenant.from: from: proxy_auth needs tenant.credentials",
+    "credentials_without_proxy_auth": (
+        "4: tenant.credentials: credentials are used only with from: proxy_auth"
+        " (set tenant.from, or the tenant header decides)"
+    ),
+    "credentials_empty": "4: tenant.credentials: at least one tenant's credentials are required",
+    "credential_bad_sha256": (
+        "6: tenant.credentials.globex.sha256: sha256 must be 64 hex digits (the SHA-256 of the secret),"
+        ' got "not-a-digest"'
+    ),
+    "credential_plain_password": (
+        '7: tenant.credentials.acme.password: unknown key "password": give the secret\'s SHA-256 as sha256'
+        ' (printf %s "$SECRET" | sha256sum), never the secret'
+    ),
+    "credential_user_with_colon": (
+        '5: tenant.credentials."team:acme": "team:acme" cannot be a proxy user:'
+        ' Basic credentials end the user at the first ":"'
+    ),
+    "known_only_with_proxy_auth": (
+        "6: tenant.known_only: known_only is for from: header (with proxy_auth only tenants with credentials get in)"
+    ),
+    "known_only_without_tenants": (
+        "4: tenant.known_only: the policy names no tenant (no default, no tenant_limits.overrides):"
+        " every request would get 400"
+    ),
+    "bad_known_only": '3: tenant.known_only: expected true or false, got "sometimes"',
+    "bad_max_active": "3: tenant.max_active: max_active must be at least 1",
 }
 
 
@@ -353,6 +381,32 @@ def test_errors_are_values_carried_by_one_exception():
 
 def test_unreadable_file_has_no_line():
     assert problems("config/nope.yaml") == ["config/nope.yaml: cannot read policy: No such file or directory"]
+
+
+def test_tenant_settings_load_with_their_defaults():
+    assert parse_policy(MINIMAL, "p.yaml").tenant == TenantSettings(
+        header="X-Tenant-Id", default="default", from_="header", credentials=(), known_only=False, max_active=10_000
+    )
+    digest = "ab" * 32
+    text = MINIMAL + f"tenant:\n  from: proxy_auth\n  credentials: {{acme: {{sha256: {digest.upper()}}}}}\n"
+    text += "  max_active: null\n"
+    tenant = parse_policy(text, "p.yaml").tenant
+    assert (tenant.from_, tenant.credentials, tenant.max_active) == (
+        "proxy_auth",
+        (("acme", bytes.fromhex(digest)),),
+        None,
+    )
+    assert digest not in repr(tenant) and "credentials" not in repr(tenant)  # the digests stay out of reprs
+
+
+def test_a_default_tenant_with_proxy_auth_is_a_warning():
+    text = (
+        MINIMAL + f"tenant:\n  from: proxy_auth\n  default: nobody\n  credentials: {{acme: {{sha256: {'ab' * 32}}}}}\n"
+    )
+    (warning,) = parse_policy(text, "p.yaml").warnings
+    assert str(warning) == (
+        "p.yaml:8: tenant.default: default is not used with from: proxy_auth: a request without credentials gets 407"
+    )
 
 
 def test_overrides_path_for_a_plain_tenant():

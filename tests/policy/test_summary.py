@@ -21,6 +21,7 @@ def test_example_summary_is_one_screen_with_effective_values():
         "store         memory://",
         "              timeout 50ms, on_failure closed",
         'tenant        header X-Tenant-Id, default "default"',
+        "              any tenant; at most 10000 not in the policy per vendor and replica at once",
         "vendor mock-vendor",
         "  hosts       api.mock-vendor.example",
         "  route       /mock-vendor",
@@ -87,3 +88,37 @@ vendors:
     assert "connections   at most 500 open (then 503), request head within 5s (then 408), idle keep-alive 2m" in lines
     assert "admin access  bearer token (admin_token) required for /status and POST /reload" in lines
     assert "              Host must be an IP address or localhost, quota-proxy-admin.quota-proxy.svc" in lines
+
+
+@pytest.mark.parametrize(
+    ("tenant", "rows"),
+    [
+        (
+            "{known_only: true}",
+            [
+                'tenant        header X-Tenant-Id, default "default"',
+                "              known only: acme, default (others 400)",
+            ],
+        ),
+        ("{max_active: null}", ["              any tenant, no bound on how many"]),
+        (
+            f"{{from: proxy_auth, credentials: {{acme: {{sha256: {'ab' * 32}}}}}}}",
+            [
+                "tenant        from proxy credentials (Basic; 407 without): acme",
+                "              header X-Tenant-Id ignored (and stripped)",
+            ],
+        ),
+    ],
+)
+def test_summary_says_which_tenants_get_in(tenant: str, rows: list[str]) -> None:
+    text = summarize(
+        parse_policy(
+            f"version: 1\ntenant: {tenant}\nvendors:\n  - name: a\n    hosts: [api.a.example]\n"
+            "    limits: [{rate: 1}]\n    tenant_limits: {overrides: {acme: [{rate: 1}]}}\n",
+            "p.yaml",
+        )
+    )
+    lines = text.splitlines()
+    for row in rows:
+        assert row in lines
+    assert "ab" * 32 not in text
