@@ -28,6 +28,7 @@ from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
 from proxy.match import Router
 from proxy.metrics import GaugeCollector, Metrics
+from proxy.pacing import Pacer
 from proxy.policy.model import Policy
 from proxy.recent import Recent
 from proxy.tasks import cancel_and_wait, spawn
@@ -64,6 +65,7 @@ class Runtime:
                 clock=self.clock,
                 recent=Recent(self.clock),
                 access_log=access_log if access_log is not None else AccessLog(),
+                pacer=Pacer(self.clock),
             )
         )
         self.leaf_minter = self._new_leaf_minter(policy)

@@ -15,6 +15,7 @@ from proxy.forward import Upstreams
 from proxy.limiter import Limiter
 from proxy.match import Router
 from proxy.metrics import Metrics
+from proxy.pacing import Pacer
 from proxy.policy.model import Policy
 from proxy.recent import Recent
 from proxy.sizing import Sizing
@@ -32,6 +33,8 @@ class Deps:
     clock: Clock
     recent: Recent
     access_log: AccessLog
+    pacer: Pacer
+    """Held requests' last step: evenly paced even after a stalled event loop."""
     sizing: Sizing = field(default_factory=Sizing)
     held: dict[str, int] = field(default_factory=dict)
     """Requests being held right now, per vendor."""

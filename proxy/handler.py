@@ -156,8 +156,10 @@ class ProxyHandler:
         deps.held[name] = deps.held.get(name, 0) + 1
         gauge = deps.metrics.held_now.labels(name)
         gauge.inc()
+        due = deps.clock.monotonic() + wait
         try:
             await deps.clock.sleep(wait)
+            await deps.pacer.leave(name, due)  # spaced again after a stall (pacing.py); on time: no wait
         except asyncio.CancelledError:
             _give_back(deps, vendor, tenant, mark)
             raise
