@@ -144,6 +144,9 @@ class CountingStore:
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         await self.inner.watch_blocks(pattern, on_block)
 
+    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
+        return await self.inner.announce(key, member, stale, leave)
+
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
         await self.inner.ping(probes)
 
