@@ -417,15 +417,6 @@ async def test_a_fleet_stays_within_every_window_across_an_outage_and_keeps_serv
     await run(GRACE + 4.0)
 
     worst = max_in_any_window(sent, 1.0)
-    import sys
-
-    sys.path.insert(0, "/tmp")
-    from dbg_test import where
-
-    print("WHERE", where(sent), "down", down - start, "up", up - start)
-    import collections
-
-    print(sorted(collections.Counter(round(t - start, 1) for t in sent).items()))
     assert worst <= RATE + BURST, worst
     during = [t for t in sent if down + 1.0 <= t < up]
     assert len(during) >= 0.4 * RATE * (up - down - 1.0), len(during)
