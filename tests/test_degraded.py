@@ -21,7 +21,8 @@ import pytest
 
 from proxy.limiter.buckets import replicas_key, state_key
 from proxy.server import ProxyServer
-from tests.conftest import RedisServer, client_session, eventually, make_policy, metric_samples, value
+from tests.conftest import RedisServer, client_session, eventually, metric_samples, value
+from tests.helpers.faults import fault_policy
 
 pytestmark = pytest.mark.slow
 
@@ -30,28 +31,14 @@ OUTAGE = 10.0
 
 
 def local_policy(upstream: str, store: str) -> Any:
-    return make_policy(
-        """
-        version: 1
-        listen: 127.0.0.1:0
-        admin_listen: 127.0.0.1:0
-        access_log: false
-        store:
-          url: "$store"
-          timeout: 100ms
-          on_failure: local
-          breaker: {failures: 3, cooloff: 500ms}
-        vendors:
-          - name: payments
-            hosts: [api.payments.example]
-            upstream: $upstream
-            limits: [{rate: $rate, per: 1s, burst: $burst}]
-            on_limit: {action: hold, max_hold: 500ms}
-        """,
-        store=store,
-        upstream=upstream,
-        rate=RATE,
-        burst=BURST,
+    return fault_policy(
+        upstream,
+        store,
+        on_failure="local",
+        timeout="100ms",
+        cooloff="500ms",
+        limits=f"[{{rate: {RATE}, per: 1s, burst: {BURST}}}]",
+        on_limit="{action: hold, max_hold: 500ms}",
     )
 
 

@@ -19,10 +19,10 @@ from proxy.clock import ManualClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
 from proxy.limiter.buckets import global_buckets, replicas_key
 from proxy.limiter.degraded import LocalShares, grace_for, share
-from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.presence import Presence
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
+from proxy.limiter.store import AcquireResult, BucketSpec
 from proxy.policy.model import Limit, OnLimit, TenantLimits, Vendor
+from tests.helpers.stores import FlakyStore
 
 PREFIX = "qp-degraded"
 COOLOFF = 1.0
@@ -41,56 +41,6 @@ def payments(rate: float = RATE, burst: float = BURST, tenant: tuple[Limit, ...]
     )
 
 
-class OutageStore(MemoryStore):
-    """A memory store shared by several limiters that can be taken down and brought back."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        super().__init__(clock)
-        self.down = False
-        self.acquires = 0
-
-    def restart_empty(self) -> None:
-        """What a Redis restarted without persistence holds: nothing."""
-        self.__init__(self._clock)  # type: ignore[misc]
-
-    def _check(self) -> None:
-        if self.down:
-            raise StoreUnavailable("ConnectionError: injected outage")
-
-    async def acquire(
-        self,
-        buckets: tuple[BucketSpec, ...],
-        cost: float,
-        max_wait: float,
-        queue: str | None = None,
-        guard: StateGuard | None = None,
-        leases: Leases | None = None,
-    ) -> AcquireResult:
-        self._check()
-        self.acquires += 1
-        return await super().acquire(buckets, cost, max_wait, queue, guard, leases)
-
-    async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
-        self._check()
-        return await super().block(buckets, seconds, channel)
-
-    async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
-        self._check()
-        return await super().drain(buckets)
-
-    async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
-        self._check()
-        return await super().refund(buckets, cost)
-
-    async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
-        self._check()
-        return await super().peek(buckets)
-
-    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
-        self._check()
-        return await super().announce(key, member, stale, leave)
-
-
 @dataclass
 class Replica:
     limiter: Limiter
@@ -99,15 +49,12 @@ class Replica:
 
 
 @pytest.fixture
-def shared(clock: ManualClock) -> OutageStore:
-    return OutageStore(clock)
-
-
-Fleet = Callable[[int], AsyncIterator[list[Replica]]]
+def shared(clock: ManualClock) -> FlakyStore:
+    return FlakyStore(clock)
 
 
 @pytest.fixture
-async def fleet(shared: OutageStore, clock: ManualClock) -> AsyncIterator[Callable[[int], list[Replica]]]:
+async def fleet(shared: FlakyStore, clock: ManualClock) -> AsyncIterator[Callable[[int], list[Replica]]]:
     """``fleet(n)``: n replicas on the shared store, each announcing itself every second."""
     tasks: list[asyncio.Task[None]] = []
 
@@ -143,9 +90,9 @@ async def settle(clock: ManualClock) -> None:
     await clock.advance(1.0)
 
 
-async def go_local(shared: OutageStore, limiter: Limiter, v: Vendor) -> None:
+async def go_local(shared: FlakyStore, limiter: Limiter, v: Vendor) -> None:
     """Take the store down; the replica notices on its next request (its share starts empty)."""
-    shared.down = True
+    shared.fail = True
     assert not (await limiter.acquire(v, "default", 0)).granted
 
 
@@ -185,7 +132,7 @@ async def test_presence_counts_the_largest_recent_answer_and_an_outage_does_not_
     assert p.replicas() == 2
 
 
-async def test_replicas_count_each_other_through_the_store(fleet, shared: OutageStore, clock: ManualClock) -> None:
+async def test_replicas_count_each_other_through_the_store(fleet, shared: FlakyStore, clock: ManualClock) -> None:
     a, b, c = fleet(3)
     await settle(clock)
     assert [r.local.presence.replicas() for r in (a, b, c)] == [3, 3, 3]
@@ -198,14 +145,14 @@ async def test_replicas_count_each_other_through_the_store(fleet, shared: Outage
 
 
 async def test_the_store_down_each_replica_enforces_its_share_with_the_same_semantics(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     a, b = fleet(2)
     await settle(clock)
     v = payments(max_hold=0.5)
     await clock.advance(1.0)  # idle: the shared bucket is full (10)
     assert (await a.limiter.acquire(v, "default", 0)).granted
-    shared.down = True
+    shared.fail = True
 
     # Holds: reservations on a 25/s share are paced 40 ms apart, up to max_hold.
     held = [await a.limiter.acquire(v, "default", 0.5) for _ in range(14)]
@@ -225,7 +172,7 @@ async def test_the_store_down_each_replica_enforces_its_share_with_the_same_sema
 
 
 async def test_shares_start_from_the_level_last_seen_divided_never_above_empty(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     (a,) = fleet(1)
     await settle(clock)
@@ -233,27 +180,27 @@ async def test_shares_start_from_the_level_last_seen_divided_never_above_empty(
     # Reserve 1 s ahead: the shared bucket owes 10 tokens.
     grants = [r for r in await take_all(a.limiter, v, max_wait=1.0) if r.granted]
     assert len(grants) == 20
-    shared.down = True
+    shared.fail = True
     r = await a.limiter.acquire(v, "default", 2.0)
     assert r.granted and r.wait == pytest.approx(1.1, abs=1e-6)  # still owing what was reserved
 
 
-async def test_a_replica_that_never_saw_the_count_fails_closed(shared: OutageStore, clock: ManualClock) -> None:
+async def test_a_replica_that_never_saw_the_count_fails_closed(shared: FlakyStore, clock: ManualClock) -> None:
     local = LocalShares(clock, Presence(clock), GRACE)
     limiter = Limiter(shared, clock, key_prefix=PREFIX, breaker=Breaker(clock, 3, COOLOFF), local=local)
-    shared.down = True  # down since before the first announcement
+    shared.fail = True  # down since before the first announcement
     with pytest.raises(StoreUnavailable):
         await limiter.acquire(payments(), "default", 0)
     assert local.current() == "shared" and not limiter.serves_without_store()
 
 
 async def test_the_open_breaker_spares_the_store_while_the_shares_decide(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     (a,) = fleet(1)
     await settle(clock)
     v = payments()
-    shared.down = True
+    shared.fail = True
     for _ in range(20):
         await a.limiter.acquire(v, "default", 0.5)
     assert a.limiter.breaker.state == "open"
@@ -263,11 +210,11 @@ async def test_the_open_breaker_spares_the_store_while_the_shares_decide(
     assert shared.acquires == calls  # nothing reached the store: not even attempts (they would raise first)
 
 
-async def test_tenant_limits_are_shared_too(fleet, shared: OutageStore, clock: ManualClock) -> None:
+async def test_tenant_limits_are_shared_too(fleet, shared: FlakyStore, clock: ManualClock) -> None:
     a, _ = fleet(2)
     await settle(clock)
     v = payments(rate=1000, burst=1000, tenant=(Limit(4, 1.0, 4),))
-    shared.down = True
+    shared.fail = True
     assert not (await a.limiter.acquire(v, "default", 0)).granted  # the global share starts empty
     await clock.advance(0.1)  # 50 global tokens later
     results = await take_all(a.limiter, v)
@@ -275,12 +222,12 @@ async def test_tenant_limits_are_shared_too(fleet, shared: OutageStore, clock: M
     assert results[-1].binding == 0  # the tenant bucket refused
 
 
-async def test_a_vendor_block_applies_to_the_local_shares(fleet, shared: OutageStore, clock: ManualClock) -> None:
+async def test_a_vendor_block_applies_to_the_local_shares(fleet, shared: FlakyStore, clock: ManualClock) -> None:
     (a,) = fleet(1)
     await settle(clock)
     v = payments()
     await a.limiter.acquire(v, "default", 0)
-    shared.down = True
+    shared.fail = True
     assert not (await a.limiter.acquire(v, "default", 0)).granted  # the share starts empty
     await clock.advance(2.0)
     assert (await a.limiter.acquire(v, "default", 0)).granted
@@ -289,13 +236,13 @@ async def test_a_vendor_block_applies_to_the_local_shares(fleet, shared: OutageS
     assert not r.granted and r.wait == pytest.approx(3.0 + 1 / RATE, abs=1e-6)
 
 
-async def test_a_block_running_when_the_store_fails_goes_on(fleet, shared: OutageStore, clock: ManualClock) -> None:
+async def test_a_block_running_when_the_store_fails_goes_on(fleet, shared: FlakyStore, clock: ManualClock) -> None:
     (a,) = fleet(1)
     await settle(clock)
     v = payments()
     await a.limiter.block(v, 4.0)
     await clock.advance(1.0)
-    shared.down = True
+    shared.fail = True
     r = await a.limiter.acquire(v, "default", 0)
     assert not r.granted and r.wait == pytest.approx(3.0 + 1 / RATE, abs=1e-6)
 
@@ -304,18 +251,19 @@ async def test_a_block_running_when_the_store_fails_goes_on(fleet, shared: Outag
 
 
 async def test_coming_back_charges_what_was_granted_alone_then_needs_both_for_the_grace(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     a, _ = fleet(2)
     await settle(clock)
     v = payments(rate=2, burst=10)  # a's share: 1/s, burst 5
-    shared.down = True
+    shared.fail = True
     assert not (await a.limiter.acquire(v, "default", 0)).granted  # the share starts empty
     await clock.advance(5.0)
     alone = [r for r in await take_all(a.limiter, v) if r.granted]
     assert len(alone) == 5
     assert a.limiter.breaker.state == "open"
-    shared.restart_empty()  # back, and empty: its buckets read full
+    shared.forget()  # back, and empty: its buckets read full
+    shared.fail = False
     await clock.advance(COOLOFF)  # the share refilled 1 of its 5
     r = await a.limiter.acquire(v, "default", 0)  # the probe: the charge, then this request
     assert r.granted and a.local.current() == "recovering"
@@ -331,7 +279,7 @@ async def test_coming_back_charges_what_was_granted_alone_then_needs_both_for_th
 
 
 async def test_a_failure_during_the_grace_goes_back_to_the_shares_and_owes_again(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     (a,) = fleet(1)
     await settle(clock)
@@ -339,18 +287,18 @@ async def test_a_failure_during_the_grace_goes_back_to_the_shares_and_owes_again
     await go_local(shared, a.limiter, v)
     await clock.advance(3.0)
     assert (await a.limiter.acquire(v, "default", 0)).granted
-    shared.down = False
+    shared.fail = False
     await clock.advance(COOLOFF)
     assert (await a.limiter.acquire(v, "default", 0)).granted
     assert a.local.current() == "recovering"
-    shared.down = True
+    shared.fail = True
     r = await a.limiter.acquire(v, "default", 0)
     assert r.granted and a.local.current() == "local"  # decided by the share, owed to the store
     assert a.local.owed() == [v]
 
 
 async def test_a_short_outage_charges_only_what_was_granted_alone(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     """The shortfall bound alone would charge the share's whole burst after a blip."""
     a, _ = fleet(2)
@@ -360,7 +308,7 @@ async def test_a_short_outage_charges_only_what_was_granted_alone(
     await go_local(shared, a.limiter, v)
     await clock.advance(0.1)  # the share (50/s, burst 10) refills 5 tokens from empty
     assert (await a.limiter.acquire(v, "default", 0)).granted
-    shared.down = False
+    shared.fail = False
     await clock.advance(0.05)  # the share is 3.5 short of full; the breaker never opened
     await a.limiter.acquire(v, "default", 0)
     assert a.local.current() == "recovering"
@@ -379,7 +327,7 @@ def max_in_any_window(times: list[float], window: float) -> int:
 @pytest.mark.parametrize("comeback", ["state kept", "restarted empty"])
 @pytest.mark.parametrize("max_wait", [0.0, 0.5], ids=["defer", "hold"])
 async def test_a_fleet_stays_within_every_window_across_an_outage_and_keeps_serving(
-    fleet, shared: OutageStore, clock: ManualClock, comeback: str, max_wait: float
+    fleet, shared: FlakyStore, clock: ManualClock, comeback: str, max_wait: float
 ) -> None:
     replicas = fleet(2)
     await settle(clock)
@@ -407,12 +355,12 @@ async def test_a_fleet_stays_within_every_window_across_an_outage_and_keeps_serv
 
     start = clock.monotonic()
     await run(3.0)
-    shared.down = True
+    shared.fail = True
     down = clock.monotonic()
     await run(10.0, b_idle=0.6)
     if comeback == "restarted empty":
-        shared.restart_empty()
-    shared.down = False
+        shared.forget()
+    shared.fail = False
     up = clock.monotonic()
     await run(GRACE + 4.0)
 
@@ -432,7 +380,7 @@ async def test_a_fleet_stays_within_every_window_across_an_outage_and_keeps_serv
 
 
 async def test_the_first_shared_grants_after_an_outage_keep_every_window_within_the_limit(
-    fleet, shared: OutageStore, clock: ManualClock
+    fleet, shared: FlakyStore, clock: ManualClock
 ) -> None:
     """A bucket whose refill outlasts the grace (10/s, burst 50: 5 s): the share spends its
     whole burst just before the store returns empty. Uncharged, the shared bucket would
@@ -445,7 +393,8 @@ async def test_the_first_shared_grants_after_an_outage_keep_every_window_within_
     await clock.advance(10.0)  # idle: the share refills to its burst
     sent = [clock.monotonic() for r in await take_all(a.limiter, v) if r.granted]
     assert len(sent) == burst
-    shared.restart_empty()
+    shared.forget()  # back, and empty
+    shared.fail = False
     await clock.advance(COOLOFF)
     end = clock.monotonic() + GRACE + 8.0
     while clock.monotonic() < end:  # a saturating demand from the return on
