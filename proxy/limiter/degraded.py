@@ -180,7 +180,12 @@ class LocalShares:
     ) -> None:
         """Start the vendor's global shares from ``levels`` (the shared buckets' levels now,
         as this replica last saw them; None: never seen), divided, never above empty; a
-        vendor block still running goes on."""
+        vendor block still running goes on. After a reload that kept the vendor's limits the
+        shares go on as they were; either way what was granted alone stays owed."""
+        before = self._vendors.get(vendor.name)
+        if before is not None and [b.ident for b in before.shared] == [b.ident for b in shared]:
+            before.vendor = vendor
+            return
         local = tuple(share(b, self.replicas) for b in shared)
         now = self.clock.monotonic()
         for i, b in enumerate(local):
@@ -188,7 +193,7 @@ class LocalShares:
             self._store.set_level(b, min(level, 0.0), now)
         if blocked_for > 0:
             await self._store.block(local, blocked_for, "")
-        self._vendors[vendor.name] = _Spent(vendor, shared, local)
+        self._vendors[vendor.name] = _Spent(vendor, shared, local, before.alone if before is not None else 0.0)
 
     def _shares(self, vendor: Vendor, tenant: str, b: Buckets) -> tuple[BucketSpec, ...]:
         key = (vendor.name, tenant)

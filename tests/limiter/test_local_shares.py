@@ -407,3 +407,20 @@ async def test_the_first_shared_grants_after_an_outage_keep_every_window_within_
     for window in (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 12.0):
         worst = max_in_any_window(sent, window)
         assert worst <= rate * window + burst, (window, worst)
+
+
+async def test_a_reload_during_the_outage_keeps_the_shares_and_what_is_owed(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    (a,) = fleet(1)
+    await settle(clock)
+    v = payments(rate=2, burst=10)
+    await go_local(shared, a.limiter, v)
+    await clock.advance(5.0)
+    assert len([r for r in await take_all(a.limiter, v) if r.granted]) == 10
+    reloaded = payments(rate=2, burst=10)  # the same limits in a new policy generation
+    assert reloaded is not v and not (await a.limiter.acquire(reloaded, "default", 0)).granted  # still spent
+    assert a.local.owed() == [reloaded]
+    changed = payments(rate=4, burst=10)  # new limits: fresh shares, the debt still owed
+    await a.limiter.acquire(changed, "default", 0)
+    assert [(b.rate, d) for b, d in await a.local.debts(changed)] == [(4.0, 10.0)]
