@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -60,6 +61,20 @@ def cpu_seconds(pid: int) -> float:
         raw = f.read()
     fields = raw[raw.rindex(")") + 2 :].split()  # fields[0] is field 3 (state)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def fd_count(pid: int) -> int:
+    """Open file descriptors of ``pid`` (entries of /proc/<pid>/fd)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_limit(pid: int) -> int:
+    """The soft RLIMIT_NOFILE of ``pid``, from /proc/<pid>/limits."""
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    raise BenchError(f"/proc/{pid}/limits has no 'Max open files'")
 
 
 def status_kb(pid: int, key: str) -> int:
@@ -178,13 +193,27 @@ class Fleet:
         cpus: str | None = None,
         cwd: Path = ROOT,
         env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> Proc:
+        """``nofile``: the child's soft limit of open files (e.g. 1024, a common default)."""
         if cpus is not None:
             argv = ["taskset", "-c", cpus, *argv]
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
+
+        def limit_files() -> None:
+            if nofile is not None:
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard), hard))
+
         with open(out, "wb") as fo, open(err, "wb") as fe:
             popen = subprocess.Popen(
-                list(argv), cwd=cwd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+                list(argv),
+                cwd=cwd,
+                stdout=fo,
+                stderr=fe,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                preexec_fn=limit_files if nofile is not None else None,
             )
         proc = Proc(name, popen, out, err)
         self.procs.append(proc)
@@ -205,12 +234,13 @@ class Fleet:
 
     # -- the pieces ----------------------------------------------------------------------
 
-    def redis(self, name: str = "redis", cpus: str | None = None) -> Proc:
+    def redis(self, name: str = "redis", cpus: str | None = None, port: int | None = None) -> Proc:
+        """A redis-server without persistence on a free port (never 6379), or on ``port`` (a
+        restart where a killed one listened)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise BenchError("redis-server is not installed (apt-get install redis-server)")
-        port = free_port()
-        while port == 6379:
+        while port is None or port == 6379:
             port = free_port()
         proc = self.start(
             name,
@@ -270,7 +300,14 @@ class Fleet:
         proc.url = f"http://{m.group(1)}"
         return proc
 
-    def proxy(self, policy_yaml: str, store: str | None = None, name: str = "proxy", cpus: str | None = None) -> Proc:
+    def proxy(
+        self,
+        policy_yaml: str,
+        store: str | None = None,
+        name: str = "proxy",
+        cpus: str | None = None,
+        nofile: int | None = None,
+    ) -> Proc:
         cfg = self.workdir / f"{name}.yaml"
         cfg.write_text(policy_yaml)
         argv = [
@@ -289,7 +326,7 @@ class Fleet:
         ]
         if store is not None:
             argv += ["--store", store]
-        proc = self.start(name, argv, cpus=cpus)
+        proc = self.start(name, argv, cpus=cpus, nofile=nofile)
         m = self.wait_line(proc, _PROXY_READY)
         proc.url, proc.admin_url = f"http://{m.group(1)}", f"http://{m.group(2)}"
         return proc
@@ -311,6 +348,15 @@ class Fleet:
         if proc in self.procs:
             self.procs.remove(proc)
         return proc.exit_code
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL by PID at once (a crash, not a shutdown), and forget it."""
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(5)
+        proc.exit_code = proc.popen.returncode
+        if proc in self.procs:
+            self.procs.remove(proc)
 
     def stop_all(self) -> None:
         for proc in reversed(list(self.procs)):
@@ -378,6 +424,8 @@ def policy(
     max_hold: str = "500ms",
     access_log: bool = True,
     drain: float = 3.0,
+    on_failure: str = "closed",
+    cooloff: str | None = None,
 ) -> str:
     lines = [
         "version: 1",
@@ -388,7 +436,8 @@ def policy(
         "store:",
         f"  url: {store}",
         f"  timeout: {store_timeout}",
-        "  on_failure: closed",
+        f"  on_failure: {on_failure}",
+        *([f"  breaker: {{cooloff: {cooloff}}}"] if cooloff is not None else []),
         "vendors:",
         f"  - name: {VENDOR_NAME}",
         f"    hosts: [{VENDOR_HOST}]",

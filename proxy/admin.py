@@ -87,7 +87,10 @@ async def readyz(request: web.Request) -> web.Response:
         async with asyncio.timeout(max(deps.policy.store.timeout * 4, 0.25)):
             await deps.limiter.ping(deps.policy.vendors)
     except (StoreUnavailable, TimeoutError) as exc:
-        return _json({"status": "store unavailable", "detail": str(exc) or type(exc).__name__}, 503)
+        detail = str(exc) or type(exc).__name__
+        if deps.limiter.serves_without_store():  # on_failure: local, its share known: still grants
+            return _json({"status": "degraded", "detail": f"store unavailable ({detail}): local shares"})
+        return _json({"status": "store unavailable", "detail": detail}, 503)
     return _json({"status": "ready", "vendors": [v.name for v in deps.policy.vendors]})
 
 
@@ -130,6 +133,8 @@ async def status(request: web.Request) -> web.Response:
         except StoreUnavailable as exc:
             entry["buckets"] = None
             entry["store_error"] = str(exc)
+        if limiter.local is not None:
+            entry["local_buckets"] = await limiter.local.levels(vendor)
         recent = deps.recent
         entry["limits"] = [
             {"rate": lim.rate, "per": lim.per, "burst": lim.burst, "rate_per_second": lim.per_second}
@@ -166,6 +171,7 @@ async def status(request: web.Request) -> web.Response:
                 "url": mask_password(deps.policy.store.url),
                 "on_failure": deps.policy.store.on_failure,
                 "breaker": limiter.breaker.state,
+                "degraded": None if limiter.local is None else limiter.local.status(),
             },
             **({"connections": state.connections()} if state.connections is not None else {}),
             "vendors": vendors,

@@ -26,6 +26,8 @@ from proxy.deps import Deps
 from proxy.forward import Upstreams
 from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
+from proxy.limiter.degraded import LocalShares, grace_for
+from proxy.limiter.presence import Presence
 from proxy.match import Router
 from proxy.metrics import GaugeCollector, Metrics
 from proxy.pacing import Pacer
@@ -70,7 +72,7 @@ class Runtime:
         )
         self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
-        self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
+        self._watch = self._follow(limiter)
         self._declare_gauges()
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
@@ -93,6 +95,10 @@ class Runtime:
 
     def _limiter(self, policy: Policy, store: BucketStore | None = None) -> Limiter:
         settings = policy.store
+        local = None
+        if settings.on_failure == "local":
+            grace = grace_for(settings.breaker.cooloff, settings.timeout)
+            local = LocalShares(self.clock, Presence(self.clock), grace)
         return Limiter(
             store or open_store(settings.url, settings.timeout, self.clock),
             self.clock,
@@ -100,7 +106,17 @@ class Runtime:
             breaker=Breaker(self.clock, settings.breaker.failures, settings.breaker.cooloff),
             on_store_error=self._store_error,
             on_state_lost=lambda vendor: self.metrics.state_lost.labels(vendor).inc(),
+            local=local,
+            on_local_grant=lambda vendor: self.metrics.degraded_grants.labels(vendor).inc(),
         )
+
+    def _follow(self, limiter: Limiter) -> list[asyncio.Task[None]]:
+        """The limiter's background work: other replicas' vendor blocks, and (on_failure:
+        local) this replica's announcements in the store."""
+        tasks = [spawn(limiter.watch_blocks(), name="watch-vendor-blocks")]
+        if limiter.local is not None:
+            tasks.append(spawn(limiter.announce(), name="announce-replica"))
+        return tasks
 
     def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""
@@ -133,9 +149,10 @@ class Runtime:
         limiter = old.limiter
         if policy.store != old.policy.store:
             limiter = self._limiter(policy)
-            self._watch.cancel()
-            self._watch = spawn(limiter.watch_blocks(), name="watch-vendor-blocks")
-            self._retire(old.limiter.store.close, policy)
+            for task in self._watch:
+                task.cancel()
+            self._retire(_closing(old.limiter, self._watch), policy)
+            self._watch = self._follow(limiter)
             notes.append("store settings changed: new store connection; bucket state lives on in the store itself")
         upstreams, dropped = old.upstreams.updated(policy)
         for session_close in dropped:
@@ -185,6 +202,26 @@ class Runtime:
                 lambda: [([], 0.0 if self.limiter.breaker.state == "closed" else 1.0)],
             ),
             (
+                "ratelimit_degraded",
+                "1 while this replica enforces its share of each vendor's limits in-process because the store "
+                "is unavailable (on_failure: local), and during the grace after it returns.",
+                ["limiter"],
+                lambda: self._degraded(lambda local: 1.0),
+            ),
+            (
+                "ratelimit_degraded_share",
+                "The fraction of each limit this replica enforces in-process while degraded (1 / replicas seen "
+                "alive in the store before it failed); 0 while on the shared buckets.",
+                ["limiter"],
+                lambda: self._degraded(lambda local: 1.0 / local.replicas),
+            ),
+            (
+                "ratelimit_replicas_seen",
+                "Replicas alive in the store as this replica last saw them (on_failure: local; 0 = never seen).",
+                [],
+                self._replicas_seen,
+            ),
+            (
                 "ratelimit_max_hold_seconds",
                 "Each vendor's on_limit.max_hold, for alerts on hold times.",
                 ["limiter"],
@@ -215,6 +252,17 @@ class Runtime:
                 tokens = min((lim.burst for lim in vendor.limits), default=0.0)
             yield [vendor.name], tokens
 
+    def _degraded(self, value: Callable[[LocalShares], float]) -> Iterator[tuple[list[str], float]]:
+        local = self.limiter.local
+        active = local is not None and local.active
+        for vendor in self.policy.vendors:
+            yield [vendor.name], value(local) if local is not None and active else 0.0
+
+    def _replicas_seen(self) -> Iterator[tuple[list[str], float]]:
+        local = self.limiter.local
+        if local is not None:
+            yield [], float(local.presence.replicas())
+
     def _recommended(self) -> Iterator[tuple[list[str], float]]:
         deps = self.handler.deps
         for vendor in deps.policy.vendors:
@@ -227,7 +275,6 @@ class Runtime:
         log.debug("store error: %s", exc)
 
     async def close(self) -> None:
-        await cancel_and_wait(self._watch)  # before the store it reads is closed
         for task in list(self._retiring):
             task.cancel()  # their finally blocks close what they held
         await asyncio.gather(*self._retiring, return_exceptions=True)
@@ -235,8 +282,18 @@ class Runtime:
             self.leaf_minter.close()
         deps = self.handler.deps
         await deps.upstreams.close()
-        await deps.limiter.store.close()
+        await _closing(deps.limiter, self._watch)()  # the watches end before the store they read
         deps.access_log.flush()
+
+
+def _closing(limiter: Limiter, background: list[asyncio.Task[None]]) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        for task in background:
+            await cancel_and_wait(task)  # a cancellation can be lost (tasks.py): they must end first
+        await limiter.leave()  # the other replicas stop counting this one at once
+        await limiter.store.close()
+
+    return close
 
 
 def _keep_listeners(policy: Policy, old: Policy) -> Policy:

@@ -64,6 +64,12 @@ class Metrics:
             ["limiter"],
             registry=registry,
         )
+        self.degraded_grants = Counter(
+            "ratelimit_degraded_grants",
+            "Requests granted by this replica's local share alone while the store was unavailable (on_failure: local).",
+            ["limiter"],
+            registry=registry,
+        )
         self.vendor_blocks = Counter(
             "ratelimit_vendor_blocks",
             "Vendor 429s that blocked the vendor's global buckets.",
@@ -146,7 +152,15 @@ class Metrics:
         """Create a vendor's rare-event series at zero, so that its first vendor 429,
         fail-open or block shows up as an increase (rate() needs a previous sample)."""
         self.responses.labels(limiter, "429")
-        for counter in (self.deferred, self.shed, self.fail_open, self.vendor_blocks, self.drains, self.state_lost):
+        for counter in (
+            self.deferred,
+            self.shed,
+            self.fail_open,
+            self.degraded_grants,
+            self.vendor_blocks,
+            self.drains,
+            self.state_lost,
+        ):
             counter.labels(limiter)
 
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:

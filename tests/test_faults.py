@@ -22,50 +22,10 @@ import pytest
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
 from proxy.server import ProxyServer
-from tests.conftest import RedisServer, Samples, eventually, make_policy, metric_samples, value
+from tests.conftest import RedisServer, Samples, eventually, metric_samples, value
+from tests.helpers.faults import fault_policy
 
 pytestmark = pytest.mark.slow
-
-
-def fault_policy(
-    upstream: str,
-    store: str,
-    *,
-    on_failure: str = "closed",
-    timeout: str = "100ms",
-    failures: int = 3,
-    cooloff: str = "500ms",
-    limits: str = "[{rate: 1000, per: 1s}]",
-    on_limit: str = "{action: defer}",
-) -> Any:
-    return make_policy(
-        """
-        version: 1
-        listen: 127.0.0.1:0
-        admin_listen: 127.0.0.1:0
-        access_log: false
-        store:
-          url: "$store"
-          timeout: $timeout
-          on_failure: $on_failure
-          breaker: {failures: $failures, cooloff: $cooloff}
-        vendors:
-          - name: payments
-            hosts: [api.payments.example]
-            route: /payments
-            upstream: $upstream
-            limits: $limits
-            on_limit: $on_limit
-        """,
-        store=store,
-        upstream=upstream,
-        on_failure=on_failure,
-        timeout=timeout,
-        failures=failures,
-        cooloff=cooloff,
-        limits=limits,
-        on_limit=on_limit,
-    )
 
 
 @dataclass
@@ -143,6 +103,9 @@ class CountingStore:
 
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         await self.inner.watch_blocks(pattern, on_block)
+
+    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
+        return await self.inner.announce(key, member, stale, leave)
 
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
         await self.inner.ping(probes)

@@ -56,6 +56,12 @@ def probe_key(prefix: str, vendor: str) -> str:
     return f"{vendor_namespace(prefix, vendor)}:probe"
 
 
+def replicas_key(prefix: str) -> str:
+    """The set of replicas alive (presence.lua): every replica announces itself there, so
+    that each knows its share of the limits should the store fail (degraded.py)."""
+    return f"{prefix}:replicas"
+
+
 def global_buckets(prefix: str, vendor: Vendor) -> tuple[BucketSpec, ...]:
     state = state_key(prefix, vendor.name)
     return tuple(

@@ -4,6 +4,11 @@ It also remembers what the store last said about each vendor's global buckets
 (so the tokens gauge costs no extra round trip) and which vendors are blocked
 after a vendor 429, locally or as announced by other replicas, so that a held
 request whose reservation predates the block does not go out during it.
+
+With ``store.on_failure: local`` it has local shares (degraded.py): a store that
+cannot answer does not refuse the request, this replica's share of the limits
+decides it; the replica announces itself in the store (presence.py) so that it
+knows what its share is.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from proxy.limiter.buckets import (
     buckets_for,
     global_buckets,
     probe_key,
+    replicas_key,
     state_key,
     vendor_of_channel,
 )
+from proxy.limiter.degraded import LocalShares
 from proxy.limiter.store import AcquireResult, BucketStore, StateGuard, StoreUnavailable
 from proxy.policy.model import Vendor
 
@@ -33,6 +40,7 @@ log = logging.getLogger("quota_proxy.limiter")
 T = TypeVar("T")
 
 _CACHE_MAX = 10_000  # (vendor, tenant) bucket lists kept; tenants are unbounded
+_CHARGE_WAIT = 10 * 365 * 86400.0  # seconds: a charge is an acquire that is never refused
 
 
 @dataclass(slots=True)
@@ -60,6 +68,8 @@ class Limiter:
         breaker: Breaker,
         on_store_error: Callable[[StoreUnavailable], None] | None = None,
         on_state_lost: Callable[[str], None] | None = None,
+        local: LocalShares | None = None,
+        on_local_grant: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -67,6 +77,10 @@ class Limiter:
         self.key_prefix = key_prefix
         self._on_store_error = on_store_error
         self._on_state_lost = on_state_lost
+        self.local = local
+        """This replica's shares of the limits (``store.on_failure: local``), else None."""
+        self._on_local_grant = on_local_grant
+        self._settling = False  # a charge of the shared buckets is on its way (_come_back)
         self._cache: dict[tuple[str, str], tuple[Vendor, Buckets]] = {}
         self._observed: dict[str, Observation] = {}
         self._blocked_until: dict[str, float] = {}
@@ -97,14 +111,33 @@ class Limiter:
 
         Refused, the result's ``hint`` is the caller's slot in the (vendor, tenant) deferral
         queue; ``enqueue=False`` (a caller that will not retry: shed) takes no slot.
-        Raises StoreUnavailable when the store fails or the breaker is open.
+        With local shares, a store that cannot answer leaves the decision to this
+        replica's share (degraded.py). Raises StoreUnavailable when the store fails or
+        the breaker is open and there is no share to decide on.
         """
         b = self.buckets(vendor, tenant)
+        queue = b.queue if enqueue else None
+        local = self.local
+        mode = "shared" if local is None else local.current()
+        if mode == "shared":
+            try:
+                return await self._acquire_shared(vendor, b, cost, max_wait, queue)
+            except StoreUnavailable as exc:
+                if local is None or not local.engage(exc):
+                    raise
+                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+        assert local is not None
+        if mode == "local" and not await self._come_back(local, vendor):
+            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+        return await self._acquire_both(local, vendor, tenant, b, cost, queue)
+
+    async def _acquire_shared(
+        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None
+    ) -> AcquireResult:
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
-        guard = StateGuard(state_key(self.key_prefix, vendor.name), self._seen_seq(vendor), vendor.on_limit.max_hold)
         try:
-            result = await self.store.acquire(b.all, cost, max_wait, b.queue if enqueue else None, guard)
+            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor))
         except StoreUnavailable as exc:
             self._store_failed(exc)
             raise
@@ -112,6 +145,16 @@ class Limiter:
             self.breaker.release()
             raise
         self.breaker.success()
+        self._answered(vendor, result)
+        if b.tenant_count < len(result.levels):
+            self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
+        return result
+
+    def _guard(self, vendor: Vendor) -> StateGuard:
+        return StateGuard(state_key(self.key_prefix, vendor.name), self._seen_seq(vendor), vendor.on_limit.max_hold)
+
+    def _answered(self, vendor: Vendor, result: AcquireResult) -> None:
+        """What every acquire the store answered tells: the state's counter, a loss."""
         self._note_state(vendor, result)
         if result.lost:
             log.error(
@@ -122,9 +165,94 @@ class Limiter:
             )
             if self._on_state_lost is not None:
                 self._on_state_lost(vendor.name)
-        if b.tenant_count < len(result.levels):
-            self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
+
+    # -- local shares (store.on_failure: local) ---------------------------------------
+
+    async def _local_shares(self, local: LocalShares, vendor: Vendor, b: Buckets) -> None:
+        if not local.knows(vendor):
+            await local.begin(vendor, b.global_part, self._levels_now(vendor), self.blocked_for(vendor.name))
+
+    async def _acquire_local(
+        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None
+    ) -> AcquireResult:
+        """The store is out: this replica's share decides alone."""
+        local = self.local
+        assert local is not None
+        await self._local_shares(local, vendor, b)
+        result = await local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True)
+        if result.granted and self._on_local_grant is not None:
+            self._on_local_grant(vendor.name)
         return result
+
+    async def _come_back(self, local: LocalShares, vendor: Vendor) -> bool:
+        """Is the store back? When the breaker lets a call through, charge the shared
+        buckets with what this replica granted alone (those calls are the probe; with
+        nothing to charge, a charge of nothing is). True: the store took every charge."""
+        if self._settling or not self.breaker.allow():
+            return False
+        self._settling = True
+        try:
+            for owing in local.owed() or [vendor]:
+                await self._charge(local, owing)
+        except StoreUnavailable as exc:
+            self._store_failed(exc)
+            return False
+        except BaseException:
+            self.breaker.release()
+            raise
+        finally:
+            self._settling = False
+        self.breaker.success()
+        local.recovered()
+        return True
+
+    async def _charge(self, local: LocalShares, vendor: Vendor) -> None:
+        """Take the vendor's debts (degraded.py) from its shared buckets: an acquire that
+        cannot be refused, under the state guard, so a store that came back empty is
+        noticed as well."""
+        globals_ = global_buckets(self.key_prefix, vendor)
+        debts = await local.debts(vendor) or [(bucket, 0.0) for bucket in globals_[:1]]
+        for bucket, debt in debts:
+            self._answered(vendor, await self.store.acquire((bucket,), debt, _CHARGE_WAIT, None, self._guard(vendor)))
+        if not globals_:
+            await self.store.ping()
+        local.settled(vendor)
+
+    async def _acquire_both(
+        self, local: LocalShares, vendor: Vendor, tenant: str, b: Buckets, cost: float, queue: str | None
+    ) -> AcquireResult:
+        """Just back from an outage: the local share and the shared buckets must both grant,
+        and at once. A hold would be booked on two buckets at two different times and leave
+        at the later one, later than the shared bucket booked it: when the grace ends, the
+        shared bucket's next grants would bunch with it. So during the grace a request is
+        forwarded now or deferred (with the hint of whichever refused)."""
+        await self._local_shares(local, vendor, b)
+        mine = await local.acquire(vendor, tenant, b, cost, 0.0, queue, alone=False)
+        if not mine.granted:
+            return mine  # this replica's share refuses: nothing was taken anywhere
+        try:
+            result = await self._acquire_shared(vendor, b, cost, 0.0, queue)
+        except StoreUnavailable as exc:
+            local.engage(exc)  # out again: the local grant stands, owed to the store
+            local.spent_alone(vendor, cost)
+            return mine
+        if not result.granted:
+            await local.refund(vendor, tenant, b, cost)
+        return result
+
+    async def announce(self) -> None:
+        """With local shares: keep this replica in the store's replica set until cancelled."""
+        if self.local is not None:
+            await self.local.presence.run(self.store, replicas_key(self.key_prefix))
+
+    async def leave(self) -> None:
+        """Shutting down: leave the replica set (best effort)."""
+        if self.local is not None:
+            await self.local.presence.leave(self.store, replicas_key(self.key_prefix))
+
+    def serves_without_store(self) -> bool:
+        """Whether this replica can still grant with the store out (it knows its share)."""
+        return self.local is not None and (self.local.active or self.local.presence.replicas() > 0)
 
     def _seen_seq(self, vendor: Vendor) -> int:
         """The state counter to check the store against: 0 once the state may have
@@ -159,10 +287,14 @@ class Limiter:
             until = result.until
             self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
         self.note_block(vendor.name, until)
+        if self.local is not None and self.local.active:
+            await self.local.block(vendor, until)
         return until
 
     async def drain(self, vendor: Vendor) -> None:
         """Remaining quota below the low watermark: empty the global buckets now."""
+        if self.local is not None and self.local.active:
+            await self.local.drain(vendor)
         buckets = global_buckets(self.key_prefix, vendor)
         try:
             result = await self._feedback(self.store.drain(buckets))
@@ -174,8 +306,14 @@ class Limiter:
         """A held request of (vendor, tenant) that never went out: give its tokens back.
 
         Best effort, never raises: a refund the store cannot take only leaves the
-        buckets as short as they were. Returns whether the store took it."""
+        buckets as short as they were. Returns whether the store (or, degraded, this
+        replica's share) took it."""
         b = self.buckets(vendor, tenant)
+        local = self.local
+        if local is not None and local.active and local.knows(vendor):
+            await local.refund(vendor, tenant, b, cost)
+            if local.current() == "local":
+                return True  # the store took none of it
         try:
             levels = await self._feedback(self.store.refund(b.all, cost))
         except StoreUnavailable:
@@ -218,11 +356,16 @@ class Limiter:
     def tokens_available(self, vendor: Vendor) -> float | None:
         """The fullest-possible estimate of the scarcest global bucket, extrapolated
         from the last store answer by refill; None before any answer."""
+        levels = self._levels_now(vendor)
+        return None if levels is None else min(levels)
+
+    def _levels_now(self, vendor: Vendor) -> tuple[float, ...] | None:
+        """The global buckets' levels extrapolated from the last store answer; None before any."""
         obs = self._observed.get(vendor.name)
         if obs is None:
             return None
         elapsed = self.clock.monotonic() - obs.at
-        return min(
+        return tuple(
             min(lim.burst, level + elapsed * lim.per_second)
             for lim, level in zip(vendor.limits, obs.levels, strict=False)
         )

@@ -25,6 +25,8 @@ class MemoryStore:
         self._seq: dict[str, int] = {}  # state key -> grants counted (acquire.lua's seq)
         # lease set key -> {lease id: expires_at}, on the clock
         self._leases: dict[str, dict[str, float]] = {}
+        # replica set key -> {member: last announced}, on the clock (presence.lua)
+        self._replicas: dict[str, dict[str, float]] = {}
         self._ops = 0
 
     def __len__(self) -> int:
@@ -184,11 +186,29 @@ class MemoryStore:
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         return  # one process: the limiter already knows every block it made
 
+    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
+        now = self._clock.monotonic()
+        members = self._replicas.setdefault(key, {})
+        if leave:
+            members.pop(member, None)
+        else:
+            members[member] = now
+        for gone in [m for m, seen in members.items() if seen < now - stale]:
+            del members[gone]
+        if not members:
+            del self._replicas[key]
+        return len(members)
+
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
         return
 
     async def close(self) -> None:
         self._state.clear()
+
+    def set_level(self, b: BucketSpec, tokens: float, at: float) -> None:
+        """Put ``tokens`` in bucket ``b`` as of ``at`` (on the clock): where a replica's
+        in-process shares start when the store fails (degraded.py)."""
+        self._store(b, min(tokens, b.burst), at)
 
     def ttl(self, key: str) -> float | None:
         """Seconds until ``key`` expires, None when absent (the scripts' PTTL, for tests)."""

@@ -71,6 +71,7 @@ class RedisStore:
         self._feedback = self._client.register_script(script("feedback"))
         self._peek = self._client.register_script(script("peek"))
         self._probe = self._client.register_script(script("probe"))
+        self._presence = self._client.register_script(script("presence"))
         self._refund = self._client.register_script(script("refund"))
         self._release = self._client.register_script(script("release"))
         self._renew = self._client.register_script(script("renew"))
@@ -80,9 +81,14 @@ class RedisStore:
         # in-flight cap either); Cluster's slot routing stays with redis-py.
         self._pipe: PipelinedConnection | None = None
         self._acquire_fast: PipelinedScript | None = None
+        self._presence_fast: PipelinedScript | None = None
         if pipelined and not url.startswith("redis+cluster://"):
             self._pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
             self._acquire_fast = PipelinedScript(self._pipe, script("acquire"))
+            # The once-a-second announcement rides on the same connection as the requests'
+            # scripts, pipelined with whatever is in flight: no connection of its own, and
+            # never a round trip any request waits for.
+            self._presence_fast = PipelinedScript(self._pipe, script("presence"))
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -190,6 +196,12 @@ class RedisStore:
             args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._peek(keys=keys, args=args))
         return tuple(float(x) for x in out)
+
+    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
+        args: list[float | str] = [member, stale * _MS, "leave" if leave else ""]
+        if self._presence_fast is not None:
+            return int(await self._call_fast(self._presence_fast, [key], args))
+        return int(await self._call(lambda: self._presence(keys=[key], args=args)))
 
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
         await self._call(self._client.ping)

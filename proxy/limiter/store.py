@@ -169,6 +169,11 @@ class BucketStore(Protocol):
         """Call ``on_block(channel, seconds)`` for every block other processes announce on
         channels matching ``pattern``; runs until cancelled. A single-process store returns."""
 
+    async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
+        """Record ``member`` (a replica) alive now in the replica set ``key``, or remove it
+        (``leave``); returns how many members announced within the last ``stale`` seconds
+        (presence.lua). What a replica's share is when the store fails (degraded.py)."""
+
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
         """Raise StoreUnavailable unless the store answers, and takes a scripted write
         to each of the ``probes`` keys (what every grant needs: a read-only replica, a

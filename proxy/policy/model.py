@@ -13,13 +13,13 @@ from proxy.policy.errors import ConfigError
 
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
-FailureMode = Literal["closed", "open"]
+FailureMode = Literal["closed", "open", "local"]
 AnswerDialect = Literal["generic", "stripe", "openai"]
 TenantFrom = Literal["header", "proxy_auth"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
-FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open")
+FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
 ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
 TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
 
@@ -151,6 +151,8 @@ class StoreSettings:
     timeout: float = 0.05
     """Seconds allowed for one store call."""
     on_failure: FailureMode = "closed"
+    """closed: store down = every request deferred; open: forwarded unlimited; local: each
+    replica enforces its share of every limit in-process (SPEC §12, degraded mode)."""
     key_prefix: str = "quota-proxy"
     breaker: Breaker = field(default_factory=Breaker)
 

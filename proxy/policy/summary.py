@@ -32,7 +32,11 @@ def _row(label: str, value: str, indent: str = "") -> str:
 
 def _general(policy: Policy) -> list[str]:
     store, tls = policy.store, policy.tls
-    on_failure = "closed" if store.on_failure == "closed" else "open (store down = NO LIMITS)"
+    on_failure = {
+        "closed": "closed",
+        "open": "open (store down = NO LIMITS)",
+        "local": "local (store down = each replica its share, in-process)",
+    }[store.on_failure]
     cooloff = format_duration(store.breaker.cooloff)
     breaker = f"breaker opens after {store.breaker.failures} failures, probes after {cooloff}"
     verify = "on" if tls.upstream_verify else "OFF (vendor certificates are NOT verified)"

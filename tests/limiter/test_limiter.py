@@ -11,9 +11,8 @@ import pytest
 import proxy.limiter.limiter as limiter_module
 from proxy.clock import ManualClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
-from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
 from proxy.policy.model import Limit, TenantLimits, Vendor
+from tests.helpers.stores import FlakyStore
 
 FAILURES = 3
 COOLOFF = 1.0
@@ -26,43 +25,6 @@ def make_vendor(
     tenant: tuple[Limit, ...] = (Limit(2, 1, 2),),
 ) -> Vendor:
     return Vendor(name=name, hosts=(f"api.{name}.example",), limits=limits, tenant_limits=TenantLimits(default=tenant))
-
-
-class FlakyStore(MemoryStore):
-    """A memory store that counts its calls and can be told to fail or to hang."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        super().__init__(clock)
-        self.calls = 0
-        self.fail = False
-        self.gate: asyncio.Event | None = None  # set: every call waits for it
-
-    async def _enter(self) -> None:
-        self.calls += 1
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.fail:
-            raise StoreUnavailable("ConnectionError: injected")
-
-    async def acquire(
-        self,
-        buckets: tuple[BucketSpec, ...],
-        cost: float,
-        max_wait: float,
-        queue: str | None = None,
-        guard: StateGuard | None = None,
-        leases: Leases | None = None,
-    ) -> AcquireResult:
-        await self._enter()
-        return await super().acquire(buckets, cost, max_wait, queue, guard, leases)
-
-    async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
-        await self._enter()
-        return await super().block(buckets, seconds, channel)
-
-    async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
-        await self._enter()
-        return await super().drain(buckets)
 
 
 @pytest.fixture

@@ -190,3 +190,30 @@ async def test_keys_expire_once_refilled(
             assert 1000 < pttl <= 1100
             await asyncio.sleep(1.2)
             assert c.exists(b[0].key) == 0
+
+
+# -- the replica set (presence.lua) ---------------------------------------------------------
+
+
+async def test_replicas_announce_themselves_and_silent_ones_stop_counting(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    key, stale = "test:replicas", 0.3
+    assert await store.announce(key, "a", stale) == 1
+    assert await store.announce(key, "b", stale) == 2
+    assert await store.announce(key, "a", stale) == 2  # again: still one member
+    await advance(store, clock, 0.2)
+    assert await store.announce(key, "a", stale) == 2
+    await advance(store, clock, 0.2)  # b silent for 0.4 s > stale
+    assert await store.announce(key, "a", stale) == 1
+    assert await store.announce(key, "a", stale, leave=True) == 0
+
+
+async def test_the_replica_set_expires_when_everyone_is_silent(redis_url: str) -> None:
+    store = RedisStore(redis_url, timeout=1.0)
+    try:
+        assert await store.announce("test:replicas", "a", 0.5) == 1
+        ttl = await store.client.pttl("test:replicas")
+        assert 0 < ttl <= 500
+    finally:
+        await store.close()

@@ -271,7 +271,7 @@ BAD_FILES = {
         "3: store.url: url must be memory://, redis://, rediss:// or redis+cluster://,"
         ' got "http://user:***@redis.internal:6379/0"'
     ),
-    "bad_on_failure": '4: store.on_failure: on_failure must be closed or open, got "ignore"',
+    "bad_on_failure": '4: store.on_failure: on_failure must be closed, open or local, got "ignore"',
     "bad_action": '7: vendors[0].on_limit.action: action must be hold, defer or shed, got "wait"',
     "bad_tenant_name": (
         '13: vendors[0].tenant_limits.overrides."big corp": "big corp" is not a valid tenant name'

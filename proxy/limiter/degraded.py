@@ -1,0 +1,285 @@
+"""``store.on_failure: local`` (SPEC §12, degraded mode): this replica's share of every
+limit, enforced in-process while the store is unavailable.
+
+Modes, one per limiter (one store):
+
+- ``shared``: the store decides; nothing here is used.
+- ``local``: a store call failed (an error, a timeout, the breaker open). Every bucket a
+  request touches, global and tenant, is enforced on an in-process memory:// store with
+  its rate and burst divided by the replicas seen alive in the store just before it
+  failed (presence.py): the same holds, defers and spread retry hints as the store's.
+  Each replica of the fleet does the same, so together they stay within every limit.
+  Tenant limits are shared like the global ones (a tenant's workers spread over the
+  replicas keep their whole rate; applied in full, a tenant could take N times its
+  limit out of the shrunken global shares).
+- ``recovering``: the store answered again. First the shared buckets are charged with
+  what this replica granted alone (see ``debts``), then for ``grace`` seconds a request
+  needs both its local share and the shared buckets: replicas come back one breaker
+  probe at a time, and until the last one has, the ones back must not spend the whole
+  quota while the others still spend their shares. Then back to ``shared``.
+
+Where the shares start: a global share starts from what this replica last saw of the
+shared bucket, divided, and never above empty. A share that started full would hand out
+a whole burst again on top of the one the fleet may have just spent; one that owes (the
+store's level was negative: holds outstanding) keeps owing. Only the burst is given up.
+
+What the shared buckets are charged, per global bucket: the tokens this replica granted
+alone since the last charge, but no more than its share's shortfall from full (what of
+them has not refilled yet). The store reads a bucket that refilled during the outage, or
+restarted empty, as full; after every replica's charge it holds at most what the local
+shares held together, so the first shared grants cannot push any window over the quota.
+
+A replica that never saw the replica count (the store was down since it started) has no
+share to enforce and fails closed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from proxy.clock import Clock
+from proxy.limiter.buckets import Buckets
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.presence import Presence
+from proxy.limiter.store import AcquireResult, BucketSpec
+from proxy.policy.model import Vendor
+
+log = logging.getLogger("quota_proxy.store")
+
+Mode = Literal["shared", "local", "recovering"]
+
+_SPECS_MAX = 10_000  # (vendor, tenant) share lists kept; tenants are unbounded
+_WARN_EVERY = 1.0  # seconds between repeats of the "no replica count" error
+
+
+def grace_for(cooloff: float, timeout: float) -> float:
+    """How long a replica back from an outage keeps its local share as well: until every
+    replica's breaker has probed the store again (a probe that found it still out re-opens
+    the breaker for a whole cool-off, so two of them), plus a second."""
+    return 2 * cooloff + timeout + 1.0
+
+
+def share(spec: BucketSpec, replicas: int) -> BucketSpec:
+    """One replica's share of a bucket: rate and burst divided by ``replicas``, the burst
+    never below one request (a smaller bucket could never grant)."""
+    return dataclasses.replace(spec, rate=spec.rate / replicas, burst=max(spec.burst / replicas, min(spec.burst, 1.0)))
+
+
+@dataclass(slots=True)
+class _Spent:
+    """A vendor's global buckets as this replica keeps them while degraded."""
+
+    vendor: Vendor
+    shared: tuple[BucketSpec, ...]
+    local: tuple[BucketSpec, ...]
+    alone: float = 0.0
+    """Tokens granted by the local shares alone (the store took none of them) since the
+    shared buckets were last charged."""
+
+
+class LocalShares:
+    def __init__(self, clock: Clock, presence: Presence, grace: float) -> None:
+        self.clock = clock
+        self.presence = presence
+        self.grace = grace
+        """Seconds after the store returns during which both local and shared must grant."""
+        self.mode: Mode = "shared"
+        self.replicas = 0
+        """The share in use: every limit is divided by this (0 while shared)."""
+        self.since = clock.monotonic()
+        """When (local clock) the current mode began."""
+        self.until = 0.0
+        """Recovering: when the grace ends."""
+        self._store = MemoryStore(clock)
+        self._specs: dict[tuple[str, str], tuple[Vendor, tuple[BucketSpec, ...]]] = {}
+        self._vendors: dict[str, _Spent] = {}
+        self._warned = -math.inf
+
+    # -- modes -------------------------------------------------------------------------
+
+    def current(self) -> Mode:
+        """The mode now (a grace that ran out ends here)."""
+        if self.mode == "recovering" and self.clock.monotonic() >= self.until:
+            log.warning(
+                "back on the shared buckets: the grace after the store outage is over, local shares (1/%d) dropped",
+                self.replicas,
+            )
+            self._reset()
+        return self.mode
+
+    @property
+    def active(self) -> bool:
+        """Local shares are enforced (the store is out, or just back)."""
+        return self.current() != "shared"
+
+    def engage(self, why: object) -> bool:
+        """The store failed: enforce the local shares from now on (True), or say that this
+        replica cannot (False: it never saw how many replicas there are)."""
+        now = self.clock.monotonic()
+        mode = self.current()
+        if mode == "local":
+            return True
+        if mode == "recovering":
+            self.mode, self.since = "local", now
+            log.error(
+                "store unavailable again (%s) right after it returned: enforcing 1/%d of every limit IN-PROCESS again",
+                why,
+                self.replicas,
+            )
+            return True
+        n = self.presence.replicas()
+        if n <= 0:
+            if now - self._warned >= _WARN_EVERY:
+                self._warned = now
+                log.error(
+                    "store unavailable (%s) and on_failure is local, but this replica never learnt from the store "
+                    "how many replicas share the limits: deferring every request (failing closed) until it returns",
+                    why,
+                )
+            return False
+        self.mode, self.replicas, self.since = "local", n, now
+        log.error(
+            "STORE UNAVAILABLE (%s): on_failure is local, so this replica now enforces 1/%d of every limit "
+            "IN-PROCESS (%d replicas were alive in the store) until the store returns",
+            why,
+            n,
+            n,
+        )
+        return True
+
+    def recovered(self) -> None:
+        """The store answers again and this replica's local spending is charged to it."""
+        now = self.clock.monotonic()
+        log.warning(
+            "store back after %.1fs on local shares: the shared buckets were charged for what this replica "
+            "granted alone; requests need both the local share and the shared buckets for %.1fs more",
+            now - self.since,
+            self.grace,
+        )
+        self.mode, self.since, self.until = "recovering", now, now + self.grace
+
+    def _reset(self) -> None:
+        self.mode, self.replicas, self.since = "shared", 0, self.clock.monotonic()
+        self._store = MemoryStore(self.clock)
+        self._specs.clear()
+        self._vendors.clear()
+
+    # -- buckets -----------------------------------------------------------------------
+
+    def knows(self, vendor: Vendor) -> bool:
+        """Whether the vendor's global shares have started (``begin``) in this outage."""
+        spent = self._vendors.get(vendor.name)
+        return spent is not None and spent.vendor is vendor
+
+    async def begin(
+        self, vendor: Vendor, shared: tuple[BucketSpec, ...], levels: tuple[float, ...] | None, blocked_for: float
+    ) -> None:
+        """Start the vendor's global shares from ``levels`` (the shared buckets' levels now,
+        as this replica last saw them; None: never seen), divided, never above empty; a
+        vendor block still running goes on. After a reload that kept the vendor's limits the
+        shares go on as they were; either way what was granted alone stays owed."""
+        before = self._vendors.get(vendor.name)
+        if before is not None and [b.ident for b in before.shared] == [b.ident for b in shared]:
+            before.vendor = vendor
+            return
+        local = tuple(share(b, self.replicas) for b in shared)
+        now = self.clock.monotonic()
+        for i, b in enumerate(local):
+            level = levels[i] / self.replicas if levels is not None and i < len(levels) else 0.0
+            self._store.set_level(b, min(level, 0.0), now)
+        if blocked_for > 0:
+            await self._store.block(local, blocked_for, "")
+        self._vendors[vendor.name] = _Spent(vendor, shared, local, before.alone if before is not None else 0.0)
+
+    def _shares(self, vendor: Vendor, tenant: str, b: Buckets) -> tuple[BucketSpec, ...]:
+        key = (vendor.name, tenant)
+        hit = self._specs.get(key)
+        if hit is not None and hit[0] is vendor:
+            return hit[1]
+        if len(self._specs) >= _SPECS_MAX:
+            self._specs.clear()
+        specs = tuple(share(spec, self.replicas) for spec in b.all)
+        self._specs[key] = (vendor, specs)
+        return specs
+
+    async def acquire(
+        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None, alone: bool
+    ) -> AcquireResult:
+        """The store's acquire on this replica's shares. ``alone``: the shared buckets will
+        not take it (the store is out), so it is owed to them when it returns."""
+        result = await self._store.acquire(self._shares(vendor, tenant, b), cost, max_wait, queue)
+        if result.granted and alone:
+            self.spent_alone(vendor, cost)
+        return result
+
+    def spent_alone(self, vendor: Vendor, cost: float) -> None:
+        self._vendors[vendor.name].alone += cost
+
+    async def refund(self, vendor: Vendor, tenant: str, b: Buckets, cost: float) -> None:
+        await self._store.refund(self._shares(vendor, tenant, b), cost)
+
+    async def block(self, vendor: Vendor, seconds: float) -> None:
+        """A vendor 429 while degraded: the vendor's shares grant nothing for ``seconds``."""
+        spent = self._vendors.get(vendor.name)
+        if spent is not None:
+            await self._store.block(spent.local, seconds, "")
+
+    async def drain(self, vendor: Vendor) -> None:
+        spent = self._vendors.get(vendor.name)
+        if spent is not None:
+            await self._store.drain(spent.local)
+
+    # -- coming back ---------------------------------------------------------------------
+
+    def owed(self) -> list[Vendor]:
+        """Vendors whose local spending the shared buckets have not been charged with."""
+        return [s.vendor for s in self._vendors.values() if s.alone > 0]
+
+    async def debts(self, vendor: Vendor) -> list[tuple[BucketSpec, float]]:
+        """(shared bucket, tokens to take from it) for each global bucket of ``vendor``: what
+        this replica granted alone, but no more than its share is short of full."""
+        spent = self._vendors.get(vendor.name)
+        if spent is None or spent.alone <= 0:
+            return []
+        levels = await self._store.peek(spent.local)
+        out = []
+        for shared, local, level in zip(spent.shared, spent.local, levels, strict=True):
+            debt = min(local.burst - level, spent.alone)
+            if debt > 0:
+                out.append((shared, debt))
+        return out
+
+    def settled(self, vendor: Vendor) -> None:
+        spent = self._vendors.get(vendor.name)
+        if spent is not None:
+            spent.alone = 0.0
+
+    # -- what people read --------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        mode = self.current()
+        now = self.clock.monotonic()
+        seen = self.presence.last_seen
+        return {
+            "mode": mode,
+            "replicas_seen": self.presence.replicas(),
+            "replicas_seen_seconds_ago": None if seen is None else round(now - seen, 3),
+            "share": round(1.0 / self.replicas, 6) if mode != "shared" else None,
+            "mode_for_seconds": round(now - self.since, 3),
+            "grace_left_seconds": round(self.until - now, 3) if mode == "recovering" else None,
+        }
+
+    async def levels(self, vendor: Vendor) -> list[dict[str, Any]] | None:
+        """The vendor's global shares now, for /status; None when it has none."""
+        spent = self._vendors.get(vendor.name) if self.active else None
+        if spent is None:
+            return None
+        levels = await self._store.peek(spent.local)
+        return [
+            {"bucket": b.label, "rate_per_second": b.rate, "burst": b.burst, "tokens": round(level, 3)}
+            for b, level in zip(spent.local, levels, strict=True)
+        ]
