@@ -90,6 +90,10 @@ PYSPY_VERSION = "0.4.3"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quota-proxy-bench"
 SYSTEMS = ("redis", "memory", "proxypy", "minimal")
 PATH = "/v1/ping"
+# Longer than throughput.py's 50 ms: on two shared cores another tenant can stall Redis or
+# the proxy that long, the breaker opens and the round is lost. The timeout costs nothing
+# per request (one timer either way); only whether a stall fails requests depends on it.
+STORE_TIMEOUT = "1s"
 TARGETS = {"cpu": 0.7, "https": 1.3, "p50_ms": 0.5, "p99_ms": 2.0}
 _UPSTREAM_READY = re.compile(r"upstream listening on (https?)://(\S+)")
 
@@ -265,6 +269,14 @@ def start_proxypy(fleet: Fleet, exe: Path, cpus: str | None) -> Proc:
     return proc
 
 
+def start_ours(fleet: Fleet, mode: str, upstream: Proc, redis: Proc, cpus: str | None) -> Proc:
+    """quota-proxy in throughput.py's ``redis``, ``memory`` or ``minimal`` mode."""
+    if mode == "minimal":
+        return start_proxy(fleet, mode, upstream, redis, cpus)
+    yaml = product_policy(mode, upstream.url, redis.url, store_timeout=STORE_TIMEOUT)
+    return fleet.proxy(yaml, name=f"proxy-{mode}", cpus=cpus)
+
+
 def start_also(fleet: Fleet, name: str, command: str, upstream: Proc, redis: Proc, cpus: str | None) -> Proc:
     """``--also NAME=COMMAND``: {port}, {upstream} and {redis} are filled in; it must listen on {port}."""
     port = free_port()
@@ -365,12 +377,7 @@ def saturate(
         load, gen_cpu = generate(
             fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu, target
         )
-    seen = {}
-    if proxy.admin_url:
-        delta = outcome_delta(before, outcomes(fetch_metrics(proxy.admin_url)))
-        seen = {k: int(v) for k, v in delta.items() if v}
-        if set(seen) - {"forwarded", "error"}:
-            raise BenchError(f"{name}: the limiter bound ({seen}); the load must stay unlimited\n{proxy.tail(5)}")
+    seen = unlimited(name, proxy, before)
     done = check_load(name, load)
     row: dict[str, Any] = {"system": name, "requests": done, "rps": done / load["elapsed"], **w.figures(done, gen_cpu)}
     if redis is not None:
@@ -380,14 +387,29 @@ def saturate(
     return row
 
 
+def unlimited(name: str, proxy: Proc, before: dict[str, float]) -> dict[str, int]:
+    """Our outcomes since ``before``; BenchError if anything but forwarded (or a connection
+    the generator cut when it stopped) happened: the load must never be limited."""
+    if not proxy.admin_url:
+        return {}
+    delta = outcome_delta(before, outcomes(fetch_metrics(proxy.admin_url)))
+    seen = {k: int(v) for k, v in delta.items() if v}
+    if set(seen) - {"forwarded", "error"} or seen.get("error", 0) > 100:
+        raise BenchError(f"{name}: outcomes {seen}; the load must stay unlimited\n{proxy.tail(5)}")
+    return seen
+
+
 def saturate_tls(
     fleet: Fleet, args: argparse.Namespace, name: str, mode: str, proxy: Proc, certs: Any, load_side: list[Proc]
 ) -> dict[str, Any]:
     """bench/https.py's generator: ``intercept`` (CONNECT + TLS) or ``plain`` (absolute form)."""
+    before = outcomes(fetch_metrics(proxy.admin_url))
     with Window(proxy, load_side, cpu_names(args.proxy_cpu)) as w:
         load, gen_cpu = tls_generate(fleet, mode, proxy, certs, args.connections, args.duration, args.load_cpu)
+    seen = unlimited(name, proxy, before)
     done = check_load(name, load)
-    return {"system": name, "requests": done, "rps": done / load["elapsed"], **w.figures(done, gen_cpu)}
+    row = {"system": name, "requests": done, "rps": done / load["elapsed"], **w.figures(done, gen_cpu)}
+    return {**row, "outcomes": seen}
 
 
 def latency(args: argparse.Namespace, name: str, url: str, proxy: Proc | None) -> dict[str, Any]:
@@ -546,7 +568,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             procs[name] = start_proxypy(fleet, proxypy_exe, args.proxy_cpu)
             targets[name] = up_target  # proxy.py resolves the target's host itself
         else:
-            procs[name] = start_proxy(fleet, name, upstream, redis, args.proxy_cpu)
+            procs[name] = start_ours(fleet, name, upstream, redis, args.proxy_cpu)
             targets[name] = TARGET_URL
     for name, command in also.items():
         procs[name] = start_also(fleet, name, command, upstream, redis, args.proxy_cpu)
@@ -564,12 +586,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         tls_upstream = start_upstream(fleet, args.load_cpu, certs)
         load_side.append(tls_upstream)
         tls_proxy = fleet.proxy(
-            product_policy("redis", tls_upstream.url, redis.url) + tls_section(certs),
+            product_policy("redis", tls_upstream.url, redis.url, store_timeout=STORE_TIMEOUT) + tls_section(certs),
             name="proxy-tls",
             cpus=args.proxy_cpu,
         )
         if "redis" not in procs:
-            procs["redis"] = start_proxy(fleet, "redis", upstream, redis, args.proxy_cpu)
+            procs["redis"] = start_ours(fleet, "redis", upstream, redis, args.proxy_cpu)
 
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -608,7 +630,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     result = report(args, names, rounds, start_load)
     if args.profile > 0:
         if "redis" not in procs:
-            procs["redis"] = start_proxy(fleet, "redis", upstream, redis, args.proxy_cpu)
+            procs["redis"] = start_ours(fleet, "redis", upstream, redis, args.proxy_cpu)
         cpu_us = result["saturation"].get("redis", {}).get("cpu_us_per_request")
         result["profile"] = profile(fleet, args, procs["redis"], TARGET_URL, load_side, cpu_us)
     dump_json(args.json, result)

@@ -163,11 +163,14 @@ def start_proxy(
     return fleet.proxy(yaml, name=f"proxy-{mode}", cpus=cpus)
 
 
-def product_policy(mode: str, vendor_url: str, redis_url: str | None, access_log: bool = True) -> str:
+def product_policy(
+    mode: str, vendor_url: str, redis_url: str | None, access_log: bool = True, store_timeout: str = "50ms"
+) -> str:
     """The policy of a product mode (nolimit, memory, redis): limits that never bind."""
     if mode == "nolimit":
         return policy(vendor_url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
     return policy(
+        store_timeout=store_timeout,
         vendor_url,
         [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
         store=redis_url if mode == "redis" and redis_url is not None else "memory://",
