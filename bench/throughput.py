@@ -170,13 +170,13 @@ def product_policy(
     if mode == "nolimit":
         return policy(vendor_url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
     return policy(
-        store_timeout=store_timeout,
         vendor_url,
         [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
         store=redis_url if mode == "redis" and redis_url is not None else "memory://",
         tenant_limits=[Limit(HUGE, "1s", HUGE)],
         action="defer",
         access_log=access_log,
+        store_timeout=store_timeout,
     )
 
 
