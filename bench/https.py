@@ -293,7 +293,12 @@ def intercept_policy(vendor_url: str, certs: Certs, store: str) -> str:
     """The bench vendor at ``vendor_url`` (https), intercepted: connect defaults to intercept
     once tls.ca_cert is set. The limit never binds."""
     yaml = policy(vendor_url, [Limit(HUGE, "1s", HUGE)], store=store, action="defer", access_log=True)
-    return yaml + (
+    return yaml + tls_section(certs)
+
+
+def tls_section(certs: Certs) -> str:
+    """The policy's ``tls:`` section: the proxy's CA, and the vendor CA to verify upstream with."""
+    return (
         f"tls:\n  ca_cert: {certs.proxy_ca}\n  ca_key: {certs.proxy_key}\n"
         f"  upstream_ca_file: {certs.vendor_ca}\n  leaf_validity: 1d\n"
     )

@@ -68,21 +68,28 @@ _WRK_NON2XX = re.compile(r"Non-2xx or 3xx responses: (\d+)")
 _WRK_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 _MINIMAL_READY = re.compile(r"minimal-proxy listening on http://(\S+)")
 
-WRK_SCRIPT = f"""-- absolute-form request target, as a client behind HTTP_PROXY sends it
-wrk.method = "GET"
-wrk.path = "{TARGET_URL}"
-wrk.headers["Host"] = "{VENDOR_HOST}"
-"""
+
+def wrk_script(target: str = TARGET_URL) -> str:
+    """wrk's Lua: the absolute-form request target, as a client behind HTTP_PROXY sends it."""
+    host = target.split("://", 1)[1].split("/", 1)[0]
+    return f'wrk.method = "GET"\nwrk.path = "{target}"\nwrk.headers["Host"] = "{host}"\n'
 
 
 def generate(
-    fleet: Fleet, generator: str, proxy_url: str, connections: int, duration: float, cpus: str | None
+    fleet: Fleet,
+    generator: str,
+    proxy_url: str,
+    connections: int,
+    duration: float,
+    cpus: str | None,
+    target: str = TARGET_URL,
 ) -> tuple[dict[str, float], float]:
-    """Run the load; returns ({requests, non2xx, errors, elapsed}, generator CPU seconds)."""
+    """Run the load (absolute-form ``target``); returns ({requests, non2xx, errors, elapsed},
+    generator CPU seconds)."""
     hostport = proxy_url.removeprefix("http://")
     if generator == "wrk":
         script = fleet.workdir / "absolute.lua"
-        script.write_text(WRK_SCRIPT)
+        script.write_text(wrk_script(target))
         proc = fleet.start(
             "wrk",
             ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script), f"http://{hostport}/"],
@@ -97,7 +104,7 @@ def generate(
                 "--connect",
                 hostport,
                 "--target",
-                TARGET_URL,
+                target,
                 "--connections",
                 str(connections),
                 "--duration",
@@ -130,7 +137,7 @@ def generate(
         raise BenchError(f"cannot read the load generator's output:\n{proc.tail()}") from None
 
 
-def _cpus(spec: str | None) -> list[str]:
+def cpu_names(spec: str | None) -> list[str]:
     """taskset CPU list ("1", "0,1", "2-3") as /proc/stat names."""
     if not spec:
         return []
@@ -152,19 +159,25 @@ def start_proxy(
         )
         proc.url = "http://" + fleet.wait_line(proc, _MINIMAL_READY).group(1)
         return proc
-    if mode == "nolimit":
-        yaml = policy(vendor.url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
-    else:
-        store = redis.url if mode == "redis" and redis is not None else "memory://"
-        yaml = policy(
-            vendor.url,
-            [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
-            store=store,
-            tenant_limits=[Limit(HUGE, "1s", HUGE)],
-            action="defer",
-            access_log=access_log,
-        )
+    yaml = product_policy(mode, vendor.url, redis.url if redis is not None else None, access_log)
     return fleet.proxy(yaml, name=f"proxy-{mode}", cpus=cpus)
+
+
+def product_policy(
+    mode: str, vendor_url: str, redis_url: str | None, access_log: bool = True, store_timeout: str = "50ms"
+) -> str:
+    """The policy of a product mode (nolimit, memory, redis): limits that never bind."""
+    if mode == "nolimit":
+        return policy(vendor_url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
+    return policy(
+        vendor_url,
+        [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
+        store=redis_url if mode == "redis" and redis_url is not None else "memory://",
+        tenant_limits=[Limit(HUGE, "1s", HUGE)],
+        action="defer",
+        access_log=access_log,
+        store_timeout=store_timeout,
+    )
 
 
 def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, redis: Proc | None) -> dict[str, Any]:
@@ -196,7 +209,7 @@ def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, red
     delta = {k: int(after_metrics.get(k, 0) - before_metrics.get(k, 0)) for k in after_metrics}
     evalsha = script_calls(before_cmd, after_cmd)[0] if redis is not None and mode == "redis" else None
     window = t1 - t0
-    proxy_cpus = _cpus(args.proxy_cpu)
+    proxy_cpus = cpu_names(args.proxy_cpu)
     core_busy = sum(busy1[c] - busy0[c] for c in proxy_cpus) if proxy_cpus else None
     return {
         "mode": mode,
