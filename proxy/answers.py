@@ -6,7 +6,7 @@ vendor's own error body and retry headers. An ``Answer`` says what the proxy mea
 way that SDK reads it:
 
     dialect  error object                                        retry headers
-    generic  {type, code, message}                               x-should-retry
+    generic  {type, code, message}                               x-should-retry, Stripe-Should-Retry
     stripe   {type: invalid_request_error | api_error,           x-should-retry, Stripe-Should-Retry
               code: rate_limit | <code>, message}
     openai   {message, type: requests | invalid_request_error    x-should-retry
@@ -69,11 +69,14 @@ def _flag(retry: bool) -> str:
 
 
 class Generic:
+    """Both retry headers: a vendor left on ``generic`` whose workers run Stripe's SDK must
+    not have its sheds retried (that SDK retries every 5xx it is not told otherwise)."""
+
     def error(self, answer: Answer) -> dict[str, object]:
         return {"type": answer.type, "code": answer.code, "message": answer.message}
 
     def retry_headers(self, retry: bool) -> dict[str, str]:
-        return {h.SHOULD_RETRY: _flag(retry)}
+        return {h.SHOULD_RETRY: _flag(retry), h.STRIPE_SHOULD_RETRY: _flag(retry)}
 
 
 class Stripe:
