@@ -195,7 +195,8 @@ class Fleet:
         env: dict[str, str] | None = None,
         nofile: int | None = None,
     ) -> Proc:
-        """``nofile``: the child's soft limit of open files (e.g. 1024, a common default)."""
+        """``nofile``: the child's limit of open files, soft and hard (as a container's
+        ``nofile``: the process cannot raise it; e.g. 1024, a common default)."""
         if cpus is not None:
             argv = ["taskset", "-c", cpus, *argv]
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
@@ -203,7 +204,8 @@ class Fleet:
         def limit_files() -> None:
             if nofile is not None:
                 hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard), hard))
+                cap = min(nofile, hard)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (cap, cap))
 
         with open(out, "wb") as fo, open(err, "wb") as fe:
             popen = subprocess.Popen(

@@ -9,6 +9,7 @@ subtly in production. Written against aiohttp 3.14.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import aiohttp
@@ -100,6 +101,12 @@ class ConnectionGuard(Protocol):
         """A head did not arrive in time: the bytes to write before closing (``partial``:
         part of it arrived; b"" closes silently)."""
 
+    def waiting(self, connection: object, evict: Callable[[], None]) -> None:
+        """``connection`` waits for a request head; ``evict`` closes it (the cap needs its place)."""
+
+    def not_waiting(self, connection: object) -> None:
+        """``connection`` no longer waits for a head (it arrived, or the connection is gone)."""
+
 
 class _ServedConnection(web.RequestHandler):
     """aiohttp's HTTP/1.1 handler for one connection, with a tag for its requests and a
@@ -155,17 +162,30 @@ class _ServedConnection(web.RequestHandler):
     def _arm(self, when: float) -> None:
         self._disarm()
         self._timer = asyncio.get_running_loop().call_at(when, self._head_timeout)
+        self._guard.waiting(self, self._evicted)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+            self._guard.not_waiting(self)
+
+    def _evicted(self) -> None:
+        """A new connection at the cap takes this one's place: it is closed as if its head
+        had timed out (408 if part of one came)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._head_bytes and self.transport is not None:
+            self.transport.write(self._guard.head_timed_out(True))
+        self.force_close()
 
     def _head_timeout(self) -> None:
         # Armed only while no request is being served, disarmed when a head arrives whole:
         # so this head is overdue, whether or not aiohttp's task has started waiting for it
         # (a connection handed over with its deadline already past).
         self._timer = None
+        self._guard.not_waiting(self)
         answer = self._guard.head_timed_out(self._head_bytes)
         if answer and self.transport is not None:
             self.transport.write(answer)

@@ -2,7 +2,10 @@
 connection beyond it is told, and what a request head that does not arrive in time is told.
 
     open connections below the cap       served
-    the cap reached                      turned away: its request head is read (at most
+    the cap reached, and a connection    that connection is closed (408 if part of a head
+      waits for a head over EVICT_AFTER  came) and the new one served: a stalled head
+                                         (slowloris) gives way to a worker that talks
+    the cap reached, none waits long     turned away: its request head is read (at most
                                          1 s and 16 KiB), then answered 503 + Connection:
                                          close (SPEC §5 body, x-should-retry: true,
                                          Retry-After: 1) and closed; what it still sends is
@@ -35,6 +38,9 @@ from proxy.refusals import ErrorType
 
 log = logging.getLogger("quota_proxy")
 
+EVICT_AFTER: Final = 1.0
+"""Seconds a connection must have waited for its request head before a new connection at
+the cap may take its place (a worker sends its head in milliseconds)."""
 TURNED_AWAY_MAX: Final = 64
 """Connections beyond the cap being answered at once; more are closed unanswered."""
 _ANSWER_WAIT: Final = 1.0  # seconds a turned-away connection has to send its request head
@@ -81,6 +87,8 @@ class ConnectionLimits:
         """Connections aiohttp serves now: plain HTTP, and HTTP inside intercepted CONNECTs."""
         self._turned_away: set[_TurnedAway] = set()
         self._warned = -_WARN_EVERY
+        # Connections waiting for a request head, oldest first: since when, and how to close one.
+        self._waiting: dict[object, tuple[float, Callable[[], None]]] = {}
 
     @property
     def head_timeout(self) -> float:
@@ -108,13 +116,33 @@ class ConnectionLimits:
         self._metrics.connections_closed.labels("head_timeout").inc()
         return REQUEST_TIMEOUT if partial else b""
 
+    def waiting(self, connection: object, evict: Callable[[], None]) -> None:
+        """``connection`` waits for a request head from now; ``evict`` closes it should a new
+        connection at the cap need its place."""
+        self._waiting.pop(connection, None)
+        self._waiting[connection] = (time.monotonic(), evict)
+
+    def not_waiting(self, connection: object) -> None:
+        self._waiting.pop(connection, None)
+
+    def _evict_oldest(self) -> bool:
+        """Close the connection that has waited longest for its head, if over EVICT_AFTER."""
+        for connection, (since, evict) in self._waiting.items():
+            if time.monotonic() - since < min(EVICT_AFTER, self.head_timeout / 2):
+                return False  # the oldest is recent: so is every other
+            del self._waiting[connection]
+            self._metrics.connections_closed.labels("evicted").inc()
+            evict()
+            return True
+        return False
+
     # -- the cap ------------------------------------------------------------------------
 
     def turn_away(self, open_now: int) -> asyncio.Protocol | None:
         """None when a new connection may be served (``open_now`` are open); else the
         protocol that turns it away."""
         cap = self.cap
-        if open_now < cap:
+        if open_now < cap or self._evict_oldest():
             return None
         now = time.monotonic()
         if now - self._warned >= _WARN_EVERY:

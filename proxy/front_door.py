@@ -231,16 +231,19 @@ class FrontDoor(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + self._gate.limits.head_timeout
         self._timer = loop.call_at(self._deadline, self._head_timed_out)
+        self._gate.limits.waiting(self, self._head_timed_out)
 
     def _settled(self) -> None:
         """The first request is in (or handed to aiohttp, which times the rest of it)."""
+        self._gate.limits.not_waiting(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _head_timed_out(self) -> None:
-        """The first request head is not in: 408 if part of one came, else just close."""
-        self._timer = None
+        """The first request head is not in (or a new connection at the cap needs this one's
+        place): 408 if part of one came, else just close."""
+        self._settled()
         if self._task is None and self._transport is not None:
             answer = self._gate.limits.head_timed_out(bool(self._buffer))
             if answer:

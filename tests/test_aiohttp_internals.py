@@ -69,6 +69,7 @@ class Guard:
         self.open = 0
         self.timeouts: list[tuple[bool, float]] = []
         self.closed_all = asyncio.Event()
+        self.waiters: dict[object, Callable[[], None]] = {}
 
     def opened(self) -> None:
         self.open += 1
@@ -81,6 +82,12 @@ class Guard:
     def head_timed_out(self, partial: bool) -> bytes:
         self.timeouts.append((partial, time.monotonic()))
         return b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n" if partial else b""
+
+    def waiting(self, connection: object, evict: Callable[[], None]) -> None:
+        self.waiters[connection] = evict
+
+    def not_waiting(self, connection: object) -> None:
+        self.waiters.pop(connection, None)
 
 
 async def test_answer_begun_counts_the_answer_but_not_an_interim_100_continue() -> None:

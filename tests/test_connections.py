@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.connections import TURNED_AWAY_MAX
+from proxy.connections import EVICT_AFTER, TURNED_AWAY_MAX
 from proxy.fdlimit import RESERVED
 from proxy.policy import Connections
 from proxy.server import ProxyServer
@@ -197,7 +197,11 @@ async def test_an_idle_keep_alive_connection_is_closed_at_idle_timeout(vendor: V
 async def test_beyond_max_connections_a_new_one_gets_503_connection_close(vendor: Vendor, start_proxy: Any) -> None:
     proxy = await start_proxy(policy(vendor.url, max_connections=3))
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+        # Three connections each serving a request (a slow vendor): none waits for a head,
+        # so none gives way to a newcomer.
         silent = [await stack.enter_async_context(raw(proxy)) for _ in range(3)]
+        for _, writer in silent:
+            writer.write(b"GET /payments/delay/8000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
 
         async def counted() -> bool:
             return value(await scrape(proxy), "ratelimit_connections_open") == 3
@@ -219,8 +223,35 @@ async def test_beyond_max_connections_a_new_one_gets_503_connection_close(vendor
         _, writer = silent[0]
         writer.close()
         await eventually(lambda: _open_below(proxy, 3), "a slot freed")
+        for _, writer in silent[1:]:
+            writer.close()
         async with s.get(f"{proxy.url}/payments/v1/x") as r:
             assert r.status == 200
+
+
+async def test_at_the_cap_a_connection_stalled_in_its_head_gives_way_to_a_new_one(
+    vendor: Vendor, start_proxy: Any
+) -> None:
+    """A slowloris that fills the cap does not lock workers out until its heads time out:
+    a new connection takes the place of the one that has waited longest for its head."""
+    text = CONNECTIONS.replace("$max", "3").replace(f"head_timeout: {int(HEAD * 1000)}ms", "head_timeout: 30s")
+    proxy = await start_proxy(vendor_policy(vendor.url, extra_top=text))
+    async with AsyncExitStack() as stack:
+        stalled = [await stack.enter_async_context(raw(proxy)) for _ in range(3)]
+        for _, writer in stalled:
+            writer.write(PARTIAL)  # heads that never end
+
+        async def counted() -> bool:
+            return value(await scrape(proxy), "ratelimit_connections_open") == 3
+
+        await eventually(counted, "three connections counted open")
+        await asyncio.sleep(EVICT_AFTER + 0.1)  # a real wait: the threshold is time itself
+        for _ in range(3):  # each new worker connection, kept open, takes a stalled one's place
+            reader, writer = await stack.enter_async_context(raw(proxy))
+            assert parse(await exchange(reader, writer, GET))[0] == 200
+        answers = await asyncio.gather(*(until_closed(reader, 5) for reader, _ in stalled))
+        assert [parse(a)[0] for a in answers] == [408, 408, 408]
+        assert value(await scrape(proxy), "ratelimit_connections_closed_total", reason="evicted") == 3
 
 
 async def _open_below(proxy: ProxyServer, n: int) -> bool:
