@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -215,6 +216,10 @@ async def serve(
         await runtime.close()
         return 1
     _log_fd_limit(fd_limit, policy)  # only once listening: a refusal to start stays one line
+    # What start-up built lives as long as the process: out of the collector's full passes,
+    # which would otherwise rescan it, stalling the event loop (and held requests' timing).
+    gc.collect()
+    gc.freeze()
     watcher = spawn(reloader.watch(watch), name="watch-policy") if reloader and watch else None
     if ready_line:
         print(

@@ -7,6 +7,7 @@ a free port, and fails (never skips) when ``redis-server`` is missing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import os
 import shutil
@@ -43,6 +44,15 @@ from proxy.server import ProxyServer
 pytest.register_assert_rewrite("tests.helpers")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (the vendors' SDKs among it) out of the garbage
+    collector: the tests run the proxy, its vendor and its workers in this one process,
+    and a full collection of all that stalls the event loop for a few hundred ms, which
+    timing tests would read as the proxy's fault. A proxy process carries none of it."""
+    gc.collect()
+    gc.freeze()
 
 
 def free_port() -> int:

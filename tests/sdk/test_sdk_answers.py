@@ -50,13 +50,11 @@ def without_full_collections() -> Iterator[None]:
     collection of them stalls the proxy's event loop for 0.2-0.4 s here, and requests held
     until a moment inside the stall then leave together (five within 4 ms were seen, 26 in
     a second at a vendor allowing 25). A proxy process does not carry them: what exists is
-    frozen out of the collector while the quota is measured."""
+    frozen out of the collector (for the rest of the session, as conftest freezes what
+    collection imported) before the quota is measured."""
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    yield
 
 
 @contextlib.asynccontextmanager
