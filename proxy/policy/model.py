@@ -16,12 +16,14 @@ ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open", "local"]
 AnswerDialect = Literal["generic", "stripe", "openai"]
 TenantFrom = Literal["header", "proxy_auth"]
+HeaderFeedback = Literal["auto", "none"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
 ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
 TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
+HEADER_FEEDBACK: tuple[HeaderFeedback, ...] = ("auto", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,9 @@ class Feedback:
     max_retry_after: float = 300.0
     """Longest block a vendor's Retry-After can impose, in seconds: longer blocks stop the
     whole fleet, so the cap is minutes and a capped block is logged."""
+    headers: HeaderFeedback = "none"
+    """``auto``: learn the vendor's limits from its own quota headers (SPEC §10, learned
+    limits), only ever tightening the policy's; ``none``: only 429s and ``low_watermark``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,41 @@ class Timeouts:
     connect: float = 5.0
     read: float = 30.0
     """Longest silence while waiting for the vendor's response headers or body."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMatch:
+    """Which requests belong to an endpoint class: every given condition must hold."""
+
+    methods: tuple[str, ...] = ()
+    """Upper-case request methods; empty: any method."""
+    path: str | None = None
+    """A glob (``*``, ``?``, ``[...]``; ``*`` crosses ``/``) on the path the vendor is sent,
+    without the query; None: any path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A class of a vendor's requests with quotas of its own (SPEC §10), nested inside
+    the vendor's (and the tenant's) buckets."""
+
+    name: str
+    """Policy-defined, unique per vendor: the ``endpoint`` label in metrics and the access log."""
+    match: EndpointMatch = field(default_factory=EndpointMatch)
+    limits: tuple[Limit, ...] = ()
+    concurrency: int | None = None
+    """Requests of this class in flight at once, fleet-wide; None: no cap of its own."""
+    cost: float = 1.0
+    """Tokens a request of this class takes from every bucket it touches."""
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """The vendor's quota is per value of a request header (a credential, an account)."""
+
+    header: str
+    """Requests without it share one default partition. The value is hashed for keys and
+    never stored or logged; the header is forwarded unchanged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +173,13 @@ class Vendor:
     re-enqueued instead of blocking a worker), the wait still readable."""
     ratelimit_headers: bool = False
     """Add the IETF ``RateLimit-Policy`` / ``RateLimit`` fields to forwarded responses."""
+    endpoints: tuple[Endpoint, ...] = ()
+    """Endpoint classes, first match wins; a request matching none takes only the
+    vendor's (and tenant's) buckets, at cost 1."""
+    concurrency: int | None = None
+    """Requests in flight to this vendor at once, fleet-wide (leases); None: no cap."""
+    partition: Partition | None = None
+    """Keep the global and endpoint buckets per value of a request header; None: one quota."""
 
 
 @dataclass(frozen=True, slots=True)
