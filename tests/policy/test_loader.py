@@ -91,7 +91,13 @@ def test_payments_policy_loads_with_overrides_and_several_vendors():
 
     payments = policy.vendor("payments-api")
     assert payments.upstream == "https://api.payments.example"
-    assert payments.limits == (Limit(80, 1, 40), Limit(4000, 60, 4000))
+    assert payments.limits == (Limit(90, 1, 10),)
+    assert (payments.partition, payments.concurrency) == (Partition("Authorization"), 25)
+    assert payments.endpoints == (
+        Endpoint("search", EndpointMatch(("GET",), "/v1/*/search"), (Limit(18, 1, 2),), concurrency=5),
+        Endpoint("files", EndpointMatch(("POST",), "/v1/files"), cost=5, concurrency=4),
+    )
+    assert payments.feedback.headers == "auto"
     assert payments.tenant_limits.for_tenant("acme") == (Limit(20, 1, 20),)
     assert payments.tenant_limits.for_tenant("globex") == (Limit(12, 1, 12), Limit(500, 60, 500))
     assert payments.tenant_limits.for_tenant("someone-else") == (Limit(8, 1, 8),)
