@@ -23,7 +23,7 @@ def summarize(policy: Policy) -> str:
     lines += _general(policy)
     for vendor in policy.vendors:
         lines.append("")
-        lines += _vendor(vendor)
+        lines += _vendor(vendor, policy.store.on_failure == "open")
     return "\n".join(lines) + "\n"
 
 
@@ -101,7 +101,7 @@ def _tenant(policy: Policy) -> list[str]:
     return [_row("tenant", f"header {tenant.header}, default {default}"), _row("", accepted)]
 
 
-def _vendor(vendor: Vendor) -> list[str]:
+def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
     indent = "  "
     rows = [
         f"vendor {vendor.name}",
@@ -109,7 +109,7 @@ def _vendor(vendor: Vendor) -> list[str]:
         _row("route", vendor.route or "(none)", indent),
         _row("upstream", vendor.upstream or "(the requested origin)", indent),
         _row("limits", _limits(vendor.limits), indent),
-        _row("worst case", _worst_case(worst_cases(vendor.limits), vendor), indent),
+        _row("worst case", _vendor_worst_case(vendor, fail_open), indent),
         _row("partition", _partition(vendor), indent),
         _row("concurrency", _concurrency(vendor.concurrency), indent),
     ]
@@ -141,6 +141,13 @@ def _worst_case(cases: Iterable[WorstCase], vendor: Vendor) -> str:
     ]
     where = f"per value of {vendor.partition.header}" if vendor.partition is not None else "fleet-wide"
     return f"at most {', '.join(counts)}, {where}" if counts else "unbounded"
+
+
+def _vendor_worst_case(vendor: Vendor, fail_open: bool) -> str:
+    """Counted in the vendor's cheapest requests: a class costing less than 1 sends more."""
+    cheapest = min((1.0, *(endpoint.cost for endpoint in vendor.endpoints)))
+    text = _worst_case(worst_cases(vendor.limits, cost=cheapest), vendor)
+    return f"{text}; unbounded while the store is down (on_failure open)" if fail_open else text
 
 
 def _partition(vendor: Vendor) -> str:

@@ -176,3 +176,25 @@ vendors:
         "  on_limit    hold, max_hold 500ms",
     ]
     assert "  learned     auto: the vendor's quota headers only ever tighten these limits" in lines
+
+
+def test_worst_case_counts_the_cheapest_requests_and_says_when_it_does_not_hold():
+    text = summarize(
+        parse_policy(
+            """\
+version: 1
+store: {on_failure: open}
+vendors:
+  - name: shop
+    hosts: [shop.example]
+    limits: [{rate: 2, per: 1s, burst: 40}]
+    endpoints: [{name: light, match: {methods: [HEAD]}, cost: 0.5}]
+""",
+            "p.yaml",
+        )
+    )
+    # 40 + 2 tokens in a second, half a token a HEAD: 84 requests.
+    assert (
+        "  worst case  at most 84 requests in any 1s, fleet-wide; unbounded while the store is down (on_failure open)"
+        in text.splitlines()
+    )
