@@ -19,7 +19,7 @@ from proxy.policy import values
 from proxy.policy.durations import show
 from proxy.policy.limits import optional_limits
 from proxy.policy.model import Endpoint, EndpointMatch, Limit, Partition, TenantLimits
-from proxy.policy.walker import CheckedMapping, Walk, is_null, line_of
+from proxy.policy.walker import CheckedMapping, Walk, is_null
 
 _ENDPOINT_KEYS: Final = ("name", "match", "limits", "concurrency", "cost")
 _MATCH_KEYS: Final = ("methods", "path")
@@ -55,9 +55,7 @@ def _endpoint(walk: Walk, node: yaml.Node, path: str, enclosing: Enclosing, name
     m = walk.mapping(node, path, _ENDPOINT_KEYS)
     if m is None:
         return None
-    name = m.require("name", values.endpoint_name, "")
-    if name:
-        _claim_name(m, name, names)
+    name = m.unique_name("name", values.endpoint_name, names, "endpoint")
     match = m.require_section("match", _match, EndpointMatch())
     mark = walk.mark()
     endpoint = Endpoint(
@@ -77,15 +75,6 @@ def _endpoint(walk: Walk, node: yaml.Node, path: str, enclosing: Enclosing, name
             )
             walk.warn(node, path, message)
     return endpoint
-
-
-def _claim_name(m: CheckedMapping, name: str, names: dict[str, int]) -> None:
-    node = m.node_of("name") or m.node
-    first = names.get(name)
-    if first is None:
-        names[name] = line_of(node)
-    else:
-        m.walk.error(node, m.child("name"), f'duplicate endpoint name "{name}" (first at line {first})')
 
 
 def _match(walk: Walk, node: yaml.Node, path: str) -> EndpointMatch:

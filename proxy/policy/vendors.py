@@ -33,7 +33,7 @@ from proxy.policy.model import (
     TlsSettings,
     Vendor,
 )
-from proxy.policy.walker import CheckedMapping, Walk, is_null, line_of
+from proxy.policy.walker import CheckedMapping, Walk, is_null
 
 _VENDOR: Final = Vendor(name="")
 _ON_LIMIT: Final = OnLimit()
@@ -91,9 +91,7 @@ def _vendor(
     m = walk.mapping(node, path, _VENDOR_KEYS)
     if m is None:
         return None
-    name = m.require("name", values.vendor_name, "")
-    if name:
-        _claim_name(m, name, claims)
+    name = m.unique_name("name", values.vendor_name, claims.names, "vendor")
     hosts, route = _targets(m, _Owner(path, name or path), claims)
     connect = _connect(m, tls)
     if connect == "intercept":
@@ -160,15 +158,6 @@ def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
         outside = ca.outside(split_host_port(entry)[0])
         if outside is not None:
             m.walk.error(item, f"{m.child('hosts')}[{i}]", outside)
-
-
-def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:
-    node = m.node_of("name") or m.node
-    first = claims.names.get(name)
-    if first is None:
-        claims.names[name] = line_of(node)
-    else:
-        m.walk.error(node, m.child("name"), f'duplicate vendor name "{name}" (first at line {first})')
 
 
 def _absent(node: yaml.Node | None) -> bool:
