@@ -66,7 +66,7 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         _check_listeners(m, listen, admin_listen)
     tls = m.section("tls", _tls, _TLS)
     tenant = m.section("tenant", _tenant, _TENANT)
-    vendors: tuple[Vendor, ...] = m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls), ())
+    vendors: tuple[Vendor, ...] = m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls, tenant), ())
     _check_known_tenants(m, tenant, vendors)
     return Policy(
         version=version,

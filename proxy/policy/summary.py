@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Connections, Feedback, Limit, Policy, TenantLimits, Vendor
+from proxy.policy.model import Connections, Endpoint, Feedback, Limit, Policy, TenantLimits, Vendor
 from proxy.policy.values import mask_password
+from proxy.policy.worst_case import WorstCase, worst_cases
 
 _WIDTH = 14  # label column, so values line up
 
@@ -22,7 +23,7 @@ def summarize(policy: Policy) -> str:
     lines += _general(policy)
     for vendor in policy.vendors:
         lines.append("")
-        lines += _vendor(vendor)
+        lines += _vendor(vendor, policy.store.on_failure == "open")
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +101,7 @@ def _tenant(policy: Policy) -> list[str]:
     return [_row("tenant", f"header {tenant.header}, default {default}"), _row("", accepted)]
 
 
-def _vendor(vendor: Vendor) -> list[str]:
+def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
     indent = "  "
     rows = [
         f"vendor {vendor.name}",
@@ -108,11 +109,16 @@ def _vendor(vendor: Vendor) -> list[str]:
         _row("route", vendor.route or "(none)", indent),
         _row("upstream", vendor.upstream or "(the requested origin)", indent),
         _row("limits", _limits(vendor.limits), indent),
+        _row("worst case", _vendor_worst_case(vendor, fail_open), indent),
+        _row("partition", _partition(vendor), indent),
+        _row("concurrency", _concurrency(vendor.concurrency), indent),
     ]
+    rows += [_row("endpoints" if i == 0 else "", text, indent) for i, text in enumerate(_endpoints(vendor))]
     rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(_tenants(vendor.tenant_limits))]
     on_limit = vendor.on_limit
     rows.append(_row("on_limit", f"{on_limit.action}, max_hold {format_duration(on_limit.max_hold)}", indent))
     rows.append(_row("feedback", _feedback(vendor.feedback), indent))
+    rows.append(_row("learned", _learned(vendor.feedback), indent))
     connect = vendor.connect + (f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else "")
     rows.append(_row("connect", connect, indent))
     rows.append(_row("answers", _answers(vendor), indent))
@@ -125,6 +131,57 @@ def _vendor(vendor: Vendor) -> list[str]:
         )
     )
     return rows
+
+
+def _worst_case(cases: Iterable[WorstCase], vendor: Vendor) -> str:
+    """What a vendor counting requests in a sliding window may see from the whole fleet."""
+    counts = [
+        f"{case.requests}{' requests' if i == 0 else ''} in any {format_duration(case.window)}"
+        for i, case in enumerate(cases)
+    ]
+    where = f"per value of {vendor.partition.header}" if vendor.partition is not None else "fleet-wide"
+    return f"at most {', '.join(counts)}, {where}" if counts else "unbounded"
+
+
+def _vendor_worst_case(vendor: Vendor, fail_open: bool) -> str:
+    """Counted in the vendor's cheapest requests: a class costing less than 1 sends more."""
+    cheapest = min((1.0, *(endpoint.cost for endpoint in vendor.endpoints)))
+    text = _worst_case(worst_cases(vendor.limits, cost=cheapest), vendor)
+    return f"{text}; unbounded while the store is down (on_failure open)" if fail_open else text
+
+
+def _partition(vendor: Vendor) -> str:
+    if vendor.partition is None:
+        return "none: one quota for the whole vendor"
+    header = vendor.partition.header
+    return f"{header}: global and endpoint buckets per value (hashed), requests without it share one"
+
+
+def _concurrency(cap: int | None) -> str:
+    return "no cap" if cap is None else f"at most {cap} in flight, fleet-wide"
+
+
+def _endpoints(vendor: Vendor) -> list[str]:
+    """Each class in match order, then where the other requests go."""
+    if not vendor.endpoints:
+        return ["none: every request takes the vendor's buckets, cost 1"]
+    rows: list[str] = []
+    for endpoint in vendor.endpoints:
+        rows.append(f"{endpoint.name}: {_match(endpoint)}")
+        limits = f"limits {_limits(endpoint.limits)}" if endpoint.limits else "no limits of its own"
+        cap = "no concurrency cap of its own" if endpoint.concurrency is None else f"concurrency {endpoint.concurrency}"
+        rows.append(f"  {limits}; {cap}; cost {endpoint.cost:g}")
+        if endpoint.limits or endpoint.cost != 1:
+            own = endpoint.limits or vendor.limits
+            cases = worst_cases(own, vendor.limits, endpoint.cost)
+            rows.append(f"  {_worst_case(cases, vendor)}")
+    rows.append("any other request: the vendor's buckets only, cost 1")
+    return rows
+
+
+def _match(endpoint: Endpoint) -> str:
+    methods = ",".join(endpoint.match.methods) or "any method"
+    return f"{methods} {endpoint.match.path or '(any path)'}"
 
 
 def _limits(limits: Iterable[Limit]) -> str:
@@ -146,6 +203,12 @@ def _feedback(feedback: Feedback) -> str:
         return f"no remaining header; {retry}"
     watermark = f"drain below {feedback.low_watermark:g}" if feedback.low_watermark > 0 else "no drain"
     return f"{feedback.remaining_header} ({watermark}); {retry}"
+
+
+def _learned(feedback: Feedback) -> str:
+    if feedback.headers == "none":
+        return "off (feedback.headers none): only 429s and the low watermark"
+    return "auto: the vendor's quota headers only ever tighten these limits"
 
 
 def _answers(vendor: Vendor) -> str:

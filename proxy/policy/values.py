@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final, TypeVar
 from urllib.parse import unquote_plus, urlsplit
 
+from proxy.headers import HOP_BY_HOP, QUOTA_PREFIX
 from proxy.names import TENANT_NAME, format_authority, parse_host, parse_host_port, parse_port, split_host_port
 from proxy.policy.durations import parse_duration, show
 from proxy.policy.model import Address
@@ -29,6 +30,8 @@ T = TypeVar("T")
 N = TypeVar("N", int, float)
 
 _STORE_SCHEMES: Final = ("memory", "redis", "rediss", "redis+cluster")
+_TOKEN_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token: header names, methods
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # vendor and endpoint names: metric labels
 _ROUTE_SEGMENT_RE: Final = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+")
 
 
@@ -254,17 +257,56 @@ key_prefix: Final = matching(
     re.compile(r"[A-Za-z0-9_.:-]+"),  # no "{}": the vendor hash tag must stay the only one
     "key_prefix must be letters, digits and _.:- only, got {value}",
 )
-header_name: Final = matching(
-    re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"),  # an RFC 9110 token
-    "{value} is not a valid header name",
-)
+header_name: Final = matching(_TOKEN_RE, "{value} is not a valid header name")
 tenant_name: Final = matching(
     TENANT_NAME, "{value} is not a valid tenant name (letters, digits and ._:@-, at most 128)"
 )
-vendor_name: Final = matching(
-    re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"),
-    "{value} is not a valid vendor name (letters, digits and _.-, at most 64)",
-)
+vendor_name: Final = matching(_NAME_RE, "{value} is not a valid vendor name (letters, digits and _.-, at most 64)")
+endpoint_name: Final = matching(_NAME_RE, "{value} is not a valid endpoint name (letters, digits and _.-, at most 64)")
+
+
+def http_method(key: str, value: object) -> str:
+    """A request method, upper-cased (``get`` is ``GET``); never CONNECT, which opens a
+    tunnel rather than asking for a path (a tunnel's requests are matched one by one)."""
+    text = string(key, value)
+    if not _TOKEN_RE.fullmatch(text):
+        raise ValueError(f"{show(text)} is not an HTTP method")
+    method = text.upper()
+    if method == "CONNECT":
+        raise ValueError(
+            "CONNECT cannot be matched: it opens a tunnel (the vendor's connect), and the requests inside an"
+            " intercepted tunnel are matched like any other"
+        )
+    return method
+
+
+_NOT_PARTITION: Final = frozenset({"host", *HOP_BY_HOP})
+
+
+def partition_header(key: str, value: object) -> str:
+    """A request header the vendor's quota is kept per value of: one the vendor receives,
+    so not ``Host``, a hop-by-hop or ``Proxy-*`` header, nor the proxy's own ``X-Quota-*``."""
+    name = header_name(key, value)
+    low = name.lower()
+    if low in _NOT_PARTITION or low.startswith("proxy-") or low.startswith(QUOTA_PREFIX):
+        raise ValueError(
+            f"{show(name)} cannot partition a vendor's quota: Host, hop-by-hop, Proxy-* and X-Quota-* headers"
+            " never reach the vendor as the worker sent them"
+        )
+    return name
+
+
+def path_glob(key: str, value: object) -> str:
+    """A glob on the path the vendor is sent, without the query: ``*`` (any run of
+    characters, ``/`` included), ``?`` (any one character), ``[...]``. A request path holds
+    no ``?`` of its own (the query starts there and is never matched), so ``?`` can only be
+    the wildcard, and ``#`` never reaches a server."""
+    text = string(key, value)
+    if not text.startswith("/"):
+        raise ValueError(f'path {show(text)} must start with "/"')
+    if "#" in text or any(c.isspace() or not c.isprintable() for c in text):
+        raise ValueError(f"path {show(text)} may not hold a fragment (#), spaces or control characters")
+    return text
 
 
 # ---------------------------------------------------------------- where things are

@@ -1,5 +1,6 @@
 """The ``vendors:`` section: each vendor's hosts, route, limits, tenant limits, answers
-when limited, feedback, CONNECT mode, timeouts and the dialect of the proxy's own answers.
+when limited, feedback, CONNECT mode, timeouts, the dialect of the proxy's own answers, and
+its quota shapes (endpoint classes, concurrency cap, partition: built in ``shapes``).
 
 Names, hosts and routes are claimed as they are read (``_Claims``), so a second vendor
 that reuses one is reported on its own line, naming the vendor that had it first.
@@ -13,38 +14,40 @@ from typing import Final
 import yaml
 
 from proxy.names import host_caution, split_host_port
-from proxy.policy import values
+from proxy.policy import shapes, values
 from proxy.policy.durations import format_duration
+from proxy.policy.limits import optional_limits, required_limits
 from proxy.policy.model import (
     ACTIONS,
     ANSWER_DIALECTS,
     CONNECT_MODES,
+    HEADER_FEEDBACK,
     Action,
     ConnectMode,
     Feedback,
     Limit,
     OnLimit,
     TenantLimits,
+    TenantSettings,
     Timeouts,
     TlsSettings,
     Vendor,
 )
-from proxy.policy.walker import CheckedMapping, Walk, is_null, line_of
+from proxy.policy.walker import CheckedMapping, Walk, is_null
 
 _VENDOR: Final = Vendor(name="")
 _ON_LIMIT: Final = OnLimit()
 _FEEDBACK: Final = Feedback()
 _TIMEOUTS: Final = Timeouts()
-_DEFAULT_PER: Final = 1.0
 
 _VENDOR_KEYS: Final = (
     "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
-    "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers",
+    "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers", "endpoints", "concurrency",
+    "partition",
 )  # fmt: skip
-_LIMIT_KEYS: Final = ("rate", "per", "burst")
 _TENANT_LIMITS_KEYS: Final = ("default", "overrides")
 _ON_LIMIT_KEYS: Final = ("action", "max_hold")
-_FEEDBACK_KEYS: Final = ("remaining_header", "low_watermark", "retry_after_default", "max_retry_after")
+_FEEDBACK_KEYS: Final = ("remaining_header", "low_watermark", "retry_after_default", "max_retry_after", "headers")
 _TIMEOUTS_KEYS: Final = ("connect", "read")
 
 
@@ -67,36 +70,43 @@ class _Owner:
     name: str
 
 
-def build_vendors(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings) -> tuple[Vendor, ...]:
-    """The ``vendors:`` list; ``tls`` decides the default ``connect`` mode."""
+def build_vendors(
+    walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, tenant: TenantSettings
+) -> tuple[Vendor, ...]:
+    """The ``vendors:`` list; ``tls`` decides the default ``connect`` mode, and ``tenant``
+    names the tenant header (stripped, so it cannot be a partition header)."""
     items = walk.sequence(node, path)
     if items is None:
         return ()
     if not items:
         walk.error(node, path, "at least one vendor is required")
     claims = _Claims()
-    vendors = (_vendor(walk, item, f"{path}[{i}]", tls, claims) for i, item in enumerate(items))
+    vendors = (_vendor(walk, item, f"{path}[{i}]", tls, tenant, claims) for i, item in enumerate(items))
     return tuple(v for v in vendors if v is not None)
 
 
-def _vendor(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _Claims) -> Vendor | None:
+def _vendor(
+    walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, tenant: TenantSettings, claims: _Claims
+) -> Vendor | None:
     m = walk.mapping(node, path, _VENDOR_KEYS)
     if m is None:
         return None
-    name = m.require("name", values.vendor_name, "")
-    if name:
-        _claim_name(m, name, claims)
+    name = m.unique_name("name", values.vendor_name, claims.names, "vendor")
     hosts, route = _targets(m, _Owner(path, name or path), claims)
     connect = _connect(m, tls)
     if connect == "intercept":
         _check_constraints(m, hosts)
+    limits: tuple[Limit, ...] = m.require_section("limits", required_limits, ())
+    tenant_limits = m.section("tenant_limits", _tenant_limits, TenantLimits())
+    cap = m.get("concurrency", shapes.concurrency, _VENDOR.concurrency)
+    enclosing = shapes.Enclosing(limits, tenant_limits, cap)
     return Vendor(
         name=name,
         hosts=hosts,
         route=route,
         upstream=m.get("upstream", values.nullable(values.upstream), None),
-        limits=m.require_section("limits", _vendor_limits, ()),
-        tenant_limits=m.section("tenant_limits", _tenant_limits, TenantLimits()),
+        limits=limits,
+        tenant_limits=tenant_limits,
         on_limit=m.section("on_limit", _on_limit, _ON_LIMIT),
         feedback=m.section("feedback", _feedback, _FEEDBACK),
         connect=connect,
@@ -105,6 +115,9 @@ def _vendor(walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, claims: _C
         answers=m.get("answers", values.choice(ANSWER_DIALECTS), _VENDOR.answers),
         answers_max_wait=m.get("answers_max_wait", values.positive_duration, _VENDOR.answers_max_wait),
         ratelimit_headers=m.get("ratelimit_headers", values.boolean, _VENDOR.ratelimit_headers),
+        endpoints=m.section("endpoints", lambda w, n, p: shapes.build_endpoints(w, n, p, enclosing), ()),
+        concurrency=cap,
+        partition=m.section("partition", lambda w, n, p: shapes.build_partition(w, n, p, tenant.header), None),
     )
 
 
@@ -145,15 +158,6 @@ def _check_constraints(m: CheckedMapping, hosts: tuple[str, ...]) -> None:
         outside = ca.outside(split_host_port(entry)[0])
         if outside is not None:
             m.walk.error(item, f"{m.child('hosts')}[{i}]", outside)
-
-
-def _claim_name(m: CheckedMapping, name: str, claims: _Claims) -> None:
-    node = m.node_of("name") or m.node
-    first = claims.names.get(name)
-    if first is None:
-        claims.names[name] = line_of(node)
-    else:
-        m.walk.error(node, m.child("name"), f'duplicate vendor name "{name}" (first at line {first})')
 
 
 def _absent(node: yaml.Node | None) -> bool:
@@ -205,53 +209,14 @@ def _ports(port: str | None) -> frozenset[int]:
 _DEFAULT_PORTS: Final = frozenset((80, 443))
 
 
-def _vendor_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
-    return _limits(walk, node, path, required=True)
-
-
-def _limits(walk: Walk, node: yaml.Node, path: str, *, required: bool) -> tuple[Limit, ...]:
-    items = walk.sequence(node, path)
-    if items is None:
-        return ()
-    if required and not items:
-        walk.error(node, path, "at least one limit is required")
-    limits: list[Limit] = []
-    for i, item in enumerate(items):
-        mark = walk.mark()
-        limit = _limit(walk, item, f"{path}[{i}]")
-        if limit is None or not walk.clean_since(mark):
-            continue
-        if limit in limits:  # same store key: both would draw from one bucket
-            walk.error(item, f"{path}[{i}]", f"limit {limit.label} is listed twice")
-            continue
-        limits.append(limit)
-    return tuple(limits)
-
-
-def _limit(walk: Walk, node: yaml.Node, path: str) -> Limit | None:
-    m = walk.mapping(node, path, _LIMIT_KEYS)
-    if m is None:
-        return None
-    rate = m.require("rate", values.positive_number, 1.0)
-    per = m.get("per", values.positive_duration, _DEFAULT_PER)
-    # Burst defaults to the rate, but a bucket below one token would never grant.
-    burst = m.get("burst", values.burst, max(rate, 1.0))
-    return Limit(rate=rate, per=per, burst=burst)
-
-
 def _tenant_limits(walk: Walk, node: yaml.Node, path: str) -> TenantLimits:
     m = walk.mapping(node, path, _TENANT_LIMITS_KEYS)
     if m is None:
         return TenantLimits()
     return TenantLimits(
-        default=m.section("default", _optional_limits, ()),
+        default=m.section("default", optional_limits, ()),
         overrides=m.section("overrides", _overrides, ()),
     )
-
-
-def _optional_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
-    """Tenant limits may be empty: an override of ``[]`` exempts a tenant from tenant buckets."""
-    return _limits(walk, node, path, required=False)
 
 
 def _overrides(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, tuple[Limit, ...]], ...]:
@@ -266,7 +231,7 @@ def _overrides(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, tuple
         except ValueError as exc:
             walk.error(entry.key_node, sub, str(exc))
             continue
-        overrides.append((tenant, _optional_limits(walk, entry.value_node, sub)))
+        overrides.append((tenant, optional_limits(walk, entry.value_node, sub)))
     return tuple(overrides)
 
 
@@ -297,6 +262,7 @@ def _feedback(walk: Walk, node: yaml.Node, path: str) -> Feedback:
         low_watermark=m.get("low_watermark", values.non_negative_number, _FEEDBACK.low_watermark),
         retry_after_default=retry_after_default,
         max_retry_after=max_retry_after,
+        headers=m.get("headers", values.choice(HEADER_FEEDBACK), _FEEDBACK.headers),
     )
 
 

@@ -253,6 +253,21 @@ class CheckedMapping:
     def require(self, key: str, parse: Leaf[T], placeholder: T) -> T:
         return self.get(key, parse, placeholder) if self._present(key) else placeholder
 
+    def unique_name(self, key: str, parse: Leaf[str], seen: dict[str, int], what: str) -> str:
+        """A required name that must be unique among its siblings (``seen``: name → line of
+        its first use): a second use is reported on its own line, naming the first. ``""``
+        when missing or wrong."""
+        name = self.require(key, parse, "")
+        if not name:
+            return name
+        node = self.node_of(key) or self.node
+        first = seen.get(name)
+        if first is None:
+            seen[name] = line_of(node)
+        else:
+            self.walk.error(node, self.child(key), f'duplicate {what} name "{name}" (first at line {first})')
+        return name
+
     def section(self, key: str, build: Build[T], default: T) -> T:
         """A nested section built by ``build``, or ``default`` when absent."""
         node = self.node_of(key)

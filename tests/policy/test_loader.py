@@ -27,7 +27,9 @@ from proxy.policy import (
     parse_address,
     parse_policy,
     parse_store_url,
+    values,
 )
+from proxy.policy.model import Endpoint, EndpointMatch, Partition
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD = "tests/policy/bad"
@@ -89,7 +91,13 @@ def test_payments_policy_loads_with_overrides_and_several_vendors():
 
     payments = policy.vendor("payments-api")
     assert payments.upstream == "https://api.payments.example"
-    assert payments.limits == (Limit(80, 1, 40), Limit(4000, 60, 4000))
+    assert payments.limits == (Limit(90, 1, 10),)
+    assert (payments.partition, payments.concurrency) == (Partition("Authorization"), 25)
+    assert payments.endpoints == (
+        Endpoint("search", EndpointMatch(("GET",), "/v1/*/search"), (Limit(18, 1, 2),), concurrency=5),
+        Endpoint("files", EndpointMatch(("POST",), "/v1/files"), cost=5, concurrency=4),
+    )
+    assert payments.feedback.headers == "auto"
     assert payments.tenant_limits.for_tenant("acme") == (Limit(20, 1, 20),)
     assert payments.tenant_limits.for_tenant("globex") == (Limit(12, 1, 12), Limit(500, 60, 500))
     assert payments.tenant_limits.for_tenant("someone-else") == (Limit(8, 1, 8),)
@@ -230,6 +238,148 @@ admin_hosts: [Quota-Proxy-Admin.quota-proxy.svc., "::1", 10.0.0.7, quota-proxy-a
     assert (defaults.admin_token, defaults.admin_hosts) == (None, ())
 
 
+SPEC_QUOTA_SHAPES = """\
+version: 1
+vendors:
+  - name: stripe
+    hosts: [api.stripe.com]
+    partition: {header: Authorization}
+    limits: [{rate: 100, per: 1s}]
+    concurrency: 50
+    endpoints:
+      - name: search
+        match: {methods: [get, HEAD], path: "/v1/*/search"}
+        limits: [{rate: 20, per: 1s}]
+        concurrency: 5
+      - name: files
+        match: {path: "/v1/files*"}
+        cost: 5
+      - name: customer
+        match: {path: "/v1/customers/cus_????????????[0-9]"}
+        cost: 1.5
+    feedback:
+      headers: auto
+"""
+
+
+def test_spec_quota_shapes_load_into_the_model():
+    policy = parse_policy(SPEC_QUOTA_SHAPES, "shapes.yaml")
+    stripe = policy.vendors[0]
+    assert stripe.partition == Partition(header="Authorization")
+    assert stripe.concurrency == 50
+    assert stripe.feedback == Feedback(headers="auto")
+    assert stripe.endpoints == (
+        Endpoint(
+            name="search",
+            match=EndpointMatch(methods=("GET", "HEAD"), path="/v1/*/search"),
+            limits=(Limit(20, 1, 20),),
+            concurrency=5,
+        ),
+        Endpoint(name="files", match=EndpointMatch(path="/v1/files*"), cost=5),
+        Endpoint(name="customer", match=EndpointMatch(path="/v1/customers/cus_????????????[0-9]"), cost=1.5),
+    )
+    assert policy.warnings == ()
+
+
+def test_quota_shapes_are_off_unless_asked_for():
+    vendor = parse_policy(MINIMAL, "p.yaml").vendors[0]
+    assert (vendor.endpoints, vendor.concurrency, vendor.partition, vendor.feedback.headers) == ((), None, None, "none")
+    nulls = MINIMAL + "    endpoints: null\n    concurrency: null\n    partition: null\n"
+    assert parse_policy(nulls, "p.yaml") == parse_policy(MINIMAL, "p.yaml")
+
+
+def test_a_cost_fits_when_every_bucket_it_touches_holds_it():
+    """An exempt tenant (``[]``) has no bucket to overflow; bursts equal to the cost are enough."""
+    text = MINIMAL.replace("[{rate: 10}]", "[{rate: 10, burst: 5}]") + (
+        "    tenant_limits:\n      default: [{rate: 5}]\n      overrides: {bulk: []}\n"
+        "    endpoints:\n      - {name: files, match: {path: /v1/files}, cost: 5, limits: [{rate: 1, burst: 5}]}\n"
+    )
+    assert parse_policy(text, "p.yaml").vendors[0].endpoints[0].cost == 5
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "warning"),
+    [
+        (
+            "[{name: tagged, match: {path: /v1/x}}]",
+            '9: vendors[0].endpoints[0]: endpoint "tagged" has no limits, concurrency or cost of its own:'
+            " its requests are limited like the vendor's others, only labelled with its name",
+        ),
+        (
+            "[{name: search, match: {path: /v1/search}, concurrency: 9}]",
+            "9: vendors[0].endpoints[0].concurrency: concurrency 9 is above the vendor's concurrency 8:"
+            " the vendor's cap binds first",
+        ),
+        (
+            "[{name: all, match: {methods: [GET, POST]}, cost: 2}, {name: search, match: {methods: [get], path: /s},"
+            " cost: 3}]",
+            '9: vendors[0].endpoints[1]: endpoint "search" never matches: endpoints[0] ("all") matches all its'
+            " requests first",
+        ),
+        (
+            '[{name: everything, match: {path: "/*"}, cost: 2}, {name: search, match: {path: /s}, cost: 3}]',
+            '9: vendors[0].endpoints[1]: endpoint "search" never matches: endpoints[0] ("everything") matches'
+            " all its requests first",
+        ),
+        (
+            '[{name: search, match: {path: "/v1/search?query=*"}, cost: 2}]',
+            '9: vendors[0].endpoints[0].match.path: path "/v1/search?query=*" seems to hold a query: only the'
+            ' path is matched, never the query, and "?" matches any one character',
+        ),
+    ],
+)
+def test_endpoints_worth_a_look_are_warnings(endpoints: str, warning: str) -> None:
+    text = MINIMAL + "    concurrency: 8\n    tenant_limits: {}\n    partition: {header: Stripe-Account}\n"
+    text += f"    endpoints: {endpoints}\n"
+    policy = parse_policy(text, "p.yaml")
+    assert [str(w) for w in policy.warnings] == [f"p.yaml:{warning}"]
+
+
+def test_endpoints_that_differ_are_not_shadowed():
+    text = MINIMAL + (
+        "    endpoints:\n"
+        "      - {name: reads, match: {methods: [GET], path: /v1/x}, cost: 2}\n"
+        "      - {name: writes, match: {methods: [GET, POST], path: /v1/x}, cost: 2}\n"
+        "      - {name: other, match: {path: /v1/y}, cost: 2}\n"
+        "      - {name: rest, match: {methods: [DELETE]}, cost: 2}\n"
+    )
+    assert parse_policy(text, "p.yaml").warnings == ()
+
+
+@pytest.mark.parametrize(("written", "method"), [("get", "GET"), ("Post", "POST"), ("PURGE", "PURGE")])
+def test_methods_are_upper_cased_tokens(written: str, method: str) -> None:
+    assert values.http_method("method", written) == method
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Host",
+        "connection",
+        "Transfer-Encoding",
+        "Proxy-Connection",
+        "TE",
+        "Proxy-Anything",
+        "X-Quota-On-Limit",
+        "Upgrade",
+    ],
+)
+def test_headers_the_vendor_never_sees_as_sent_cannot_partition(header: str) -> None:
+    with pytest.raises(ValueError, match="cannot partition"):
+        values.partition_header("header", header)
+
+
+@pytest.mark.parametrize("header", ["Authorization", "Stripe-Account", "X-Shopify-Access-Token", "api-key"])
+def test_credential_and_account_headers_partition(header: str) -> None:
+    assert values.partition_header("header", header) == header
+
+
+@pytest.mark.parametrize("glob", ["/v1/x y", "/v1/\x00", "*/search", ""])
+def test_path_globs_refused(glob: str) -> None:
+    with pytest.raises(ValueError, match="path"):
+        values.path_glob("path", glob)
+
+
 def test_listeners_on_port_zero_may_coincide():
     text = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n" + MINIMAL
     assert parse_policy(text, "x.yaml").listen == Address("127.0.0.1", 0)
@@ -327,6 +477,59 @@ BAD_FILES = {
     ),
     "bad_known_only": '3: tenant.known_only: expected true or false, got "sometimes"',
     "bad_max_active": "3: tenant.max_active: max_active must be at least 1",
+    "endpoint_bad_name": (
+        '7: vendors[0].endpoints[0].name: "search api" is not a valid endpoint name (letters, digits'
+        " and _.-, at most 64)"
+    ),
+    "duplicate_endpoint_name": '10: vendors[0].endpoints[1].name: duplicate endpoint name "search" (first at line 7)',
+    "endpoint_without_match": '7: vendors[0].endpoints[0]: missing required key "match"',
+    "endpoint_empty_match": "8: vendors[0].endpoints[0].match: match needs methods, a path or both",
+    "endpoint_bad_method": '8: vendors[0].endpoints[0].match.methods[1]: "GE T" is not an HTTP method',
+    "endpoint_connect_method": (
+        "9: vendors[0].endpoints[0].match.methods[0]: CONNECT cannot be matched: it opens a tunnel (the"
+        " vendor's connect), and the requests inside an intercepted tunnel are matched like any other"
+    ),
+    "endpoint_empty_methods": (
+        "8: vendors[0].endpoints[0].match.methods: at least one method is required (leave methods out"
+        " to match any method)"
+    ),
+    "endpoint_duplicate_method": '9: vendors[0].endpoints[0].match.methods[2]: method "GET" is listed twice',
+    "endpoint_relative_path": '8: vendors[0].endpoints[0].match.path: path "v1/search" must start with "/"',
+    "endpoint_path_fragment": (
+        '8: vendors[0].endpoints[0].match.path: path "/v1/search#top" may not hold a fragment (#),'
+        " spaces or control characters"
+    ),
+    "endpoint_bad_limit": "9: vendors[0].endpoints[0].limits[1].rate: rate must be a positive number",
+    "endpoint_bad_cost": "9: vendors[0].endpoints[0].cost: cost must be a positive number",
+    "endpoint_cost_above_burst": (
+        "9: vendors[0].endpoints[0].cost: cost 5 is more than the burst of the vendor's limit 100/1s"
+        ' burst 4: a request of "files" could never be granted'
+    ),
+    "endpoint_cost_above_tenant_burst": (
+        '14: vendors[0].endpoints[0].cost: cost 5 is more than the burst of tenant "acme"\'s limit 2/1s'
+        ' burst 2: a request of "files" could never be granted'
+    ),
+    "endpoint_cost_above_own_burst": (
+        "10: vendors[0].endpoints[0].cost: cost 5 is more than the burst of its own limit 1/1s burst 3:"
+        ' a request of "files" could never be granted'
+    ),
+    "endpoint_bad_concurrency": "9: vendors[0].endpoints[0].concurrency: concurrency must be at least 1",
+    "bad_vendor_concurrency": "6: vendors[0].concurrency: expected an integer, got 2.5",
+    "endpoint_unknown_key": '9: vendors[0].endpoints[0].limit: unknown key "limit" (did you mean "limits"?)',
+    "endpoint_match_unknown_key": '8: vendors[0].endpoints[0].match.paths: unknown key "paths" (did you mean "path"?)',
+    "endpoints_not_a_list": "7: vendors[0].endpoints: expected a list, got a mapping",
+    "partition_tenant_header": (
+        '8: vendors[0].partition.header: "x-account" is the tenant header, stripped before forwarding:'
+        " it cannot partition the vendor's quota (tenant_limits keep buckets per tenant)"
+    ),
+    "partition_hop_by_hop": (
+        '7: vendors[0].partition.header: "Proxy-Authorization" cannot partition a vendor\'s quota: Host,'
+        " hop-by-hop, Proxy-* and X-Quota-* headers never reach the vendor as the worker sent them"
+    ),
+    "partition_bad_header": '6: vendors[0].partition.header: "Stripe Account" is not a valid header name',
+    "partition_missing_header": '6: vendors[0].partition: missing required key "header"',
+    "partition_unknown_key": '6: vendors[0].partition.hashed: unknown key "hashed"',
+    "bad_feedback_headers": '7: vendors[0].feedback.headers: headers must be auto or none, got "learn"',
 }
 
 

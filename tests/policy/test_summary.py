@@ -27,6 +27,11 @@ def test_example_summary_is_one_screen_with_effective_values():
         "  route       /mock-vendor",
         "  upstream    http://127.0.0.1:8081",
         "  limits      80/1s burst 20; 4000/1m burst 4000",
+        "  worst case  at most 100 requests in any 1s, 4820 in any 1m, fleet-wide",
+        "  partition   none: one quota for the whole vendor",
+        "  concurrency no cap",
+        "  endpoints   none: every request takes the vendor's buckets, cost 1",
+        "  learned     off (feedback.headers none): only 429s and the low watermark",
         "  tenants     default 40/1s burst 40",
         "  on_limit    hold, max_hold 500ms",
         "  connect     deny",
@@ -122,3 +127,74 @@ def test_summary_says_which_tenants_get_in(tenant: str, rows: list[str]) -> None
     for row in rows:
         assert row in lines
     assert "ab" * 32 not in text
+
+
+def test_summary_shows_quota_shapes_with_defaults_and_worst_cases():
+    policy = parse_policy(
+        """\
+version: 1
+vendors:
+  - name: stripe
+    hosts: [api.stripe.com]
+    partition: {header: Authorization}
+    limits: [{rate: 95, per: 1s, burst: 10}, {rate: 5000, per: 1m}]
+    concurrency: 50
+    endpoints:
+      - name: search
+        match: {methods: [GET, head], path: "/v1/*/search"}
+        limits: [{rate: 20, per: 1s, burst: 5}]
+        concurrency: 5
+      - name: files
+        match: {path: "/v1/files*"}
+        cost: 5
+      - name: refunds
+        match: {methods: [POST]}
+        limits: [{rate: 100, per: 1h, burst: 10}]
+    feedback: {headers: auto}
+""",
+        "p.yaml",
+    )
+    lines = summarize(policy).splitlines()
+    start = lines.index("vendor stripe")
+    assert lines[start + 4 : start + 20] == [
+        "  limits      95/1s burst 10; 5000/1m burst 5000",
+        # 95 + 10 in the first second: a vendor allowing 100 in any second would refuse some.
+        "  worst case  at most 105 requests in any 1s, 5710 in any 1m, per value of Authorization",
+        "  partition   Authorization: global and endpoint buckets per value (hashed), requests without it share one",
+        "  concurrency at most 50 in flight, fleet-wide",
+        "  endpoints   search: GET,HEAD /v1/*/search",
+        "                limits 20/1s burst 5; concurrency 5; cost 1",
+        "                at most 25 requests in any 1s, per value of Authorization",
+        "              files: any method /v1/files*",
+        "                no limits of its own; no concurrency cap of its own; cost 5",
+        "                at most 21 requests in any 1s, 1142 in any 1m, per value of Authorization",
+        "              refunds: POST (any path)",
+        "                limits 100/1h burst 10; no concurrency cap of its own; cost 1",
+        "                at most 110 requests in any 1h, per value of Authorization",
+        "              any other request: the vendor's buckets only, cost 1",
+        "  tenants     default (none)",
+        "  on_limit    hold, max_hold 500ms",
+    ]
+    assert "  learned     auto: the vendor's quota headers only ever tighten these limits" in lines
+
+
+def test_worst_case_counts_the_cheapest_requests_and_says_when_it_does_not_hold():
+    text = summarize(
+        parse_policy(
+            """\
+version: 1
+store: {on_failure: open}
+vendors:
+  - name: shop
+    hosts: [shop.example]
+    limits: [{rate: 2, per: 1s, burst: 40}]
+    endpoints: [{name: light, match: {methods: [HEAD]}, cost: 0.5}]
+""",
+            "p.yaml",
+        )
+    )
+    # 40 + 2 tokens in a second, half a token a HEAD: 84 requests.
+    assert (
+        "  worst case  at most 84 requests in any 1s, fleet-wide; unbounded while the store is down (on_failure open)"
+        in text.splitlines()
+    )

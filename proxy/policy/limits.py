@@ -1,0 +1,58 @@
+"""Lists of limits, ``[{rate, per, burst}, ...]``: one grammar for the vendor's global
+buckets, its tenants' and its endpoint classes'.
+
+A limit listed twice is refused: both entries would name one store key, so one bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import yaml
+
+from proxy.policy import values
+from proxy.policy.model import Limit
+from proxy.policy.walker import Walk
+
+_LIMIT_KEYS: Final = ("rate", "per", "burst")
+_DEFAULT_PER: Final = 1.0
+
+
+def build_limits(walk: Walk, node: yaml.Node, path: str, *, required: bool) -> tuple[Limit, ...]:
+    """The list at ``node``; ``required``: an empty list is an error."""
+    items = walk.sequence(node, path)
+    if items is None:
+        return ()
+    if required and not items:
+        walk.error(node, path, "at least one limit is required")
+    limits: list[Limit] = []
+    for i, item in enumerate(items):
+        mark = walk.mark()
+        limit = _limit(walk, item, f"{path}[{i}]")
+        if limit is None or not walk.clean_since(mark):
+            continue
+        if limit in limits:  # same store key: both would draw from one bucket
+            walk.error(item, f"{path}[{i}]", f"limit {limit.label} is listed twice")
+            continue
+        limits.append(limit)
+    return tuple(limits)
+
+
+def optional_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
+    """A list that may be empty: an override of ``[]`` exempts a tenant from tenant buckets."""
+    return build_limits(walk, node, path, required=False)
+
+
+def required_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
+    return build_limits(walk, node, path, required=True)
+
+
+def _limit(walk: Walk, node: yaml.Node, path: str) -> Limit | None:
+    m = walk.mapping(node, path, _LIMIT_KEYS)
+    if m is None:
+        return None
+    rate = m.require("rate", values.positive_number, 1.0)
+    per = m.get("per", values.positive_duration, _DEFAULT_PER)
+    # Burst defaults to the rate, but a bucket below one token would never grant.
+    burst = m.get("burst", values.burst, max(rate, 1.0))
+    return Limit(rate=rate, per=per, burst=burst)

@@ -1,0 +1,56 @@
+"""Every policy in ``config/`` is one an operator can copy: ``quota-proxy check`` accepts it
+without a warning, and the quota-shape examples say what the vendor will see."""
+
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import main
+from proxy.policy import load_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "config").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_the_examples_are_all_here():
+    assert {"config/example.yaml", "config/payments.yaml", "config/llm.yaml"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_check_accepts_the_example_without_warnings(path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "-c", path]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith(f"OK {path}: ")
+    assert load_policy(path).warnings == ()
+
+
+def test_llm_example_is_per_key_with_streams_capped_and_embeddings_weighed():
+    vendor = load_policy("config/llm.yaml").vendor("llm-api")
+    assert vendor.partition is not None and vendor.partition.header == "Authorization"
+    assert vendor.answers == "openai" and vendor.feedback.headers == "auto"
+    assert vendor.concurrency == 64
+    by_name = {e.name: e for e in vendor.endpoints}
+    assert by_name["chat"].concurrency == 32 and by_name["embeddings"].cost == 4
+
+
+@pytest.mark.parametrize(
+    ("path", "vendor", "worst"),
+    [
+        ("config/payments.yaml", "payments-api", "at most 100 requests in any 1s, per value of Authorization"),
+        ("config/llm.yaml", "llm-api", "at most 20 requests in any 1s, 500 in any 1m, per value of Authorization"),
+    ],
+)
+def test_the_examples_never_exceed_the_vendors_window(
+    path: str, vendor: str, worst: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rate + burst stays within the vendor's own window, so the fleet never overruns it."""
+    assert main(["check", "-c", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[lines.index(f"vendor {vendor}") :]
+    assert next(row for row in rows if row.startswith("  worst case")) == f"  worst case  {worst}"
