@@ -30,6 +30,10 @@ UPSTREAM_STATUS = "upstream_status"
 HOLD_MS = "hold_ms"
 DURATION_MS = "duration_ms"
 DETAIL = "detail"
+ENDPOINT = "endpoint"
+"""The vendor's endpoint class (SPEC §10), when the request matched one."""
+PARTITION = "partition"
+"""The first digits of the partition's hash (partitions.py), never the header's value; absent for the default."""
 
 
 class AccessLog:
@@ -75,10 +79,12 @@ class AccessRecord:
     __slots__ = (
         "detail",
         "duration",
+        "endpoint",
         "hold",
         "host",
         "method",
         "outcome",
+        "partition",
         "path",
         "status",
         "tenant",
@@ -98,6 +104,8 @@ class AccessRecord:
         self.hold = 0.0
         self.duration = 0.0
         self.detail: str | None = None
+        self.endpoint: str | None = None
+        self.partition: str | None = None
 
     def line(self) -> str:
         fields: dict[str, object] = {
@@ -113,6 +121,10 @@ class AccessRecord:
             HOLD_MS: round(self.hold * 1000, 1),
             DURATION_MS: round(self.duration * 1000, 2),
         }
+        if self.endpoint is not None:
+            fields[ENDPOINT] = self.endpoint
+        if self.partition is not None:
+            fields[PARTITION] = self.partition
         if self.detail:
             fields[DETAIL] = self.detail
         return json.dumps(fields, separators=(",", ":"))

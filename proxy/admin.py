@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy import __version__
 from proxy.admin_access import admin_access
 from proxy.deps import Deps
-from proxy.limiter import StoreUnavailable
+from proxy.limiter import BucketSpec, Limiter, StoreUnavailable
 from proxy.policy import Policy, mask_password
+from proxy.policy.model import Endpoint, Vendor
 
 DepsGetter = Callable[[], Deps]
 
@@ -98,6 +99,47 @@ def _finite(x: float) -> float | None:
     return round(x, 3) if math.isfinite(x) else None
 
 
+def _buckets(specs: tuple[BucketSpec, ...], levels: tuple[float, ...]) -> list[dict[str, Any]]:
+    return [
+        {"bucket": b.label, "key": b.ident, "rate_per_second": b.rate, "burst": b.burst, "tokens": _finite(level)}
+        for b, level in zip(specs, levels, strict=True)
+    ]
+
+
+async def _endpoint(limiter: Limiter, vendor: Vendor, endpoint: Endpoint) -> dict[str, Any]:
+    """An endpoint class and its buckets' levels (of the default partition), as the store says now."""
+    entry: dict[str, Any] = {
+        "name": endpoint.name,
+        "methods": list(endpoint.match.methods),
+        "path": endpoint.match.path,
+        "cost": endpoint.cost,
+        "concurrency": endpoint.concurrency,
+    }
+    if not endpoint.limits:
+        entry["buckets"] = []
+        return entry
+    try:
+        b, levels = await limiter.peek(vendor, endpoint=endpoint)
+        entry["buckets"] = _buckets(b.endpoint_part, levels[: b.endpoint_count])
+    except StoreUnavailable as exc:
+        entry["buckets"] = None
+        entry["store_error"] = str(exc)
+    return entry
+
+
+def _partitions(limiter: Limiter, vendor: Vendor) -> dict[str, Any] | None:
+    """How many partitions this replica has seen lately and how many are blocked: counts
+    only, never a value (they are credentials)."""
+    if vendor.partition is None:
+        return None
+    return {
+        "header": vendor.partition.header,
+        "seen_recently": limiter.partitions.count(vendor.name),
+        "window_seconds": limiter.partitions.window,
+        "blocked_now": limiter.partitions_blocked(vendor.name),
+    }
+
+
 async def status(request: web.Request) -> web.Response:
     state = request.app[ADMIN]
     deps = state.deps()
@@ -119,20 +161,15 @@ async def status(request: web.Request) -> web.Response:
             entry["tunnels"] = {"open": request.app[ADMIN].tunnels_open(vendor.name), "max": vendor.max_tunnels}
         try:
             buckets, levels = await limiter.peek(vendor)
-            entry["buckets"] = [
-                {
-                    "bucket": b.label,
-                    "key": b.ident,
-                    "rate_per_second": b.rate,
-                    "burst": b.burst,
-                    "tokens": _finite(level),
-                }
-                for b, level in zip(buckets.all, levels, strict=True)
-            ]
+            entry["buckets"] = _buckets(buckets.all, levels)
             entry["tokens_available"] = _finite(min(levels)) if levels else None
         except StoreUnavailable as exc:
             entry["buckets"] = None
             entry["store_error"] = str(exc)
+        if vendor.endpoints:
+            entry["endpoints"] = [await _endpoint(limiter, vendor, e) for e in vendor.endpoints]
+        if vendor.partition is not None:
+            entry["partitions"] = _partitions(limiter, vendor)
         if limiter.local is not None:
             entry["local_buckets"] = await limiter.local.levels(vendor)
         recent = deps.recent

@@ -85,19 +85,22 @@ class Applied:
 NOTHING = Applied()
 
 
-async def apply_feedback(limiter: Limiter, vendor: Vendor, status: int, headers: Mapping[str, str]) -> Applied:
-    """Feed one vendor response back; costs a store call only on a 429 or low quota."""
+async def apply_feedback(
+    limiter: Limiter, vendor: Vendor, status: int, headers: Mapping[str, str], *, partition: str = ""
+) -> Applied:
+    """Feed one vendor response back (to the request's ``partition``: a credential's 429
+    blocks that credential's quota only); costs a store call only on a 429 or low quota."""
     feedback = vendor.feedback
     if status == 429:
         asked = asked_block(feedback, headers)
         seconds = min(asked, feedback.max_retry_after)
         if seconds <= 0:
-            await limiter.drain(vendor)
+            await limiter.drain(vendor, partition=partition)
             return Applied(drained=True)
-        until = await limiter.block(vendor, seconds)
+        until = await limiter.block(vendor, seconds, partition=partition)
         added = None if "Retry-After" in headers else str(max(1, math.ceil(until)))
         return Applied(blocked_for=until, added_retry_after=added, capped_from=asked if asked > seconds else None)
     if remaining_is_low(feedback, headers):
-        await limiter.drain(vendor)
+        await limiter.drain(vendor, partition=partition)
         return Applied(drained=True)
     return NOTHING

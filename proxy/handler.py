@@ -26,8 +26,9 @@ from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
+from proxy.partitions import shown
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Vendor
+from proxy.policy.model import Endpoint, Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.seats import Seats
@@ -43,7 +44,9 @@ def _as_is(answer: web.Response) -> web.StreamResponse:
     return answer
 
 
-def _give_back(deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark) -> None:
+def _give_back(
+    deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark, cost: float, endpoint: Endpoint | None, partition: str
+) -> None:
     """Refund a held request that will not go out (``Limiter.refund``: every bucket it
     took from, never above its burst). In the background: a worker that went away is
     not kept waiting for the store, and a refund the store cannot take is only lost.
@@ -52,8 +55,9 @@ def _give_back(deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark) -> None
     from empty at its end, absorbing the reservation, so a refund would land there as a
     burst at the block's edge (SPEC §6). The tenant's token is lost with it: the limiter
     refunds every bucket of a request or none."""
-    if deps.limiter.mark(vendor.name) == mark:
-        spawn(deps.limiter.refund(vendor, tenant), name=f"refund-{vendor.name}")
+    if deps.limiter.mark(vendor.name, partition) == mark:
+        refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition)
+        spawn(refund, name=f"refund-{vendor.name}")
 
 
 class ProxyHandler:
@@ -81,26 +85,53 @@ class ProxyHandler:
         tunnel = interception_of(request)
         if tunnel is None:
             target = parse_target(request)
-            match = deps.router.match(target, request.headers)
+            match = deps.router.match(target, request.headers, method=request.method)
         else:
             target = parse_tunneled_target(request, tunnel.host, tunnel.port)
-            match = deps.router.match(target, request.headers, tunnel.claim)
+            match = deps.router.match(target, request.headers, tunnel.claim, request.method)
         rec.host, rec.path = target.host, target.path_qs
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
+        if match.endpoint is not None:
+            rec.endpoint = match.endpoint.name
+        if match.partition:
+            rec.partition = shown(match.partition)
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
         wish = request_wish(match.vendor.on_limit, request.headers)
-        admission = await self.admit(deps, match.vendor, match.tenant, wish, rec)
+        admission = await self.admit(
+            deps, match.vendor, match.tenant, wish, rec, endpoint=match.endpoint, partition=match.partition
+        )
         resp = await self._forward(deps, request, match, rec, admission)
         rec.status = resp.status
         return resp
 
-    async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> Admission:
-        """Take the request's tokens, holding if the decision says so; returns the outcome
-        to record once it is sent (forwarded or held), or raises the refusal."""
+    async def admit(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wish: Wish,
+        rec: AccessRecord,
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+    ) -> Admission:
+        """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
+        touches: the tenant's, the class's, the partition's global ones), holding if the
+        decision says so; returns the outcome to record once it is sent (forwarded or
+        held), or raises the refusal."""
         limiter = deps.limiter
         self._seat(deps, vendor, tenant)
+        cost = 1.0 if endpoint is None else endpoint.cost
         try:
-            result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
+            result = await limiter.acquire(
+                vendor,
+                tenant,
+                wish.max_wait,
+                cost,
+                enqueue=wish.action != "shed",
+                endpoint=endpoint,
+                partition=partition,
+            )
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 wait = limiter.breaker.retry_after()
@@ -111,7 +142,7 @@ class ProxyHandler:
             return Admission("forwarded")
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
-            bucket = limiter.buckets(vendor, tenant).all[result.binding]
+            bucket = limiter.buckets(vendor, tenant, endpoint, partition).all[result.binding]
             hint = decision.hint if isinstance(decision, Defer) else None
             raise Limited(
                 "shed" if isinstance(decision, Shed) else "defer",
@@ -119,11 +150,11 @@ class ProxyHandler:
                 bucket.scope,
                 bucket.label,
                 hint,
-                tightest(request_limits(vendor, tenant), result.levels, result.binding),
+                tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
-        quota = tightest(request_limits(vendor, tenant), result.levels) if vendor.ratelimit_headers else None
+        quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, tenant, decision.wait, rec)
+            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition)
             return Admission("held", quota)
         return Admission("forwarded", quota)
 
@@ -145,14 +176,24 @@ class ProxyHandler:
             )
             raise Limited("defer", wait, "tenants", f"tenant.max_active {cap} reached")
 
-    async def _hold(self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord) -> None:
+    async def _hold(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wait: float,
+        rec: AccessRecord,
+        cost: float = 1.0,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+    ) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
         refill interval apart, so held requests leave in order and evenly paced.
 
         A hold whose worker goes away gives its tokens back, once: nothing used them
         (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
         name = vendor.name
-        mark = deps.limiter.mark(name)
+        mark = deps.limiter.mark(name, partition)
         deps.held[name] = deps.held.get(name, 0) + 1
         gauge = deps.metrics.held_now.labels(name)
         gauge.inc()
@@ -161,7 +202,7 @@ class ProxyHandler:
             await deps.clock.sleep(wait)
             await deps.pacer.leave(name, due)  # spaced again after a stall (pacing.py); on time: no wait
         except asyncio.CancelledError:
-            _give_back(deps, vendor, tenant, mark)
+            _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
             raise
         finally:
             deps.held[name] -= 1
@@ -170,7 +211,7 @@ class ProxyHandler:
         deps.metrics.hold_seconds.labels(name).observe(wait)
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
-        blocked = deps.limiter.blocked_since(name, mark)
+        blocked = deps.limiter.blocked_since(name, mark, partition)
         if blocked > 0:  # nothing to give back: the block absorbed the reservation
             why = "vendor block: the vendor answered 429"
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
@@ -189,15 +230,18 @@ class ProxyHandler:
         if upstream.status == 429:
             deps.recent.add(vendor.name, "vendor_429")
         try:
-            applied = await apply_feedback(deps.limiter, vendor, upstream.status, upstream.headers)
+            applied = await apply_feedback(
+                deps.limiter, vendor, upstream.status, upstream.headers, partition=match.partition
+            )
         except BaseException:
             upstream.close()
             raise
         if applied.blocked_for > 0:
             deps.metrics.vendor_blocks.labels(vendor.name).inc()
             log.warning(
-                "vendor %s answered 429: its global buckets are blocked for %.3fs fleet-wide",
+                "vendor %s answered 429: its global buckets%s are blocked for %.3fs fleet-wide",
                 vendor.name,
+                f" of partition {shown(match.partition)}" if match.partition else "",
                 applied.blocked_for,
             )
             if applied.capped_from is not None:

@@ -64,6 +64,8 @@ class Ledger:
         if self.counted:
             tenant = "-" if rec.tenant is None else rec.tenant
             deps.metrics.count_request(rec.vendor or NO_VENDOR, tenant, rec.outcome)
+            if rec.endpoint is not None and rec.vendor is not None:
+                deps.metrics.count_endpoint(rec.vendor, rec.endpoint, rec.outcome)
         if deps.policy.access_log:
             deps.access_log.emit(rec)
 

@@ -1,6 +1,8 @@
-"""Which vendor and tenant a request belongs to, and the origin it goes to.
+"""Which vendor and tenant a request belongs to, the origin it goes to, and (SPEC §10)
+its vendor's endpoint class and partition.
 
-Built once per policy: host lookups are dict hits, route prefixes a short scan.
+Built once per policy: host lookups are dict hits, route prefixes a short scan. A vendor
+without endpoints or partition costs two attribute checks more.
 """
 
 from __future__ import annotations
@@ -8,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from proxy.endpoints import endpoint_for
 from proxy.names import default_port, format_origin, parse_authority
-from proxy.policy.model import Policy, Vendor
+from proxy.partitions import DEFAULT, partition_hash
+from proxy.policy.model import Endpoint, Policy, Vendor
 from proxy.refusals import Denied
 from proxy.target import RequestTarget
 from proxy.tenancy import NO_CLAIM, Claim, Tenancy
@@ -22,6 +26,11 @@ class Match:
     origin: str
     """``scheme://host[:port]`` the request is sent to."""
     path_qs: str
+    """The path and query sent to the vendor (a route prefix stripped)."""
+    endpoint: Endpoint | None = None
+    """The vendor's endpoint class the request belongs to (first match), None for none."""
+    partition: str = DEFAULT
+    """The hash of the vendor's partition header's value (partitions.py); "" = the default partition."""
 
 
 class Router:
@@ -63,10 +72,13 @@ class Router:
         """The tenant of a blind tunnel's CONNECT (tenancy.Tenancy.of_request); raises the refusal."""
         return self.tenancy.of_request(headers)
 
-    def match(self, target: RequestTarget, headers: Mapping[str, str], tunnel: Claim = NO_CLAIM) -> Match:
-        """The vendor and tenant of a request (inside a tunnel bound by ``tunnel``); raises
-        the refusal. Proxy credentials are checked before anything else is said (407 first),
-        so an unauthenticated client cannot learn which hosts are vendors."""
+    def match(
+        self, target: RequestTarget, headers: Mapping[str, str], tunnel: Claim = NO_CLAIM, method: str = "GET"
+    ) -> Match:
+        """The vendor and tenant of a request (inside a tunnel bound by ``tunnel``), its
+        endpoint class (by ``method`` and the path sent to the vendor, without the query)
+        and its partition; raises the refusal. Proxy credentials are checked before anything
+        else is said (407 first), so an unauthenticated client cannot learn which hosts are vendors."""
         tenant = self.tenancy.of_request(headers, tunnel) if self.tenancy.authenticates else None
         vendor: Vendor | None = None
         path_qs = target.path_qs
@@ -85,7 +97,13 @@ class Router:
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
         if tenant is None:
             tenant = self.tenancy.of_request(headers, tunnel)
-        return Match(vendor, tenant, self._origin(vendor, target), path_qs)
+        endpoint = endpoint_for(vendor, method, path_qs.split("?", 1)[0]) if vendor.endpoints else None
+        partition = DEFAULT
+        if vendor.partition is not None:
+            value = headers.get(vendor.partition.header)
+            if value:  # absent or empty: the default partition
+                partition = partition_hash(value)
+        return Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition)
 
     @staticmethod
     def _origin(vendor: Vendor, target: RequestTarget) -> str:

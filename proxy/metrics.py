@@ -37,6 +37,13 @@ class Metrics:
             ["limiter", "tenant", "outcome"],
             registry=registry,
         )
+        self.endpoint_requests = Counter(
+            "ratelimit_endpoint_requests",
+            "Requests of a vendor's endpoint class (SPEC §10) by outcome (each counted once, and also in "
+            "ratelimit_requests_total); endpoint names are the policy's, so the labels are bounded.",
+            ["limiter", "endpoint", "outcome"],
+            registry=registry,
+        )
         self.deferred = Counter(
             "ratelimit_deferred", "Requests answered 429 + Retry-After by the proxy.", ["limiter"], registry=registry
         )
@@ -143,6 +150,7 @@ class Metrics:
         for result in ("success", "failure"):
             self.reloads.labels(result)  # both series exist from the start, for alerts
         self._children: dict[tuple[str, str, str], Counter] = {}
+        self._endpoint_children: dict[tuple[str, str, str], Counter] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
         self.mode_totals: dict[tuple[str, str], int] = {}
         """(limiter, mode) → requests since start, for /status."""
@@ -171,6 +179,15 @@ class Metrics:
                 self._children.clear()
             child = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
             self._children[key] = child
+        child.inc()
+
+    def count_endpoint(self, limiter: str, endpoint: str, outcome: str) -> None:
+        """Count a request of an endpoint class (a name from the policy: bounded per policy;
+        a reload that renames classes adds series, as a renamed vendor does)."""
+        key = (limiter, endpoint, outcome)
+        child = self._endpoint_children.get(key)
+        if child is None:
+            child = self._endpoint_children[key] = self.endpoint_requests.labels(limiter, endpoint, outcome)
         child.inc()
 
     def count_mode(self, limiter: str, mode: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from multidict import MultiMapping
 
-from proxy.policy.model import Limit, Vendor
+from proxy.policy.model import Endpoint, Limit, Vendor
 from proxy.quota_headers import field, items
 
 POLICY = "RateLimit-Policy"
@@ -71,11 +71,13 @@ def bucket_item(limit: Limit, scope: str, level: float) -> QuotaItem:
     return QuotaItem(name, quota, window, remaining, reset)
 
 
-def request_limits(vendor: Vendor, tenant: str) -> tuple[tuple[Limit, str], ...]:
+def request_limits(vendor: Vendor, tenant: str, endpoint: Endpoint | None = None) -> tuple[tuple[Limit, str], ...]:
     """A request's limits with their scope, in the order the store reports their levels:
-    the tenant's, then the vendor's global ones (as ``limiter.buckets.buckets_for`` lists them)."""
+    the tenant's, the endpoint class's, then the vendor's global ones (as
+    ``limiter.buckets.buckets_for`` lists them)."""
     tenant_part = tuple((limit, "tenant") for limit in vendor.tenant_limits.for_tenant(tenant))
-    return tenant_part + tuple((limit, "global") for limit in vendor.limits)
+    endpoint_part = () if endpoint is None else tuple((limit, "endpoint") for limit in endpoint.limits)
+    return tenant_part + endpoint_part + tuple((limit, "global") for limit in vendor.limits)
 
 
 def tightest(limits: Sequence[tuple[Limit, str]], levels: Sequence[float], index: int = -1) -> QuotaItem | None:

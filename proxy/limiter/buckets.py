@@ -4,6 +4,11 @@ Keys share the hash tag ``{vendor}`` so one vendor's buckets live in one Redis
 Cluster slot (a script may only touch keys of one slot). The limit itself is
 part of the key: a changed limit starts a fresh bucket, an unchanged one keeps
 its state across reloads.
+
+A vendor's global and endpoint buckets are fields of its state hash (acquire.lua,
+"Lost state"); with ``partition:`` each partition has a state hash of its own,
+``…:p:<hash>:state``, and the default partition (no header) keeps the vendor's
+``…:state``: a policy without partitions or endpoints uses the keys it always did.
 """
 
 from __future__ import annotations
@@ -11,33 +16,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.limiter.store import BucketSpec
-from proxy.policy.model import Limit, Vendor
+from proxy.policy.model import Endpoint, Limit, Vendor
 
 
 @dataclass(frozen=True, slots=True)
 class Buckets:
-    """Every bucket of one (vendor, tenant): tenant buckets first, then global."""
+    """Every bucket of one (vendor, tenant, endpoint, partition), in the store's order:
+    tenant buckets, then the endpoint's, then the vendor's global ones."""
 
     all: tuple[BucketSpec, ...]
     tenant_count: int
     queue: str | None = None
     """The deferral queue key of this bucket set (acquire.lua): refused callers' retry slots."""
+    endpoint_count: int = 0
+    state_key: str = ""
+    """The state hash holding the endpoint and global buckets (of the partition)."""
+    partition: str = ""
+    """The partition's hash; "" = the default partition."""
+    endpoint: str | None = None
+    """The endpoint class's name, None for a request of none."""
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:
-        return self.all[self.tenant_count :]
+        return self.all[self.tenant_count + self.endpoint_count :]
+
+    @property
+    def endpoint_part(self) -> tuple[BucketSpec, ...]:
+        return self.all[self.tenant_count : self.tenant_count + self.endpoint_count]
 
 
 def vendor_namespace(prefix: str, vendor: str) -> str:
     return f"{prefix}:{{{vendor}}}"
 
 
-def block_channel(prefix: str, vendor: str) -> str:
-    return f"{vendor_namespace(prefix, vendor)}:block"
+def block_channel(prefix: str, vendor: str, partition: str = "") -> str:
+    """Where a block of the vendor's (partition's) global buckets is announced."""
+    channel = f"{vendor_namespace(prefix, vendor)}:block"
+    return f"{channel}:{partition}" if partition else channel
 
 
 def block_channel_pattern(prefix: str) -> str:
-    return f"{prefix}:{{*}}:block"
+    return f"{prefix}:{{*}}:block*"
 
 
 def vendor_of_channel(channel: str) -> str | None:
@@ -45,9 +64,17 @@ def vendor_of_channel(channel: str) -> str | None:
     return channel[start + 1 : end] if 0 <= start < end else None
 
 
-def state_key(prefix: str, vendor: str) -> str:
-    """The vendor's state hash: its global buckets, and the counter and loss time that
-    tell a store that lost its keys (acquire.lua, "Lost state")."""
+def partition_of_channel(channel: str) -> str:
+    """The partition a block channel names ("" = the default partition)."""
+    _, _, partition = channel[channel.rfind("}") + 1 :].partition(":block:")
+    return partition
+
+
+def state_key(prefix: str, vendor: str, partition: str = "") -> str:
+    """The vendor's (partition's) state hash: its global and endpoint buckets, and the
+    counter and loss time that tell a store that lost its keys (acquire.lua, "Lost state")."""
+    if partition:
+        return f"{vendor_namespace(prefix, vendor)}:p:{partition}:state"
     return f"{vendor_namespace(prefix, vendor)}:state"
 
 
@@ -62,11 +89,28 @@ def replicas_key(prefix: str) -> str:
     return f"{prefix}:replicas"
 
 
-def global_buckets(prefix: str, vendor: Vendor) -> tuple[BucketSpec, ...]:
-    state = state_key(prefix, vendor.name)
+def global_buckets(prefix: str, vendor: Vendor, partition: str = "") -> tuple[BucketSpec, ...]:
+    state = state_key(prefix, vendor.name, partition)
     return tuple(
         BucketSpec(state, lim.per_second, lim.burst, "global", f"global {lim.label}", field=f"g:{lim.key}")
         for lim in vendor.limits
+    )
+
+
+def endpoint_buckets(prefix: str, vendor: Vendor, endpoint: Endpoint, partition: str = "") -> tuple[BucketSpec, ...]:
+    """An endpoint class's buckets: fields ``e:<name>:<limit>`` of the (partition's) state
+    hash, so a lost state is noticed for them as for the global ones."""
+    state = state_key(prefix, vendor.name, partition)
+    return tuple(
+        BucketSpec(
+            state,
+            lim.per_second,
+            lim.burst,
+            "endpoint",
+            f"endpoint {endpoint.name} {lim.label}",
+            field=f"e:{endpoint.name}:{lim.key}",
+        )
+        for lim in endpoint.limits
     )
 
 
@@ -79,7 +123,29 @@ def tenant_buckets(prefix: str, vendor: Vendor, tenant: str) -> tuple[BucketSpec
     )
 
 
-def buckets_for(prefix: str, vendor: Vendor, tenant: str) -> Buckets:
+def queue_key(prefix: str, vendor: str, tenant: str, endpoint: Endpoint | None = None, partition: str = "") -> str:
+    """The deferral queue of a bucket set. A tenant name never holds ``/``, so the
+    partition and endpoint parts cannot run into another tenant's key; an endpoint
+    without limits of its own shares the vendor's bucket set, hence its queue."""
+    key = f"{vendor_namespace(prefix, vendor)}:q:{tenant}"
+    if partition:
+        key += f"/p/{partition}"
+    if endpoint is not None and endpoint.limits:
+        key += f"/e/{endpoint.name}"
+    return key
+
+
+def buckets_for(
+    prefix: str, vendor: Vendor, tenant: str, endpoint: Endpoint | None = None, partition: str = ""
+) -> Buckets:
     tenant_part = tenant_buckets(prefix, vendor, tenant)
-    queue = f"{vendor_namespace(prefix, vendor.name)}:q:{tenant}"
-    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part), queue)
+    endpoint_part = endpoint_buckets(prefix, vendor, endpoint, partition) if endpoint is not None else ()
+    return Buckets(
+        tenant_part + endpoint_part + global_buckets(prefix, vendor, partition),
+        len(tenant_part),
+        queue_key(prefix, vendor.name, tenant, endpoint, partition),
+        len(endpoint_part),
+        state_key(prefix, vendor.name, partition),
+        partition,
+        None if endpoint is None else endpoint.name,
+    )

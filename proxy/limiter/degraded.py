@@ -31,6 +31,13 @@ shares held together, so the first shared grants cannot push any window over the
 
 A replica that never saw the replica count (the store was down since it started) has no
 share to enforce and fails closed.
+
+Endpoint classes and partitions (SPEC §10): every bucket a request touches is shared, so
+an endpoint's buckets are divided like the rest. Global shares start, block, drain and
+are charged per partition (each partition is a quota of its own). Endpoint shares start
+full (their global shares, nested around them, start no fuller than empty) and are not
+charged back: after the outage an endpoint bucket may read fuller than it would have,
+by at most its burst, while the charged global buckets still bind the whole vendor.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ log = logging.getLogger("quota_proxy.store")
 
 Mode = Literal["shared", "local", "recovering"]
 
-_SPECS_MAX = 10_000  # (vendor, tenant) share lists kept; tenants are unbounded
+_SPECS_MAX = 10_000  # (vendor, tenant, endpoint, partition) share lists kept; tenants are unbounded
 _WARN_EVERY = 1.0  # seconds between repeats of the "no replica count" error
 
 
@@ -71,9 +78,10 @@ def share(spec: BucketSpec, replicas: int) -> BucketSpec:
 
 @dataclass(slots=True)
 class _Spent:
-    """A vendor's global buckets as this replica keeps them while degraded."""
+    """A vendor's (partition's) global buckets as this replica keeps them while degraded."""
 
     vendor: Vendor
+    partition: str
     shared: tuple[BucketSpec, ...]
     local: tuple[BucketSpec, ...]
     alone: float = 0.0
@@ -95,8 +103,9 @@ class LocalShares:
         self.until = 0.0
         """Recovering: when the grace ends."""
         self._store = MemoryStore(clock)
-        self._specs: dict[tuple[str, str], tuple[Vendor, tuple[BucketSpec, ...]]] = {}
-        self._vendors: dict[str, _Spent] = {}
+        self._specs: dict[tuple[str, str, str | None, str], tuple[Vendor, tuple[BucketSpec, ...]]] = {}
+        self._vendors: dict[tuple[str, str], _Spent] = {}
+        """Per (vendor, partition): its global shares; partitions seen during the outage only."""
         self._warned = -math.inf
 
     # -- modes -------------------------------------------------------------------------
@@ -170,19 +179,24 @@ class LocalShares:
 
     # -- buckets -----------------------------------------------------------------------
 
-    def knows(self, vendor: Vendor) -> bool:
-        """Whether the vendor's global shares have started (``begin``) in this outage."""
-        spent = self._vendors.get(vendor.name)
+    def knows(self, vendor: Vendor, partition: str = "") -> bool:
+        """Whether the vendor's (partition's) global shares have started (``begin``) in this outage."""
+        spent = self._vendors.get((vendor.name, partition))
         return spent is not None and spent.vendor is vendor
 
     async def begin(
-        self, vendor: Vendor, shared: tuple[BucketSpec, ...], levels: tuple[float, ...] | None, blocked_for: float
+        self,
+        vendor: Vendor,
+        shared: tuple[BucketSpec, ...],
+        levels: tuple[float, ...] | None,
+        blocked_for: float,
+        partition: str = "",
     ) -> None:
         """Start the vendor's global shares from ``levels`` (the shared buckets' levels now,
         as this replica last saw them; None: never seen), divided, never above empty; a
         vendor block still running goes on. After a reload that kept the vendor's limits the
         shares go on as they were; either way what was granted alone stays owed."""
-        before = self._vendors.get(vendor.name)
+        before = self._vendors.get((vendor.name, partition))
         if before is not None and [b.ident for b in before.shared] == [b.ident for b in shared]:
             before.vendor = vendor
             return
@@ -193,10 +207,11 @@ class LocalShares:
             self._store.set_level(b, min(level, 0.0), now)
         if blocked_for > 0:
             await self._store.block(local, blocked_for, "")
-        self._vendors[vendor.name] = _Spent(vendor, shared, local, before.alone if before is not None else 0.0)
+        alone = before.alone if before is not None else 0.0
+        self._vendors[(vendor.name, partition)] = _Spent(vendor, partition, shared, local, alone)
 
     def _shares(self, vendor: Vendor, tenant: str, b: Buckets) -> tuple[BucketSpec, ...]:
-        key = (vendor.name, tenant)
+        key = (vendor.name, tenant, b.endpoint, b.partition)
         hit = self._specs.get(key)
         if hit is not None and hit[0] is vendor:
             return hit[1]
@@ -213,23 +228,23 @@ class LocalShares:
         not take it (the store is out), so it is owed to them when it returns."""
         result = await self._store.acquire(self._shares(vendor, tenant, b), cost, max_wait, queue)
         if result.granted and alone:
-            self.spent_alone(vendor, cost)
+            self.spent_alone(vendor, cost, b.partition)
         return result
 
-    def spent_alone(self, vendor: Vendor, cost: float) -> None:
-        self._vendors[vendor.name].alone += cost
+    def spent_alone(self, vendor: Vendor, cost: float, partition: str = "") -> None:
+        self._vendors[(vendor.name, partition)].alone += cost
 
     async def refund(self, vendor: Vendor, tenant: str, b: Buckets, cost: float) -> None:
         await self._store.refund(self._shares(vendor, tenant, b), cost)
 
-    async def block(self, vendor: Vendor, seconds: float) -> None:
-        """A vendor 429 while degraded: the vendor's shares grant nothing for ``seconds``."""
-        spent = self._vendors.get(vendor.name)
+    async def block(self, vendor: Vendor, seconds: float, partition: str = "") -> None:
+        """A vendor 429 while degraded: the (partition's) global shares grant nothing for ``seconds``."""
+        spent = self._vendors.get((vendor.name, partition))
         if spent is not None:
             await self._store.block(spent.local, seconds, "")
 
-    async def drain(self, vendor: Vendor) -> None:
-        spent = self._vendors.get(vendor.name)
+    async def drain(self, vendor: Vendor, partition: str = "") -> None:
+        spent = self._vendors.get((vendor.name, partition))
         if spent is not None:
             await self._store.drain(spent.local)
 
@@ -237,12 +252,16 @@ class LocalShares:
 
     def owed(self) -> list[Vendor]:
         """Vendors whose local spending the shared buckets have not been charged with."""
-        return [s.vendor for s in self._vendors.values() if s.alone > 0]
+        return list({id(vendor): vendor for vendor, _ in self.owing()}.values())
 
-    async def debts(self, vendor: Vendor) -> list[tuple[BucketSpec, float]]:
-        """(shared bucket, tokens to take from it) for each global bucket of ``vendor``: what
-        this replica granted alone, but no more than its share is short of full."""
-        spent = self._vendors.get(vendor.name)
+    def owing(self) -> list[tuple[Vendor, str]]:
+        """(vendor, partition) whose local spending the shared buckets have not been charged with."""
+        return [(s.vendor, s.partition) for s in self._vendors.values() if s.alone > 0]
+
+    async def debts(self, vendor: Vendor, partition: str = "") -> list[tuple[BucketSpec, float]]:
+        """(shared bucket, tokens to take from it) for each global bucket of ``vendor``'s
+        ``partition``: what this replica granted alone, but no more than its share is short of full."""
+        spent = self._vendors.get((vendor.name, partition))
         if spent is None or spent.alone <= 0:
             return []
         levels = await self._store.peek(spent.local)
@@ -253,8 +272,8 @@ class LocalShares:
                 out.append((shared, debt))
         return out
 
-    def settled(self, vendor: Vendor) -> None:
-        spent = self._vendors.get(vendor.name)
+    def settled(self, vendor: Vendor, partition: str = "") -> None:
+        spent = self._vendors.get((vendor.name, partition))
         if spent is not None:
             spent.alone = 0.0
 
@@ -274,8 +293,8 @@ class LocalShares:
         }
 
     async def levels(self, vendor: Vendor) -> list[dict[str, Any]] | None:
-        """The vendor's global shares now, for /status; None when it has none."""
-        spent = self._vendors.get(vendor.name) if self.active else None
+        """The vendor's (default partition's) global shares now, for /status; None when it has none."""
+        spent = self._vendors.get((vendor.name, "")) if self.active else None
         if spent is None:
             return None
         levels = await self._store.peek(spent.local)

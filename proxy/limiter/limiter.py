@@ -1,9 +1,14 @@
 """The limiter: buckets of a (vendor, tenant), taken in one store call, behind a breaker.
 
 It also remembers what the store last said about each vendor's global buckets
-(so the tokens gauge costs no extra round trip) and which vendors are blocked
-after a vendor 429, locally or as announced by other replicas, so that a held
-request whose reservation predates the block does not go out during it.
+(so the tokens gauge costs no extra round trip) and which vendors (and partitions)
+are blocked after a vendor 429, locally or as announced by other replicas, so that
+a held request whose reservation predates the block does not go out during it.
+
+A request of an endpoint class (SPEC §10) takes its ``cost`` from the class's
+buckets too; with ``partition:``, the vendor's global and endpoint buckets are those
+of the request's partition (buckets.py). What the limiter remembers per state key
+(one per partition) is bounded: partitions come from workers' headers.
 
 With ``store.on_failure: local`` it has local shares (degraded.py): a store that
 cannot answer does not refuse the request, this replica's share of the limits
@@ -25,7 +30,9 @@ from proxy.limiter.buckets import (
     block_channel,
     block_channel_pattern,
     buckets_for,
+    endpoint_buckets,
     global_buckets,
+    partition_of_channel,
     probe_key,
     replicas_key,
     state_key,
@@ -33,13 +40,15 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares
 from proxy.limiter.store import AcquireResult, BucketStore, StateGuard, StoreUnavailable
-from proxy.policy.model import Vendor
+from proxy.partitions import RecentPartitions, shown
+from proxy.policy.model import Endpoint, Vendor
 
 log = logging.getLogger("quota_proxy.limiter")
 
 T = TypeVar("T")
 
-_CACHE_MAX = 10_000  # (vendor, tenant) bucket lists kept; tenants are unbounded
+_CACHE_MAX = 10_000  # (vendor, tenant, endpoint, partition) bucket lists kept; tenants are unbounded
+_STATES_MAX = 10_000  # per-state-key memories (one state per partition) kept before pruning
 _CHARGE_WAIT = 10 * 365 * 86400.0  # seconds: a charge is an acquire that is never refused
 
 
@@ -53,9 +62,26 @@ class Observation:
 
 @dataclass(frozen=True, slots=True)
 class BlockMark:
-    """What a held request remembers: which block generation it reserved under."""
+    """What a held request remembers: which block generation of its (vendor, partition)
+    it reserved under."""
 
     generation: int
+
+
+_Cached = tuple[Vendor, Buckets]
+_BlockKey = tuple[str, str]  # (vendor, partition)
+
+
+def _bounded(memory: dict[str, T], stale: Callable[[T], bool]) -> None:
+    """Make room in a per-state-key memory: forget what no longer matters, and if that
+    frees too little (a flood of partitions), all of it: every memory here is an
+    optimisation or a safety net that a missing entry only weakens for a moment."""
+    if len(memory) < _STATES_MAX:
+        return
+    for key in [k for k, v in memory.items() if stale(v)]:
+        del memory[key]
+    if len(memory) >= _STATES_MAX // 2:
+        memory.clear()
 
 
 class Limiter:
@@ -81,41 +107,60 @@ class Limiter:
         """This replica's shares of the limits (``store.on_failure: local``), else None."""
         self._on_local_grant = on_local_grant
         self._settling = False  # a charge of the shared buckets is on its way (_come_back)
-        self._cache: dict[tuple[str, str], tuple[Vendor, Buckets]] = {}
+        self._cache: dict[tuple[str, str, str | None, str], _Cached] = {}
         self._observed: dict[str, Observation] = {}
-        self._blocked_until: dict[str, float] = {}
-        self._block_generation: dict[str, int] = {}
+        """Per vendor: its (default partition's) global buckets as the store last said."""
+        self._observed_parts: dict[str, Observation] = {}
+        """Per state key of a partition other than the default: the same, bounded."""
+        self._blocked_until: dict[_BlockKey, float] = {}
+        self._block_generation: dict[_BlockKey, int] = {}
+        self._generation = 0  # blocks noted so far: a block's generation is never reused
         # Per state key: the highest counter the store reported, and until when (local clock)
         # a missing state would mean a loss: after that its buckets were full again anyway.
         self._seen: dict[str, tuple[int, float]] = {}
+        self.partitions = RecentPartitions(clock)
+        """Partitions seen lately, per vendor (/status shows how many, never which)."""
 
     # -- buckets ---------------------------------------------------------------
 
-    def buckets(self, vendor: Vendor, tenant: str) -> Buckets:
-        key = (vendor.name, tenant)
+    def buckets(self, vendor: Vendor, tenant: str, endpoint: Endpoint | None = None, partition: str = "") -> Buckets:
+        """The buckets of a request: the tenant's, the endpoint class's (if any) and the
+        vendor's global ones (of the partition, "" = the default one), in that order."""
+        key = (vendor.name, tenant, None if endpoint is None else endpoint.name, partition)
         hit = self._cache.get(key)
         if hit is not None and hit[0] is vendor:
             return hit[1]
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
-        b = buckets_for(self.key_prefix, vendor, tenant)
+        b = buckets_for(self.key_prefix, vendor, tenant, endpoint, partition)
         self._cache[key] = (vendor, b)
         return b
 
     # -- store calls -----------------------------------------------------------
 
     async def acquire(
-        self, vendor: Vendor, tenant: str, max_wait: float, cost: float = 1.0, *, enqueue: bool = True
+        self,
+        vendor: Vendor,
+        tenant: str,
+        max_wait: float,
+        cost: float = 1.0,
+        *,
+        enqueue: bool = True,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
     ) -> AcquireResult:
-        """Take ``cost`` from every bucket of (vendor, tenant) now or within ``max_wait``, or from none.
+        """Take ``cost`` from every bucket of the request (``buckets``) now or within
+        ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
 
-        Refused, the result's ``hint`` is the caller's slot in the (vendor, tenant) deferral
+        Refused, the result's ``hint`` is the caller's slot in its bucket set's deferral
         queue; ``enqueue=False`` (a caller that will not retry: shed) takes no slot.
         With local shares, a store that cannot answer leaves the decision to this
         replica's share (degraded.py). Raises StoreUnavailable when the store fails or
         the breaker is open and there is no share to decide on.
         """
-        b = self.buckets(vendor, tenant)
+        b = self.buckets(vendor, tenant, endpoint, partition)
+        if vendor.partition is not None:
+            self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
         local = self.local
         mode = "shared" if local is None else local.current()
@@ -137,7 +182,7 @@ class Limiter:
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
-            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor))
+            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key))
         except StoreUnavailable as exc:
             self._store_failed(exc)
             raise
@@ -145,32 +190,59 @@ class Limiter:
             self.breaker.release()
             raise
         self.breaker.success()
-        self._answered(vendor, result)
-        if b.tenant_count < len(result.levels):
-            self._observed[vendor.name] = Observation(result.levels[b.tenant_count :], self.clock.monotonic())
+        self._answered(vendor, b.state_key, result)
+        self._observe(vendor, b, result.levels)
         return result
 
-    def _guard(self, vendor: Vendor) -> StateGuard:
-        return StateGuard(state_key(self.key_prefix, vendor.name), self._seen_seq(vendor), vendor.on_limit.max_hold)
+    def _observe(self, vendor: Vendor, b: Buckets, levels: tuple[float, ...]) -> None:
+        """Remember the global buckets' levels in ``levels`` (every bucket of ``b``)."""
+        start = b.tenant_count + b.endpoint_count
+        if start < len(levels):
+            if b.partition:
+                self._note_levels(vendor, b.partition, b.state_key, levels[start:])
+            else:
+                self._observed[vendor.name] = Observation(levels[start:], self.clock.monotonic())
 
-    def _answered(self, vendor: Vendor, result: AcquireResult) -> None:
+    def _note_levels(self, vendor: Vendor, partition: str, key: str, levels: tuple[float, ...]) -> None:
+        obs = Observation(levels, self.clock.monotonic())
+        if not partition:
+            self._observed[vendor.name] = obs
+            return
+        if key not in self._observed_parts:
+            horizon = obs.at - 3600.0  # an hour-old observation: every bucket long full again
+            _bounded(self._observed_parts, lambda o: o.at < horizon)
+        self._observed_parts[key] = obs
+
+    def _guard(self, vendor: Vendor, key: str) -> StateGuard:
+        return StateGuard(key, self._seen_seq(key), vendor.on_limit.max_hold)
+
+    def _answered(self, vendor: Vendor, key: str, result: AcquireResult) -> None:
         """What every acquire the store answered tells: the state's counter, a loss."""
-        self._note_state(vendor, result)
+        self._note_state(vendor, key, result)
         if result.lost:
+            part = self._partition_of(vendor, key)
             log.error(
-                "the store lost %s's bucket state (restarted empty, flushed, evicted or failed over to a "
+                "the store lost %s's bucket state%s (restarted empty, flushed, evicted or failed over to a "
                 "lagging replica): its buckets restart owing up to %.3fs of reservations, never full",
                 vendor.name,
+                f" (partition {shown(part)})" if part else "",
                 vendor.on_limit.max_hold,
             )
             if self._on_state_lost is not None:
                 self._on_state_lost(vendor.name)
 
+    def _partition_of(self, vendor: Vendor, key: str) -> str:
+        """The partition of one of the vendor's state keys ("" = the default one)."""
+        head = f"{state_key(self.key_prefix, vendor.name)[: -len('state')]}p:"
+        return key[len(head) : -len(":state")] if key.startswith(head) else ""
+
     # -- local shares (store.on_failure: local) ---------------------------------------
 
     async def _local_shares(self, local: LocalShares, vendor: Vendor, b: Buckets) -> None:
-        if not local.knows(vendor):
-            await local.begin(vendor, b.global_part, self._levels_now(vendor), self.blocked_for(vendor.name))
+        part = b.partition
+        if not local.knows(vendor, part):
+            levels = self._levels_now(vendor, part)
+            await local.begin(vendor, b.global_part, levels, self.blocked_for(vendor.name, part), part)
 
     async def _acquire_local(
         self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None
@@ -192,8 +264,8 @@ class Limiter:
             return False
         self._settling = True
         try:
-            for owing in local.owed() or [vendor]:
-                await self._charge(local, owing)
+            for owing, partition in local.owing() or [(vendor, "")]:
+                await self._charge(local, owing, partition)
         except StoreUnavailable as exc:
             self._store_failed(exc)
             return False
@@ -206,17 +278,19 @@ class Limiter:
         local.recovered()
         return True
 
-    async def _charge(self, local: LocalShares, vendor: Vendor) -> None:
-        """Take the vendor's debts (degraded.py) from its shared buckets: an acquire that
-        cannot be refused, under the state guard, so a store that came back empty is
-        noticed as well."""
-        globals_ = global_buckets(self.key_prefix, vendor)
-        debts = await local.debts(vendor) or [(bucket, 0.0) for bucket in globals_[:1]]
+    async def _charge(self, local: LocalShares, vendor: Vendor, partition: str) -> None:
+        """Take the vendor's (partition's) debts (degraded.py) from its shared buckets: an
+        acquire that cannot be refused, under the state guard, so a store that came back
+        empty is noticed as well."""
+        globals_ = global_buckets(self.key_prefix, vendor, partition)
+        key = state_key(self.key_prefix, vendor.name, partition)
+        debts = await local.debts(vendor, partition) or [(bucket, 0.0) for bucket in globals_[:1]]
         for bucket, debt in debts:
-            self._answered(vendor, await self.store.acquire((bucket,), debt, _CHARGE_WAIT, None, self._guard(vendor)))
+            result = await self.store.acquire((bucket,), debt, _CHARGE_WAIT, None, self._guard(vendor, key))
+            self._answered(vendor, key, result)
         if not globals_:
             await self.store.ping()
-        local.settled(vendor)
+        local.settled(vendor, partition)
 
     async def _acquire_both(
         self, local: LocalShares, vendor: Vendor, tenant: str, b: Buckets, cost: float, queue: str | None
@@ -234,7 +308,7 @@ class Limiter:
             result = await self._acquire_shared(vendor, b, cost, 0.0, queue)
         except StoreUnavailable as exc:
             local.engage(exc)  # out again: the local grant stands, owed to the store
-            local.spent_alone(vendor, cost)
+            local.spent_alone(vendor, cost, b.partition)
             return mine
         if not result.granted:
             await local.refund(vendor, tenant, b, cost)
@@ -254,63 +328,70 @@ class Limiter:
         """Whether this replica can still grant with the store out (it knows its share)."""
         return self.local is not None and (self.local.active or self.local.presence.replicas() > 0)
 
-    def _seen_seq(self, vendor: Vendor) -> int:
-        """The state counter to check the store against: 0 once the state may have
+    def _seen_seq(self, key: str) -> int:
+        """The counter to check state ``key`` against: 0 once the state may have
         expired of itself (idle: every bucket full, no reservation outstanding)."""
-        seq, matters_until = self._seen.get(state_key(self.key_prefix, vendor.name), (0, 0.0))
+        seq, matters_until = self._seen.get(key, (0, 0.0))
         return seq if self.clock.monotonic() < matters_until else 0
 
-    def _note_state(self, vendor: Vendor, result: AcquireResult) -> None:
-        key = state_key(self.key_prefix, vendor.name)
-        seq, _ = self._seen.get(key, (0, 0.0))
+    def _note_state(self, vendor: Vendor, key: str, result: AcquireResult) -> None:
+        seen = self._seen.get(key)
+        seq = 0 if seen is None else seen[0]
         if result.seq >= seq or result.lost:
             # The state lives ``debt`` + 1 s past its buckets' refill (the ttl the store
             # reports, whoever extended it last): only until then can a missing state be
             # a loss that matters (acquire.lua, "Lost state").
-            until = self.clock.monotonic() + result.ttl - vendor.on_limit.max_hold - 1.0
-            self._seen[key] = (result.seq, until)
+            now = self.clock.monotonic()
+            if seen is None:
+                # Many partitions: entries past their time say nothing any more (_seen_seq).
+                _bounded(self._seen, lambda s: s[1] <= now)
+            self._seen[key] = (result.seq, now + result.ttl - vendor.on_limit.max_hold - 1.0)
 
-    async def block(self, vendor: Vendor, seconds: float) -> float:
-        """A vendor 429: block its global buckets fleet-wide; returns the block's length.
+    async def block(self, vendor: Vendor, seconds: float, *, partition: str = "") -> float:
+        """A vendor 429: block the global buckets of the vendor's partition that got it
+        fleet-wide; returns the block's length.
 
         Never raises: the block is also kept locally, so this replica honours it
         even when the store cannot record it.
         """
-        buckets = global_buckets(self.key_prefix, vendor)
+        buckets = global_buckets(self.key_prefix, vendor, partition)
         until = seconds
         try:
-            channel = block_channel(self.key_prefix, vendor.name)
+            channel = block_channel(self.key_prefix, vendor.name, partition)
             result = await self._feedback(self.store.block(buckets, seconds, channel))
         except StoreUnavailable:
             result = None
         if result is not None:
             until = result.until
-            self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
-        self.note_block(vendor.name, until)
+            self._note_levels(vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels)
+        self.note_block(vendor.name, until, partition)
         if self.local is not None and self.local.active:
-            await self.local.block(vendor, until)
+            await self.local.block(vendor, until, partition)
         return until
 
-    async def drain(self, vendor: Vendor) -> None:
-        """Remaining quota below the low watermark: empty the global buckets now."""
+    async def drain(self, vendor: Vendor, *, partition: str = "") -> None:
+        """Remaining quota below the low watermark: empty the (partition's) global buckets now."""
         if self.local is not None and self.local.active:
-            await self.local.drain(vendor)
-        buckets = global_buckets(self.key_prefix, vendor)
+            await self.local.drain(vendor, partition)
+        buckets = global_buckets(self.key_prefix, vendor, partition)
         try:
             result = await self._feedback(self.store.drain(buckets))
         except StoreUnavailable:
             return
-        self._observed[vendor.name] = Observation(result.levels, self.clock.monotonic())
+        self._note_levels(vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels)
 
-    async def refund(self, vendor: Vendor, tenant: str, cost: float = 1.0) -> bool:
-        """A held request of (vendor, tenant) that never went out: give its tokens back.
+    async def refund(
+        self, vendor: Vendor, tenant: str, cost: float = 1.0, *, endpoint: Endpoint | None = None, partition: str = ""
+    ) -> bool:
+        """A held request that never went out: give its tokens back to every bucket it took
+        from (``buckets`` of the same arguments).
 
         Best effort, never raises: a refund the store cannot take only leaves the
         buckets as short as they were. Returns whether the store (or, degraded, this
         replica's share) took it."""
-        b = self.buckets(vendor, tenant)
+        b = self.buckets(vendor, tenant, endpoint, partition)
         local = self.local
-        if local is not None and local.active and local.knows(vendor):
+        if local is not None and local.active and local.knows(vendor, partition):
             await local.refund(vendor, tenant, b, cost)
             if local.current() == "local":
                 return True  # the store took none of it
@@ -318,16 +399,27 @@ class Limiter:
             levels = await self._feedback(self.store.refund(b.all, cost))
         except StoreUnavailable:
             return False
-        if b.tenant_count < len(levels):
-            self._observed[vendor.name] = Observation(levels[b.tenant_count :], self.clock.monotonic())
+        self._observe(vendor, b, levels)
         return True
 
-    async def peek(self, vendor: Vendor, tenant: str | None = None) -> tuple[Buckets, tuple[float, ...]]:
-        """Levels of the vendor's global buckets (and the tenant's, if given), taking nothing."""
-        b = Buckets(global_buckets(self.key_prefix, vendor), 0) if tenant is None else self.buckets(vendor, tenant)
+    async def peek(
+        self, vendor: Vendor, tenant: str | None = None, *, endpoint: Endpoint | None = None, partition: str = ""
+    ) -> tuple[Buckets, tuple[float, ...]]:
+        """Levels of the (partition's) global buckets, and the endpoint class's and the
+        tenant's if given, in ``buckets`` order, taking nothing."""
+        if tenant is None:
+            endpoint_part = () if endpoint is None else endpoint_buckets(self.key_prefix, vendor, endpoint, partition)
+            b = Buckets(
+                endpoint_part + global_buckets(self.key_prefix, vendor, partition),
+                0,
+                endpoint_count=len(endpoint_part),
+                state_key=state_key(self.key_prefix, vendor.name, partition),
+                partition=partition,
+            )
+        else:
+            b = self.buckets(vendor, tenant, endpoint, partition)
         levels = await self.store.peek(b.all)
-        if len(levels) > b.tenant_count:
-            self._observed[vendor.name] = Observation(levels[b.tenant_count :], self.clock.monotonic())
+        self._observe(vendor, b, levels)
         return b, levels
 
     async def ping(self, vendors: Iterable[Vendor] = ()) -> None:
@@ -354,14 +446,18 @@ class Limiter:
     # -- what we know without asking -------------------------------------------
 
     def tokens_available(self, vendor: Vendor) -> float | None:
-        """The fullest-possible estimate of the scarcest global bucket, extrapolated
-        from the last store answer by refill; None before any answer."""
+        """The fullest-possible estimate of the scarcest global bucket (of the default
+        partition), extrapolated from the last store answer by refill; None before any answer."""
         levels = self._levels_now(vendor)
         return None if levels is None else min(levels)
 
-    def _levels_now(self, vendor: Vendor) -> tuple[float, ...] | None:
-        """The global buckets' levels extrapolated from the last store answer; None before any."""
-        obs = self._observed.get(vendor.name)
+    def _levels_now(self, vendor: Vendor, partition: str = "") -> tuple[float, ...] | None:
+        """The (partition's) global buckets' levels extrapolated from the last store answer;
+        None before any."""
+        if partition:
+            obs = self._observed_parts.get(state_key(self.key_prefix, vendor.name, partition))
+        else:
+            obs = self._observed.get(vendor.name)
         if obs is None:
             return None
         elapsed = self.clock.monotonic() - obs.at
@@ -370,25 +466,42 @@ class Limiter:
             for lim, level in zip(vendor.limits, obs.levels, strict=False)
         )
 
-    def note_block(self, vendor: str, seconds: float) -> None:
-        """Record a block of ``vendor`` for ``seconds`` from now (ours or another replica's)."""
-        until = self.clock.monotonic() + seconds
-        if until > self._blocked_until.get(vendor, 0.0):
-            self._blocked_until[vendor] = until
-        self._block_generation[vendor] = self._block_generation.get(vendor, 0) + 1
+    def note_block(self, vendor: str, seconds: float, partition: str = "") -> None:
+        """Record a block of ``vendor`` (its ``partition``) for ``seconds`` from now (ours or
+        another replica's)."""
+        key = (vendor, partition)
+        now = self.clock.monotonic()
+        until = now + seconds
+        if key not in self._blocked_until and len(self._blocked_until) >= _STATES_MAX:
+            # Many partitions blocked in turn: forget the blocks that ended (their marks
+            # then read "no block since", which is what they would say anyway).
+            for old in [k for k, t in self._blocked_until.items() if t <= now]:
+                del self._blocked_until[old]
+                self._block_generation.pop(old, None)
+        if until > self._blocked_until.get(key, 0.0):
+            self._blocked_until[key] = until
+        self._generation += 1
+        self._block_generation[key] = self._generation
 
-    def mark(self, vendor: str) -> BlockMark:
-        return BlockMark(self._block_generation.get(vendor, 0))
+    def mark(self, vendor: str, partition: str = "") -> BlockMark:
+        return BlockMark(self._block_generation.get((vendor, partition), 0))
 
-    def blocked_since(self, vendor: str, mark: BlockMark) -> float:
-        """Seconds of block left if a block began after ``mark`` was taken, else 0."""
-        if self._block_generation.get(vendor, 0) == mark.generation:
+    def blocked_since(self, vendor: str, mark: BlockMark, partition: str = "") -> float:
+        """Seconds of block left if a block of (vendor, partition) began after ``mark`` was
+        taken, else 0."""
+        key = (vendor, partition)
+        if self._block_generation.get(key, 0) == mark.generation:
             return 0.0
-        return max(self._blocked_until.get(vendor, 0.0) - self.clock.monotonic(), 0.0)
+        return max(self._blocked_until.get(key, 0.0) - self.clock.monotonic(), 0.0)
 
-    def blocked_for(self, vendor: str) -> float:
-        """Seconds until the last known block of ``vendor`` ends (0 if none)."""
-        return max(self._blocked_until.get(vendor, 0.0) - self.clock.monotonic(), 0.0)
+    def blocked_for(self, vendor: str, partition: str = "") -> float:
+        """Seconds until the last known block of ``vendor`` (its ``partition``) ends (0 if none)."""
+        return max(self._blocked_until.get((vendor, partition), 0.0) - self.clock.monotonic(), 0.0)
+
+    def partitions_blocked(self, vendor: str) -> int:
+        """Partitions of ``vendor`` other than the default one blocked now (for /status)."""
+        now = self.clock.monotonic()
+        return sum(1 for (name, part), until in self._blocked_until.items() if name == vendor and part and until > now)
 
     async def watch_blocks(self) -> None:
         """Follow other replicas' blocks until cancelled."""
@@ -396,6 +509,6 @@ class Limiter:
         def on_block(channel: str, seconds: float) -> None:
             vendor = vendor_of_channel(channel)
             if vendor is not None:
-                self.note_block(vendor, seconds)
+                self.note_block(vendor, seconds, partition_of_channel(channel))
 
         await self.store.watch_blocks(block_channel_pattern(self.key_prefix), on_block)
