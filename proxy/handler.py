@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 
 from aiohttp import web
 
 from proxy.accesslog import AccessRecord
 from proxy.aiohttp_internals import answer_begun
+from proxy.concurrency import Slot
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import apply_feedback
@@ -23,7 +25,7 @@ from proxy.forward import relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.limiter import BlockMark, StoreUnavailable
+from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
 from proxy.policy.durations import format_duration
@@ -89,18 +91,29 @@ class ProxyHandler:
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
         wish = request_wish(match.vendor.on_limit, request.headers)
-        admission = await self.admit(deps, match.vendor, match.tenant, wish, rec)
-        resp = await self._forward(deps, request, match, rec, admission)
+        # The request's leases (concurrency caps) are given back however it ends, once
+        # the vendor's answer is relayed (concurrency.py).
+        # TODO(coordinator): match.endpoint once endpoint matching is merged, instead of None.
+        with deps.concurrency.slot(match.vendor, None) as slot:
+            admission = await self.admit(deps, match.vendor, match.tenant, wish, rec, slot)
+            resp = await self._forward(deps, request, match, rec, admission)
         rec.status = resp.status
         return resp
 
-    async def admit(self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord) -> Admission:
-        """Take the request's tokens, holding if the decision says so; returns the outcome
-        to record once it is sent (forwarded or held), or raises the refusal."""
+    async def admit(
+        self, deps: Deps, vendor: Vendor, tenant: str, wish: Wish, rec: AccessRecord, slot: Slot
+    ) -> Admission:
+        """Take the request's tokens (and ``slot``'s leases), holding if the decision says so;
+        returns the outcome to record once it is sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
         self._seat(deps, vendor, tenant)
+        enqueue = wish.action != "shed"
+
+        def attempt(max_wait: float) -> Awaitable[AcquireResult]:
+            return limiter.acquire(vendor, tenant, max_wait, enqueue=enqueue, leases=slot.leases)
+
         try:
-            result = await limiter.acquire(vendor, tenant, wish.max_wait, enqueue=wish.action != "shed")
+            result = await deps.concurrency.acquire(slot, wish, attempt)
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 wait = limiter.breaker.retry_after()
@@ -122,8 +135,14 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant), result.levels) if vendor.ratelimit_headers else None
+        if slot.waited:
+            rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, tenant, decision.wait, rec)
+            await self._hold(deps, vendor, tenant, decision.wait, rec, slot.waited)
+            return Admission("held", quota)
+        if slot.waited:
+            rec.hold = slot.waited
+            deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
             return Admission("held", quota)
         return Admission("forwarded", quota)
 
@@ -145,9 +164,12 @@ class ProxyHandler:
             )
             raise Limited("defer", wait, "tenants", f"tenant.max_active {cap} reached")
 
-    async def _hold(self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord) -> None:
+    async def _hold(
+        self, deps: Deps, vendor: Vendor, tenant: str, wait: float, rec: AccessRecord, waited: float = 0.0
+    ) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
         refill interval apart, so held requests leave in order and evenly paced.
+        ``waited``: seconds already held for a concurrency slot.
 
         A hold whose worker goes away gives its tokens back, once: nothing used them
         (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
@@ -166,8 +188,8 @@ class ProxyHandler:
         finally:
             deps.held[name] -= 1
             gauge.dec()
-            rec.hold = wait
-        deps.metrics.hold_seconds.labels(name).observe(wait)
+            rec.hold = waited + wait
+        deps.metrics.hold_seconds.labels(name).observe(waited + wait)
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark)
