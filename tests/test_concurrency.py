@@ -282,6 +282,8 @@ async def test_a_full_cap_defers_or_sheds_at_once_and_takes_nothing(
             assert r.status == 503
             assert r.headers["X-Quota-Scope"] == "concurrency"
         assert await store.inflight(sets) == (1,)
+        async with s.get(f"{proxy.admin_url}/metrics") as m:
+            assert value(metric_samples(await m.text()), "ratelimit_inflight", limiter="payments") == 1
         _, levels = await proxy.runtime.limiter.peek(policy.vendor("payments"))
         assert levels[0] == pytest.approx(9, abs=0.01)  # the refusals took no token
         vendor.let_go()
