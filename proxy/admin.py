@@ -185,6 +185,7 @@ async def status(request: web.Request) -> web.Response:
             "recommended_concurrency": deps.sizing.recommended_concurrency(vendor),
         }
         entry["held_now"] = deps.held.get(vendor.name, 0)
+        entry["concurrency"] = await deps.concurrency.status(vendor)
         blocked = limiter.blocked_for(vendor.name)
         entry["blocked_for_seconds"] = round(blocked, 3)
         entry["blocked_until"] = (

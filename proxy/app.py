@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.accesslog import AccessLog
 from proxy.clock import Clock, SystemClock
+from proxy.concurrency import Concurrency
 from proxy.deps import Deps
 from proxy.forward import Upstreams
 from proxy.handler import ProxyHandler
@@ -33,6 +34,7 @@ from proxy.metrics import GaugeCollector, Metrics
 from proxy.pacing import Pacer
 from proxy.policy.model import Policy
 from proxy.recent import Recent
+from proxy.sizing import Sizing
 from proxy.tasks import cancel_and_wait, spawn
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ class Runtime:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         limiter = self._limiter(policy, store)
+        sizing = Sizing()
+        concurrency = Concurrency(limiter, self.clock, sizing)
         self.handler = ProxyHandler(
             Deps(
                 policy=policy,
@@ -68,11 +72,13 @@ class Runtime:
                 recent=Recent(self.clock),
                 access_log=access_log if access_log is not None else AccessLog(),
                 pacer=Pacer(self.clock),
+                concurrency=concurrency,
+                sizing=sizing,
             )
         )
         self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
-        self._watch = self._follow(limiter)
+        self._watch = self._follow(limiter, concurrency)
         self._declare_gauges()
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
@@ -110,10 +116,13 @@ class Runtime:
             on_local_grant=lambda vendor: self.metrics.degraded_grants.labels(vendor).inc(),
         )
 
-    def _follow(self, limiter: Limiter) -> list[asyncio.Task[None]]:
-        """The limiter's background work: other replicas' vendor blocks, and (on_failure:
-        local) this replica's announcements in the store."""
-        tasks = [spawn(limiter.watch_blocks(), name="watch-vendor-blocks")]
+    def _follow(self, limiter: Limiter, concurrency: Concurrency) -> list[asyncio.Task[None]]:
+        """The limiter's background work: other replicas' vendor blocks and lease releases,
+        and (on_failure: local) this replica's announcements in the store."""
+        tasks = [
+            spawn(limiter.watch_blocks(), name="watch-vendor-blocks"),
+            spawn(concurrency.watch(), name="watch-lease-releases"),
+        ]
         if limiter.local is not None:
             tasks.append(spawn(limiter.announce(), name="announce-replica"))
         return tasks
@@ -146,13 +155,15 @@ class Runtime:
         # What can fail comes first, so a failed reload changes nothing.
         tls_changed = policy.tls != old.policy.tls
         minter = self._new_leaf_minter(policy) if tls_changed else self.leaf_minter
-        limiter = old.limiter
+        limiter, concurrency = old.limiter, old.concurrency
         if policy.store != old.policy.store:
             limiter = self._limiter(policy)
+            concurrency = Concurrency(limiter, self.clock, old.sizing)
             for task in self._watch:
                 task.cancel()
-            self._retire(_closing(old.limiter, self._watch), policy)
-            self._watch = self._follow(limiter)
+            # Requests in flight give their leases back to the old store; it closes after them.
+            self._retire(_closing(old.limiter, old.concurrency, self._watch), policy)
+            self._watch = self._follow(limiter, concurrency)
             notes.append("store settings changed: new store connection; bucket state lives on in the store itself")
         upstreams, dropped = old.upstreams.updated(policy)
         for session_close in dropped:
@@ -164,7 +175,7 @@ class Runtime:
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
         self.handler.deps = dataclasses.replace(
-            old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams
+            old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams, concurrency=concurrency
         )
         return notes
 
@@ -234,6 +245,20 @@ class Runtime:
                 lambda: [([v.name], self.deps.sizing.rate(v)) for v in self.policy.vendors],
             ),
             (
+                "ratelimit_inflight",
+                "Requests in flight to each vendor with a concurrency cap, fleet-wide (its leases), as the "
+                "store last reported them to this replica.",
+                ["limiter"],
+                self._inflight,
+            ),
+            (
+                "ratelimit_endpoint_inflight",
+                "Requests in flight per endpoint class with a concurrency cap, fleet-wide, as the store last "
+                "reported them to this replica.",
+                ["limiter", "endpoint"],
+                self._endpoint_inflight,
+            ),
+            (
                 "ratelimit_recommended_concurrency",
                 "Workers that keep each vendor's quota busy: configured rate x observed upstream latency "
                 "(Little's law); cap the autoscaler here.",
@@ -270,6 +295,19 @@ class Runtime:
             if workers is not None:
                 yield [vendor.name], float(workers)
 
+    def _inflight(self) -> Iterator[tuple[list[str], float]]:
+        deps = self.handler.deps
+        for vendor in deps.policy.vendors:
+            if vendor.concurrency is not None:
+                yield [vendor.name], float(deps.concurrency.inflight_seen(vendor))
+
+    def _endpoint_inflight(self) -> Iterator[tuple[list[str], float]]:
+        deps = self.handler.deps
+        for vendor in deps.policy.vendors:
+            for endpoint in vendor.endpoints:
+                if endpoint.concurrency is not None:
+                    yield [vendor.name, endpoint.name], float(deps.concurrency.inflight_seen(vendor, endpoint))
+
     def _store_error(self, exc: StoreUnavailable) -> None:
         self.metrics.store_errors.inc()
         log.debug("store error: %s", exc)
@@ -282,14 +320,17 @@ class Runtime:
             self.leaf_minter.close()
         deps = self.handler.deps
         await deps.upstreams.close()
-        await _closing(deps.limiter, self._watch)()  # the watches end before the store they read
+        await _closing(deps.limiter, deps.concurrency, self._watch)()  # the watches end before the store they read
         deps.access_log.flush()
 
 
-def _closing(limiter: Limiter, background: list[asyncio.Task[None]]) -> Callable[[], Awaitable[None]]:
+def _closing(
+    limiter: Limiter, concurrency: Concurrency, background: list[asyncio.Task[None]]
+) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         for task in background:
             await cancel_and_wait(task)  # a cancellation can be lost (tasks.py): they must end first
+        await concurrency.close()  # leases still held go back before the store closes
         await limiter.leave()  # the other replicas stop counting this one at once
         await limiter.store.close()
 

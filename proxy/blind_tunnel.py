@@ -1,6 +1,9 @@
 """Blind tunnels (``connect: tunnel``): one token per CONNECT, then bytes pass both ways unread.
 
-Concurrent tunnels per vendor are capped by ``max_tunnels``. ``BlindTunnels.dial``
+Concurrent tunnels per vendor are capped by ``max_tunnels`` (this replica) and, fleet-wide,
+by the vendor's ``concurrency``: an open tunnel holds a lease in the vendor's set (a
+tunnel has no path, so no endpoint class's), taken when it is admitted, renewed while it
+is open, given back when it closes (concurrency.py). ``BlindTunnels.dial``
 admits the CONNECT and connects to the vendor; once the front door has answered it
 with 200, ``BlindTunnels.splice`` joins the worker's connection to the vendor's.
 """
@@ -12,14 +15,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from proxy.accesslog import AccessRecord
+from proxy.concurrency import Slot
 from proxy.decide import Admission, Wish, request_wish
 from proxy.deps import Deps
 from proxy.names import default_port, parse_authority
 from proxy.policy.model import Vendor
 from proxy.refusals import Limited, UpstreamFailed
 
-Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord], Awaitable[Admission]]
-"""Take a request's tokens, holding if need be (ProxyHandler.admit)."""
+Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord, Slot], Awaitable[Admission]]
+"""Take a request's tokens and its slot's leases, holding if need be (ProxyHandler.admit)."""
 
 
 class BlindTunnels:
@@ -66,19 +70,20 @@ class BlindTunnels:
         # together cannot all pass the cap; it is given back unless the tunnel opens.
         self._open[vendor.name] = self.count(vendor.name) + 1
         deps.metrics.tunnels_open.labels(vendor.name).inc()
+        slot = deps.concurrency.slot(vendor, None)
         try:
             wish = request_wish(vendor.on_limit, headers)
-            rec.outcome = (await self._admit(deps, vendor, tenant, wish, rec)).outcome
+            rec.outcome = (await self._admit(deps, vendor, tenant, wish, rec, slot)).outcome
             up_transport, up_pipe = await _connect(vendor, address)
         except BaseException:
-            self._closed(deps, vendor.name)
+            self._closed(deps, vendor.name, slot)
             raise
-        return Dialled(deps, vendor.name, up_transport, up_pipe)
+        return Dialled(deps, vendor.name, up_transport, up_pipe, slot)
 
     def abandon(self, tunnel: Dialled) -> None:
         """The worker went away before the tunnel opened: close the vendor's side, free the slot."""
         tunnel.up_transport.close()
-        self._closed(tunnel.deps, tunnel.vendor)
+        self._closed(tunnel.deps, tunnel.vendor, tunnel.slot)
 
     def splice(self, tunnel: Dialled, transport: asyncio.Transport, early: bytes) -> None:
         """Join the worker's connection (already answered 200) to the vendor's; ``early``:
@@ -89,7 +94,7 @@ class BlindTunnels:
         down_pipe = _Pipe()
 
         def finished() -> None:
-            self._closed(deps, vendor)
+            self._closed(deps, vendor, tunnel.slot)
             self._track(down_pipe, done=True)
 
         down_pipe.join(transport, tunnel.up_transport, on_closed=finished)
@@ -100,8 +105,9 @@ class BlindTunnels:
             tunnel.up_transport.write(early)
         transport.resume_reading()
 
-    def _closed(self, deps: Deps, vendor: str) -> None:
-        """A tunnel's slot is free again."""
+    def _closed(self, deps: Deps, vendor: str, slot: Slot) -> None:
+        """A tunnel's slot is free again (here, and its lease fleet-wide)."""
+        slot.close()
         self._open[vendor] -= 1
         deps.metrics.tunnels_open.labels(vendor).dec()
 
@@ -122,6 +128,8 @@ class Dialled:
     vendor: str
     up_transport: asyncio.Transport
     up_pipe: _Pipe
+    slot: Slot
+    """Its leases (the vendor's concurrency cap), held until it closes."""
 
 
 async def _connect(vendor: Vendor, address: tuple[str, int]) -> tuple[asyncio.Transport, _Pipe]:

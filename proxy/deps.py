@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from proxy.accesslog import AccessLog
 from proxy.clock import Clock
+from proxy.concurrency import Concurrency
 from proxy.forward import Upstreams
 from proxy.limiter import Limiter
 from proxy.match import Router
@@ -35,6 +36,8 @@ class Deps:
     access_log: AccessLog
     pacer: Pacer
     """Held requests' last step: evenly paced even after a stalled event loop."""
+    concurrency: Concurrency
+    """Fleet-wide concurrency caps: each request's leases, its wait for a free slot."""
     sizing: Sizing = field(default_factory=Sizing)
     held: dict[str, int] = field(default_factory=dict)
     """Requests being held right now, per vendor."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 
 from aiohttp import web
 
 from proxy.accesslog import AccessRecord
 from proxy.aiohttp_internals import answer_begun
+from proxy.concurrency import Slot
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import apply_feedback
@@ -23,7 +25,7 @@ from proxy.forward import relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.limiter import BlockMark, StoreUnavailable
+from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
 from proxy.partitions import shown
@@ -97,10 +99,13 @@ class ProxyHandler:
             rec.partition = shown(match.partition)
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
         wish = request_wish(match.vendor.on_limit, request.headers)
-        admission = await self.admit(
-            deps, match.vendor, match.tenant, wish, rec, endpoint=match.endpoint, partition=match.partition
-        )
-        resp = await self._forward(deps, request, match, rec, admission)
+        # The request's leases (concurrency caps) are given back however it ends, once
+        # the vendor's answer is relayed (concurrency.py).
+        with deps.concurrency.slot(match.vendor, match.endpoint) as slot:
+            admission = await self.admit(
+                deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
+            )
+            resp = await self._forward(deps, request, match, rec, admission)
         rec.status = resp.status
         return resp
 
@@ -111,27 +116,34 @@ class ProxyHandler:
         tenant: str,
         wish: Wish,
         rec: AccessRecord,
+        slot: Slot,
         *,
         endpoint: Endpoint | None = None,
         partition: str = "",
     ) -> Admission:
         """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
-        touches: the tenant's, the class's, the partition's global ones), holding if the
-        decision says so; returns the outcome to record once it is sent (forwarded or
-        held), or raises the refusal."""
+        touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
+        leases, holding if the decision says so; returns the outcome to record once it is
+        sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
         self._seat(deps, vendor, tenant)
         cost = 1.0 if endpoint is None else endpoint.cost
-        try:
-            result = await limiter.acquire(
+        enqueue = wish.action != "shed"
+
+        def attempt(max_wait: float) -> Awaitable[AcquireResult]:
+            return limiter.acquire(
                 vendor,
                 tenant,
-                wish.max_wait,
+                max_wait,
                 cost,
-                enqueue=wish.action != "shed",
+                enqueue=enqueue,
                 endpoint=endpoint,
                 partition=partition,
+                leases=slot.leases,
             )
+
+        try:
+            result = await deps.concurrency.acquire(slot, wish, attempt)
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 wait = limiter.breaker.retry_after()
@@ -153,8 +165,14 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
+        if slot.waited:
+            rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition)
+            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
+            return Admission("held", quota)
+        if slot.waited:
+            rec.hold = slot.waited
+            deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
             return Admission("held", quota)
         return Admission("forwarded", quota)
 
@@ -186,9 +204,11 @@ class ProxyHandler:
         cost: float = 1.0,
         endpoint: Endpoint | None = None,
         partition: str = "",
+        waited: float = 0.0,
     ) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
         refill interval apart, so held requests leave in order and evenly paced.
+        ``waited``: seconds already held for a concurrency slot.
 
         A hold whose worker goes away gives its tokens back, once: nothing used them
         (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
@@ -207,8 +227,8 @@ class ProxyHandler:
         finally:
             deps.held[name] -= 1
             gauge.dec()
-            rec.hold = wait
-        deps.metrics.hold_seconds.labels(name).observe(wait)
+            rec.hold = waited + wait
+        deps.metrics.hold_seconds.labels(name).observe(waited + wait)
         # A vendor 429 that arrived while we slept blocks us too: the reservation
         # predates it, the vendor's Retry-After does not.
         blocked = deps.limiter.blocked_since(name, mark, partition)

@@ -118,6 +118,8 @@ def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
         return f"{limiter or 'the vendor'} has no free tunnel ({bucket})"
     if scope == "tenants":
         return f"{limiter or 'the vendor'} has no room for another tenant ({bucket})"
+    if scope == "concurrency":
+        return f"{limiter or 'the vendor'} has as many requests in flight as it allows ({bucket})"
     return f"{limiter or 'the vendor'} is over its quota ({bucket})"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.limiter.store import BucketSpec
+from proxy.limiter.store import BucketSpec, LeaseSet
 from proxy.policy.model import Endpoint, Limit, Vendor
 
 
@@ -149,3 +149,30 @@ def buckets_for(
         partition,
         None if endpoint is None else endpoint.name,
     )
+    queue = f"{vendor_namespace(prefix, vendor.name)}:q:{tenant}"
+    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part), queue)
+
+
+def lease_sets(prefix: str, vendor: Vendor, endpoint: Endpoint | None) -> tuple[LeaseSet, ...]:
+    """The concurrency lease sets a request of ``vendor`` (of class ``endpoint``, if any)
+    takes a lease in (SPEC §10): the endpoint class's, then the vendor's; none without caps.
+
+    Vendor-wide, never per partition: a cap then never lets the vendor see more
+    requests in flight than it, however the vendor counts (per account, per key)."""
+    ns = vendor_namespace(prefix, vendor.name)
+    sets: tuple[LeaseSet, ...] = ()
+    if endpoint is not None and endpoint.concurrency is not None:
+        cap = endpoint.concurrency
+        sets = (LeaseSet(f"{ns}:c:e:{endpoint.name}", cap, f"endpoint {endpoint.name} concurrency {cap}"),)
+    if vendor.concurrency is not None:
+        sets += (LeaseSet(f"{ns}:c", vendor.concurrency, f"concurrency {vendor.concurrency}"),)
+    return sets
+
+
+def release_channel(prefix: str, vendor: str) -> str:
+    """Where release.lua announces a vendor's released leases, waking held requests fleet-wide."""
+    return f"{vendor_namespace(prefix, vendor)}:released"
+
+
+def release_channel_pattern(prefix: str) -> str:
+    return f"{prefix}:{{*}}:released"

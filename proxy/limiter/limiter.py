@@ -39,7 +39,7 @@ from proxy.limiter.buckets import (
     vendor_of_channel,
 )
 from proxy.limiter.degraded import LocalShares
-from proxy.limiter.store import AcquireResult, BucketStore, StateGuard, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BucketStore, Leases, StateGuard, StoreUnavailable
 from proxy.partitions import RecentPartitions, shown
 from proxy.policy.model import Endpoint, Vendor
 
@@ -148,6 +148,7 @@ class Limiter:
         enqueue: bool = True,
         endpoint: Endpoint | None = None,
         partition: str = "",
+        leases: Leases | None = None,
     ) -> AcquireResult:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
@@ -157,6 +158,8 @@ class Limiter:
         With local shares, a store that cannot answer leaves the decision to this
         replica's share (degraded.py). Raises StoreUnavailable when the store fails or
         the breaker is open and there is no share to decide on.
+        With ``leases``, the store also takes a lease in each of its sets (concurrency caps),
+        or nothing (``full``); a local share alone takes none (concurrency.py).
         """
         b = self.buckets(vendor, tenant, endpoint, partition)
         if vendor.partition is not None:
@@ -166,7 +169,7 @@ class Limiter:
         mode = "shared" if local is None else local.current()
         if mode == "shared":
             try:
-                return await self._acquire_shared(vendor, b, cost, max_wait, queue)
+                return await self._acquire_shared(vendor, b, cost, max_wait, queue, leases)
             except StoreUnavailable as exc:
                 if local is None or not local.engage(exc):
                     raise
@@ -174,15 +177,15 @@ class Limiter:
         assert local is not None
         if mode == "local" and not await self._come_back(local, vendor):
             return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
-        return await self._acquire_both(local, vendor, tenant, b, cost, queue)
+        return await self._acquire_both(local, vendor, tenant, b, cost, queue, leases)
 
     async def _acquire_shared(
-        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None
+        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None, leases: Leases | None = None
     ) -> AcquireResult:
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
-            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key))
+            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key), leases)
         except StoreUnavailable as exc:
             self._store_failed(exc)
             raise
@@ -293,7 +296,14 @@ class Limiter:
         local.settled(vendor, partition)
 
     async def _acquire_both(
-        self, local: LocalShares, vendor: Vendor, tenant: str, b: Buckets, cost: float, queue: str | None
+        self,
+        local: LocalShares,
+        vendor: Vendor,
+        tenant: str,
+        b: Buckets,
+        cost: float,
+        queue: str | None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
         """Just back from an outage: the local share and the shared buckets must both grant,
         and at once. A hold would be booked on two buckets at two different times and leave
@@ -305,7 +315,7 @@ class Limiter:
         if not mine.granted:
             return mine  # this replica's share refuses: nothing was taken anywhere
         try:
-            result = await self._acquire_shared(vendor, b, cost, 0.0, queue)
+            result = await self._acquire_shared(vendor, b, cost, 0.0, queue, leases)
         except StoreUnavailable as exc:
             local.engage(exc)  # out again: the local grant stands, owed to the store
             local.spent_alone(vendor, cost, b.partition)
