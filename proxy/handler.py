@@ -189,7 +189,9 @@ class ProxyHandler:
         if upstream.status == 429:
             deps.recent.add(vendor.name, "vendor_429")
         try:
-            applied = await apply_feedback(deps.limiter, vendor, upstream.status, upstream.headers)
+            applied = await apply_feedback(
+                deps.limiter, vendor, upstream.status, upstream.headers, metrics=deps.metrics
+            )
         except BaseException:
             upstream.close()
             raise
