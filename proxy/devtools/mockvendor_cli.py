@@ -42,12 +42,14 @@ def _parse_window(value: str) -> float:
 
 def _parse_change(value: str) -> tuple[float, float]:
     at, sep, rate = value.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected DURATION=RATE, e.g. 20s=70")
     try:
         seconds = parse_duration(at.strip())
         per_second = float(rate)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
-    if not sep or not math.isfinite(per_second) or per_second <= 0 or seconds < 0:
+    if not math.isfinite(per_second) or per_second <= 0 or seconds < 0:
         raise argparse.ArgumentTypeError(f"{value!r}: expected DURATION=RATE, e.g. 20s=70")
     return seconds, per_second
 
