@@ -13,7 +13,7 @@
 -- empty now and refills normally; reservations (negative levels) are kept.
 -- mode "learn" (the vendor's quota headers): per bucket, set (or forget) the
 -- learned rate and burst, and lower the level to what the vendor says remains.
--- The level is never raised. A learned rate below the one in force starts a
+-- The level is never raised, and tokens already reserved keep their schedule. A learned rate below the one in force starts a
 -- settling period of one vendor window (`lt`, when it began): the requests
 -- granted before, at the higher rate, stay in the vendor's count until the
 -- window has passed, so until then the bucket may grant only what remains
@@ -105,21 +105,29 @@ for i = 1, n do
     if since and since + window > now then
       settling = since + window - now
     end
+    -- Under the new rate the bucket follows a new line through the present one's: its level
+    -- now, or, while tokens are reserved (below zero), the moment they have all matured, so
+    -- that reservations granted at the old pace keep their places and new grants come after
+    -- them (a faster refill must not slot new grants between the old ones).
+    t, ts = level, now
+    if level < 0 then
+      t, ts = 0, now - level / rate
+      level = -(ts - now) * new_rate
+    end
     local target = math.min(level, new_burst)
     if remaining then
       target = math.min(target, remaining - new_rate * settling)
     end
-    -- Rebase at `now` under the new rate; a bucket blocked into the future keeps its
-    -- block unless the vendor asks for less; a missing (full) one stays missing unless lowered.
-    write = target < level or (state[1] ~= false and tonumber(state[2]) <= now)
-    t, ts, level = target, now, target
+    if target < level then
+      t, ts, level = target, now, target
+    end
+    -- A missing bucket (full) stays missing unless lowered.
+    write = state[1] ~= false or ts ~= now or t < new_burst
     rate, burst = new_rate, new_burst
+    level = math.min(level, burst)
     out[1 + n + 3 * (i - 1) + 1] = string.format('%.17g', rate)
     out[1 + n + 3 * (i - 1) + 2] = string.format('%.6f', burst)
     out[1 + n + 3 * (i - 1) + 3] = string.format('%.3f', settling)
-    if not write and state[1] then
-      level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate)
-    end
     if lr ~= '' and lr ~= '-' then
       -- The learned values live in the hash: it must outlive them.
       redis.call('PEXPIRE', KEYS[i], math.max(redis.call('PTTL', KEYS[i]), math.ceil(ttl) + 1000))

@@ -107,10 +107,9 @@ async def test_the_fleet_comes_down_to_the_vendors_limit_and_follows_it_back_up(
         rejected_down = mock.rejected
         learned = await learned_rate(admin, proxy)
         status = await learn_status(admin, proxy)
-        # The vendor raises its limit above the policy's: the proxy follows within one reset
-        # period (the vendor's 1-s window), never above the policy. (Raised to exactly 100/s,
-        # the policy's 100/s + burst 10 would overrun a strict 100-per-second window now and
-        # then whatever was learned: issue 10 item 5, not this test's subject.)
+        # The vendor raises its limit to what the policy can grant in a second (100/s + burst
+        # 10): the proxy follows within one reset period (the vendor's 1-s window), never above
+        # the policy, and the learned limit is cleared.
         raised = time.monotonic()
         mock.set_limit(RAISED_RATE)
         await until(raised, 1.8)

@@ -11,8 +11,9 @@ what its limit is counted over: it only lowers the shortest bucket's level.
 A limit ``L`` counted over the bucket's window ``W`` becomes a bucket of burst
 ``b = max(1, ceil(2% of L))`` refilling at ``(L - b) / W``: a token bucket then never
 grants more than ``L`` in any window of ``W`` (rate x W + burst <= L). Both are capped at
-the policy's (only ever tightening); a vendor that allows the policy's rate or more makes
-the bucket forget what it learned. What the vendor says remains lowers the level.
+the policy's (only ever tightening); a vendor that allows at least what the policy can grant
+in a window (its rate x W + burst) makes the bucket forget what it learned. What the vendor
+says remains lowers the level.
 
 Store calls: one per request stays the rule. This replica remembers, per bucket, what it
 last taught the store and when, and the rate, burst and level the store answered; it calls
@@ -98,7 +99,7 @@ def plan(reports: Sequence[QuotaReport], limits: Sequence[Limit]) -> dict[int, T
         lesson = Lesson(remaining=report.remaining, window=lim.per, ttl=ttl_for(lim.per))
         counted = report.window is not None or report.reset is not None
         if counted and report.limit is not None and report.limit >= 1:
-            if report.limit >= lim.rate:
+            if report.limit >= lim.rate + lim.burst:  # the most the policy grants in a window
                 lesson = Lesson(forget=True, remaining=report.remaining, window=lim.per, ttl=lesson.ttl)
             else:
                 rate, burst = learned_values(report.limit, lim.per)

@@ -221,18 +221,22 @@ class MemoryStore:
                     since = now
                 self._learned[b.ident] = [lesson.rate, lesson.burst, now + lesson.ttl, since]
             new_rate, new_burst = self._limits(b, now)
-            left = since + lesson.window - now if since == since else 0.0  # nan: no settling
-            left = max(left, 0.0)
+            left = 0.0 if math.isnan(since) else max(since + lesson.window - now, 0.0)
+            # The new line goes through the present one's: its level now, or while tokens are
+            # reserved, the moment they have all matured (feedback.lua).
+            t, ts = level, now
+            if level < 0:
+                t, ts = 0.0, now - level / rate
+                level = -(ts - now) * new_rate
             target = min(level, new_burst)
             if lesson.remaining is not None:
                 target = min(target, lesson.remaining - new_rate * left)
+            if target < level:
+                t, ts, level = target, now, target
             st = self._state.get(b.ident)
-            live = st is not None and st[2] > now
-            if target < level or (live and st is not None and st[1] <= now):
-                self._store(b, target, now)
-                level = target
-            else:
-                level = self._level(b, now)  # a block stays; a missing (full) bucket stays full
+            if (st is not None and st[2] > now) or ts != now or t < new_burst:
+                self._store(b, t, ts)
+            level = min(level, new_burst)
             levels.append(level)
             rates.append(new_rate)
             bursts.append(new_burst)

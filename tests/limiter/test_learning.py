@@ -64,7 +64,11 @@ def test_plan_only_ever_tightens_and_forgets_at_the_policys_limit() -> None:
     assert wide[1].lesson == Lesson(rate=2940 / 60, burst=60, remaining=5, window=60, ttl=600)
     burst_capped = plan([report(limit=99, window=1)], [Limit(100, 1, 1)])
     assert (burst_capped[0].lesson.rate, burst_capped[0].lesson.burst) == (97, 1)
-    assert plan([report(limit=100, remaining=3, window=1)], limits)[0].lesson.forget
+    # At the policy's rate the policy's burst could still overrun the vendor's window: learned.
+    at_policy = plan([report(limit=100, remaining=3, window=1)], limits)[0].lesson
+    assert (at_policy.rate, at_policy.burst, at_policy.forget) == (98, 2, False)
+    # What the policy can grant in a window (100 + burst 10) or more: the policy applies.
+    assert plan([report(limit=110, remaining=3, window=1)], limits)[0].lesson.forget
     assert plan([report(limit=150, window=1)], limits)[0].lesson.forget
 
 
@@ -162,7 +166,7 @@ async def test_learning_and_clearing_are_logged_once(
     for _ in range(3):
         await limiter.learn(v, [report(limit=70, window=1)])
     for _ in range(3):
-        await limiter.learn(v, [report(limit=100, window=1)])
+        await limiter.learn(v, [report(limit=110, window=1)])
     assert [r.getMessage() for r in caplog.records] == [
         "vendor v says X-RateLimit allows 70 per 1s: global 100/1s burst 10 now refills at 68/s, burst 2 "
         "(policy 100/s)",
@@ -185,6 +189,6 @@ async def test_apply_feedback_learns_only_with_auto_and_a_429_still_blocks(clock
     assert limiter.learned_rate(on) == pytest.approx(68)
     assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "v"}) == pytest.approx(68)
     assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "off"}) is None
-    cleared = CIMultiDict({"X-RateLimit-Limit": "100", "X-RateLimit-Remaining": "99", "X-RateLimit-Reset": "1"})
+    cleared = CIMultiDict({"X-RateLimit-Limit": "110", "X-RateLimit-Remaining": "99", "X-RateLimit-Reset": "1"})
     await apply_feedback(limiter, on, 200, cleared, metrics=metrics)
     assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "v"}) is None

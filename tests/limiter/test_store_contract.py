@@ -268,6 +268,18 @@ async def test_a_block_under_a_learned_rate_refills_at_it(store: BucketStore, cl
     assert level == pytest.approx(1, abs=10 * TOL)  # 0.1 s at 10/s after the block
 
 
+async def test_reservations_keep_their_places_when_the_rate_rises(store: BucketStore) -> None:
+    # Three grants at a learned 10/s burst 1: now, in 0.1 s and in 0.2 s. The vendor then
+    # allows the policy's 100/s: new grants come after those reservations, not between them.
+    b = (state_bucket("keep", rate=100, burst=10),)
+    await store.learn(b, (Lesson(rate=10, burst=1, window=1.0),))
+    waits = [(await store.acquire(b, 1, 1.0)).wait for _ in range(3)]
+    assert waits == [0, pytest.approx(0.1, abs=TOL), pytest.approx(0.2, abs=TOL)]
+    await store.learn(b, (Lesson(forget=True),))
+    after = await store.acquire(b, 1, 1.0)
+    assert after.wait == pytest.approx(0.21, abs=TOL)
+
+
 async def test_the_state_outlives_what_it_learned(redis_url: str) -> None:
     store = RedisStore(redis_url, timeout=1.0)
     b = (state_bucket("ttl", rate=100, burst=10),)
