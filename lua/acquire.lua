@@ -13,6 +13,13 @@
 -- key expires once it would have refilled to `burst`; the state hash lives until
 -- the last of its buckets would have (its field `horizon`), plus `debt`.
 --
+-- Learned limits. A bucket may also hold `lr` (tokens per ms) and `lb` (tokens),
+-- learned from the vendor's own quota headers until `lu` (ms, this clock), as
+-- `<field>:lr`, `<field>:lb`, `<field>:lu` (feedback.lua, mode "learn"). While
+-- `lu` lies ahead, the bucket refills at min(rate, lr) up to min(burst, lb): read
+-- in the same HMGET as `t`/`ts`, no extra round trip; the policy's values are
+-- never exceeded, and a vendor that stops saying so gets the policy back.
+--
 -- Leases. A lease set is a sorted set of the requests in flight to a vendor (or
 -- an endpoint class), fleet-wide: member = lease id, score = when the lease
 -- expires (a replica that died never releases; its leases run out). A request
@@ -112,7 +119,7 @@ if lost and now < lost + debt then
   owing = lost + debt - now
 end
 
-local levels, fields = {}, {}
+local levels, fields, rates, bursts = {}, {}, {}, {}
 local wait, binding = 0, 0
 for i = 1, n do
   local rate, burst, field = tonumber(ARGV[6 + 3 * i]), tonumber(ARGV[7 + 3 * i]), ARGV[8 + 3 * i]
@@ -121,7 +128,12 @@ for i = 1, n do
   else
     fields[i] = {field .. ':t', field .. ':ts'}
   end
-  local st = redis.call('HMGET', KEYS[i], fields[i][1], fields[i][2])
+  local p = fields[i][1]:sub(1, -2) -- '' or '<field>:'
+  local st = redis.call('HMGET', KEYS[i], fields[i][1], fields[i][2], p .. 'lr', p .. 'lb', p .. 'lu')
+  if st[5] and tonumber(st[5]) > now then
+    rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
+  end
+  rates[i], bursts[i] = rate, burst
   local level = burst
   if st[1] then
     level = math.min(burst, tonumber(st[1]) + (now - tonumber(st[2])) * rate)
@@ -152,7 +164,7 @@ local hashes = {} -- the hashes holding buckets by field (the state): they live 
 if wait <= max_wait and full == 0 then
   granted = 1
   for i = 1, n do
-    local rate, burst = tonumber(ARGV[6 + 3 * i]), tonumber(ARGV[7 + 3 * i])
+    local rate, burst = rates[i], bursts[i]
     local level = levels[i] - cost
     levels[i] = level
     redis.call('HSET', KEYS[i], fields[i][1], string.format('%.6f', level), fields[i][2], string.format('%.3f', now))
@@ -189,7 +201,7 @@ elseif queue and full == 0 then
   if tail > hint then
     hint = tail
   end
-  local step = cost / tonumber(ARGV[6 + 3 * binding])
+  local step = cost / rates[binding]
   redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
 end
 

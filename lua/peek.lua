@@ -23,7 +23,10 @@ for i = 1, #KEYS do
   if field ~= '' then
     ft, fts = field .. ':t', field .. ':ts'
   end
-  local state = redis.call('HMGET', KEYS[i], ft, fts)
+  local state = redis.call('HMGET', KEYS[i], ft, fts, ft:sub(1, -2) .. 'lr', ft:sub(1, -2) .. 'lb', ft:sub(1, -2) .. 'lu')
+  if state[5] and tonumber(state[5]) > now then -- a learned limit (acquire.lua)
+    rate, burst = math.min(rate, tonumber(state[3])), math.min(burst, tonumber(state[4]))
+  end
   local level = burst
   if state[1] then
     level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate)

@@ -178,6 +178,8 @@ async def status(request: web.Request) -> web.Response:
             for lim in vendor.limits
         ]
         entry["breaker"] = limiter.breaker.state
+        # feedback.headers: auto — what the vendor's quota headers taught (this replica's view).
+        entry["learned"] = limiter.learned_status(vendor) if vendor.feedback.headers == "auto" else None
         latency = deps.sizing.latency(vendor.name)
         entry["sizing"] = {
             "configured_rate_per_second": deps.sizing.rate(vendor),

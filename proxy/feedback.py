@@ -4,7 +4,9 @@ A 429 blocks the vendor's global buckets for its Retry-After (seconds or an
 HTTP-date; ``retry_after_default`` when absent or unreadable, capped at
 ``max_retry_after``, 5 minutes by default: one vendor answer must not stop the
 fleet for an hour). A remaining-quota header below ``low_watermark`` drains
-them to empty.
+them to empty. With ``feedback.headers: auto`` the vendor's own quota headers
+teach the buckets its real limits (SPEC §10, proxy/limiter/learning.py), after
+the above: a 429 still blocks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.limiter import Limiter
-from proxy.policy.model import Feedback, Vendor
+from proxy.limiter import BucketSpec, Limiter
+from proxy.limiter.buckets import global_buckets
+from proxy.metrics import Metrics
+from proxy.policy.model import Feedback, Limit, Vendor
+from proxy.quota_headers import read_quota
 
 
 def parse_retry_after(value: str | None, date: str | None = None, now: float | None = None) -> float | None:
@@ -86,10 +91,38 @@ NOTHING = Applied()
 
 
 async def apply_feedback(
-    limiter: Limiter, vendor: Vendor, status: int, headers: Mapping[str, str], *, partition: str = ""
+    limiter: Limiter,
+    vendor: Vendor,
+    status: int,
+    headers: Mapping[str, str],
+    buckets: tuple[tuple[BucketSpec, Limit], ...] | None = None,
+    metrics: Metrics | None = None,
+    *,
+    partition: str = "",
 ) -> Applied:
     """Feed one vendor response back (to the request's ``partition``: a credential's 429
-    blocks that credential's quota only); costs a store call only on a 429 or low quota."""
+    blocks that credential's quota only); costs a store call only on a 429, low quota, or
+    when the vendor's quota headers (``feedback.headers: auto``) change what the buckets know.
+
+    ``buckets`` (each with its policy limit) are what learned limits apply to, by default
+    the global buckets of the request's partition; ``metrics`` gets ``ratelimit_learned_rate``."""
+    feedback = vendor.feedback
+    applied = await _block_or_drain(limiter, vendor, status, headers, partition)
+    if feedback.headers == "auto":
+        reports = read_quota(headers, time.time())
+        if reports:
+            if buckets is None and partition:
+                specs = global_buckets(limiter.key_prefix, vendor, partition)
+                buckets = tuple(zip(specs, vendor.limits, strict=True))
+            await limiter.learn(vendor, reports, buckets)
+        if metrics is not None:
+            metrics.set_learned_rate(vendor.name, limiter.learned_rate(vendor))
+    return applied
+
+
+async def _block_or_drain(
+    limiter: Limiter, vendor: Vendor, status: int, headers: Mapping[str, str], partition: str
+) -> Applied:
     feedback = vendor.feedback
     if status == 429:
         asked = asked_block(feedback, headers)

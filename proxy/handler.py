@@ -251,7 +251,12 @@ class ProxyHandler:
             deps.recent.add(vendor.name, "vendor_429")
         try:
             applied = await apply_feedback(
-                deps.limiter, vendor, upstream.status, upstream.headers, partition=match.partition
+                deps.limiter,
+                vendor,
+                upstream.status,
+                upstream.headers,
+                metrics=deps.metrics,
+                partition=match.partition,
             )
         except BaseException:
             upstream.close()

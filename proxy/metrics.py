@@ -149,6 +149,14 @@ class Metrics:
         )
         for result in ("success", "failure"):
             self.reloads.labels(result)  # both series exist from the start, for alerts
+        self.learned_rate = Gauge(
+            "ratelimit_learned_rate",
+            "Requests per second of each vendor's tightest global bucket learned from the vendor's own quota "
+            "headers (feedback.headers: auto), as this replica knows it; absent while the policy's limits apply.",
+            ["limiter"],
+            registry=registry,
+        )
+        self._learned_rates: dict[str, float] = {}
         self._children: dict[tuple[str, str, str], Counter] = {}
         self._endpoint_children: dict[tuple[str, str, str], Counter] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
@@ -170,6 +178,15 @@ class Metrics:
             self.state_lost,
         ):
             counter.labels(limiter)
+
+    def set_learned_rate(self, limiter: str, rate: float | None) -> None:
+        """``ratelimit_learned_rate``: set, or removed when nothing is learned (None)."""
+        if rate is None:
+            if self._learned_rates.pop(limiter, None) is not None:
+                self.learned_rate.remove(limiter)
+        elif self._learned_rates.get(limiter) != rate:
+            self._learned_rates[limiter] = rate
+            self.learned_rate.labels(limiter).set(rate)
 
     def count_request(self, limiter: str, tenant: str, outcome: str) -> None:
         key = (limiter, tenant, outcome)

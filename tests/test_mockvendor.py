@@ -25,6 +25,7 @@ from aiohttp import web
 
 from proxy.cli import main
 from proxy.devtools.mockvendor import MOCK_VENDOR_KEY, MockVendor
+from proxy.quota_headers import read_quota
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -688,5 +689,106 @@ def test_the_command_serves_a_sliding_window():
         assert (status, headers["X-RateLimit-Limit"], headers["X-RateLimit-Remaining"]) == (200, "3000", "2999")
         stats = json.loads(_get(f"{base}/__mock/stats")[2])
         assert (stats["window"], stats["window_limit"], stats["window_max"], stats["burst"]) == (60, 3000, 1, None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+# -- quota header families and limit changes (SPEC §10, learned limits) --------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "first", "later"),
+    [
+        ("x-ratelimit", (70, 69, 1, None), (70, 68, 1, None)),
+        ("ietf", (70, 69, 1, 1), (70, 68, 1, 1)),
+        ("openai", (4200, 69, 1, 60), (4200, 68, 0.6, 60)),
+        ("shopify", (70, 69, None, None), (70, 68, None, None)),
+    ],
+)
+async def test_each_family_tells_the_quota_as_the_proxy_reads_it(aiohttp_client, clock, family, first, later):
+    # What the mock vendor sends, read back by the proxy's own parser: limit, remaining,
+    # reset (when the oldest request counted leaves the window) and window.
+    vendor = MockVendor(rate=70, clock=clock, window=1.0, quota_headers=family)
+    client = await aiohttp_client(vendor.app())
+    seen = []
+    for _ in range(2):
+        resp = await client.get("/v1/x")
+        assert resp.status == 200
+        (r,) = read_quota(resp.headers, time.time())
+        seen.append((r.limit, r.remaining, r.reset, r.window))
+        clock.advance(0.4)
+    assert seen == [first, later]
+
+
+async def test_no_quota_headers_at_all(aiohttp_client, clock):
+    vendor = MockVendor(rate=70, clock=clock, window=1.0, quota_headers="none")
+    client = await aiohttp_client(vendor.app())
+    resp = await client.get("/v1/x")
+    assert resp.status == 200 and read_quota(resp.headers, time.time()) == ()
+    with pytest.raises(ValueError, match="quota_headers must be one of"):
+        MockVendor(rate=1, quota_headers="github")
+
+
+async def test_a_lower_limit_keeps_what_the_window_counted(aiohttp_client, clock):
+    vendor = MockVendor(rate=5, clock=clock, window=1.0)
+    client = await aiohttp_client(vendor.app())
+    assert [(await client.get("/v1/x")).status for _ in range(4)] == [200] * 4
+    resp = await client.post("/__mock/limit", json={"rate": 3})
+    assert await resp.json() == {"ok": True, "rate": 3, "burst": None, "window": 1}
+    resp = await client.get("/v1/x")
+    assert (resp.status, resp.headers["X-RateLimit-Limit"]) == (429, "3")  # 4 counted, 3 allowed
+    clock.advance(1.0)
+    assert [(await client.get("/v1/x")).status for _ in range(4)] == [200, 200, 200, 429]
+    vendor.set_limit(8)  # raised: 3 counted, 5 more at once
+    assert [(await client.get("/v1/x")).status for _ in range(6)] == [200] * 5 + [429]
+
+
+async def test_a_bucket_keeps_its_tokens_through_a_limit_change(limited, clock):
+    vendor, client = limited
+    await client.get("/v1/x")  # 2 of 3 left
+    vendor.set_limit(1)  # burst 1: at most 1 left
+    assert vendor.tokens() == 1
+    vendor.set_limit(20, burst=30)
+    assert vendor.tokens() == 1  # never refilled by the change itself
+    clock.advance(0.5)
+    assert vendor.tokens() == 11
+
+
+async def test_limit_control_checks_its_input(unlimited, limited):
+    _, client = unlimited
+    resp = await client.post("/__mock/limit", json={"rate": 3})
+    assert resp.status == 400 and "unlimited vendor" in (await resp.json())["detail"]
+    _, client = limited
+    for body in ({}, {"rate": "fast"}, {"rate": 3, "window": 1}, {"rate": -1}):
+        resp = await client.post("/__mock/limit", json=body)
+        assert resp.status == 400, body
+    assert (await client.get("/__mock/limit")).status == 405
+
+
+def test_main_rejects_bad_limit_changes(capsys):
+    for argv, problem in (
+        (["--limit-at", "10s"], "expected DURATION=RATE"),
+        (["--limit-at", "soon=70"], "'soon=70'"),
+        (["--limit-at", "1s=-5"], "expected DURATION=RATE"),
+        (["--rate", "0", "--limit-at", "1s=5"], "--limit-at needs a --rate"),
+        (["--quota-headers", "github"], "invalid choice"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["mock-vendor", *argv])
+        assert exc.value.code == 2, argv
+        assert problem in capsys.readouterr().err, argv
+
+
+def test_the_command_changes_its_limit_on_schedule():
+    with _serving("--rate", "70", "--window", "1s", "--quota-headers", "ietf", "--limit-at", "200ms=100") as (
+        proc,
+        line,
+    ):
+        base = "http://127.0.0.1:" + re.search(r":(\d+) ", line).group(1)  # type: ignore[union-attr]
+        _, before, _ = _get(f"{base}/v1/x")
+        assert _readline(proc, timeout=20) == "mock-vendor: limit now 100/s\n"
+        _, after, _ = _get(f"{base}/v1/x")
+        assert (before["RateLimit-Policy"], after["RateLimit-Policy"]) == ('"default";q=70;w=1', '"default";q=100;w=1')
+        assert (before["RateLimit"], after["RateLimit"]) == ('"default";r=69;t=1', '"default";r=98;t=1')
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0

@@ -127,3 +127,39 @@ def test_what_cannot_be_read_is_ignored(pairs: tuple[tuple[str, str], ...]) -> N
 def test_an_unreadable_reset_leaves_the_rest() -> None:
     (r,) = read(("X-RateLimit-Remaining", "5"), ("X-RateLimit-Reset", "soon"))
     assert (r.remaining, r.reset) == (5, None)
+
+
+def test_discord_fractional_epoch_reset() -> None:
+    # Discord: X-RateLimit-Reset is an epoch with milliseconds as a fraction.
+    (r,) = read(
+        ("X-RateLimit-Limit", "5"),
+        ("X-RateLimit-Remaining", "1"),
+        ("X-RateLimit-Reset", f"{NOW + 1.25:.3f}"),
+        ("X-RateLimit-Reset-After", "1.25"),
+        ("X-RateLimit-Bucket", "abcd1234"),
+    )
+    assert (r.limit, r.remaining, r.window) == (5, 1, None)
+    assert r.reset == pytest.approx(1.25, abs=0.001)
+
+
+def test_reddit_fractional_remaining_and_delta_reset() -> None:
+    (r,) = read(("x-ratelimit-used", "4"), ("x-ratelimit-remaining", "596.0"), ("x-ratelimit-reset", "204"))
+    assert (r.limit, r.remaining, r.reset) == (None, 596, 204)
+
+
+def test_openai_headers_as_sent_with_a_millisecond_reset() -> None:
+    (r,) = read(
+        ("x-ratelimit-limit-requests", "10000"),
+        ("x-ratelimit-limit-tokens", "2000000"),
+        ("x-ratelimit-remaining-requests", "9999"),
+        ("x-ratelimit-remaining-tokens", "1999456"),
+        ("x-ratelimit-reset-requests", "6ms"),
+        ("x-ratelimit-reset-tokens", "16ms"),
+    )
+    assert (r.source, r.limit, r.remaining, r.window) == ("x-ratelimit-*-requests", 10000, 9999, 60)
+    assert r.reset == pytest.approx(0.006)
+
+
+def test_shopify_full_bucket() -> None:
+    (r,) = read(("X-Shopify-Shop-Api-Call-Limit", "40/40"), ("Retry-After", "2.0"))
+    assert (r.limit, r.remaining) == (40, 0)

@@ -9,11 +9,20 @@ small JSON body or ``429`` with ``Retry-After``. It records what arrived so a te
 check the rate the proxy let through and the headers it forwarded.
 
 Normal requests (any method, any path not under ``/__mock/``) take one token. Every
-answer to them carries ``X-RateLimit-Limit`` (the rate) and ``X-RateLimit-Remaining``
-(whole tokens left after this request), unless the vendor is unlimited: then it sends
-no quota headers at all, because any number would be made up. With a window, the limit
-is the window's (requests per window) and the remaining count what the window has left. A refusal is ``429``,
+answer to them carries ``X-RateLimit-Limit`` (the rate), ``X-RateLimit-Remaining``
+(whole tokens left after this request) and ``X-RateLimit-Reset`` (whole seconds until
+the quota grows again, rounded up), unless the vendor is unlimited: then it sends no
+quota headers at all, because any number would be made up. With a window, the limit
+is the window's (requests per window), the remaining count what the window has left
+and the reset is when the oldest request counted leaves it. A refusal is ``429``,
 ``Retry-After: <whole seconds, >= 1>`` and ``{"error": "rate_limited"}``.
+
+``quota_headers`` picks the family the quota is told in (SPEC §10): ``x-ratelimit``
+(the default, above); ``ietf`` (``RateLimit-Policy: "default";q=LIMIT;w=WINDOW`` and
+``RateLimit: "default";r=REMAINING;t=RESET``, the window 1 s for a bucket); ``openai``
+(``x-ratelimit-limit-requests`` per minute, ``-remaining-requests``,
+``-reset-requests`` as ``6m0s``/``1s``/``20ms``: time until full again); ``shopify``
+(``X-Shopify-Shop-Api-Call-Limit: USED/CAPACITY``); ``none``.
 
 Special paths, quota-limited like any other:
 
@@ -39,6 +48,10 @@ Control endpoints (never quota-limited, never recorded):
   or ``0`` rate = unlimited; ``window`` in seconds, ``null`` = a token bucket; a missing
   key keeps its value, except that ``burst`` follows a new ``rate`` when not given, and
   an unlimited vendor has no window). The bucket starts full, the window empty.
+- ``POST /__mock/limit`` ``{"rate": r}``: the quota changes mid-run, as a vendor that
+  lowers or raises an account's limit: the same kind (bucket or window), what it
+  counted kept (a lower window limit refuses until enough requests have left it; the
+  bucket keeps its tokens, capped at the new burst, ``burst`` = the rate unless given).
 - ``POST /__mock/script`` ``{"status": 429, "retry_after": "2", "remaining": 3,
   "count": 1}``: the next ``count`` normal requests get that answer. Scripts queue in
   order of arrival.
@@ -98,6 +111,7 @@ _GRANT_AT: Final = 1.0 - _EPSILON
 
 _LIMIT: Final = "X-RateLimit-Limit"
 _REMAINING: Final = "X-RateLimit-Remaining"
+QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")
 _JSON: Final = "application/json"
 _RATE_LIMITED_BODY: Final = b'{"error": "rate_limited"}'
 _CONTROL_PREFIX: Final = "/__mock/"
@@ -223,7 +237,11 @@ class MockVendor:
         window: float | None = None,
         max_recorded: int = MAX_RECORDED,
         max_arrivals: int = MAX_ARRIVALS,
+        quota_headers: str = "x-ratelimit",
     ) -> None:
+        if quota_headers not in QUOTA_HEADERS:
+            raise ValueError(f"quota_headers must be one of {', '.join(QUOTA_HEADERS)}, not {quota_headers!r}")
+        self.quota_headers = quota_headers
         self._clock = clock
         self.accepted = 0
         self.rejected = 0
@@ -336,6 +354,64 @@ class MockVendor:
             return 0.0, accepted[0] - edge
         accepted.append(now)
         return float(self._window_limit - len(accepted)), 0.0
+
+    def _reset(self, now: float) -> float:
+        """Seconds until the quota grows again: the bucket full, or the oldest request
+        counted out of the window (limited vendors only)."""
+        window = self._window
+        if window is None:
+            assert self._rate is not None and self._burst is not None
+            return max(self._burst - self._refill(now), 0.0) / self._rate
+        edge = now - window
+        oldest = next((t for t in self._in_window if t > edge), None)
+        return 0.0 if oldest is None else oldest - edge
+
+    def _quota(self, left: float, now: float) -> dict[str, str]:
+        """The quota headers of an answer, in the vendor's family (limited vendors only)."""
+        family = self.quota_headers
+        remaining = str(max(int(left), 0))
+        reset = self._reset(now)
+        whole = str(math.ceil(reset - _EPSILON)) if reset > _EPSILON else "0"
+        if family == "x-ratelimit":
+            return {_LIMIT: self._limit_header, _REMAINING: remaining, "X-RateLimit-Reset": whole}
+        if family == "ietf":
+            window = _format_number(self._window if self._window is not None else 1.0)
+            return {
+                "RateLimit-Policy": f'"default";q={self._limit_header};w={window}',
+                "RateLimit": f'"default";r={remaining};t={whole}',
+            }
+        if family == "openai":
+            assert self._rate is not None
+            return {
+                "x-ratelimit-limit-requests": _format_number(round(self._rate * 60.0, 3)),
+                "x-ratelimit-remaining-requests": remaining,
+                "x-ratelimit-reset-requests": _go_duration(reset),
+            }
+        if family == "shopify":
+            capacity = self._window_limit if self._window is not None else int(self._burst or 0)
+            return {"X-Shopify-Shop-Api-Call-Limit": f"{capacity - max(int(left), 0)}/{capacity}"}
+        return {}
+
+    def set_limit(self, rate: float, burst: float | None = None) -> None:
+        """Change the quota mid-run, keeping what it counted (see ``POST /__mock/limit``).
+        Raises ``ValueError`` on a bad quota or an unlimited vendor."""
+        if self._rate is None:
+            raise ValueError("an unlimited vendor has no limit to change: configure a quota first")
+        now = self._clock()
+        if self._window is not None:
+            if burst is not None:
+                raise ValueError("burst is a token bucket's: a window accepts rate x window requests, no burst")
+            self._window_limit = _check_window(rate, None, self._window)
+            self._rate = float(rate)
+            self._limit_header = str(self._window_limit)
+            return
+        tokens = self._refill(now)
+        new_rate, new_burst = _check_quota(rate, burst)
+        assert new_rate is not None and new_burst is not None
+        self._rate, self._burst = new_rate, new_burst
+        self._tokens = min(tokens, new_burst)
+        self._stamp = now
+        self._limit_header = _format_number(new_rate)
 
     # -- in-process helpers ------------------------------------------------------------
 
@@ -467,13 +543,9 @@ class MockVendor:
                     status=429,
                     body=_RATE_LIMITED_BODY,
                     content_type=_JSON,
-                    headers={
-                        "Retry-After": str(max(1, math.ceil(wait - _EPSILON))),
-                        _LIMIT: self._limit_header,
-                        _REMAINING: "0",
-                    },
+                    headers={"Retry-After": str(max(1, math.ceil(wait - _EPSILON))), **self._quota(0.0, now)},
                 )
-            headers = {_LIMIT: self._limit_header, _REMAINING: str(int(left))}
+            headers = self._quota(left, now)
 
         if path == "/echo":
             self._accept(now)
@@ -504,9 +576,9 @@ class MockVendor:
             self._scripts.popleft()
         headers: dict[str, str] = {}
         if self._rate is not None:
-            headers[_LIMIT] = self._limit_header
-            headers[_REMAINING] = str(int(self._left(now)))
-        if script.remaining is not None:
+            left = self._left(now) if script.remaining is None else script.remaining
+            headers.update(self._quota(left, now))
+        elif script.remaining is not None:
             headers[_REMAINING] = str(script.remaining)
         if script.retry_after is not None:
             headers["Retry-After"] = script.retry_after
@@ -632,6 +704,16 @@ class MockVendor:
             if name == "config":
                 self._configure_from(body)
                 return _json(200, {"ok": True, "rate": self._rate, "burst": self._burst})
+            if name == "limit":
+                unknown = set(body) - {"rate", "burst"}
+                if unknown or "rate" not in body:
+                    raise _BadRequest('POST /__mock/limit takes {"rate": r} and optionally "burst"')
+                rate = _get(body, "rate", (int, float), None)
+                burst = _get(body, "burst", (int, float), None)
+                if rate is None:
+                    raise _BadRequest("rate: a number of requests per second")
+                self.set_limit(float(rate), None if burst is None else float(burst))
+                return _json(200, {"ok": True, "rate": self._rate, "burst": self._burst, "window": self._window})
             self.script(
                 status=_get(body, "status", int, 429),
                 retry_after=_get(body, "retry_after", (str, int, float), None),
@@ -668,8 +750,19 @@ _CONTROL_METHODS: Final[dict[str, str]] = {
     "requests": "GET",
     "reset": "POST",
     "config": "POST",
+    "limit": "POST",
     "script": "POST",
 }
+
+
+def _go_duration(seconds: float) -> str:
+    """OpenAI's way of writing a delay: ``6m0s``, ``1s``, ``20ms``."""
+    ms = max(round(seconds * 1000), 0)
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest = divmod(ms / 1000.0, 60.0)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
 
 
 async def _read_json_object(request: web.BaseRequest) -> dict[str, Any]:
@@ -700,7 +793,16 @@ MOCK_VENDOR_KEY: Final = web.AppKey("mock_vendor", MockVendor)
 # -- serving until a signal ----------------------------------------------------------------
 
 
-async def _serve(vendor: MockVendor, host: str, port: int) -> int:
+async def _limits_at(vendor: MockVendor, schedule: tuple[tuple[float, float], ...]) -> None:
+    """Change the limit at each (seconds after start, rate) of ``schedule``."""
+    started = time.monotonic()
+    for at, rate in sorted(schedule):
+        await asyncio.sleep(max(started + at - time.monotonic(), 0.0))
+        vendor.set_limit(rate)
+        print(f"mock-vendor: limit now {_format_number(rate)}/s", flush=True)
+
+
+async def _serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple[float, float], ...] = ()) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -727,7 +829,11 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
             assert vendor.burst is not None
             quota = f"rate {_format_number(vendor.rate)}/s, burst {_format_number(vendor.burst)}"
         print(f"mock-vendor listening on http://{format_authority(host, bound_port)} ({quota})", flush=True)
-        await stop.wait()
+        changes = asyncio.ensure_future(_limits_at(vendor, schedule))
+        try:
+            await stop.wait()
+        finally:
+            changes.cancel()
         return 0
     finally:
         await runner.cleanup()
@@ -735,8 +841,10 @@ async def _serve(vendor: MockVendor, host: str, port: int) -> int:
             loop.remove_signal_handler(sig)
 
 
-def serve(vendor: MockVendor, host: str, port: int) -> int:
+def serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple[float, float], ...] = ()) -> int:
     """Serve ``vendor`` on ``host:port`` until SIGTERM or SIGINT, then return 0 (1 if it cannot listen).
+
+    ``schedule``: (seconds after start, rate) pairs at which the limit changes (``set_limit``).
 
     Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound
     (``(rate R/s, sliding window Ws: at most N requests in any window)`` with a window).
@@ -749,4 +857,4 @@ def serve(vendor: MockVendor, host: str, port: int) -> int:
     else:
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(vendor, host, port))
+        return runner.run(_serve(vendor, host, port, schedule))

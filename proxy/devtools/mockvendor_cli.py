@@ -16,6 +16,8 @@ from proxy.policy.values import parse_address
 
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
 
+QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")  # mockvendor.QUOTA_HEADERS
+
 DEFAULT_LISTEN: Final = "127.0.0.1:8081"
 
 
@@ -36,6 +38,20 @@ def _parse_window(value: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError("the window must be longer than 0")
     return seconds
+
+
+def _parse_change(value: str) -> tuple[float, float]:
+    at, sep, rate = value.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected DURATION=RATE, e.g. 20s=70")
+    try:
+        seconds = parse_duration(at.strip())
+        per_second = float(rate)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    if not math.isfinite(per_second) or per_second <= 0 or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected DURATION=RATE, e.g. 20s=70")
+    return seconds, per_second
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -62,6 +78,22 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a strict sliding window instead of the bucket: at most rate x DURATION requests accepted in any "
         "DURATION (e.g. 1s, 500ms, 1m), each counted on arrival; 429 beyond",
     )
+    parser.add_argument(
+        "--quota-headers",
+        choices=QUOTA_HEADERS,
+        default="x-ratelimit",
+        help="the family of quota headers answers carry (default x-ratelimit): X-RateLimit-*, IETF RateLimit "
+        "and RateLimit-Policy, OpenAI's x-ratelimit-*-requests, Shopify's call limit, or none",
+    )
+    parser.add_argument(
+        "--limit-at",
+        type=_parse_change,
+        action="append",
+        default=[],
+        metavar="DURATION=RATE",
+        help="change the limit to RATE requests/s DURATION after start, keeping what the quota counted "
+        '(repeatable; e.g. --limit-at 20s=70 --limit-at 40s=100); also POST /__mock/limit {"rate": r}',
+    )
     parser.set_defaults(handler=functools.partial(run, parser=parser))
 
 
@@ -85,4 +117,7 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
             parser.error("--rate x --window must be at least 1 request")
     from proxy.devtools.mockvendor import MockVendor, serve
 
-    return serve(MockVendor(None if rate == 0 else rate, burst, window=window), host, port)
+    if args.limit_at and rate == 0:
+        parser.error("--limit-at needs a --rate (an unlimited vendor has no limit to change)")
+    vendor = MockVendor(None if rate == 0 else rate, burst, window=window, quota_headers=args.quota_headers)
+    return serve(vendor, host, port, tuple(args.limit_at))

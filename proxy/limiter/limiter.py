@@ -19,7 +19,7 @@ knows what its share is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,9 +39,11 @@ from proxy.limiter.buckets import (
     vendor_of_channel,
 )
 from proxy.limiter.degraded import LocalShares
-from proxy.limiter.store import AcquireResult, BucketStore, Leases, StateGuard, StoreUnavailable
+from proxy.limiter.learning import LearnedLimits, plan
+from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, StateGuard, StoreUnavailable
 from proxy.partitions import RecentPartitions, shown
-from proxy.policy.model import Endpoint, Vendor
+from proxy.policy.model import Endpoint, Limit, Vendor
+from proxy.quota_headers import QuotaReport
 
 log = logging.getLogger("quota_proxy.limiter")
 
@@ -522,3 +524,86 @@ class Limiter:
                 self.note_block(vendor, seconds, partition_of_channel(channel))
 
         await self.store.watch_blocks(block_channel_pattern(self.key_prefix), on_block)
+
+    # -- learned limits (SPEC §10) ---------------------------------------------
+
+    @property
+    def learned(self) -> LearnedLimits:
+        """What this replica taught the store from vendors' quota headers (learning.py)."""
+        memory = self.__dict__.get("_learned_limits")
+        if memory is None:
+            memory = self.__dict__["_learned_limits"] = LearnedLimits()
+        return memory
+
+    async def learn(
+        self,
+        vendor: Vendor,
+        reports: Sequence[QuotaReport],
+        buckets: tuple[tuple[BucketSpec, Limit], ...] | None = None,
+    ) -> bool:
+        """Teach the buckets what the vendor's quota headers say (learning.py): one store
+        call, and only when it changes something. ``buckets`` (each with its policy limit)
+        defaults to the vendor's global ones. Never raises; returns whether the store was called."""
+        memory = self.learned
+        memory.reports += 1
+        own = buckets is None
+        if buckets is None:
+            buckets = tuple(zip(global_buckets(self.key_prefix, vendor), vendor.limits, strict=True))
+        teachings = plan(reports, [lim for _, lim in buckets])
+        if not teachings:
+            return False
+        now = self.clock.monotonic()
+        observed = self._levels_learned(vendor) if own else None
+        todo = [
+            (i, t)
+            for i, t in sorted(teachings.items())
+            if memory.needs_call(buckets[i][0], t, None if observed is None else observed[i], now)
+        ]
+        if not todo:
+            return False
+        specs = tuple(buckets[i][0] for i, _ in todo)
+        memory.calls += 1
+        try:
+            result = await self._feedback(self.store.learn(specs, tuple(t.lesson for _, t in todo)))
+        except StoreUnavailable:
+            return True
+        now = self.clock.monotonic()
+        for k, (i, t) in enumerate(todo):
+            memory.record(vendor.name, buckets[i][0], t, result, k, now)
+        obs = self._observed.get(vendor.name)
+        if own and obs is not None and len(obs.levels) == len(buckets):
+            levels = list(self._levels_learned(vendor) or obs.levels)
+            for k, (i, _) in enumerate(todo):
+                levels[i] = result.levels[k]
+            self._observed[vendor.name] = Observation(tuple(levels), now)
+        return True
+
+    def _levels_learned(self, vendor: Vendor) -> tuple[float, ...] | None:
+        """The global buckets' levels now, extrapolated from the last store answer at the
+        rates the store last said they refill at (learned or the policy's)."""
+        obs = self._observed.get(vendor.name)
+        if obs is None:
+            return None
+        elapsed = self.clock.monotonic() - obs.at
+        memos = self.learned.memos
+        out = []
+        for b, level in zip(global_buckets(self.key_prefix, vendor), obs.levels, strict=False):
+            memo = memos.get(b.ident)
+            rate, burst = (memo.rate, memo.burst) if memo is not None else (b.rate, b.burst)
+            out.append(min(burst, level + elapsed * rate))
+        return tuple(out)
+
+    def learned_rate(self, vendor: Vendor) -> float | None:
+        """Requests/s of the vendor's tightest learned global bucket; None when none is learned."""
+        idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
+        return self.learned.tightest(idents, self.clock.monotonic())
+
+    def learned_status(self, vendor: Vendor) -> dict[str, object]:
+        """For /status: per global bucket what was learned, from which header, until when."""
+        idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
+        memory = self.learned
+        return {
+            "buckets": memory.status(idents, self.clock.monotonic()),
+            "reports": memory.reports,
+            "store_calls": memory.calls,
+        }

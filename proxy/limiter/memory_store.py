@@ -7,10 +7,20 @@ have refilled, as Redis keys do, so idle tenants leave nothing behind.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, StateGuard
+from proxy.limiter.store import (
+    AcquireResult,
+    BlockResult,
+    BucketSpec,
+    LearnResult,
+    Leases,
+    LeaseSet,
+    Lesson,
+    StateGuard,
+)
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
 
@@ -27,6 +37,9 @@ class MemoryStore:
         self._leases: dict[str, dict[str, float]] = {}
         # replica set key -> {member: last announced}, on the clock (presence.lua)
         self._replicas: dict[str, dict[str, float]] = {}
+        # bucket ident -> [rate per s, burst, until, settling since (nan = none)], on the
+        # clock: what the vendor's headers taught (feedback.lua's lr, lb, lu, lt)
+        self._learned: dict[str, list[float]] = {}
         self._ops = 0
 
     def __len__(self) -> int:
@@ -34,15 +47,24 @@ class MemoryStore:
         self._sweep(self._clock.monotonic())
         return len(self._state) + len(self._queues) + len(self._leases)
 
+    def _limits(self, b: BucketSpec, now: float) -> tuple[float, float]:
+        """The rate and burst in force: the lower of the policy's and the learned ones."""
+        learned = self._learned.get(b.ident)
+        if learned is None or learned[2] <= now:
+            return b.rate, b.burst
+        return min(b.rate, learned[0]), min(b.burst, learned[1])
+
     def _level(self, b: BucketSpec, now: float) -> float:
+        rate, burst = self._limits(b, now)
         st = self._state.get(b.ident)
         if st is None or st[2] <= now:
-            return b.burst
-        return min(b.burst, st[0] + (now - st[1]) * b.rate)
+            return burst
+        return min(burst, st[0] + (now - st[1]) * rate)
 
     def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
         # Same expiry as the scripts: once refilled the key equals a missing one.
-        self._state[b.ident] = [tokens, ts, ts + (b.burst - tokens) / b.rate + 1.0]
+        rate, burst = self._limits(b, ts)
+        self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0]
 
     def _tick(self, now: float) -> None:
         self._ops += 1
@@ -54,6 +76,8 @@ class MemoryStore:
             del self._state[key]
         for key in [k for k, (_, expires) in self._queues.items() if expires <= now]:
             del self._queues[key]
+        for key in [k for k, learned in self._learned.items() if learned[2] <= now]:
+            del self._learned[key]
         for key in list(self._leases):
             self._live(key, now)
         self._forget_empty()
@@ -71,8 +95,9 @@ class MemoryStore:
         self._tick(now)
         levels = [self._level(b, now) for b in buckets]
         wait, binding = 0.0, -1
-        for i, (b, level) in enumerate(zip(buckets, levels, strict=True)):
-            need = (cost - level) / b.rate
+        rates = [self._limits(b, now)[0] for b in buckets]
+        for i, (rate, level) in enumerate(zip(rates, levels, strict=True)):
+            need = (cost - level) / rate
             if need > wait:
                 wait, binding = need, i
         sets = leases.sets if leases is not None else ()
@@ -83,7 +108,7 @@ class MemoryStore:
         seq = self._seq.get(guard.key, 0) if guard is not None else 0
         if wait > max_wait or full >= 0:
             self._forget_empty()
-            hint = wait if full >= 0 else self._slot(queue, now, wait, cost / buckets[binding].rate)
+            hint = wait if full >= 0 else self._slot(queue, now, wait, cost / rates[binding])
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
         for i, b in enumerate(buckets):
             levels[i] -= cost
@@ -150,9 +175,10 @@ class MemoryStore:
         longest = 0.0
         for b in buckets:
             level = self._level(b, now)
-            ts = max(now + seconds, now + max(0.0, -level) / b.rate)
+            rate = self._limits(b, now)[0]
+            ts = max(now + seconds, now + max(0.0, -level) / rate)
             self._store(b, 0.0, ts)
-            levels.append(-(ts - now) * b.rate)
+            levels.append(-(ts - now) * rate)
             longest = max(longest, ts - now)
         return BlockResult(longest, tuple(levels))
 
@@ -171,10 +197,51 @@ class MemoryStore:
         for b in buckets:
             level = self._level(b, now)
             if b.ident in self._state:
-                level = min(b.burst, level + cost)
+                level = min(self._limits(b, now)[1], level + cost)
                 self._store(b, level, now)
             levels.append(level)
         return tuple(levels)
+
+    async def learn(self, buckets: tuple[BucketSpec, ...], lessons: tuple[Lesson, ...]) -> LearnResult:
+        now = self._clock.monotonic()
+        levels: list[float] = []
+        rates: list[float] = []
+        bursts: list[float] = []
+        settling: list[float] = []
+        for b, lesson in zip(buckets, lessons, strict=True):
+            rate, _ = self._limits(b, now)
+            level = self._level(b, now)
+            learned = self._learned.get(b.ident)
+            since = learned[3] if learned is not None else math.nan
+            if lesson.forget:
+                self._learned.pop(b.ident, None)
+                since = math.nan
+            elif lesson.rate is not None and lesson.burst is not None:
+                if min(b.rate, lesson.rate) < rate * (1 - 1e-9):
+                    since = now
+                self._learned[b.ident] = [lesson.rate, lesson.burst, now + lesson.ttl, since]
+            new_rate, new_burst = self._limits(b, now)
+            left = 0.0 if math.isnan(since) else max(since + lesson.window - now, 0.0)
+            # The new line goes through the present one's: its level now, or while tokens are
+            # reserved, the moment they have all matured (feedback.lua).
+            t, ts = level, now
+            if level < 0:
+                t, ts = 0.0, now - level / rate
+                level = -(ts - now) * new_rate
+            target = min(level, new_burst)
+            if lesson.remaining is not None:
+                target = min(target, lesson.remaining - new_rate * left)
+            if target < level:
+                t, ts, level = target, now, target
+            st = self._state.get(b.ident)
+            if (st is not None and st[2] > now) or ts != now or t < new_burst:
+                self._store(b, t, ts)
+            level = min(level, new_burst)
+            levels.append(level)
+            rates.append(new_rate)
+            bursts.append(new_burst)
+            settling.append(left)
+        return LearnResult(tuple(levels), tuple(rates), tuple(bursts), tuple(settling))
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         now = self._clock.monotonic()

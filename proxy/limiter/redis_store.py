@@ -27,8 +27,10 @@ from proxy.limiter.store import (
     AcquireResult,
     BlockResult,
     BucketSpec,
+    LearnResult,
     Leases,
     LeaseSet,
+    Lesson,
     StateGuard,
     StoreUnavailable,
 )
@@ -180,6 +182,31 @@ class RedisStore:
             args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._feedback(keys=keys, args=args))
         return BlockResult(float(out[0]) / _MS, tuple(float(x) for x in out[1:]))
+
+    async def learn(self, buckets: tuple[BucketSpec, ...], lessons: tuple[Lesson, ...]) -> LearnResult:
+        keys = [b.key for b in buckets]
+        args: list[float | str] = ["learn", 0.0, ""]
+        for b in buckets:
+            args += (b.rate / _MS, b.burst, b.field)
+        for lesson in lessons:
+            if lesson.forget:
+                rate: float | str = "-"
+            elif lesson.rate is not None and lesson.burst is not None:
+                rate = repr(lesson.rate / _MS)
+            else:
+                rate = ""
+            burst = repr(lesson.burst) if lesson.burst is not None and rate not in ("", "-") else ""
+            remaining = "" if lesson.remaining is None else repr(lesson.remaining)
+            args += (rate, burst, remaining, lesson.window * _MS, lesson.ttl * _MS)
+        out = await self._call(lambda: self._feedback(keys=keys, args=args))
+        n = len(buckets)
+        tail = [float(x) for x in out[1 + n :]]
+        return LearnResult(
+            levels=tuple(float(x) for x in out[1 : 1 + n]),
+            rates=tuple(r * _MS for r in tail[0::3]),
+            bursts=tuple(tail[1::3]),
+            settling=tuple(x / _MS for x in tail[2::3]),
+        )
 
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         keys = [b.key for b in buckets]

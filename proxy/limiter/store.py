@@ -110,6 +110,39 @@ class BlockResult(NamedTuple):
     levels: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Lesson:
+    """What a vendor's quota headers teach about one bucket (feedback.lua, mode "learn").
+
+    The bucket then refills at the lower of its policy's rate and ``rate``, up to the
+    lower of its policy's burst and ``burst``, for ``ttl`` seconds unless taught again."""
+
+    rate: float | None = None
+    """Tokens per second the vendor allows; None: leave what the bucket learned as it is."""
+    burst: float | None = None
+    """Tokens; given with ``rate``."""
+    forget: bool = False
+    """The vendor allows the policy's limit or more: forget what was learned (the policy applies)."""
+    remaining: float | None = None
+    """What the vendor says remains: the most the bucket may hold now (less while settling
+    after a lower rate); None: the level is left alone. A level is never raised."""
+    window: float = 0.0
+    """Seconds the vendor counts over: how long requests granted before a lower rate
+    stay in its count (the settling period)."""
+    ttl: float = 60.0
+    """Seconds the learned rate and burst live unless learned again."""
+
+
+class LearnResult(NamedTuple):
+    levels: tuple[float, ...]
+    """Tokens in each bucket now, after the lesson."""
+    rates: tuple[float, ...]
+    """Tokens per second each bucket refills at now (the lower of policy and learned)."""
+    bursts: tuple[float, ...]
+    settling: tuple[float, ...]
+    """Seconds left of each bucket's settling period after a lower learned rate (0 = none)."""
+
+
 class StoreUnavailable(Exception):
     """The store could not answer in time; the caller must not forward."""
 
@@ -143,6 +176,11 @@ class BucketStore(Protocol):
 
     async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
         """Drop every positive level to zero now; reservations are kept."""
+
+    async def learn(self, buckets: tuple[BucketSpec, ...], lessons: tuple[Lesson, ...]) -> LearnResult:
+        """Apply one lesson per bucket (what the vendor's quota headers say): set or forget
+        its learned rate and burst, and lower its level to what the vendor says remains
+        (feedback.lua, mode "learn"). Never raises a level, never exceeds the policy."""
 
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         """Give ``cost`` back to every bucket (a hold that never went out), never above

@@ -18,7 +18,7 @@ import pytest
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import BucketSpec, BucketStore
+from proxy.limiter.store import BucketSpec, BucketStore, Lesson
 
 TOL = 0.05  # seconds of real time a Redis-backed assertion may drift
 
@@ -190,6 +190,105 @@ async def test_keys_expire_once_refilled(
             assert 1000 < pttl <= 1100
             await asyncio.sleep(1.2)
             assert c.exists(b[0].key) == 0
+
+
+# -- learned limits (feedback.lua, mode "learn") ----------------------------------------------
+
+
+def state_bucket(name: str, rate: float, burst: float) -> BucketSpec:
+    """A global bucket as the limiter lays them out: fields of the vendor's state hash."""
+    return BucketSpec("test:{v}:state", rate, burst, "global", name, field=f"g:{name}")
+
+
+async def test_a_learned_rate_and_burst_apply_until_forgotten(store: BucketStore, clock: ManualClock) -> None:
+    b = (state_bucket("l", rate=100, burst=10),)
+    learned = await store.learn(b, (Lesson(rate=10, burst=2, window=1.0, ttl=60),))
+    assert (learned.rates, learned.bursts) == ((10,), (2,))
+    assert learned.levels[0] <= 2  # the burst shrank with it
+    assert [(await store.acquire(b, 1, 0)).granted for _ in range(3)] == [True, True, False]
+    refused = await store.acquire(b, 1, 0)
+    assert refused.wait == pytest.approx(0.1, abs=TOL)  # refills at the learned 10/s, not 100/s
+    forgot = await store.learn(b, (Lesson(forget=True),))
+    assert (forgot.rates, forgot.bursts) == ((100,), (10,))
+    assert forgot.levels[0] <= 0.5  # forgetting never raises the level ...
+    await advance(store, clock, 0.05)
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(5, abs=100 * TOL)  # ... it refills at the policy's rate again
+
+
+async def test_a_learned_limit_never_loosens_the_policy(store: BucketStore) -> None:
+    b = (state_bucket("loose", rate=100, burst=10),)
+    learned = await store.learn(b, (Lesson(rate=500, burst=50, window=1.0),))
+    assert (learned.rates, learned.bursts, learned.levels) == ((100,), (10,), (10,))
+    grants = [(await store.acquire(b, 1, 0)).granted for _ in range(11)]
+    assert grants.count(True) == 10
+
+
+async def test_remaining_lowers_the_level_and_never_raises_it(store: BucketStore) -> None:
+    b = (state_bucket("rem", rate=0.001, burst=10),)
+    assert (await store.learn(b, (Lesson(remaining=3),))).levels == (3,)
+    assert (await store.learn(b, (Lesson(remaining=8),))).levels == (3,)
+    grants = [(await store.acquire(b, 1, 0)).granted for _ in range(4)]
+    assert grants == [True, True, True, False]
+
+
+async def test_a_lower_rate_settles_for_one_vendor_window(store: BucketStore, clock: ManualClock) -> None:
+    # Requests granted at the policy's 100/s stay in the vendor's count for its window: until
+    # it has passed, the bucket grants only what the vendor says remains beyond what the
+    # learned 10/s grants meanwhile (2 - 10 x 0.4 s).
+    b = (state_bucket("set", rate=100, burst=10),)
+    first = await store.learn(b, (Lesson(rate=10, burst=2, remaining=2, window=0.4),))
+    assert first.settling[0] == pytest.approx(0.4, abs=TOL)
+    assert first.levels[0] == pytest.approx(-2, abs=10 * TOL)
+    await advance(store, clock, 0.2)
+    again = await store.learn(b, (Lesson(rate=10, burst=2, remaining=1, window=0.4),))
+    assert again.settling[0] == pytest.approx(0.2, abs=TOL)  # the same rate starts no new settling
+    assert again.levels[0] == pytest.approx(-1, abs=10 * TOL)  # min(-2 + 2, 1 - 10 x 0.2)
+    await advance(store, clock, 0.25)
+    settled = await store.learn(b, (Lesson(rate=10, burst=2, remaining=1, window=0.4),))
+    assert settled.settling == (0,)
+    assert settled.levels[0] == pytest.approx(1, abs=10 * TOL)  # then only `remaining` caps
+
+
+async def test_learned_limits_expire_unless_learned_again(store: BucketStore, clock: ManualClock) -> None:
+    b = (state_bucket("exp", rate=100, burst=10),)
+    await store.learn(b, (Lesson(rate=10, burst=2, window=0.1, ttl=0.2),))
+    await advance(store, clock, 0.25)
+    kept = await store.learn(b, (Lesson(),))  # nothing new: what is in force now
+    assert (kept.rates, kept.bursts) == ((100,), (10,))
+    assert kept.levels[0] == pytest.approx(10)
+
+
+async def test_a_block_under_a_learned_rate_refills_at_it(store: BucketStore, clock: ManualClock) -> None:
+    b = (state_bucket("blr", rate=100, burst=10),)
+    await store.learn(b, (Lesson(rate=10, burst=2, window=1.0),))
+    assert (await store.block(b, 0.1, "")).until == pytest.approx(0.1, abs=0.001)
+    await advance(store, clock, 0.2)
+    (level,) = await store.peek(b)
+    assert level == pytest.approx(1, abs=10 * TOL)  # 0.1 s at 10/s after the block
+
+
+async def test_reservations_keep_their_places_when_the_rate_rises(store: BucketStore) -> None:
+    # Three grants at a learned 10/s burst 1: now, in 0.1 s and in 0.2 s. The vendor then
+    # allows the policy's 100/s: new grants come after those reservations, not between them.
+    b = (state_bucket("keep", rate=100, burst=10),)
+    await store.learn(b, (Lesson(rate=10, burst=1, window=1.0),))
+    waits = [(await store.acquire(b, 1, 1.0)).wait for _ in range(3)]
+    assert waits == [0, pytest.approx(0.1, abs=TOL), pytest.approx(0.2, abs=TOL)]
+    await store.learn(b, (Lesson(forget=True),))
+    after = await store.acquire(b, 1, 1.0)
+    assert after.wait == pytest.approx(0.21, abs=TOL)
+
+
+async def test_the_state_outlives_what_it_learned(redis_url: str) -> None:
+    store = RedisStore(redis_url, timeout=1.0)
+    b = (state_bucket("ttl", rate=100, burst=10),)
+    try:
+        await store.learn(b, (Lesson(rate=10, burst=2, window=1.0, ttl=120),))
+        assert (await store.acquire(b, 1, 0)).granted  # an acquire never shortens the hash's life
+        assert 119_000 < await store.client.pttl(b[0].key) <= 121_000
+    finally:
+        await store.close()
 
 
 # -- the replica set (presence.lua) ---------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Learned limits end to end (SPEC §10, issue 10 item 4): a policy of 100/s against a
+vendor that really allows 70/s in any sliding second and says so in its quota headers.
+
+One proxy replica on the test Redis, hold mode, workers saturating. The fleet must come
+down to the vendor's limit from its headers (not from a sawtooth of 429s) and follow the
+vendor back up when it raises its limit, never above the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.policy import Policy
+from proxy.server import ProxyServer
+from tests.conftest import ProxyFactory, Vendor, metric_samples, vendor_policy
+
+POLICY_RATE = 100.0
+VENDOR_RATE = 70
+RAISED_RATE = 110
+WORKERS = 12
+
+
+def learning_policy(upstream: str, redis_url: str, burst: int = 10) -> Policy:
+    policy = vendor_policy(
+        upstream,
+        limits=f"[{{rate: {POLICY_RATE:g}, per: 1s, burst: {burst}}}]",
+        store=redis_url,
+        on_limit="{action: hold, max_hold: 500ms}",
+    )
+    (vendor,) = policy.vendors
+    auto = dataclasses.replace(vendor, feedback=dataclasses.replace(vendor.feedback, headers="auto"))
+    return dataclasses.replace(policy, vendors=(auto,))
+
+
+@asynccontextmanager
+async def saturating(proxy: ProxyServer, workers: int = WORKERS) -> AsyncIterator[list[int]]:
+    """Workers looping requests through the proxy; yields the statuses seen so far."""
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with session.get(proxy.url + "/payments/v1/ping") as r:
+                await r.read()
+                statuses.append(r.status)
+                if r.status == 429 and "X-Quota-Action" in r.headers:  # a proxy defer: wait as told
+                    await asyncio.sleep(int(r.headers["X-Quota-Retry-After-Ms"]) / 1000)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=workers)) as session:
+        tasks = [asyncio.ensure_future(worker(session)) for _ in range(workers)]
+        try:
+            yield statuses
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def busiest_second(arrivals: list[float], since: float, until: float) -> int:
+    """The most arrivals in any 1-second window starting in [since, until]."""
+    i = bisect.bisect_left(arrivals, since)
+    hi = bisect.bisect_right(arrivals, until)
+    return max((bisect.bisect_left(arrivals, arrivals[k] + 1.0) - k for k in range(i, hi)), default=0)
+
+
+async def until(clock_start: float, seconds: float) -> None:
+    await asyncio.sleep(max(clock_start + seconds - time.monotonic(), 0.0))
+
+
+async def learn_status(session: aiohttp.ClientSession, proxy: ProxyServer) -> dict[str, Any]:
+    async with session.get(proxy.admin_url + "/status") as r:
+        learned: dict[str, Any] = (await r.json())["vendors"][0]["learned"]
+        return learned
+
+
+async def learned_rate(session: aiohttp.ClientSession, proxy: ProxyServer) -> float | None:
+    async with session.get(proxy.admin_url + "/metrics") as r:
+        samples = metric_samples(await r.text())
+    return samples.get(("ratelimit_learned_rate", frozenset({"limiter": "payments"}.items())))
+
+
+@pytest.mark.parametrize("family", ["x-ratelimit", "ietf"])
+async def test_the_fleet_comes_down_to_the_vendors_limit_and_follows_it_back_up(
+    vendor: Vendor, start_proxy: ProxyFactory, redis_url: str, family: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="quota_proxy.limiter")
+    mock = vendor.mock
+    mock.quota_headers = family
+    mock.configure(VENDOR_RATE, window=1.0)
+    proxy = await start_proxy(learning_policy(vendor.url, redis_url))
+    start = time.monotonic()
+    async with saturating(proxy), aiohttp.ClientSession() as admin:
+        # Converged well within 5 s: measured from 1.5 s to 3 s.
+        await until(start, 1.5)
+        early = await learn_status(admin, proxy)
+        await until(start, 3.0)
+        down = mock.measured_rate(start + 1.5, start + 3.0)
+        rejected_down = mock.rejected
+        learned = await learned_rate(admin, proxy)
+        status = await learn_status(admin, proxy)
+        # The vendor raises its limit to what the policy can grant in a second (100/s + burst
+        # 10): the proxy follows within one reset period (the vendor's 1-s window), never above
+        # the policy, and the learned limit is cleared.
+        raised = time.monotonic()
+        mock.set_limit(RAISED_RATE)
+        await until(raised, 1.8)
+        up = mock.measured_rate(raised + 1.0, raised + 1.8)
+        cleared = await learned_rate(admin, proxy)
+    arrivals = list(mock.arrivals)
+    assert down >= 0.95 * VENDOR_RATE, f"{down:.1f}/s at the vendor after converging"
+    assert down <= VENDOR_RATE + 0.5
+    assert rejected_down <= 3, f"{rejected_down} vendor 429s while coming down"
+    assert learned == pytest.approx(68.0)  # (70 - burst 2) per 1 s
+    (bucket,) = status["buckets"]
+    assert (bucket["learned"], bucket["rate_per_second"], bucket["burst"], bucket["vendor_limit"]) == (
+        True,
+        68.0,
+        2.0,
+        70,
+    )
+    assert bucket["source"] == ("X-RateLimit" if family == "x-ratelimit" else "RateLimit 'default'")
+    # Learn calls: a few while settling, then none per request at a steady limit.
+    assert early["store_calls"] <= 20
+    steady_reports = status["reports"] - early["reports"]
+    assert steady_reports >= 90
+    assert status["store_calls"] - early["store_calls"] <= 2, (early, status)
+    assert busiest_second(arrivals, start - 1.0, raised - 1.0) <= VENDOR_RATE  # cold start included
+    assert up >= 0.95 * POLICY_RATE, f"{up:.1f}/s at the vendor one window after it raised its limit"
+    assert up <= POLICY_RATE + 1
+    assert mock.rejected == rejected_down  # and no vendor 429 on the way up
+    assert busiest_second(arrivals, raised, raised + 1.2) <= POLICY_RATE + 10  # the policy's rate + burst
+    assert cleared is None  # the gauge is gone: the policy applies again
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("now refills at 68/s, burst 2" in m for m in messages) == 1
+    assert sum("learned limit on global 100/1s burst 10 is cleared" in m for m in messages) == 1
+
+
+async def test_without_auto_the_headers_teach_nothing(
+    vendor: Vendor, start_proxy: ProxyFactory, redis_url: str
+) -> None:
+    mock = vendor.mock
+    mock.configure(VENDOR_RATE, window=1.0)
+    policy = learning_policy(vendor.url, redis_url)
+    (v,) = policy.vendors
+    proxy = await start_proxy(
+        dataclasses.replace(policy, vendors=(dataclasses.replace(v, feedback=v.feedback.__class__()),))
+    )
+    async with aiohttp.ClientSession() as s:
+        for _ in range(5):
+            async with s.get(proxy.url + "/payments/v1/ping") as r:
+                assert r.status == 200 and r.headers["X-RateLimit-Limit"] == "70"
+    assert proxy.runtime.limiter.learned_rate(v) is None
+    assert proxy.runtime.limiter.learned.reports == 0
