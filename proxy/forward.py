@@ -38,7 +38,7 @@ from proxy.tasks import spawn
 log = logging.getLogger("quota_proxy.forward")
 
 _CHUNK = 64 * 1024
-_WARM_MAX = 32  # idle connections kept per vendor at most, whatever its burst
+_WARM_MAX = 16  # idle connections kept per vendor at most, whatever its burst
 _WARM_EVERY = 2.0  # seconds between top-ups of the idle connections
 _KEEPALIVE = 30.0  # seconds an idle pooled connection is kept (then closed and, warm, replaced)
 
