@@ -255,3 +255,40 @@ def no_hidden_resend(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
         )
     session._retry_connection = False
     return session
+
+
+# -- opening pooled connections ahead of requests: BaseConnector.connect, ._conns -----------------
+#
+# Why: a vendor's first burst after a start (or a lull) is granted at once, but each
+# request of it must first open a connection (a TLS handshake to a real vendor) while the
+# requests granted after it find the pool warm; the burst then reaches the vendor late and
+# bunched with them, over a strict window's limit (issue 10 item 5). aiohttp has no public
+# way to open a connection without sending a request, nor to count the idle ones.
+# Upgrade: if connect()'s signature or the pool's layout changes, warming fails (logged at
+# debug, the proxy works as before, cold) and tests/test_aiohttp_internals.py fails.
+
+
+def idle_connections(session: aiohttp.ClientSession, origin: str) -> int:
+    """Idle pooled connections of ``session`` to ``origin`` (``scheme://host:port``) still
+    open (one the vendor closed stays in the pool until a request or the pool's sweep
+    drops it)."""
+    key = _request(session, origin).connection_key
+    idle = session.connector._conns.get(key, ())  # type: ignore[union-attr]
+    return sum(1 for proto, _ in idle if proto.is_connected())
+
+
+async def open_idle_connection(session: aiohttp.ClientSession, origin: str, connect_within: float) -> None:
+    """Open one connection to ``origin`` and leave it idle in ``session``'s pool, where the
+    next request to that origin takes it; sends nothing on it."""
+    connector = session.connector
+    assert connector is not None
+    conn = await connector.connect(_request(session, origin), [], aiohttp.ClientTimeout(connect=connect_within))
+    conn.release()  # unused: back to the pool as a keep-alive connection
+
+
+def _request(session: aiohttp.ClientSession, origin: str) -> aiohttp.ClientRequest:
+    from yarl import URL
+
+    # The arguments session.request() passes that enter the connection key (ssl=True: the
+    # connector's own context), so that a request finds the connection warmed here.
+    return aiohttp.ClientRequest("GET", URL(origin), loop=asyncio.get_running_loop(), session=session, ssl=True)

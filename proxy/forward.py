@@ -3,12 +3,18 @@
 One pooled keep-alive ClientSession per vendor, so a slow vendor cannot exhaust
 another's connections. Bodies stream both ways in chunks with backpressure; a
 50 MB upload or download costs a few buffers, not 50 MB.
+
+A vendor with an ``upstream`` keeps a burst's worth of idle connections open (``_keep_warm``):
+a burst is granted at once, and if its requests had to connect first (a TLS handshake
+to a real vendor) they would reach the vendor late, bunched with the requests granted
+after them, one over a strict window that rate + burst fills exactly (issue 10 item 5).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -17,14 +23,24 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
-from proxy.aiohttp_internals import HeadersWithBody, no_hidden_resend, send_continue
+from proxy.aiohttp_internals import (
+    HeadersWithBody,
+    idle_connections,
+    no_hidden_resend,
+    open_idle_connection,
+    send_continue,
+)
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import UpstreamFailed
+from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.forward")
 
 _CHUNK = 64 * 1024
+_WARM_MAX = 16  # idle connections kept per vendor at most, whatever its burst
+_WARM_EVERY = 2.0  # seconds between top-ups of the idle connections
+_KEEPALIVE = 30.0  # seconds an idle pooled connection is kept (then closed and, warm, replaced)
 
 
 def upstream_ssl_context(tls: TlsSettings) -> ssl.SSLContext | bool:
@@ -51,6 +67,11 @@ class Upstreams:
                     ssl_ctx = upstream_ssl_context(policy.tls)
                 session = _session(ssl_ctx)
             self._sessions[vendor.name] = session
+        self._keepers = [
+            spawn(_keep_warm(self._sessions[v.name], origin, count), name=f"warm-{v.name}")
+            for v in policy.vendors
+            if (origin := _origin(v)) and (count := warm_count(v))
+        ]
 
     def session(self, vendor: Vendor) -> aiohttp.ClientSession:
         return self._sessions[vendor.name]
@@ -59,19 +80,60 @@ class Upstreams:
         """The sessions for a reloaded policy: a kept vendor keeps its pool (TLS settings
         unchanged); returns them and the closers of the sessions no longer used."""
         keep = self._sessions if policy.tls == self._tls else {}
+        self._stop_warming()  # the new policy's keepers take over (its bursts, its upstreams)
         new = Upstreams(policy, keep)
         used = {id(s) for s in new._sessions.values()}
         return new, [s.close for s in self._sessions.values() if id(s) not in used]
 
     async def close(self) -> None:
+        self._stop_warming()
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
+
+    def _stop_warming(self) -> None:
+        for task in self._keepers:
+            task.cancel()
+
+
+def warm_count(vendor: Vendor) -> int:
+    """Idle connections kept open to ``vendor``: its burst, the most requests its global
+    buckets grant at once (the smallest burst: every bucket must grant), capped."""
+    if not vendor.limits:
+        return 0
+    return min(math.ceil(min(lim.burst for lim in vendor.limits)), _WARM_MAX)
+
+
+def _origin(vendor: Vendor) -> str | None:
+    """Where the vendor's requests go when the policy says (``upstream``), else None: with
+    the origin taken from each request there is nothing to connect to in advance."""
+    return str(URL(vendor.upstream).origin()) if vendor.upstream else None
+
+
+async def _keep_warm(session: aiohttp.ClientSession, origin: str, count: int) -> None:
+    """Keep ``count`` idle connections to ``origin`` in ``session``'s pool until cancelled:
+    opened at start, topped up as the vendor or the pool's keep-alive closes them, so that
+    a burst (at start, after a lull) leaves as soon as it is granted. A vendor that cannot
+    be reached is tried again at the next top-up; requests meet the error themselves."""
+    while not session.closed:
+        try:
+            missing = count - idle_connections(session, origin)
+            if missing > 0:
+                opened = await asyncio.gather(
+                    *(open_idle_connection(session, origin, 5.0) for _ in range(missing)), return_exceptions=True
+                )
+                failed = [o for o in opened if isinstance(o, BaseException)]
+                if failed:
+                    log.debug("warming connections to %s: %d of %d failed: %r", origin, len(failed), missing, failed[0])
+        except Exception:  # aiohttp internals changed: the proxy works on, cold (aiohttp_internals.py)
+            log.debug("cannot warm connections to %s", origin, exc_info=True)
+            return
+        await asyncio.sleep(_WARM_EVERY)
 
 
 def _session(ssl_ctx: ssl.SSLContext | bool) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         ssl=ssl_ctx,
         limit=0,  # concurrency is the limiter's job; the pool only reuses connections
-        keepalive_timeout=30,
+        keepalive_timeout=_KEEPALIVE,
         ttl_dns_cache=60,
     )
     session = aiohttp.ClientSession(

@@ -1061,11 +1061,15 @@ async def test_vendor_429_keeps_its_own_retry_after(vendor, start_proxy) -> None
 
 # -- keep-alive ------------------------------------------------------------------------------
 
+# The proxy keeps a burst's worth of connections to a vendor open (forward.py): burst 1 keeps
+# one, so that tests counting the vendor's connections see only the requests' own.
+ONE_WARM = "[{rate: 1000, per: 1s, burst: 1}]"
+
 
 async def test_one_worker_connection_many_requests_one_upstream_connection(
     recording_vendor, start_proxy, raw_client
 ) -> None:
-    proxy = await start_proxy(vendor_policy(recording_vendor.url))
+    proxy = await start_proxy(vendor_policy(recording_vendor.url, limits=ONE_WARM))
     client = await raw_client(proxy)
     for i in range(20):
         if i % 2:
@@ -1104,7 +1108,7 @@ async def test_upstream_connection_reused_after_big_and_empty_bodies(raw_vendor,
             await writer.drain()
 
     vendor = await raw_vendor(handler)
-    proxy = await start_proxy(vendor_policy(vendor.url))
+    proxy = await start_proxy(vendor_policy(vendor.url, limits=ONE_WARM))  # counts connections
     bodies = []
     async with aiohttp.ClientSession() as s:
         for _ in answers:
@@ -1142,7 +1146,7 @@ async def test_close_delimited_vendor_body_is_complete_for_the_worker(raw_vendor
         await writer.drain()
 
     vendor = await raw_vendor(handler)
-    proxy = await start_proxy(vendor_policy(vendor.url))
+    proxy = await start_proxy(vendor_policy(vendor.url, limits=ONE_WARM))  # counts connections
     async with aiohttp.ClientSession() as s:
         for _ in range(2):  # the worker's connection stays usable: the vendor's close was its own hop
             async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:

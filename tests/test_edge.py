@@ -1,0 +1,106 @@
+"""Accuracy at the edge (issue 10 item 5): a proxy configured right at a strict vendor.
+
+The vendor counts a strict sliding window (at most 100 requests in any 1 s, on arrival);
+the proxy's bucket is 95/s burst 5, so 5 + 95 x 1 s fills the window exactly and any
+request that leaves later than its grant relative to the next ones makes a 101st. From a
+cold start (no connection to the vendor yet), 40 workers saturating: the vendor must see
+no window above 100 and answer no 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from proxy import forward
+from tests.conftest import client_session, eventually, vendor_policy
+
+pytestmark = pytest.mark.slow
+
+WINDOW_LIMIT = 100
+WORKERS = 40
+RUN = 2.5  # seconds: the start-up window and the first steady ones
+
+
+async def saturate(proxy_url: str, seconds: float) -> dict[str, int]:
+    """WORKERS callers looping as fast as they are let, each deferral slept for its
+    ``retry-after-ms`` (what the SDKs do); returns the statuses seen."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+
+    async def one(s: aiohttp.ClientSession, i: int) -> None:
+        while time.monotonic() < deadline:
+            async with s.get(f"http://api.payments.example/w{i}", proxy=proxy_url) as r:
+                await r.read()
+                kind = r.headers.get("X-Quota-Action", "vendor") if r.status != 200 else "ok"
+                seen[f"{r.status} {kind}"] = seen.get(f"{r.status} {kind}", 0) + 1
+                pause = float(r.headers.get("retry-after-ms", 0)) / 1000 if r.status == 429 else 0.0
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+
+    async with client_session() as s:
+        await asyncio.gather(*(one(s, i) for i in range(WORKERS)))
+    return seen
+
+
+@pytest.mark.parametrize("action", ["defer", "hold"])
+async def test_rate_plus_burst_at_the_window_never_overruns_it_from_a_cold_start(
+    https_vendor, start_proxy, redis_url, action
+):
+    """Over TLS, as real vendors are: a burst that must first connect (five handshakes)
+    used to reach the vendor ~10 ms after its grant, together with the next grants."""
+    vendor = https_vendor
+    vendor.mock.configure(WINDOW_LIMIT, window=1.0)
+    policy = vendor_policy(
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 95, per: 1s, burst: 5}]",
+        on_limit=f"{{action: {action}, max_hold: 500ms}}",
+        extra_top=f"tls: {{upstream_ca_file: {vendor.ca_file}}}",
+    )
+    proxy = await start_proxy(policy)
+    seen = await saturate(proxy.url, RUN)
+    stats = vendor.mock.stats()
+    first = sorted(stats["arrivals"] + stats["rejections"])[:8]
+    detail = (seen, [round((t - first[0]) * 1000, 1) for t in first])  # ms: the burst, then one per ~10.5
+    assert stats["window_max"] <= WINDOW_LIMIT, (stats["window_max"], *detail)
+    assert stats["rejected"] == 0, detail
+    assert stats["accepted"] >= 0.9 * (5 + 95 * RUN) - 20, (stats["accepted"], seen)  # saturated, not idle
+
+
+async def test_a_burst_worth_of_connections_waits_open_before_the_first_request(raw_vendor, start_proxy, monkeypatch):
+    """The proxy opens its vendor's burst of connections at start and keeps them open
+    (topped up when the vendor closes them); a burst's requests find them, none connects."""
+    monkeypatch.setattr(forward, "_WARM_EVERY", 0.05)
+    requests = 0
+    conns: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        conns.append(writer)
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            requests += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    raw = await raw_vendor(serve)
+    proxy = await start_proxy(vendor_policy(raw.url, limits="[{rate: 100, per: 1s, burst: 3}]"))
+    await eventually(lambda: raw.connections == 3, "three connections opened")
+    assert requests == 0  # opened, nothing sent on them
+    async with client_session() as s:
+
+        async def call(i: int) -> int:
+            async with s.get(f"http://api.payments.example/c{i}", proxy=proxy.url) as r:
+                await r.read()
+                return r.status
+
+        assert await asyncio.gather(*(call(i) for i in range(3))) == [200] * 3
+        assert (raw.connections, requests) == (3, 3)  # the burst used the warm connections
+        for w in conns:
+            w.close()  # the vendor drops its idle connections (its keep-alive timeout)
+        await eventually(lambda: raw.connections == 6, "three connections opened again")
+        assert await call(9) == 200
+    assert (raw.connections, requests) == (6, 4)
