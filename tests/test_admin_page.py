@@ -9,12 +9,14 @@ for the module; each test opens its own tab (its own browser context: no shared 
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import matplotlib.image
 import pytest
 from aiohttp import web
 
@@ -212,9 +214,20 @@ def assert_page_shows(page: dict[str, Any], status: dict[str, Any]) -> None:
         assert all(e["visible"] and e["lines"] == 1 for e in fields["bucket_tokens"]), fields["bucket_tokens"]
 
 
-def assert_sane_png(png: bytes, width: int, height: int, at_least: int) -> None:
+def assert_sane_png(png: bytes, width: int, height: int) -> None:
+    """A screenshot of the page as styled: its size, text drawn, white cards on the grey page."""
     assert png_size(png) == (width, height)
-    assert at_least < len(png) < 4_000_000, len(png)  # drawn, not blank; not absurd
+    assert len(png) < 4_000_000, len(png)
+    pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
+    assert pixels.shape[:2] == (height, width)
+    rgb = (pixels[..., :3] * 255).round().astype(int)
+
+    def share(colour: tuple[int, int, int], within: int) -> float:
+        return float((abs(rgb - colour) <= within).all(axis=-1).mean())
+
+    assert len({tuple(p) for p in rgb.reshape(-1, 3)[::7]}) > 50  # text antialiased: not a blank canvas
+    assert share((27, 31, 36), 40) > 0.003  # the ink
+    assert share((246, 247, 249), 1) > 0.05 and share((255, 255, 255), 1) > 0.2  # ui.css applied
 
 
 # -- the tests --------------------------------------------------------------------------------------
@@ -237,7 +250,7 @@ async def test_page_shows_the_numbers_status_gives_and_follows_them(
         assert_page_shows(page, status)
         assert page["scrollWidth"] <= page["innerWidth"]
         png = await tab.screenshot()
-        assert_sane_png(png, 1280, 900, 20_000)
+        assert_sane_png(png, 1280, 900)
         (tmp_path / "wide.png").write_bytes(png)
 
         # It polls by itself: one more deferral shows up, and the graphs grow a point a poll.
@@ -266,7 +279,7 @@ async def test_page_on_a_phone_is_one_column_without_sideways_scrolling(scenario
         payments, search = page["vendors"].values()
         assert payments["left"] == search["left"] and search["top"] > payments["top"]  # stacked
         assert payments["right"] <= 390
-        assert_sane_png(await tab.screenshot(), 780, 1688, 20_000)
+        assert_sane_png(await tab.screenshot(), 780, 1688)
         assert tab.problems == []
 
 
