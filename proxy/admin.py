@@ -1,4 +1,5 @@
-"""The admin listener: /metrics, /healthz, /readyz, /status, POST /reload.
+"""The admin listener: /metrics, /healthz, /readyz, /status, POST /reload, and the live page
+at / (static files from admin_page/ that poll /status in the browser).
 
 /readyz is what a load balancer routes on: 503 while the store is unreachable
 (the proxy would only defer) and while draining for shutdown. Who may use which
@@ -13,7 +14,8 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from importlib.resources import files
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -227,6 +229,40 @@ async def reload(request: web.Request) -> web.Response:
     return _json(outcome.as_json(state.deps().policy), 200 if outcome.ok else 400)
 
 
+PAGE_FILES: Final = {"/": "index.html", "/ui.js": "ui.js", "/ui.css": "ui.css"}
+"""The live page's routes and their files in proxy/admin_page/ (package data)."""
+_PAGE_TYPES: Final = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+PAGE_CSP: Final = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+"""No inline script or style, nothing from elsewhere, no framing: the page only reads /status."""
+
+
+def add_page_routes(app: web.Application) -> None:
+    """GET /, /ui.js and /ui.css: the live page."""
+    for path, name in PAGE_FILES.items():
+        app.router.add_get(path, _page_file(name))
+
+
+def _page_file(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    # Static and free of data, so served without the admin token (the page asks for it when
+    # /status answers 401); the Host check still applies, as for every admin path.
+    body = files("proxy").joinpath("admin_page", name).read_bytes()
+    content_type = _PAGE_TYPES[name[name.rindex(".") :]]
+    headers = {
+        "Content-Security-Policy": PAGE_CSP,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-cache",
+    }
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=content_type, charset="utf-8", headers=headers)
+
+    return serve
+
+
 def admin_app(state: AdminState) -> web.Application:
     app = web.Application(middlewares=[admin_access(lambda: state.deps().policy)])
     app[ADMIN] = state
@@ -235,4 +271,5 @@ def admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
     app.router.add_post("/reload", reload)
+    add_page_routes(app)
     return app

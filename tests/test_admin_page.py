@@ -1,0 +1,397 @@
+"""The live page at the admin port's ``/`` (SPEC §11), in a real headless chromium.
+
+The proxy runs on a ManualClock, so ``/status`` holds still while the browser reads the
+page: the numbers the page shows are compared with ``/status``'s exactly (the raw value
+each number element carries in ``data-value``, and the text a person reads). One browser
+for the module; each test opens its own tab (its own browser context: no shared storage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import matplotlib.image
+import pytest
+from aiohttp import web
+
+from proxy.admin import PAGE_CSP, PAGE_FILES, add_page_routes
+from proxy.clock import ManualClock
+from proxy.server import ProxyServer
+from tests.conftest import Vendor, eventually, make_policy
+from tests.helpers.browser import Browser, launch, open_tab, png_size
+
+PAGE_DIR = Path(__file__).resolve().parents[1] / "proxy" / "admin_page"
+TOKEN = "page-test-admin-token"
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    started = launch(tmp_path_factory.mktemp("chromium-profile"))
+    yield started
+    started.close()
+
+
+def two_vendors(upstream: str, extra_top: str = "") -> Any:
+    """payments holds (6 a minute, burst 4: the fifth request waits 10 s), search defers."""
+    return make_policy(
+        """
+        version: 1
+        listen: 127.0.0.1:0
+        admin_listen: 127.0.0.1:0
+        access_log: false
+        store: {url: "memory://", timeout: 250ms}
+        $extra_top
+        vendors:
+          - name: payments
+            hosts: [api.payments.example, payments-eu-west-1.internal.example.com]
+            route: /payments
+            upstream: $upstream
+            limits: [{rate: 6, per: 1m, burst: 4}, {rate: 600000, per: 1h}]
+            on_limit: {action: hold, max_hold: 60s}
+          - name: search
+            hosts: [api.search.example]
+            route: /search
+            upstream: $upstream
+            limits: [{rate: 2, per: 1s, burst: 3}]
+            on_limit: {action: defer}
+        """,
+        upstream=upstream,
+        extra_top=extra_top,
+    )
+
+
+class Scenario:
+    """Traffic at a frozen instant: forwarded, held (still waiting), a vendor 429, deferred."""
+
+    def __init__(self, proxy: ProxyServer, vendor: Vendor, clock: ManualClock, token: str | None = None) -> None:
+        self.proxy, self.vendor, self.clock = proxy, vendor, clock
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session = aiohttp.ClientSession()
+        self.held: list[asyncio.Future[int]] = []
+
+    async def get(self, path: str) -> int:
+        async with self.session.get(f"{self.proxy.url}{path}") as r:
+            await r.read()
+            return r.status
+
+    async def status(self) -> Any:
+        async with self.session.get(f"{self.proxy.admin_url}/status", headers=self.headers) as r:
+            assert r.status == 200
+            return await r.json()
+
+    async def run(self) -> None:
+        for _ in range(4):
+            assert await self.get("/payments/v1/charges") == 200
+        self.held = [asyncio.ensure_future(self.get("/payments/v1/charges")) for _ in range(2)]
+        deps = self.proxy.runtime.deps
+        await eventually(lambda: deps.held.get("payments") == 2, "two payments requests held")
+        self.vendor.mock.script(status=429, retry_after="30")
+        assert await self.get("/search/v1/q") == 429  # the vendor's own 429: search is blocked for 30 s
+        for _ in range(2):
+            assert await self.get("/search/v1/q") == 429  # deferred by the proxy
+        # One second on: the rates (over complete seconds) count what just happened; the holds
+        # (10 s, 20 s) and the block (30 s) go on.
+        await self.clock.advance(1.0)
+
+    async def close(self) -> None:
+        await self.clock.advance(60.0)  # the held requests leave
+        assert [await h for h in self.held] == [200, 200]
+        await self.session.close()
+
+
+@pytest.fixture
+async def scenario(vendor: Vendor, start_proxy: Any) -> AsyncIterator[Scenario]:
+    clock = ManualClock()
+    proxy = await start_proxy(two_vendors(vendor.url), clock=clock)
+    traffic = Scenario(proxy, vendor, clock)
+    await traffic.run()
+    yield traffic
+    await traffic.close()
+
+
+# -- what the page shows, read from the DOM ----------------------------------------------------
+
+READ_PAGE = """(() => {
+  const root = document.documentElement;
+  const visible = (e) => {
+    const b = e.getBoundingClientRect();
+    return b.width > 0 && b.height > 0 && b.left >= 0 && b.right <= innerWidth + 0.5
+      && getComputedStyle(e).visibility === "visible";
+  };
+  const out = {state: root.dataset.state, renders: Number(root.dataset.renders || 0),
+               scrollWidth: root.scrollWidth, innerWidth: innerWidth, vendors: {},
+               tokenForm: visible(document.getElementById("token-form")),
+               tokenProblem: document.getElementById("token-problem").textContent};
+  for (const card of document.querySelectorAll("[data-vendor]")) {
+    const box = card.getBoundingClientRect();
+    const fields = {};
+    for (const f of card.querySelectorAll("[data-field]")) {
+      (fields[f.dataset.field] ||= []).push({value: f.dataset.value ?? null, text: f.textContent, visible: visible(f),
+                                             lines: f.getClientRects().length});
+    }
+    const sparks = {};
+    for (const tile of card.querySelectorAll("[data-metric]")) {
+      const line = tile.querySelector("svg.spark polyline");
+      sparks[tile.dataset.metric] = line ? line.getAttribute("points").trim().split(/\\s+/).length : 0;
+    }
+    const generic = {};
+    for (const g of card.querySelectorAll(".generic")) generic[g.dataset.kind] = g.innerText;
+    out.vendors[card.dataset.vendor] = {left: box.left, top: box.top, right: box.right, fields, sparks, generic};
+  }
+  return out;
+})()"""
+
+
+def rendered_when(condition: str) -> str:
+    """A promise resolving (to the page as READ_PAGE reads it) at the first render, the one
+    already done included, after which ``condition`` (a JS expression) holds."""
+    return f"""new Promise((resolve) => {{
+      const ok = () => document.documentElement.dataset.renders && ({condition});
+      const done = () => resolve({READ_PAGE});
+      if (ok()) return done();
+      document.addEventListener("qp-render", function seen() {{
+        if (ok()) {{ document.removeEventListener("qp-render", seen); done(); }}
+      }});
+    }})"""
+
+
+def shown(x: float | None) -> str:
+    """The page's number format (ui.js ``fmt``): integers whole, else 2, 1 or 0 decimals."""
+    if x is None:
+        return "—"
+    if float(x).is_integer():
+        return str(int(x))
+    digits = 0 if abs(x) >= 100 else 1 if abs(x) >= 10 else 2
+    text = f"{x:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def expected(vendor: dict[str, Any]) -> dict[str, float | None]:
+    """What each vendor card must show, straight from its /status entry."""
+    recent = vendor["recent"]
+    tightest = min(vendor["buckets"], key=lambda b: b["tokens"])
+    out: dict[str, float | None] = {
+        "rate": recent["forwarded_per_second"],
+        "quota": vendor["sizing"]["configured_rate_per_second"],
+        "tokens": vendor["tokens_available"],
+        "burst": tightest["burst"],
+        "held": vendor["held_now"],
+        "held_rate": recent["held_per_second"],
+        "deferred": recent["deferred_per_second"],
+        "deferred_minute": recent["deferred_last_minute"],
+        "shed": recent["shed_per_second"],
+        "vendor_429": recent["vendor_429_last_minute"],
+    }
+    if vendor["blocked_for_seconds"]:
+        out["blocked"] = vendor["blocked_for_seconds"]
+    concurrency = vendor.get("concurrency")
+    if concurrency is None:
+        out["inflight"] = None  # no such figure in /status: shown as a dash
+    else:
+        out["inflight"] = concurrency["inflight"]
+        out["inflight_cap"] = concurrency["cap"]
+    return out
+
+
+def assert_page_shows(page: dict[str, Any], status: dict[str, Any]) -> None:
+    assert page["state"] == "live", page
+    assert list(page["vendors"]) == [v["name"] for v in status["vendors"]]
+    for vendor in status["vendors"]:
+        fields = page["vendors"][vendor["name"]]["fields"]
+        for name, value in expected(vendor).items():
+            (element,) = fields[name]
+            assert (None if element["value"] == "" else float(element["value"])) == value, (vendor["name"], name)
+            assert element["text"] == shown(value), (vendor["name"], name, element)
+            assert element["visible"] and element["lines"] == 1, (vendor["name"], name, element)  # not broken
+        tokens = [b["tokens"] for b in vendor["buckets"]]
+        assert [float(e["value"]) for e in fields["bucket_tokens"]] == tokens
+        assert all(e["visible"] and e["lines"] == 1 for e in fields["bucket_tokens"]), fields["bucket_tokens"]
+
+
+def assert_sane_png(png: bytes, width: int, height: int) -> None:
+    """A screenshot of the page as styled: its size, text drawn, white cards on the grey page."""
+    assert png_size(png) == (width, height)
+    assert len(png) < 4_000_000, len(png)
+    pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
+    assert pixels.shape[:2] == (height, width)
+    rgb = (pixels[..., :3] * 255).round().astype(int)
+
+    def share(colour: tuple[int, int, int], within: int) -> float:
+        return float((abs(rgb - colour) <= within).all(axis=-1).mean())
+
+    assert len({tuple(p) for p in rgb.reshape(-1, 3)[::7]}) > 50  # text antialiased: not a blank canvas
+    assert share((27, 31, 36), 40) > 0.003  # the ink
+    assert share((246, 247, 249), 1) > 0.05 and share((255, 255, 255), 1) > 0.2  # ui.css applied
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+
+async def test_page_shows_the_numbers_status_gives_and_follows_them(
+    scenario: Scenario, browser: Browser, tmp_path: Path
+) -> None:
+    async with open_tab(browser) as tab:
+        await tab.viewport(1280, 900)
+        await tab.goto(f"{scenario.proxy.admin_url}/?every=0.25")
+        page = await tab.evaluate(rendered_when("true"))
+        status = await scenario.status()
+        payments, search = status["vendors"]
+        # The scenario, as /status tells it (so the comparison below compares something).
+        assert payments["held_now"] == 2 and payments["recent"]["forwarded_per_second"] == pytest.approx(0.4)
+        assert payments["tokens_available"] < 0
+        assert search["recent"]["vendor_429_last_minute"] == 1 and search["recent"]["deferred_last_minute"] == 2
+        assert search["blocked_for_seconds"] == pytest.approx(29)
+        assert_page_shows(page, status)
+        assert page["scrollWidth"] <= page["innerWidth"]
+        png = await tab.screenshot()
+        assert_sane_png(png, 1280, 900)
+        (tmp_path / "wide.png").write_bytes(png)
+
+        # It polls by itself: one more deferral shows up, and the graphs grow a point a poll.
+        assert await scenario.get("/search/v1/q") == 429
+        status = await scenario.status()
+        assert status["vendors"][1]["recent"]["deferred_last_minute"] == 3
+        page = await tab.evaluate(
+            rendered_when(
+                'document.querySelector(\'[data-vendor="search"] [data-field="deferred_minute"]\').textContent === "3"'
+            )
+        )
+        assert_page_shows(page, status)
+        assert page["renders"] >= 2
+        assert page["vendors"]["payments"]["sparks"]["rate"] == page["renders"]
+        assert tab.problems == []  # no console error, no CSP violation, no failed load
+
+
+async def test_page_on_a_phone_is_one_column_without_sideways_scrolling(scenario: Scenario, browser: Browser) -> None:
+    async with open_tab(browser) as tab:
+        await tab.viewport(390, 844, mobile=True, scale=2)
+        await tab.goto(f"{scenario.proxy.admin_url}/")
+        page = await tab.evaluate(rendered_when("true"))
+        assert_page_shows(page, await scenario.status())
+        assert page["innerWidth"] == 390
+        assert page["scrollWidth"] <= page["innerWidth"], page["scrollWidth"]
+        payments, search = page["vendors"].values()
+        assert payments["left"] == search["left"] and search["top"] > payments["top"]  # stacked
+        assert payments["right"] <= 390
+        assert_sane_png(await tab.screenshot(), 780, 1688)
+        assert tab.problems == []
+
+
+async def test_page_asks_for_the_admin_token_and_keeps_it_in_the_tab(
+    vendor: Vendor, start_proxy: Any, browser: Browser
+) -> None:
+    clock = ManualClock()
+    proxy = await start_proxy(two_vendors(vendor.url, f"admin_token: {TOKEN}"), clock=clock)
+    traffic = Scenario(proxy, vendor, clock, TOKEN)
+    await traffic.run()
+    try:
+        async with open_tab(browser) as tab:
+            await tab.viewport(800, 700)
+            await tab.goto(f"{proxy.admin_url}/")  # the page itself needs no token
+            page = await tab.evaluate(rendered_when('document.documentElement.dataset.state === "token"'))
+            assert page["tokenForm"] and page["vendors"] == {} and page["tokenProblem"] == ""
+
+            await tab.type_text("not-the-token")  # the field has the focus
+            page = await tab.evaluate(rendered_when(f"Number(document.documentElement.dataset.renders) >= {2}"))
+            assert page["state"] == "token" and page["tokenForm"]
+            assert page["tokenProblem"] == "That token was refused."
+
+            await tab.type_text(TOKEN)
+            page = await tab.evaluate(rendered_when('document.documentElement.dataset.state === "live"'))
+            assert not page["tokenForm"]
+            assert_page_shows(page, await traffic.status())
+            assert await tab.evaluate('sessionStorage.getItem("quota-proxy.admin-token")') == TOKEN
+
+            await tab.goto(f"{proxy.admin_url}/")  # a reload in the same tab asks no more
+            page = await tab.evaluate(rendered_when("true"))
+            assert page["state"] == "live" and not page["tokenForm"]
+            # The browser reports each 401 as a failed load; nothing else went wrong.
+            assert tab.problems and all("401" in p for p in tab.problems), tab.problems
+    finally:
+        await traffic.close()
+
+
+async def test_page_renders_endpoints_concurrency_and_learned_limits_when_status_has_them(
+    scenario: Scenario, browser: Browser, aiohttp_server: Any
+) -> None:
+    """Fields /status gains with SPEC §10 (endpoint classes, concurrency caps, learned limits):
+    today's real /status, extended with them, served beside the page's own routes."""
+    status = await scenario.status()
+    payments = status["vendors"][0]
+    payments["concurrency"] = {"cap": 5, "inflight": 3, "held_for_slot": 2}
+    payments["endpoints"] = [
+        {"name": "search", "tokens_available": 1.5, "concurrency": {"cap": 2, "inflight": 1}},
+        {"name": "files", "cost": 5, "tokens_available": None},
+    ]
+    payments["learned"] = {"rate_per_second": 0.07, "remaining": 12, "source": "x-ratelimit"}
+
+    async def extended(request: web.Request) -> web.Response:
+        return web.json_response(status)
+
+    app = web.Application()
+    add_page_routes(app)
+    app.router.add_get("/status", extended)
+    server = await aiohttp_server(app)
+    async with open_tab(browser) as tab:
+        await tab.viewport(1000, 900)
+        await tab.goto(str(server.make_url("/")))
+        page = await tab.evaluate(rendered_when("true"))
+        assert_page_shows(page, status)
+        card = page["vendors"]["payments"]
+        assert card["fields"]["held_for_slot"][0]["text"] == "2"
+        assert card["generic"]["endpoints"].split("\n") == [
+            "ENDPOINTS",
+            "search",
+            "tokens_available",
+            "1.5",
+            "concurrency.cap",
+            "2",
+            "concurrency.inflight",
+            "1",
+            "files",
+            "cost",
+            "5",
+        ]
+        assert "rate_per_second\n0.07" in card["generic"]["learned"]
+        assert "source\nx-ratelimit" in card["generic"]["learned"]
+        assert "endpoints" not in page["vendors"]["search"]["generic"]
+        assert tab.problems == []
+
+
+async def test_page_files_are_static_strict_and_self_contained(vendor: Vendor, start_proxy: Any) -> None:
+    proxy = await start_proxy(two_vendors(vendor.url, f"admin_token: {TOKEN}"))
+    types = {"/": "text/html", "/ui.js": "text/javascript", "/ui.css": "text/css"}
+    async with aiohttp.ClientSession() as s:
+        for path, name in PAGE_FILES.items():
+            async with s.get(f"{proxy.admin_url}{path}") as r:  # no token: the files hold no data
+                assert r.status == 200, path
+                assert r.content_type == types[path] and r.charset == "utf-8"
+                assert r.headers["Content-Security-Policy"] == PAGE_CSP
+                assert r.headers["X-Content-Type-Options"] == "nosniff"
+                assert await r.read() == (PAGE_DIR / name).read_bytes()
+            async with s.get(f"{proxy.admin_url}{path}", headers={"Host": "rebound.example"}) as r:
+                assert r.status == 421, path  # the Host check covers the page too (DNS rebinding)
+        async with s.get(f"{proxy.admin_url}/status") as r:
+            assert r.status == 401  # what the page asks the token for
+    assert "'unsafe-inline'" not in PAGE_CSP and "script-src 'self';" in PAGE_CSP
+
+    html = (PAGE_DIR / "index.html").read_text()
+    refs = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert sorted(refs) == ["data:,", "ui.css", "ui.js"]  # nothing from the net
+    assert "<script>" not in html and "style=" not in html  # no inline script or style (CSP)
+    js = (PAGE_DIR / "ui.js").read_text()
+    assert re.findall(r"https?://[^\"']*", js) == ["http://www.w3.org/2000/svg"]  # a namespace, not a fetch
+    assert ".innerHTML" not in js and ".outerHTML" not in js and "eval(" not in js
+    assert re.findall(r'fetch\("([^"]*)"', js) == ["status"]
+    css = (PAGE_DIR / "ui.css").read_text()
+    assert "url(" not in css and "@import" not in css
+
+
+def test_page_routes_and_files_agree() -> None:
+    assert sorted(PAGE_FILES.values()) == sorted(p.name for p in PAGE_DIR.iterdir())
