@@ -195,7 +195,8 @@ def expected(vendor: dict[str, Any]) -> dict[str, float | None]:
         out["inflight"] = None  # no such figure in /status: shown as a dash
     else:
         out["inflight"] = concurrency["inflight"]
-        out["inflight_cap"] = concurrency["cap"]
+        if concurrency["cap"] is not None:  # no cap: the page says "no cap", no figure
+            out["inflight_cap"] = concurrency["cap"]
     return out
 
 
