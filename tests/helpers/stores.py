@@ -35,6 +35,7 @@ class FlakyStore(MemoryStore):
         fresh = MemoryStore(self._clock)
         self._state, self._queues, self._seq = fresh._state, fresh._queues, fresh._seq
         self._leases, self._replicas = fresh._leases, fresh._replicas
+        self._learned = fresh._learned  # learned limits live in the state hash: lost with it
 
     async def acquire(
         self,
