@@ -259,6 +259,7 @@ class ProxyHandler:
                 upstream.headers,
                 metrics=deps.metrics,
                 partition=match.partition,
+                endpoint=match.endpoint,
             )
         except BaseException:
             upstream.close()
