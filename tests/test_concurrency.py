@@ -37,6 +37,8 @@ from proxy.server import ProxyServer
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy
 from tests.helpers.cli import ProxyProcess, Ready, write_policy
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 URL = "http://api.payments.example"
 
 
