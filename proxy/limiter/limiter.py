@@ -40,7 +40,7 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares
 from proxy.limiter.learning import LearnedLimits, plan
-from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, StateGuard, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, LeaseSet, StateGuard, StoreUnavailable
 from proxy.partitions import RecentPartitions, shown
 from proxy.policy.model import Endpoint, Limit, Vendor
 from proxy.quota_headers import QuotaReport
@@ -175,10 +175,10 @@ class Limiter:
             except StoreUnavailable as exc:
                 if local is None or not local.engage(exc):
                     raise
-                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
         assert local is not None
         if mode == "local" and not await self._come_back(local, vendor):
-            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
         return await self._acquire_both(local, vendor, tenant, b, cost, queue, leases)
 
     async def _acquire_shared(
@@ -250,13 +250,20 @@ class Limiter:
             await local.begin(vendor, b.global_part, levels, self.blocked_for(vendor.name, part), part)
 
     async def _acquire_local(
-        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None
+        self,
+        vendor: Vendor,
+        tenant: str,
+        b: Buckets,
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
-        """The store is out: this replica's share decides alone."""
+        """The store is out: this replica's share decides alone (of the caps too)."""
         local = self.local
         assert local is not None
         await self._local_shares(local, vendor, b)
-        result = await local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True)
+        result = await local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True, leases=leases)
         if result.granted and self._on_local_grant is not None:
             self._on_local_grant(vendor.name)
         return result
@@ -325,6 +332,15 @@ class Limiter:
         if not result.granted:
             await local.refund(vendor, tenant, b, cost)
         return result
+
+    async def release_local(self, leases: Leases) -> tuple[int, ...] | None:
+        """Give back a lease a local share granted (degraded.py): the requests still in
+        flight on this replica per set; None when the lease is not a local one."""
+        return None if self.local is None else await self.local.release(leases)
+
+    async def renew_local(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> None:
+        if self.local is not None:
+            await self.local.renew(leases, life)
 
     async def announce(self) -> None:
         """With local shares: keep this replica in the store's replica set until cancelled."""
