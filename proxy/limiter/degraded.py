@@ -32,6 +32,9 @@ shares held together, so the first shared grants cannot push any window over the
 A replica that never saw the replica count (the store was down since it started) has no
 share to enforce and fails closed.
 
+Learned limits (SPEC §10): a bucket whose vendor said it allows less than the policy is
+divided at the learned rate and burst, as this replica last knew them.
+
 Concurrency caps (SPEC §10) are shared too: while the store is out a request granted here
 takes a lease in this replica's share of each cap (the cap divided by the replicas, at
 least one), counted and given back in-process; a lease that is never given back runs out
@@ -52,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -120,6 +124,9 @@ class LocalShares:
         self._specs: dict[tuple[str, str, str | None, str], tuple[Vendor, tuple[BucketSpec, ...]]] = {}
         self._vendors: dict[tuple[str, str], _Spent] = {}
         """Per (vendor, partition): its global shares; partitions seen during the outage only."""
+        self.tighten: Callable[[BucketSpec], BucketSpec] = lambda spec: spec
+        """A bucket as the vendor's headers taught it (the Limiter's learned limits): the
+        shares divide what the vendor allows, not the policy's limit, when that is lower."""
         self._leased: set[str] = set()
         """Ids of the leases taken in the local shares of caps (and not yet given back)."""
         self._warned = -math.inf
@@ -217,7 +224,7 @@ class LocalShares:
         if before is not None and [b.ident for b in before.shared] == [b.ident for b in shared]:
             before.vendor = vendor
             return
-        local = tuple(share(b, self.replicas) for b in shared)
+        local = tuple(share(self.tighten(b), self.replicas) for b in shared)
         now = self.clock.monotonic()
         for i, b in enumerate(local):
             level = levels[i] / self.replicas if levels is not None and i < len(levels) else 0.0
@@ -234,7 +241,7 @@ class LocalShares:
             return hit[1]
         if len(self._specs) >= _SPECS_MAX:
             self._specs.clear()
-        specs = tuple(share(spec, self.replicas) for spec in b.all)
+        specs = tuple(share(self.tighten(spec), self.replicas) for spec in b.all)
         self._specs[key] = (vendor, specs)
         return specs
 

@@ -18,6 +18,7 @@ knows what its share is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,8 @@ class Limiter:
         self._on_state_lost = on_state_lost
         self.local = local
         """This replica's shares of the limits (``store.on_failure: local``), else None."""
+        if local is not None:
+            local.tighten = self._as_learned
         self._on_local_grant = on_local_grant
         self._settling = False  # a charge of the shared buckets is on its way (_come_back)
         self._cache: dict[tuple[str, str, str | None, str], _Cached] = {}
@@ -593,6 +596,14 @@ class Limiter:
                 levels[i] = result.levels[k]
             self._observed[vendor.name] = Observation(tuple(levels), now)
         return True
+
+    def _as_learned(self, spec: BucketSpec) -> BucketSpec:
+        """``spec`` at the rate and burst the vendor's headers taught, when lower than its own."""
+        memo = self.learned.memos.get(spec.ident)
+        rate = None if memo is None else memo.learned_rate(self.clock.monotonic())
+        if memo is None or rate is None:
+            return spec
+        return dataclasses.replace(spec, rate=min(spec.rate, rate), burst=min(spec.burst, memo.burst))
 
     def _levels_learned(self, vendor: Vendor) -> tuple[float, ...] | None:
         """The global buckets' levels now, extrapolated from the last store answer at the

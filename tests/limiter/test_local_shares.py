@@ -24,7 +24,8 @@ from proxy.limiter.buckets import global_buckets, lease_sets, replicas_key
 from proxy.limiter.degraded import LocalShares, grace_for, share
 from proxy.limiter.presence import Presence
 from proxy.limiter.store import AcquireResult, BucketSpec, Leases
-from proxy.policy.model import Limit, OnLimit, TenantLimits, Vendor
+from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor
+from proxy.quota_headers import read_quota
 from proxy.sizing import Sizing
 from tests.helpers.stores import FlakyStore
 
@@ -489,3 +490,21 @@ async def test_a_request_held_for_a_local_cap_share_gets_the_slot_when_one_is_gi
     assert (await asyncio.wait_for(waiting, 1.0)).granted
     second.close()
     await concurrency.close()
+
+
+async def test_the_shares_start_from_what_the_vendor_taught_not_the_policy(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    """A vendor that said it allows 70/s (policy 100/s burst 10): the learned bucket is 68/s
+    burst 2, so each of 2 replicas' shares is 34/s burst 1, not 50/s burst 5."""
+    a, _ = fleet(2)
+    await settle(clock)
+    v = dataclasses.replace(payments(rate=100, burst=10), feedback=Feedback(headers="auto"))
+    said = {"X-RateLimit-Limit": "70", "X-RateLimit-Remaining": "70", "X-RateLimit-Reset": "1"}
+    assert await a.limiter.learn(v, read_quota(said, 0.0))
+    assert a.limiter.learned_rate(v) == pytest.approx(68)
+    await go_local(shared, a.limiter, v)
+    await clock.advance(1.0)  # the share refills to its burst
+    assert sum(r.granted for r in await take_all(a.limiter, v)) == 1
+    await clock.advance(0.5)  # 17 tokens at 34/s: again only the burst of 1 is there at once
+    assert sum(r.granted for r in await take_all(a.limiter, v, max_wait=0.5)) == 1 + 17
