@@ -84,9 +84,11 @@ class RedisStore:
         self._pipe: PipelinedConnection | None = None
         self._acquire_fast: PipelinedScript | None = None
         self._presence_fast: PipelinedScript | None = None
+        self._release_fast: PipelinedScript | None = None
         if pipelined and not url.startswith("redis+cluster://"):
             self._pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
             self._acquire_fast = PipelinedScript(self._pipe, script("acquire"))
+            self._release_fast = PipelinedScript(self._pipe, script("release"))
             # The once-a-second announcement rides on the same connection as the requests'
             # scripts, pipelined with whatever is in flight: no connection of its own, and
             # never a round trip any request waits for.
@@ -154,7 +156,11 @@ class RedisStore:
 
     async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
         keys = [ls.key for ls in sets]
-        out = await self._call(lambda: self._release(keys=keys, args=[lease_id, channel]))
+        args: list[float | str] = [lease_id, channel, *(ls.cap for ls in sets)]
+        if self._release_fast is not None:  # once per request with a cap: pipelined like acquire
+            out = await self._call_fast(self._release_fast, keys, args)
+        else:
+            out = await self._call(lambda: self._release(keys=keys, args=args))
         return tuple(int(x) for x in out)
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
