@@ -129,6 +129,9 @@ class Concurrency:
         self._queues: dict[str, list[_Waiter]] = {}
         self._held: dict[str, int] = {}  # vendor -> requests held for a slot now
         self._inflight: dict[str, int] = {}  # set key -> fleet-wide leases as the store last said
+        # set key -> releases heard (announced, or given back locally): a request that finds
+        # its set full retries at once when one was heard while its acquire was on its way
+        self._releases: dict[str, int] = {}
         self._live: dict[str, dict[str, Slot]] = {}  # vendor -> lease id -> slot, renewed
         self._renewers: dict[str, asyncio.Task[None]] = {}
         self._releasing: set[asyncio.Task[None]] = set()
@@ -171,12 +174,16 @@ class Concurrency:
             queued = next((ls.key for ls in leases.sets if self._queues.get(ls.key)), None)
             if queued is not None:
                 waiter = self._enqueue(slot.vendor, queued)
+        heard_meanwhile = False
         try:
             while True:
-                if waiter is not None:
+                if waiter is not None and not heard_meanwhile:
                     await self._sleep(waiter, deadline - self.clock.monotonic())
                 left = max(deadline - self.clock.monotonic(), 0.0)
+                heard = self._heard(leases.sets)
                 result = await attempt(left)
+                # A release announced while the answer was on its way woke nobody yet.
+                heard_meanwhile = self._heard(leases.sets) != heard
                 # A full set has no room to wake anyone for (a local share's cap is smaller
                 # than the one the sets name: waking by it would spin the waiters).
                 self._saw(leases.sets, result.inflight, wake=result.full < 0)
@@ -225,6 +232,8 @@ class Concurrency:
     async def _give_back(self, vendor: str, leases: Leases) -> None:
         local = await self._limiter.release_local(leases)
         if local is not None:  # granted by a local share while the store was out
+            for ls in leases.sets:
+                self._releases[ls.key] = self._releases.get(ls.key, 0) + 1
             self._saw(leases.sets, local)
             return
         try:
@@ -290,14 +299,18 @@ class Concurrency:
             if wake and ls.key in self._queues:
                 self._wake(ls.key, ls.cap - count)
 
+    def heard_release(self, keys: tuple[str, ...]) -> None:
+        """A release announced fleet-wide (release.lua): each of ``keys`` gained room."""
+        for key in keys:
+            self._releases[key] = self._releases.get(key, 0) + 1
+            self._wake(key, 1)
+
+    def _heard(self, sets: tuple[LeaseSet, ...]) -> int:
+        return sum(self._releases.get(ls.key, 0) for ls in sets)
+
     async def watch(self) -> None:
         """Wake waiters on the releases other replicas announce, until cancelled."""
-
-        def on_release(keys: tuple[str, ...]) -> None:
-            for key in keys:
-                self._wake(key, 1)
-
-        await self._store.watch_releases(release_channel_pattern(self._prefix), on_release)
+        await self._store.watch_releases(release_channel_pattern(self._prefix), self.heard_release)
 
     # -- renewal -------------------------------------------------------------------
 

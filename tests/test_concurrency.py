@@ -24,12 +24,17 @@ from aiohttp import web
 
 from proxy.accesslog import AccessLog
 from proxy.app import Runtime
-from proxy.concurrency import lease_life
+from proxy.clock import ManualClock
+from proxy.concurrency import Concurrency, lease_life
+from proxy.decide import Wish
+from proxy.limiter import Breaker, Limiter
 from proxy.limiter.buckets import lease_sets
+from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import LeaseSet
-from proxy.policy.model import Policy
+from proxy.limiter.store import AcquireResult, LeaseSet
+from proxy.policy.model import Limit, Policy, Vendor
 from proxy.server import ProxyServer
+from proxy.sizing import Sizing
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy
 from tests.helpers.cli import ProxyProcess, Ready, cli, write_policy
 
@@ -447,3 +452,34 @@ async def test_a_blind_tunnel_holds_a_lease_while_open(
     for n, tunnel in ((1, opened[0]), (0, opened[1])):
         tunnel.close()
         await inflight_is(store, sets, n, "a closed tunnel's lease to be given back")
+
+
+# -- a release heard while the refusal was on its way -------------------------------
+
+
+async def test_a_release_announced_before_the_full_answer_arrived_is_not_slept_through() -> None:
+    """The store runs a request's acquire (full), then another replica's release, and the
+    release's announcement (pub/sub, another connection) reaches this replica before the
+    acquire's answer: the request was not waiting yet, so the wake found nobody. It must
+    retry at once rather than sleep until its max_hold: the set may stay below its cap, and
+    then no later release is announced (release.lua announces only sets that were full)."""
+    clock = ManualClock()
+    limiter = Limiter(MemoryStore(clock), clock, key_prefix="qp-race", breaker=Breaker(clock, 3, 1.0))
+    concurrency = Concurrency(limiter, clock, Sizing())
+    vendor = Vendor("payments", hosts=("api.payments.example",), limits=(Limit(1000, 1, 1000),), concurrency=1)
+    slot = concurrency.slot(vendor, None)
+    assert slot.leases is not None
+    (cap,) = slot.leases.sets
+    answers = iter([AcquireResult(False, 0.0, -1, (), full=0, inflight=(1,)), AcquireResult(True, 0.0, -1, ())])
+
+    async def attempt(left: float) -> AcquireResult:
+        answer = next(answers)
+        if not answer.granted:
+            concurrency.heard_release((cap.key,))  # the announcement came first
+        return answer
+
+    result = await asyncio.wait_for(concurrency.acquire(slot, Wish("hold", 10.0), attempt), 1.0)
+    assert result.granted
+    assert clock.monotonic() == 1000.0  # no time passed: it never slept
+    slot.close()
+    await concurrency.close()
