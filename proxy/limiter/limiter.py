@@ -558,16 +558,26 @@ class Limiter:
         self,
         vendor: Vendor,
         reports: Sequence[QuotaReport],
-        buckets: tuple[tuple[BucketSpec, Limit], ...] | None = None,
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
     ) -> bool:
-        """Teach the buckets what the vendor's quota headers say (learning.py): one store
-        call, and only when it changes something. ``buckets`` (each with its policy limit)
-        defaults to the vendor's global ones. Never raises; returns whether the store was called."""
+        """Teach the buckets a response counted against what the vendor's quota headers say
+        (learning.py): its ``endpoint`` class's own when the class has limits (the vendor
+        reports that quota: GitHub's search beside its hourly one), else the global buckets
+        of its ``partition``. One store call, and only when it changes something. Never
+        raises; returns whether the store was called."""
+        own = endpoint is None or not endpoint.limits
+        buckets: tuple[tuple[BucketSpec, Limit], ...]
+        if not own and endpoint is not None:
+            buckets = tuple(
+                zip(endpoint_buckets(self.key_prefix, vendor, endpoint, partition), endpoint.limits, strict=True)
+            )
+        else:
+            buckets = tuple(zip(global_buckets(self.key_prefix, vendor, partition), vendor.limits, strict=True))
+        own = own and not partition  # this replica's view of the default partition's global levels
         memory = self.learned
         memory.reports += 1
-        own = buckets is None
-        if buckets is None:
-            buckets = tuple(zip(global_buckets(self.key_prefix, vendor), vendor.limits, strict=True))
         teachings = plan(reports, [lim for _, lim in buckets])
         if not teachings:
             return False
