@@ -1,0 +1,292 @@
+"""``quota-proxy run --workers 2`` (SPEC §11): one port, two real worker processes, one
+admin port, a real redis-server (the session fixture) and the loopback mock vendor.
+
+Every request opens its own connection, so the kernel's SO_REUSEPORT hashing spreads
+them over both workers; /status's ``workers`` list says which process served how many.
+Every wait is a poll on an observable event (/status, /readyz, the vendor's record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.cli import parse_args
+from proxy.policy.model import Policy
+from proxy.workers import usable_cpus
+from proxy.workers_admin import merge_metrics, merge_status
+from tests.conftest import Vendor, eventually, make_policy, metric_samples, value
+from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
+
+Start = Callable[..., Awaitable[tuple[ProxyProcess, Ready]]]
+
+
+def policy_file(path: Path, upstream: str, store: str, *, vendors: str = "payments", drain: str = "5s") -> Path:
+    """Each name in ``vendors`` a vendor at route /NAME: burst 30, one token an hour (so
+    exactly 30 requests of a vendor are forwarded, fleet-wide), the rest deferred."""
+    entries = "".join(
+        f"""
+          - name: {name}
+            hosts: [api.{name}.example]
+            route: /{name}
+            upstream: {upstream}
+            limits: [{{rate: 1, per: 1h, burst: 30}}]
+            on_limit: {{action: defer}}"""
+        for name in vendors.split()
+    )
+    return write_policy(
+        path,
+        f"""
+        version: 1
+        listen: 127.0.0.1:0
+        admin_listen: 127.0.0.1:0
+        drain_timeout: {drain}
+        store:
+          url: {store}
+        vendors:{entries}
+        """,
+    )
+
+
+@pytest.fixture
+async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    """``await start(policy, *flags)``: ``quota-proxy run -c POLICY --workers 2 FLAGS``, ready."""
+    processes: list[ProxyProcess] = []
+
+    async def start_proxy(policy: Path, *flags: str) -> tuple[ProxyProcess, Ready]:
+        process = ProxyProcess(cli("run", "-c", str(policy), "--workers", "2", *flags), tmp_path)
+        processes.append(process)
+        return process, await asyncio.to_thread(process.wait_ready)
+
+    yield start_proxy
+    for process in processes:
+        await asyncio.to_thread(process.close)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """A new connection per request: each one is hashed onto a worker afresh."""
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as s:
+        yield s
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def send(session: aiohttp.ClientSession, url: str, n: int) -> list[int]:
+    async def one(i: int) -> int:
+        async with session.get(f"{url}/v1/item/{i}") as response:
+            await response.read()
+            return response.status
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_two_workers_share_the_port_the_limit_and_the_metrics(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    process, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
+    status = await get_json(session, f"{ready.admin_url}/status")
+    workers = status["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    pids = {w["pid"] for w in workers}
+    assert len(pids) == 2 and process.pid not in pids, "two worker processes besides the supervisor"
+    assert all(w["state"] == "ready" and w["restarts"] == 0 for w in workers)
+
+    codes = await send(session, f"{ready.url}/payments", 60)
+    # One bucket in Redis for both processes: 30 forwarded fleet-wide, not 30 per worker.
+    assert sorted(codes) == [200] * 30 + [429] * 30
+    assert len(vendor.mock.requests) == 30
+
+    status = await get_json(session, f"{ready.admin_url}/status")
+    served = [w["requests"] for w in status["workers"]]
+    assert sum(served) == 60 and min(served) > 0, f"both workers served requests: {served}"
+    (payments,) = status["vendors"]
+    assert payments["requests_by_mode"]["plain"] == 60
+    assert payments["tokens_available"] is not None and payments["tokens_available"] < 1
+
+    async with session.get(f"{ready.admin_url}/metrics") as response:
+        samples = metric_samples(await response.text())
+    total = value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="forwarded")
+    deferred = value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome="deferred")
+    assert (total, deferred) == (30, 30), "the two workers' counters, added up"
+    assert value(samples, "http_client_responses_total", limiter="payments", code="200") == 30
+    assert value(samples, "ratelimit_workers_running") == 2
+    assert value(samples, "http_client_request_duration_seconds_count", limiter="payments") == 30
+    assert await asyncio.to_thread(process.terminate_and_wait) == 0
+
+
+async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
+    process, ready = await start(path)
+
+    async def workers() -> list[dict[str, Any]]:
+        body = await get_json(session, f"{ready.admin_url}/status")
+        return list(body["workers"])
+
+    # A bad policy is refused by the supervisor: every worker keeps the running one.
+    path.write_text(path.read_text().replace("burst: 30", "burst: 0"))
+    async with session.post(f"{ready.admin_url}/reload") as response:
+        assert response.status == 400
+        assert "burst must be at least 1" in "\n".join((await response.json())["errors"])
+    assert [w["vendors"] for w in await workers()] == [["payments"], ["payments"]]
+
+    policy_file(path, vendor.url, redis_url, vendors="payments search")
+    process.send_signal(signal.SIGHUP)
+
+    async def both_reloaded() -> bool:
+        return [w["vendors"] for w in await workers()] == [["payments", "search"]] * 2
+
+    await eventually(both_reloaded, "SIGHUP reloads both workers")
+    codes = await send(session, f"{ready.url}/search", 20)
+    assert codes == [200] * 20, "the new vendor's route is served on every worker"
+
+    before = await workers()
+    victim = before[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        now = (await workers())[1]
+        return bool(now["pid"] != victim and now["state"] == "ready")
+
+    await eventually(restarted, "the killed worker is replaced")
+    after = await workers()
+    assert after[1]["restarts"] == 1
+    assert (after[0]["pid"], after[0]["restarts"]) == (before[0]["pid"], 0), "the other worker served on"
+    assert after[1]["vendors"] == ["payments", "search"], "the new worker starts on the reloaded policy"
+    assert f"worker 1 (pid {victim}) was killed by SIGKILL" in process.stderr()
+    async with session.get(f"{ready.admin_url}/readyz") as response:
+        assert response.status == 200
+    assert await send(session, f"{ready.url}/search", 10) == [200] * 10
+    assert await asyncio.to_thread(process.terminate_and_wait) == 0
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    process, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
+    pids = [w["pid"] for w in (await get_json(session, f"{ready.admin_url}/status"))["workers"]]
+
+    async def slow(i: int) -> int:
+        async with session.get(f"{ready.url}/payments/delay/1200?i={i}") as response:
+            await response.read()
+            return response.status
+
+    in_flight = [asyncio.ensure_future(slow(i)) for i in range(8)]
+    await eventually(lambda: len(vendor.mock.requests) == 8, "eight slow requests reach the vendor")
+    status = await get_json(session, f"{ready.admin_url}/status")
+    assert all(w["connections_open"] > 0 for w in status["workers"]), "both workers hold some"
+    process.send_signal(signal.SIGTERM)
+
+    async def draining() -> bool:
+        async with session.get(f"{ready.admin_url}/readyz") as response:
+            return response.status == 503
+
+    await eventually(draining, "/readyz turns 503 while the workers drain")
+    assert [await r for r in in_flight] == [200] * 8, "in-flight requests finish"
+    assert await asyncio.to_thread(process.wait, 10) == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert "draining: 2 workers finish in-flight requests" in process.stderr()
+
+
+def test_memory_store_with_two_workers_is_refused(tmp_path: Path) -> None:
+    path = policy_file(tmp_path / "p.yaml", "http://127.0.0.1:9", "memory://")
+    result = run_cli("run", "-c", str(path), "--workers", "2")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "quota-proxy: --workers 2: 2 workers need a shared store: memory:// buckets live in one process"
+        " and would not be shared (use redis://, or one worker)\n"
+    )
+    path.write_text(path.read_text().replace("drain_timeout:", "workers: 3\ndrain_timeout:"))
+    for command in ("run", "check"):
+        result = run_cli(command, "-c", str(path))
+        assert result.returncode == 2, command
+        assert "workers: 3 workers need a shared store: memory://" in result.stderr
+        assert len(result.stderr.splitlines()) == 1
+
+
+def test_workers_flag_and_key_parse() -> None:
+    assert parse_args(["run", "--workers", "auto"]).workers == "auto"
+    assert parse_args(["run", "--workers", "4"]).workers == 4
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(["run", "--workers", bad])
+        assert exit_info.value.code == 2
+    text = (
+        "version: 1\nstore: {url: 'redis://127.0.0.1:1/0'}\nworkers: $w\n"
+        "vendors: [{name: a, hosts: [a.example], limits: [{rate: 1}]}]\n"
+    )
+    assert make_policy(text, w="auto").workers == "auto"
+    assert make_policy(text, w=3).workers == 3
+    assert Policy().workers == 1
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_metrics_merge_sums_counters_and_per_process_gauges_and_takes_the_highest_of_shared_ones() -> None:
+    def text(forwarded: int, held: int, tokens: float, created: float) -> str:
+        return (
+            "# HELP ratelimit_requests_total Requests.\n# TYPE ratelimit_requests_total counter\n"
+            f'ratelimit_requests_total{{limiter="a",outcome="forwarded"}} {forwarded}\n'
+            f'ratelimit_requests_created{{limiter="a",outcome="forwarded"}} {created}\n'
+            "# HELP ratelimit_held_requests Held.\n# TYPE ratelimit_held_requests gauge\n"
+            f'ratelimit_held_requests{{limiter="a"}} {held}\n'
+            "# HELP ratelimit_tokens_available Tokens.\n# TYPE ratelimit_tokens_available gauge\n"
+            f'ratelimit_tokens_available{{limiter="a"}} {tokens}\n'
+            "# HELP ratelimit_config_reload_total Reloads.\n# TYPE ratelimit_config_reload_total counter\n"
+            'ratelimit_config_reload_total{result="success"} 1\n'
+        )
+
+    merged = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in merge_metrics([text(3, 1, 5.0, 100.0), text(4, 2, 7.0, 90.0)])
+        for s in family.samples
+    }
+    assert merged == {
+        ("ratelimit_requests_total", (("limiter", "a"), ("outcome", "forwarded"))): 7,
+        ("ratelimit_requests_created", (("limiter", "a"), ("outcome", "forwarded"))): 90.0,
+        ("ratelimit_held_requests", (("limiter", "a"),)): 3,
+        ("ratelimit_tokens_available", (("limiter", "a"),)): 7.0,
+    }, "reloads are the supervisor's own count, not the workers'"
+
+
+def test_status_merge_sums_per_process_counts() -> None:
+    def doc(plain: int, held: int, breaker: str) -> dict[str, Any]:
+        return {
+            "store": {"breaker": breaker},
+            "connections": {"open": 2, "max": 100},
+            "vendors": [
+                {
+                    "name": "a",
+                    "requests_by_mode": {"plain": plain, "intercept": 0, "tunnel": 0},
+                    "held_now": held,
+                    "breaker": breaker,
+                    "blocked_for_seconds": 0,
+                    "learned": None,
+                    "concurrency": {"cap": None, "inflight": None, "held_for_slot": 1},
+                    "recent": {"window_seconds": 10, "forwarded_per_second": 1.5, "vendor_429_last_minute": 1},
+                }
+            ],
+        }
+
+    merged = merge_status([doc(3, 1, "closed"), doc(4, 0, "open")])
+    (vendor,) = merged["vendors"]
+    assert vendor["requests_by_mode"] == {"plain": 7, "intercept": 0, "tunnel": 0}
+    assert (vendor["held_now"], vendor["concurrency"]["held_for_slot"]) == (1, 2)
+    assert vendor["recent"] == {"window_seconds": 10, "forwarded_per_second": 3.0, "vendor_429_last_minute": 2}
+    assert vendor["breaker"] == merged["store"]["breaker"] == "open"
+    assert merged["connections"] == {"open": 4, "max": 200}
