@@ -259,12 +259,14 @@ class _Merged(Collector):
 
 def merge_metrics(texts: list[str]) -> list[Metric]:
     """Families in first-seen order; each sample (name and labels) summed over the texts,
-    except ``_created`` (the earliest) and same-figure gauges (the highest)."""
+    except same-figure gauges (the highest); no ``_created`` series."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
-            if family.name in OWN_FAMILIES:
+            # The parser hands ``_created`` samples back as families of their own; the creation
+            # time of a sum over processes means nothing, so they are left out.
+            if family.name in OWN_FAMILIES or family.name.endswith("_created"):
                 continue
             if family.name not in families:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
@@ -272,12 +274,12 @@ def merge_metrics(texts: list[str]) -> list[Metric]:
             summed = family.type != "gauge" or family.name in SUMMED_GAUGES
             into = values[family.name]
             for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 old = into.get(key)
                 if old is None:
                     into[key] = sample.value
-                elif sample.name.endswith("_created"):
-                    into[key] = min(old, sample.value)
                 else:
                     into[key] = old + sample.value if summed else max(old, sample.value)
     for name, metric in families.items():
