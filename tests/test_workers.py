@@ -220,6 +220,27 @@ def test_memory_store_with_two_workers_is_refused(tmp_path: Path) -> None:
         assert len(result.stderr.splitlines()) == 1
 
 
+async def test_auto_on_memory_is_one_process_and_one_worker_has_no_supervisor(
+    tmp_path: Path, vendor: Vendor, session: aiohttp.ClientSession
+) -> None:
+    """``auto`` on memory:// (the image's baked-in example) is one process, as is ``--workers 1``:
+    no supervisor, no ``workers`` list, the single process serving as before."""
+    path = policy_file(tmp_path / "p.yaml", vendor.url, "memory://")
+    for flag in ("auto", "1"):
+        process = ProxyProcess(cli("run", "-c", str(path), "--workers", flag, "--log-level", "debug"), tmp_path)
+        try:
+            ready = await asyncio.to_thread(process.wait_ready)
+            status = await get_json(session, f"{ready.admin_url}/status")
+            assert "workers" not in status
+            assert await send(session, f"{ready.url}/payments", 3) == [200] * 3
+            assert await asyncio.to_thread(process.terminate_and_wait) == 0
+            assert "worker 0 started" not in process.stderr()
+            if flag == "auto" and usable_cpus() > 1:
+                assert "workers: auto is 1 with store memory://" in process.stderr()
+        finally:
+            process.close()
+
+
 def test_workers_flag_and_key_parse() -> None:
     assert parse_args(["run", "--workers", "auto"]).workers == "auto"
     assert parse_args(["run", "--workers", "4"]).workers == 4
