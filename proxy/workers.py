@@ -31,6 +31,7 @@ import hashlib
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import socket
@@ -175,9 +176,11 @@ class Supervisor:
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
-            stderr=None,  # the supervisor's: logs and the access log go where ours go
+            stderr=asyncio.subprocess.PIPE,  # relayed whole lines at a time: see _relay
             preexec_fn=_die_with_parent,
         )
+        assert process.stderr is not None
+        spawn(_relay(process.stderr, sys.stderr.fileno()), name=f"worker-{worker.index}-stderr")
         worker.started_at = time.monotonic()
         if self.stopping:  # stop() looked before this process existed
             process.send_signal(signal.SIGTERM)
@@ -191,7 +194,7 @@ class Supervisor:
             return False
         if not line:
             return False
-        spawn(_relay(process.stdout), name=f"worker-{worker.index}-stdout")
+        spawn(_relay(process.stdout, sys.stdout.fileno()), name=f"worker-{worker.index}-stdout")
         worker.session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=worker.admin_socket),
             timeout=aiohttp.ClientTimeout(total=_ASK_TIMEOUT),
@@ -381,11 +384,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-async def _relay(stream: asyncio.StreamReader) -> None:
-    """A worker's later stdout lines (none are expected) go to ours, so it never blocks on a full pipe."""
-    while line := await stream.readline():
-        sys.stdout.write(line.decode(errors="replace"))
-        sys.stdout.flush()
+async def _relay(stream: asyncio.StreamReader, fd: int) -> None:
+    """Copy a worker's output to ours, whole lines only. Workers write their access log in
+    batches far larger than a pipe writes atomically (PIPE_BUF, 4 KiB): N processes sharing
+    one stderr would interleave in the middle of lines. Here the supervisor is the one writer."""
+    rest = b""
+    while chunk := await stream.read(1 << 16):
+        end = chunk.rfind(b"\n") + 1
+        if not end:
+            rest += chunk
+            continue
+        _write_all(fd, rest + chunk[:end])
+        rest = chunk[end:]
+    if rest:
+        _write_all(fd, rest + b"\n")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:  # a non-blocking stream that is full: wait for the reader
+            select.select([], [fd], [])
+        except OSError:
+            return  # nobody reads our output any more: drop, never stop serving
 
 
 def _exit_text(status: int) -> str:

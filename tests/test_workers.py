@@ -9,6 +9,7 @@ Every wait is a poll on an observable event (/status, /readyz, the vendor's reco
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from tests.conftest import Vendor, eventually, make_policy, metric_samples, valu
 from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
 
 Start = Callable[..., Awaitable[tuple[ProxyProcess, Ready]]]
+TOKEN = "workers-admin-token-0123456789"
 
 
 def policy_file(path: Path, upstream: str, store: str, *, vendors: str = "payments", drain: str = "5s") -> Path:
@@ -60,8 +62,8 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
     """``await start(policy, *flags)``: ``quota-proxy run -c POLICY --workers 2 FLAGS``, ready."""
     processes: list[ProxyProcess] = []
 
-    async def start_proxy(policy: Path, *flags: str) -> tuple[ProxyProcess, Ready]:
-        process = ProxyProcess(cli("run", "-c", str(policy), "--workers", "2", *flags), tmp_path)
+    async def start_proxy(policy: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[ProxyProcess, Ready]:
+        process = ProxyProcess(cli("run", "-c", str(policy), "--workers", "2", *flags), tmp_path, env=env)
         processes.append(process)
         return process, await asyncio.to_thread(process.wait_ready)
 
@@ -124,6 +126,13 @@ async def test_two_workers_share_the_port_the_limit_and_the_metrics(
     assert value(samples, "http_client_responses_total", limiter="payments", code="200") == 30
     assert value(samples, "ratelimit_workers_running") == 2
     assert value(samples, "http_client_request_duration_seconds_count", limiter="payments") == 30
+
+    def access_lines() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in process.stderr().splitlines() if line.startswith("{")]
+
+    # The workers' access logs reach the supervisor's stderr whole: one JSON object a line.
+    await eventually(lambda: len(access_lines()) == 60, "an access-log line per request")
+    assert sorted(line["status"] for line in access_lines()) == [200] * 30 + [429] * 30
     assert await asyncio.to_thread(process.terminate_and_wait) == 0
 
 
@@ -131,7 +140,8 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
 ) -> None:
     path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
-    process, ready = await start(path)
+    process, ready = await start(path, env={"QUOTA_PROXY_ADMIN_TOKEN": TOKEN})
+    session.headers["Authorization"] = f"Bearer {TOKEN}"  # the supervisor hands it on to the workers
 
     async def workers() -> list[dict[str, Any]]:
         body = await get_json(session, f"{ready.admin_url}/status")
@@ -174,10 +184,18 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     assert await asyncio.to_thread(process.terminate_and_wait) == 0
 
 
-async def test_sigterm_drains_every_worker_and_exits_0(
+async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
     tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
 ) -> None:
-    process, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
+    path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
+    process, ready = await start(path, "--watch")
+    policy_file(path, vendor.url, redis_url, vendors="payments search")
+
+    async def watched() -> bool:
+        workers = (await get_json(session, f"{ready.admin_url}/status"))["workers"]
+        return [w["vendors"] for w in workers] == [["payments", "search"]] * 2
+
+    await eventually(watched, "--watch reloads both workers when the file changes")
     pids = [w["pid"] for w in (await get_json(session, f"{ready.admin_url}/status"))["workers"]]
 
     async def slow(i: int) -> int:
