@@ -7,7 +7,8 @@ median over rounds. Per measurement: a warm-up, then ``--duration`` seconds of c
 keep-alive load with absolute-form requests (bench/throughput.py's generator):
 
 - CPU per request: utime+stime of the supervisor and every worker (/proc) over the
-  window, divided by requests completed;
+  window, divided by requests completed (the supervisor's part shown apart: it relays the
+  workers' access logs);
 - req/s;
 - balance: each worker's open connections (its /status entry, sampled mid-window) and
   requests served in the window; reported as the smallest worker's share of an even split
@@ -80,10 +81,10 @@ def measure(
         pids = {proxy.pid, *(w["pid"] for w in before)}  # the supervisor, and each worker once
         mid: list[list[dict[str, Any]]] = []
         sampler = threading.Timer(args.duration / 2, lambda: mid.append(workers_of(proxy)))
-        cpu0 = sum(cpu_seconds(p) for p in pids)
+        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid)
         sampler.start()
         load, _ = generate(fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu)
-        cpu1 = sum(cpu_seconds(p) for p in pids)
+        cpu1, own1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid)
         sampler.join()
         after = workers_of(proxy)
     finally:
@@ -98,6 +99,8 @@ def measure(
         "requests": done,
         "rps": done / load["elapsed"],
         "cpu_us_per_request": (cpu1 - cpu0) / done * 1e6,
+        # the supervisor's part (relaying the workers' logs); with one worker, the whole process
+        "supervisor_us_per_request": (own1 - own0) / done * 1e6 if workers > 1 else None,
         "requests_per_worker": served,
         "connections_per_worker": connections,
         "requests_balance": _balance(served),
@@ -154,11 +157,13 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     rows = []
     for workers in (1, 2):
         cpu, rps = med(workers, "cpu_us_per_request"), med(workers, "rps")
+        own = med(workers, "supervisor_us_per_request")
         conn_b, req_b = med(workers, "connections_balance"), med(workers, "requests_balance")
         rows.append(
             [
                 workers,
                 f"{cpu:.0f}" if cpu is not None else "-",
+                "-" if own is None else f"{own:.0f}",
                 f"{rps:.0f}" if rps is not None else "-",
                 "-" if conn_b is None else f"{conn_b * 100:.0f}%",
                 "-" if req_b is None else f"{req_b * 100:.0f}%",
@@ -169,7 +174,16 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     print(
         table(
             rows,
-            ["workers", "CPU µs/req", "req/s", "conn balance", "req balance", "conns per worker", "reqs per worker"],
+            [
+                "workers",
+                "CPU µs/req",
+                "of which supervisor",
+                "req/s",
+                "conn balance",
+                "req balance",
+                "conns per worker",
+                "reqs per worker",
+            ],
         )
     )
     one, two = med(1, "cpu_us_per_request"), med(2, "cpu_us_per_request")
