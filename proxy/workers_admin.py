@@ -20,6 +20,7 @@ import asyncio
 import copy
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
@@ -80,6 +81,7 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 def admin_app(supervisor: Supervisor) -> web.Application:
     app = web.Application(middlewares=[admin_access(lambda: supervisor.policy)])
     app[SUPERVISOR] = supervisor
+    app[METRICS] = MetricsView()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -93,13 +95,15 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, indent=2) + "\n", status=status, content_type="application/json")
 
 
-async def _ask_all(supervisor: Supervisor, path: str) -> list[tuple[Worker, int, str]]:
-    """(worker, status, body) of every running worker that answered ``GET path``."""
+async def _ask_all(supervisor: Supervisor, path: str) -> list[tuple[Worker, int, int, str]]:
+    """(worker, the pid that answered, status, body) of every running worker that answered ``GET path``."""
 
-    async def one(worker: Worker) -> tuple[Worker, int, str] | None:
+    async def one(worker: Worker) -> tuple[Worker, int, int, str] | None:
+        pid = worker.pid
         try:
             async with supervisor.ask(worker, "GET", path) as resp:
-                return worker, resp.status, await resp.text()
+                assert pid is not None
+                return worker, pid, resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError, AssertionError):
             return None  # it died (or is restarting) while we asked: the others still answer
 
@@ -124,8 +128,8 @@ async def readyz(request: web.Request) -> web.Response:
     if len(running) < supervisor.count:
         return _json({"status": "starting", "workers": supervisor.count, "workers_ready": len(running)}, 503)
     answers = await _ask_all(supervisor, "/readyz")
-    bodies = [json.loads(body) for _, _, body in answers]
-    for (_, code, _), body in zip(answers, bodies, strict=True):
+    bodies = [json.loads(body) for _, _, _, body in answers]
+    for (_, _, code, _), body in zip(answers, bodies, strict=True):
         if code != 200:
             return _json(body, code)
     if len(answers) < supervisor.count:
@@ -137,14 +141,15 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     answers = await _ask_all(supervisor, "/metrics")
+    texts = [(w.index, pid, body) for w, pid, code, body in answers if code == 200]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged([body for _, code, body in answers if code == 200], supervisor))
+    registry.register(_Collected([*request.app[METRICS].collect(texts), *own_metrics(supervisor)]))
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def status(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
-    answers = [(w, json.loads(body)) for w, code, body in await _ask_all(supervisor, "/status") if code == 200]
+    answers = [(w, json.loads(body)) for w, _, code, body in await _ask_all(supervisor, "/status") if code == 200]
     if not answers:
         return _json({"status": "no worker is running", "workers": _workers(supervisor, {})}, 503)
     merged = merge_status([doc for _, doc in answers])
@@ -228,61 +233,110 @@ def _worst(states: Iterable[str]) -> str:
 # ---------------------------------------------------------------- /metrics
 
 
-class _Merged(Collector):
-    """The workers' exposition texts as one, and the supervisor's own series."""
+Key = tuple[str, tuple[tuple[str, str], ...]]
+"""A sample: its name and its sorted labels."""
 
-    def __init__(self, texts: list[str], supervisor: Supervisor) -> None:
-        self._texts = texts
-        self._supervisor = supervisor
+
+@dataclass(slots=True)
+class Family:
+    """One metric family parsed from a worker's exposition text."""
+
+    type: str
+    documentation: str
+    samples: dict[Key, float] = field(default_factory=dict)
+
+    @property
+    def accumulates(self) -> bool:
+        """Counters and histograms only grow; a gauge is a reading."""
+        return self.type != "gauge"
+
+
+Families = dict[str, Family]
+
+
+def parse(text: str) -> Families:
+    """A worker's /metrics; no ``_created`` series (the creation time of a sum over
+    processes means nothing; the parser hands them back as families of their own)."""
+    families: Families = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in OWN_FAMILIES or family.name.endswith("_created"):
+            continue
+        into = families.setdefault(family.name, Family(family.type, family.documentation))
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                into.samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return families
+
+
+def merge(parts: Iterable[Families]) -> Families:
+    """Each sample summed over the parts, except same-figure gauges (the highest)."""
+    merged: Families = {}
+    for part in parts:
+        for name, family in part.items():
+            into = merged.setdefault(name, Family(family.type, family.documentation))
+            summed = family.accumulates or name in SUMMED_GAUGES
+            for key, value in family.samples.items():
+                old = into.samples.get(key)
+                into.samples[key] = value if old is None else old + value if summed else max(old, value)
+    return merged
+
+
+class MetricsView:
+    """The workers' /metrics as one, its counters never going down when a worker is
+    replaced: the last counts scraped from a process that has since died are kept and
+    added in (what it counted after that last scrape is lost with it). A scraper would
+    otherwise read the drop as a counter reset and count the survivors' totals again."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, Families]] = {}
+        """Worker slot → (pid, its counters at the last scrape)."""
+        self._retired: Families = {}
+
+    def collect(self, answers: list[tuple[int, int, str]]) -> list[Metric]:
+        """``answers``: (slot, pid, exposition text) of every worker that answered."""
+        live = [(slot, pid, parse(text)) for slot, pid, text in answers]
+        answered = {slot: pid for slot, pid, _ in live}
+        for slot, (pid, counters) in list(self._last.items()):
+            if answered.get(slot, pid) != pid:  # a new process in the slot: the old one is gone
+                self._retired = merge([self._retired, counters])
+                del self._last[slot]
+        for slot, pid, families in live:
+            self._last[slot] = (pid, {n: f for n, f in families.items() if f.accumulates})
+        merged = merge([*(families for _, _, families in live), self._retired])
+        return [_metric(name, family) for name, family in merged.items()]
+
+
+METRICS = web.AppKey("metrics", MetricsView)
+
+
+def _metric(name: str, family: Family) -> Metric:
+    metric = Metric(name, family.documentation, family.type)
+    for (sample_name, labels), value in family.samples.items():
+        metric.add_sample(sample_name, dict(labels), value)
+    return metric
+
+
+def own_metrics(supervisor: Supervisor) -> Iterator[Metric]:
+    """What the supervisor counts itself: reloads, workers running, restarts."""
+    reloads = Metric("ratelimit_config_reload", "Policy reloads by result (success, failure).", "counter")
+    for result, count in supervisor.reloads.items():
+        reloads.add_sample("ratelimit_config_reload_total", {"result": result}, float(count))
+    yield reloads
+    running = Metric("ratelimit_workers_running", "Worker processes serving the proxy port now.", "gauge")
+    running.add_sample("ratelimit_workers_running", {}, float(len(supervisor.running())))
+    yield running
+    restarts = Metric(
+        "ratelimit_worker_restarts", "Worker processes restarted after they died, by worker slot.", "counter"
+    )
+    for worker in supervisor.workers:
+        labels = {"worker": str(worker.index)}
+        restarts.add_sample("ratelimit_worker_restarts_total", labels, float(worker.restarts))
+    yield restarts
+
+
+class _Collected(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        yield from merge_metrics(self._texts)
-        yield from self._own()
-
-    def _own(self) -> Iterator[Metric]:
-        supervisor = self._supervisor
-        reloads = Metric("ratelimit_config_reload", "Policy reloads by result (success, failure).", "counter")
-        for result, count in supervisor.reloads.items():
-            reloads.add_sample("ratelimit_config_reload_total", {"result": result}, float(count))
-        yield reloads
-        running = Metric("ratelimit_workers_running", "Worker processes serving the proxy port now.", "gauge")
-        running.add_sample("ratelimit_workers_running", {}, float(len(supervisor.running())))
-        yield running
-        restarts = Metric(
-            "ratelimit_worker_restarts", "Worker processes restarted after they died, by worker slot.", "counter"
-        )
-        for worker in supervisor.workers:
-            labels = {"worker": str(worker.index)}
-            restarts.add_sample("ratelimit_worker_restarts_total", labels, float(worker.restarts))
-        yield restarts
-
-
-def merge_metrics(texts: list[str]) -> list[Metric]:
-    """Families in first-seen order; each sample (name and labels) summed over the texts,
-    except same-figure gauges (the highest); no ``_created`` series."""
-    families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            # The parser hands ``_created`` samples back as families of their own; the creation
-            # time of a sum over processes means nothing, so they are left out.
-            if family.name in OWN_FAMILIES or family.name.endswith("_created"):
-                continue
-            if family.name not in families:
-                families[family.name] = Metric(family.name, family.documentation, family.type)
-                values[family.name] = {}
-            summed = family.type != "gauge" or family.name in SUMMED_GAUGES
-            into = values[family.name]
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                old = into.get(key)
-                if old is None:
-                    into[key] = sample.value
-                else:
-                    into[key] = old + sample.value if summed else max(old, sample.value)
-    for name, metric in families.items():
-        for (sample_name, labels), value in values[name].items():
-            metric.add_sample(sample_name, dict(labels), value)
-    return list(families.values())
+        return iter(self._metrics)

@@ -22,7 +22,7 @@ import pytest
 from proxy.cli import parse_args
 from proxy.policy.model import Policy
 from proxy.workers import usable_cpus
-from proxy.workers_admin import merge_metrics, merge_status
+from proxy.workers_admin import MetricsView, merge_status
 from tests.conftest import Vendor, eventually, make_policy, metric_samples, value
 from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
 
@@ -164,6 +164,12 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     codes = await send(session, f"{ready.url}/search", 20)
     assert codes == [200] * 20, "the new vendor's route is served on every worker"
 
+    async def forwarded(vendor_name: str) -> float:
+        async with session.get(f"{ready.admin_url}/metrics") as response:
+            samples = metric_samples(await response.text())
+        return value(samples, "ratelimit_requests_total", limiter=vendor_name, tenant="default", outcome="forwarded")
+
+    assert await forwarded("search") == 20
     before = await workers()
     victim = before[1]["pid"]
     os.kill(victim, signal.SIGKILL)
@@ -181,6 +187,8 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     async with session.get(f"{ready.admin_url}/readyz") as response:
         assert response.status == 200
     assert await send(session, f"{ready.url}/search", 10) == [200] * 10
+    # The killed worker's counts, as last scraped, stay in the sum: the counter never went down.
+    assert await forwarded("search") == 30
     assert await asyncio.to_thread(process.terminate_and_wait) == 0
 
 
@@ -276,7 +284,7 @@ def test_workers_flag_and_key_parse() -> None:
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
 
 
-def test_metrics_merge_sums_counters_and_per_process_gauges_and_takes_the_highest_of_shared_ones() -> None:
+def test_metrics_merge_sums_counters_and_per_process_gauges_and_counters_survive_a_restart() -> None:
     def text(forwarded: int, held: int, tokens: float, created: float) -> str:
         return (
             "# HELP ratelimit_requests_total Requests.\n# TYPE ratelimit_requests_total counter\n"
@@ -290,16 +298,23 @@ def test_metrics_merge_sums_counters_and_per_process_gauges_and_takes_the_highes
             'ratelimit_config_reload_total{result="success"} 1\n'
         )
 
-    merged = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in merge_metrics([text(3, 1, 5.0, 100.0), text(4, 2, 7.0, 90.0)])
-        for s in family.samples
-    }
-    assert merged == {
-        ("ratelimit_requests_total", (("limiter", "a"), ("outcome", "forwarded"))): 7,
-        ("ratelimit_held_requests", (("limiter", "a"),)): 3,
-        ("ratelimit_tokens_available", (("limiter", "a"),)): 7.0,
-    }, "reloads are the supervisor's own count, not the workers'; no _created series"
+    def samples(metrics: list[Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in metrics for s in family.samples}
+
+    forwarded = ("ratelimit_requests_total", (("limiter", "a"), ("outcome", "forwarded")))
+    held = ("ratelimit_held_requests", (("limiter", "a"),))
+    tokens = ("ratelimit_tokens_available", (("limiter", "a"),))
+    view = MetricsView()
+    merged = samples(view.collect([(0, 100, text(3, 1, 5.0, 100.0)), (1, 200, text(4, 2, 7.0, 90.0))]))
+    assert merged == {forwarded: 7, held: 3, tokens: 7.0}, (
+        "reloads are the supervisor's own count, not the workers'; no _created series"
+    )
+    # Worker 1 replaced (pid 201, its counts start over): its last counts stay in the sum, its
+    # gauges do not, so the counter never goes down.
+    merged = samples(view.collect([(0, 100, text(5, 0, 6.0, 100.0)), (1, 201, text(1, 1, 6.0, 95.0))]))
+    assert merged == {forwarded: 5 + 4 + 1, held: 1, tokens: 6.0}
+    merged = samples(view.collect([(0, 100, text(6, 0, 6.0, 100.0)), (1, 201, text(2, 0, 6.0, 95.0))]))
+    assert merged[forwarded] == 6 + 4 + 2
 
 
 def test_status_merge_sums_per_process_counts() -> None:
