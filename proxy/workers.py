@@ -38,10 +38,10 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 
@@ -75,6 +75,14 @@ def usable_cpus() -> int:
     except (OSError, ValueError):
         pass  # cgroup v1, or no cgroup file system: the affinity says it
     return max(1, count)
+
+
+def next_delay(previous: float, lived: float) -> float:
+    """Seconds before restarting a worker that died after ``lived`` seconds, the previous
+    restart of its slot having waited ``previous`` (0: none yet)."""
+    if previous == 0 or lived >= STABLE_AFTER:
+        return BACKOFF_FIRST
+    return min(previous * 2, BACKOFF_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +229,7 @@ class Supervisor:
                 worker.state = "stopped"
                 return
             lived = time.monotonic() - worker.started_at
-            delay = BACKOFF_FIRST if lived >= STABLE_AFTER or delay == 0 else min(delay * 2, BACKOFF_MAX)
+            delay = next_delay(delay, lived)
             worker.restarts += 1
             worker.state = "restarting"
             log.warning(
@@ -302,9 +310,13 @@ class Supervisor:
             log.error("  %s", error)
         return ReloadResult(False, errors)
 
-    async def watch(self, path: str, interval: float = 1.0) -> None:
-        """--watch: reload when the file's content changes (polled, as one process does)."""
-        last = _digest(path)
+    def watch(self, path: str, interval: float = 1.0) -> Coroutine[Any, Any, None]:
+        """--watch: reload when the file's content changes (polled, as one process does).
+        The file is read now (before the workers start): a change made while they start,
+        or right after, is not missed."""
+        return self._watch(path, interval, _digest(path))
+
+    async def _watch(self, path: str, interval: float, last: bytes | None) -> None:
         while True:
             await asyncio.sleep(interval)
             current = _digest(path)
@@ -351,6 +363,7 @@ async def run_workers(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: spawn(supervisor.reload("SIGHUP"), name="reload"))
+    watching = supervisor.watch(watch) if watch else None
     starting = asyncio.ensure_future(supervisor.start())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -360,13 +373,15 @@ async def run_workers(
         await supervisor.stop()
         await starting  # resolved: every slot has said how its first start went
         await admin.stop()
+        if watching is not None:
+            watching.close()
         if failed:
             print("quota-proxy: a worker failed to start (its error is above)", file=sys.stderr, flush=True)
         return 1 if failed else 0
     pids = " ".join(str(w.pid) for w in supervisor.workers)
     log.info("%d workers serving %s (pids %s)", count, supervisor.listen, pids)
     print(ready_line(supervisor.listen, admin.address, policy), flush=True)
-    watcher = spawn(supervisor.watch(watch), name="watch-policy") if watch else None
+    watcher = spawn(watching, name="watch-policy") if watching is not None else None
     await stop.wait()
     if watcher is not None:
         watcher.cancel()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 
 from proxy.cli import parse_args
 from proxy.policy.model import Policy
-from proxy.workers import usable_cpus
+from proxy.workers import BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER, next_delay, usable_cpus
 from proxy.workers_admin import MetricsView, merge_status
 from tests.conftest import Vendor, eventually, make_policy, metric_samples, value
 from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
@@ -265,6 +266,27 @@ async def test_auto_on_memory_is_one_process_and_one_worker_has_no_supervisor(
                 assert "workers: auto is 1 with store memory://" in process.stderr()
         finally:
             process.close()
+
+
+def test_a_crash_loop_backs_off_and_a_worker_that_lived_starts_over() -> None:
+    delays = [BACKOFF_FIRST]
+    for _ in range(10):
+        delays.append(next_delay(delays[-1], lived=0.5))
+    assert delays[:4] == [BACKOFF_FIRST, 2 * BACKOFF_FIRST, 4 * BACKOFF_FIRST, 8 * BACKOFF_FIRST]
+    assert delays[-1] == BACKOFF_MAX
+    assert next_delay(BACKOFF_MAX, lived=STABLE_AFTER) == BACKOFF_FIRST
+    assert next_delay(0, lived=0.1) == BACKOFF_FIRST
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = policy_file(tmp_path / "p.yaml", "http://127.0.0.1:9", redis_url)
+        result = run_cli("run", "-c", str(path), "--workers", "2", "--listen", f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert result.stderr == f"quota-proxy: cannot listen on 127.0.0.1:{port} (listen): address already in use\n"
 
 
 def test_workers_flag_and_key_parse() -> None:
