@@ -126,8 +126,8 @@ class Supervisor:
         self.count = count
         self._command = command
         self._load = load
-        self._dir = tempfile.mkdtemp(prefix="quota-proxy-workers-")  # 0700: only we reach the sockets
-        self.workers = [Worker(i, os.path.join(self._dir, f"worker-{i}.sock")) for i in range(count)]
+        self._dir: str | None = None
+        self.workers = [Worker(i, "") for i in range(count)]
         self.stopping = False
         self.draining = False
         self._stopped = asyncio.Event()
@@ -169,7 +169,10 @@ class Supervisor:
     # ------------------------------------------------------------------ processes
 
     async def start(self) -> bool:
-        """Start every worker; True once all are ready, False (all stopped) if one failed."""
+        """Start every worker; True once all are ready, False if one failed (stop() then)."""
+        self._dir = tempfile.mkdtemp(prefix="quota-proxy-workers-")  # 0700: only we reach the sockets
+        for worker in self.workers:
+            worker.admin_socket = os.path.join(self._dir, f"worker-{worker.index}.sock")
         self._tasks = [spawn(self._keep(w), name=f"worker-{w.index}") for w in self.workers]
         started = await asyncio.gather(*(w.first_start for w in self.workers))
         return all(started)
@@ -264,7 +267,8 @@ class Supervisor:
         if pending:
             await asyncio.wait(pending)
         self.release_port()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def running(self) -> list[Worker]:
         return [w for w in self.workers if w.ready and w.session is not None]
