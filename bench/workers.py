@@ -81,10 +81,10 @@ def measure(
         pids = {proxy.pid, *(w["pid"] for w in before)}  # the supervisor, and each worker once
         mid: list[list[dict[str, Any]]] = []
         sampler = threading.Timer(args.duration / 2, lambda: mid.append(workers_of(proxy)))
-        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid)
+        cpu0, own0, t0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid), time.monotonic()
         sampler.start()
         load, _ = generate(fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu)
-        cpu1, own1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid)
+        cpu1, own1, t1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid), time.monotonic()
         sampler.join()
         after = workers_of(proxy)
     finally:
@@ -98,6 +98,7 @@ def measure(
         "workers": workers,
         "requests": done,
         "rps": done / load["elapsed"],
+        "proxy_cores": (cpu1 - cpu0) / (t1 - t0),
         "cpu_us_per_request": (cpu1 - cpu0) / done * 1e6,
         # the supervisor's part (relaying the workers' logs); with one worker, the whole process
         "supervisor_us_per_request": (own1 - own0) / done * 1e6 if workers > 1 else None,
@@ -158,6 +159,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     for workers in (1, 2):
         cpu, rps = med(workers, "cpu_us_per_request"), med(workers, "rps")
         own = med(workers, "supervisor_us_per_request")
+        cores = med(workers, "proxy_cores")
         conn_b, req_b = med(workers, "connections_balance"), med(workers, "requests_balance")
         rows.append(
             [
@@ -165,6 +167,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                 f"{cpu:.0f}" if cpu is not None else "-",
                 "-" if own is None else f"{own:.0f}",
                 f"{rps:.0f}" if rps is not None else "-",
+                "-" if cores is None else f"{cores:.2f}",
                 "-" if conn_b is None else f"{conn_b * 100:.0f}%",
                 "-" if req_b is None else f"{req_b * 100:.0f}%",
                 "; ".join("/".join(map(str, r["connections_per_worker"])) for r in runs[workers]),
@@ -179,6 +182,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                 "CPU µs/req",
                 "of which supervisor",
                 "req/s",
+                "proxy cores busy",
                 "conn balance",
                 "req balance",
                 "conns per worker",
