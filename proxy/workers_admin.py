@@ -57,7 +57,13 @@ class AdminServer:
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
-        self._runner = web.AppRunner(admin_app(supervisor), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(
+            admin_app(supervisor),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            keepalive_timeout=75.0,  # as one process's admin port: longer than common scrape intervals
+        )
         self.address = supervisor.policy.admin_listen
 
     async def start(self, address: Address) -> None:
@@ -100,9 +106,10 @@ async def _ask_all(supervisor: Supervisor, path: str) -> list[tuple[Worker, int,
 
     async def one(worker: Worker) -> tuple[Worker, int, int, str] | None:
         pid = worker.pid
+        if pid is None:
+            return None
         try:
             async with supervisor.ask(worker, "GET", path) as resp:
-                assert pid is not None
                 return worker, pid, resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError, AssertionError):
             return None  # it died (or is restarting) while we asked: the others still answer
@@ -302,7 +309,9 @@ class MetricsView:
                 del self._last[slot]
         for slot, pid, families in live:
             self._last[slot] = (pid, {n: f for n, f in families.items() if f.accumulates})
-        merged = merge([*(families for _, _, families in live), self._retired])
+        # A worker that did not answer this time (restarting, or too slow) counts as last seen.
+        silent = [counters for slot, (_, counters) in self._last.items() if slot not in answered]
+        merged = merge([*(families for _, _, families in live), *silent, self._retired])
         return [_metric(name, family) for name, family in merged.items()]
 
 

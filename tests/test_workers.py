@@ -337,6 +337,11 @@ def test_metrics_merge_sums_counters_and_per_process_gauges_and_counters_survive
     assert merged == {forwarded: 5 + 4 + 1, held: 1, tokens: 6.0}
     merged = samples(view.collect([(0, 100, text(6, 0, 6.0, 100.0)), (1, 201, text(2, 0, 6.0, 95.0))]))
     assert merged[forwarded] == 6 + 4 + 2
+    # Worker 1 silent (restarting): its counts as last seen stay in, until a new process answers.
+    merged = samples(view.collect([(0, 100, text(7, 0, 6.0, 100.0))]))
+    assert merged[forwarded] == 7 + 4 + 2
+    merged = samples(view.collect([(0, 100, text(7, 0, 6.0, 100.0)), (1, 202, text(0, 0, 6.0, 95.0))]))
+    assert merged[forwarded] == 7 + 4 + 2
 
 
 def test_status_merge_sums_per_process_counts() -> None:
