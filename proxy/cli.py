@@ -27,7 +27,7 @@ from proxy.policy import (
     parse_store_url,
     summarize,
 )
-from proxy.policy.model import Workers
+from proxy.policy.model import StoreSettings, Workers
 from proxy.policy.sections import memory_with_workers, workers_value
 
 EXIT_CONFIG = 2
@@ -188,12 +188,13 @@ def _overridden(policy: Policy, args: argparse.Namespace) -> Policy:
             changes["store"] = dataclasses.replace(policy.store, url=parse_store_url(store_url))
         except ValueError as exc:
             problems.append(f"{origin}: {exc}")
-    workers = getattr(args, "workers", None)
+    workers: Workers | None = getattr(args, "workers", None)  # only `run` has --workers
     if workers is not None:
         changes["workers"] = workers
     store = changes.get("store", policy.store)
     count = workers if workers is not None else policy.workers
-    if isinstance(count, int) and count > 1 and store.url == "memory://":  # type: ignore[attr-defined]
+    if isinstance(count, int) and count > 1 and isinstance(store, StoreSettings) and store.url == "memory://":
+        # the file's own workers on memory:// was refused by the loader: here --store or the flag
         origin = f"--workers {count}" if workers is not None else "workers"
         problems.append(f"{origin}: {memory_with_workers(count)}")
     token = os.environ.get("QUOTA_PROXY_ADMIN_TOKEN")

@@ -239,6 +239,15 @@ def test_memory_store_with_two_workers_is_refused(tmp_path: Path) -> None:
         "quota-proxy: --workers 2: 2 workers need a shared store: memory:// buckets live in one process"
         " and would not be shared (use redis://, or one worker)\n"
     )
+    # The file's workers on Redis, the store overridden with memory:// from the command line.
+    shared = policy_file(tmp_path / "shared.yaml", "http://127.0.0.1:9", "redis://127.0.0.1:1/0")
+    shared.write_text(shared.read_text().replace("drain_timeout:", "workers: 2\ndrain_timeout:"))
+    result = run_cli("run", "-c", str(shared), "--store", "memory://")
+    assert (result.returncode, result.stderr) == (
+        2,
+        "quota-proxy: workers: 2 workers need a shared store: memory:// buckets live in one process"
+        " and would not be shared (use redis://, or one worker)\n",
+    )
     path.write_text(path.read_text().replace("drain_timeout:", "workers: 3\ndrain_timeout:"))
     for command in ("run", "check"):
         result = run_cli(command, "-c", str(path))
