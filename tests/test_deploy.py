@@ -64,6 +64,11 @@ METRICS: dict[str, set[str]] = {
     "ratelimit_connections_max": set(),
     "ratelimit_connections_closed_total": {"reason"},
 }
+SUPERVISOR_METRICS: dict[str, set[str]] = {
+    "ratelimit_workers_running": set(),
+    "ratelimit_worker_restarts_total": {"worker"},
+}
+"""Exported only by the supervisor of ``run --workers N`` (tests/test_workers.py reads them)."""
 HISTOGRAMS = {"ratelimit_hold_seconds", "http_client_request_duration_seconds"}
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "container", "service", "node"}
 LABEL_VALUES = {"outcome": set(OUTCOMES), "result": {"success", "failure"}, "mode": {"plain", "intercept", "tunnel"}}
@@ -161,12 +166,13 @@ def check_expr(expr: str, where: str, recorded: dict[str, str]) -> set[str]:
         if name in recorded:
             used |= check_expr(recorded[name], f"{where} → {name}", recorded)
             continue
-        assert base_metric(name) in METRICS, f"{where}: {name} is not a metric the proxy exports"
+        assert base_metric(name) in METRICS | SUPERVISOR_METRICS, f"{where}: {name} is not a metric the proxy exports"
         used.add(base_metric(name))
     for name, matchers in selectors(expr):
         if name in recorded:
             continue
-        allowed = METRICS[base_metric(name)] | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
+        labels = (METRICS | SUPERVISOR_METRICS)[base_metric(name)]
+        allowed = labels | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
         for label, op, value in matchers:
             assert label in allowed, f"{where}: {name} has no label {label!r}"
             if label in LABEL_VALUES and op in ("=", "=~"):

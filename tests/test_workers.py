@@ -182,6 +182,10 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     await eventually(restarted, "the killed worker is replaced")
     after = await workers()
     assert after[1]["restarts"] == 1
+    async with session.get(f"{ready.admin_url}/metrics") as response:
+        samples = metric_samples(await response.text())
+    restarts = [value(samples, "ratelimit_worker_restarts_total", worker=w) for w in ("0", "1")]
+    assert restarts == [0, 1]
     assert (after[0]["pid"], after[0]["restarts"]) == (before[0]["pid"], 0), "the other worker served on"
     assert after[1]["vendors"] == ["payments", "search"], "the new worker starts on the reloaded policy"
     assert f"worker 1 (pid {victim}) was killed by SIGKILL" in process.stderr()
