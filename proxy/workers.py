@@ -67,7 +67,8 @@ _PR_SET_PDEATHSIG: Final = 1
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity), and no more than its cgroup's CPU
     quota allows (a container's CPU limit), at least 1."""
-    count = len(os.sched_getaffinity(0))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU counts
+    count = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":
