@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from proxy.limiter import BucketSpec, Limiter
-from proxy.limiter.buckets import global_buckets
+from proxy.limiter.buckets import endpoint_buckets, global_buckets
 from proxy.metrics import Metrics
-from proxy.policy.model import Feedback, Limit, Vendor
+from proxy.policy.model import Endpoint, Feedback, Limit, Vendor
 from proxy.quota_headers import read_quota
 
 
@@ -99,19 +99,25 @@ async def apply_feedback(
     metrics: Metrics | None = None,
     *,
     partition: str = "",
+    endpoint: Endpoint | None = None,
 ) -> Applied:
     """Feed one vendor response back (to the request's ``partition``: a credential's 429
     blocks that credential's quota only); costs a store call only on a 429, low quota, or
     when the vendor's quota headers (``feedback.headers: auto``) change what the buckets know.
 
     ``buckets`` (each with its policy limit) are what learned limits apply to, by default
-    the global buckets of the request's partition; ``metrics`` gets ``ratelimit_learned_rate``."""
+    the buckets the request counted against: its ``endpoint`` class's own when the class has
+    limits (the vendor reports that quota: GitHub's search beside its hourly one), else the
+    global buckets of its partition. ``metrics`` gets ``ratelimit_learned_rate``."""
     feedback = vendor.feedback
     applied = await _block_or_drain(limiter, vendor, status, headers, partition)
     if feedback.headers == "auto":
         reports = read_quota(headers, time.time())
         if reports:
-            if buckets is None and partition:
+            if buckets is None and endpoint is not None and endpoint.limits:
+                specs = endpoint_buckets(limiter.key_prefix, vendor, endpoint, partition)
+                buckets = tuple(zip(specs, endpoint.limits, strict=True))
+            elif buckets is None and partition:
                 specs = global_buckets(limiter.key_prefix, vendor, partition)
                 buckets = tuple(zip(specs, vendor.limits, strict=True))
             await limiter.learn(vendor, reports, buckets)

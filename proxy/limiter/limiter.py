@@ -599,8 +599,12 @@ class Limiter:
         return self.learned.tightest(idents, self.clock.monotonic())
 
     def learned_status(self, vendor: Vendor) -> dict[str, object]:
-        """For /status: per global bucket what was learned, from which header, until when."""
-        idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
+        """For /status: per global and endpoint class bucket (of the default partition) what
+        was learned, from which header, until when."""
+        specs = [*global_buckets(self.key_prefix, vendor)]
+        for endpoint in vendor.endpoints:
+            specs.extend(endpoint_buckets(self.key_prefix, vendor, endpoint))
+        idents = [b.ident for b in specs]
         memory = self.learned
         return {
             "buckets": memory.status(idents, self.clock.monotonic()),

@@ -24,6 +24,8 @@ from proxy.limiter.store import AcquireResult, BucketSpec
 from proxy.policy.model import Limit, OnLimit, TenantLimits, Vendor
 from tests.helpers.stores import FlakyStore
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 PREFIX = "qp-degraded"
 COOLOFF = 1.0
 TIMEOUT = 0.05
