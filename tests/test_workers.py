@@ -163,7 +163,7 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
 
     await eventually(both_reloaded, "SIGHUP reloads both workers")
     codes = await send(session, f"{ready.url}/search", 20)
-    assert codes == [200] * 20, "the new vendor's route is served on every worker"
+    assert codes == [200] * 20, "the new vendor's route is served"
 
     async def forwarded(vendor_name: str) -> float:
         async with session.get(f"{ready.admin_url}/metrics") as response:
@@ -216,8 +216,9 @@ async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
             await response.read()
             return response.status
 
-    in_flight = [asyncio.ensure_future(slow(i)) for i in range(8)]
-    await eventually(lambda: len(vendor.mock.requests) == 8, "eight slow requests reach the vendor")
+    # 16 connections: the kernel's hash leaves one worker without any once in 2^15 runs.
+    in_flight = [asyncio.ensure_future(slow(i)) for i in range(16)]
+    await eventually(lambda: len(vendor.mock.requests) == 16, "sixteen slow requests reach the vendor")
     status = await get_json(session, f"{ready.admin_url}/status")
     assert all(w["connections_open"] > 0 for w in status["workers"]), "both workers hold some"
     process.send_signal(signal.SIGTERM)
@@ -227,7 +228,7 @@ async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
             return response.status == 503
 
     await eventually(draining, "/readyz turns 503 while the workers drain")
-    assert [await r for r in in_flight] == [200] * 8, "in-flight requests finish"
+    assert [await r for r in in_flight] == [200] * 16, "in-flight requests finish"
     assert await asyncio.to_thread(process.wait, 10) == 0
     for pid in pids:
         with pytest.raises(ProcessLookupError):
