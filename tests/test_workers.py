@@ -24,7 +24,7 @@ from proxy.cli import parse_args
 from proxy.policy.model import Policy
 from proxy.workers import BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER, next_delay, usable_cpus
 from proxy.workers_admin import MetricsView, merge_status
-from tests.conftest import Vendor, eventually, make_policy, metric_samples, value
+from tests.conftest import Vendor, eventually, make_policy, metric_samples, value, vendor_policy
 from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
 
 Start = Callable[..., Awaitable[tuple[ProxyProcess, Ready]]]
@@ -384,3 +384,37 @@ def test_status_merge_sums_per_process_counts() -> None:
     assert vendor["recent"] == {"window_seconds": 10, "forwarded_per_second": 3.0, "vendor_429_last_minute": 2}
     assert vendor["breaker"] == merged["store"]["breaker"] == "open"
     assert merged["connections"] == {"open": 4, "max": 200}
+
+
+def shape(doc: Any) -> Any:
+    """A JSON document's structure: keys and value types, not values (None matches anything)."""
+    if isinstance(doc, dict):
+        return {k: shape(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [shape(v) for v in doc]
+    return "number" if isinstance(doc, int | float) and not isinstance(doc, bool) else type(doc).__name__
+
+
+async def test_merged_status_keeps_the_shape_of_one_process_status(
+    vendor: Vendor, start_proxy: Any, session: aiohttp.ClientSession
+) -> None:
+    """What the live page and other readers of /status rely on: the supervisor's document is
+    a real worker's, key for key, with the per-process counts added up."""
+    policy = vendor_policy(
+        vendor.url,
+        extra_vendor="concurrency: 4\n            partition: {header: X-Api-Key}\n            connect: tunnel",
+    )
+    server = await start_proxy(policy)
+    assert await send(session, f"{server.url}/payments", 3) == [200] * 3
+    doc = await get_json(session, f"{server.admin_url}/status")
+    merged = merge_status([doc, doc])
+    assert shape(merged) == shape(doc)
+    (one,), (two,) = doc["vendors"], merged["vendors"]
+    assert two["requests_by_mode"] == {mode: 2 * n for mode, n in one["requests_by_mode"].items()}
+    assert one["requests_by_mode"]["plain"] == 3
+    assert two["tunnels"] == {**one["tunnels"], "open": 2 * one["tunnels"]["open"]}
+    assert two["concurrency"] == {**one["concurrency"], "held_for_slot": 2 * one["concurrency"]["held_for_slot"]}
+    assert two["partitions"] == one["partitions"], "the same partitions seen by both: not counted twice"
+    for key in ("buckets", "limits", "tokens_available", "breaker", "learned", "sizing"):
+        assert two[key] == one[key], key
+    assert merged["connections"]["max"] == 2 * doc["connections"]["max"]
