@@ -236,6 +236,24 @@ async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
     assert "draining: 2 workers finish in-flight requests" in process.stderr()
 
 
+async def test_workers_do_not_outlive_a_killed_supervisor(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    process, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
+    pids = [w["pid"] for w in (await get_json(session, f"{ready.admin_url}/status"))["workers"]]
+    process.send_signal(signal.SIGKILL)
+    assert await asyncio.to_thread(process.wait, 10) == -signal.SIGKILL
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await eventually(lambda: all(gone(pid) for pid in pids), "the workers stop with their supervisor")
+
+
 def test_memory_store_with_two_workers_is_refused(tmp_path: Path) -> None:
     path = policy_file(tmp_path / "p.yaml", "http://127.0.0.1:9", "memory://")
     result = run_cli("run", "-c", str(path), "--workers", "2")
