@@ -243,7 +243,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from proxy.server import WorkerSockets, serve
 
-    if args.worker_admin_socket is not None:  # one of a supervisor's workers: it watches the file
+    if args.worker_admin_socket is not None:  # one of a supervisor's workers (the supervisor watches the file)
         _name_worker(args.worker_index)
         worker = WorkerSockets(args.worker_admin_socket)
         return _asyncio_run(serve(policy, policy.listen, policy.admin_listen, load=reload, worker=worker))
