@@ -171,9 +171,9 @@ class Supervisor:
 
     async def start(self) -> bool:
         """Start every worker; True once all are ready, False if one failed (stop() then)."""
-        self._dir = tempfile.mkdtemp(prefix="quota-proxy-workers-")  # 0700: only we reach the sockets
+        self._dir = tempfile.mkdtemp(prefix="quota-proxy-")  # 0700: only we reach the sockets
         for worker in self.workers:
-            worker.admin_socket = os.path.join(self._dir, f"worker-{worker.index}.sock")
+            worker.admin_socket = os.path.join(self._dir, f"w{worker.index}.sock")  # AF_UNIX paths: 107 bytes at most
         self._tasks = [spawn(self._keep(w), name=f"worker-{w.index}") for w in self.workers]
         started = await asyncio.gather(*(w.first_start for w in self.workers))
         return all(started)

@@ -64,6 +64,8 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
     processes: list[ProxyProcess] = []
 
     async def start_proxy(policy: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[ProxyProcess, Ready]:
+        # TMPDIR: the supervisor's socket directory in the test's own, even when a test kills it.
+        env = {"TMPDIR": str(tmp_path), **(env or {})}
         process = ProxyProcess(cli("run", "-c", str(policy), "--workers", "2", *flags), tmp_path, env=env)
         processes.append(process)
         return process, await asyncio.to_thread(process.wait_ready)
