@@ -139,7 +139,7 @@ async def test_two_workers_share_the_port_the_limit_and_the_metrics(
     assert await asyncio.to_thread(process.terminate_and_wait) == 0
 
 
-async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
+async def test_sighup_reaches_both_workers_a_killed_worker_comes_back_a_killed_supervisor_takes_them(
     tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
 ) -> None:
     path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
@@ -196,7 +196,20 @@ async def test_sighup_reaches_both_workers_and_a_killed_worker_comes_back(
     assert await send(session, f"{ready.url}/search", 10) == [200] * 10
     # The killed worker's counts, as last scraped, stay in the sum: the counter never went down.
     assert await forwarded("search") == 30
-    assert await asyncio.to_thread(process.terminate_and_wait) == 0
+
+    # A killed supervisor takes its workers with it: none is left serving the port.
+    pids = [w["pid"] for w in await workers()]
+    process.send_signal(signal.SIGKILL)
+    assert await asyncio.to_thread(process.wait, 10) == -signal.SIGKILL
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await eventually(lambda: all(gone(pid) for pid in pids), "the workers stop with their supervisor")
 
 
 async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
@@ -236,24 +249,6 @@ async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "draining: 2 workers finish in-flight requests" in process.stderr()
-
-
-async def test_workers_do_not_outlive_a_killed_supervisor(
-    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
-) -> None:
-    process, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
-    pids = [w["pid"] for w in (await get_json(session, f"{ready.admin_url}/status"))["workers"]]
-    process.send_signal(signal.SIGKILL)
-    assert await asyncio.to_thread(process.wait, 10) == -signal.SIGKILL
-
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    await eventually(lambda: all(gone(pid) for pid in pids), "the workers stop with their supervisor")
 
 
 def test_memory_store_with_two_workers_is_refused(tmp_path: Path) -> None:
