@@ -54,7 +54,9 @@ _READY = re.compile(r"quota-proxy listening on http://(\S+) \(admin http://([^\s
 
 def start(fleet: Fleet, workers: int, vendor: Proc, redis: Proc, cpus: str | None, tag: str) -> Proc:
     cfg = fleet.workdir / f"workers-{tag}.yaml"
-    cfg.write_text(product_policy("redis", vendor.url, redis.url))
+    # store timeout 250ms: on a shared 2-core machine a starved worker's 50ms store calls time
+    # out and defer (429), which would end the measurement rather than slow it
+    cfg.write_text(product_policy("redis", vendor.url, redis.url, store_timeout="250ms"))
     argv = [sys.executable, "-m", "proxy", "run", "-c", str(cfg), "--workers", str(workers), "--log-level", "warning"]
     proc = fleet.start(f"proxy-{tag}", argv, cpus=cpus)
     m = fleet.wait_line(proc, _READY, timeout=30)
