@@ -44,6 +44,7 @@ def _general(policy: Policy) -> list[str]:
     ca = f"{tls.ca_cert}, leaf validity {format_duration(tls.leaf_validity)}" if tls.ca_cert else "none"
     return [
         _row("listen", str(policy.listen)),
+        _row("workers", _workers(policy)),
         _row("admin", str(policy.admin_listen)),
         _row("store", mask_password(store.url)),
         _row("", f"timeout {format_duration(store.timeout)}, on_failure {on_failure}"),
@@ -215,3 +216,13 @@ def _answers(vendor: Vendor) -> str:
     """The dialect of the proxy's own answers, and what they tell an SDK (SPEC §9)."""
     ratelimit = "RateLimit fields on forwarded answers" if vendor.ratelimit_headers else "RateLimit fields on 429s only"
     return f"{vendor.answers}, no SDK retry beyond {format_duration(vendor.answers_max_wait)}; {ratelimit}"
+
+
+def _workers(policy: Policy) -> str:
+    if policy.workers == "auto":
+        if policy.store.url.startswith("memory://"):
+            return "auto: 1 process on memory:// (its buckets live in one process)"
+        return "auto: one process per usable CPU, one listen port (SO_REUSEPORT)"
+    if policy.workers == 1:
+        return "1 process"
+    return f"{policy.workers} processes, one listen port (SO_REUSEPORT)"

@@ -17,6 +17,7 @@ def test_example_summary_is_one_screen_with_effective_values():
     assert len(lines) <= 40
     for expected in [
         "listen        127.0.0.1:8080",
+        "workers       1 process",
         "admin         127.0.0.1:9090",
         "store         memory://",
         "              timeout 50ms, on_failure closed",
@@ -198,3 +199,22 @@ vendors:
         "  worst case  at most 84 requests in any 1s, fleet-wide; unbounded while the store is down (on_failure open)"
         in text.splitlines()
     )
+
+
+@pytest.mark.parametrize(
+    ("workers", "store", "shown"),
+    [
+        ("2", "redis://127.0.0.1:6380/0", "2 processes, one listen port (SO_REUSEPORT)"),
+        ("auto", "redis://127.0.0.1:6380/0", "auto: one process per usable CPU, one listen port (SO_REUSEPORT)"),
+        ("auto", "memory://", "auto: 1 process on memory:// (its buckets live in one process)"),
+    ],
+)
+def test_workers_are_shown_as_they_will_run(workers: str, store: str, shown: str) -> None:
+    text = f"""
+version: 1
+workers: {workers}
+store: {{url: "{store}"}}
+vendors:
+  - {{name: payments, hosts: [api.payments.example], limits: [{{rate: 5, per: 1s}}]}}
+"""
+    assert f"workers       {shown}" in summarize(parse_policy(text, "w.yaml")).splitlines()
