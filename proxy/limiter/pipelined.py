@@ -29,6 +29,17 @@ class PipelineError(Exception):
     """The connection failed or Redis answered with an error."""
 
 
+class ReplyError(PipelineError):
+    """Redis answered with an error reply: the connection is fine, and the reply is
+    the command's (MOVED, ASK, NOSCRIPT... tell that the command did not run)."""
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """For a reply nobody awaits (ASKING's): a lost connection leaves no unretrieved error."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
@@ -160,13 +171,16 @@ class PipelinedConnection:
         self._proto = proto
         return proto
 
-    async def execute(self, *args: Any, reply_within: float | None = None) -> Any:
+    async def execute(self, *args: Any, reply_within: float | None = None, asking: bool = False) -> Any:
         """Send one command and wait for its reply; TimeoutError when Redis has not
         answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
-        on the caller's wait: see _expire)."""
+        on the caller's wait: see _expire). ``asking``: ASKING goes out right before the
+        command, in the same write (Cluster's ASK redirection during a slot migration)."""
         loop = asyncio.get_running_loop()
         if reply_within is None:
             proto = await self._connection()
+            if asking:
+                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
             reply = await proto.send(hiredis.pack_command(args))
         else:
             deadline = loop.time() + reply_within
@@ -174,6 +188,8 @@ class PipelinedConnection:
             if current is None or current.closed:
                 current = await asyncio.wait_for(self._connection(), reply_within)
             proto = current
+            if asking:
+                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
             fut = proto.send(hiredis.pack_command(args))
             handle = loop.call_at(deadline, _expire, loop, fut, 2)
             try:
@@ -181,7 +197,7 @@ class PipelinedConnection:
             finally:
                 handle.cancel()
         if isinstance(reply, hiredis.ReplyError):
-            raise PipelineError(str(reply))
+            raise ReplyError(str(reply))
         return reply
 
     def drop_if_stuck(self, after: float) -> None:
@@ -209,7 +225,7 @@ class PipelinedScript:
     async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
         try:
             return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
-        except PipelineError as exc:
+        except ReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
