@@ -112,8 +112,9 @@ def _wait(probe: Any, what: str, within: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def start_proxy(fleet: Fleet, system: str, vendor_url: str, store: str, cpus: str | None) -> Proc:
-    yaml = product_policy("redis", vendor_url, store)
+def start_proxy(fleet: Fleet, system: str, vendor_url: str, store: str, args: argparse.Namespace) -> Proc:
+    yaml = product_policy("redis", vendor_url, store, store_timeout=args.store_timeout)
+    cpus = args.proxy_cpu
     if system != "cluster-redis-py":
         return fleet.proxy(yaml, name=f"proxy-{system}", cpus=cpus)
     cfg = fleet.workdir / f"proxy-{system}.yaml"
@@ -223,6 +224,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--load-cpu", default="0", help="taskset CPU list for generator, vendor, Redis (default 0)")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything (figures then mean less)")
     p.add_argument(
+        "--store-timeout",
+        default="1s",
+        help="the proxies' store.timeout (default 1s, as bench/peers.py: on a shared machine a 50 ms "
+        "timeout trips the breaker and the figures measure refusals)",
+    )
+    p.add_argument(
         "--store-duration",
         type=float,
         default=2.0,
@@ -261,7 +268,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     if {"cluster", "cluster-redis-py"} & set(systems):
         cluster = start_cluster(fleet, args.load_cpu)
         stores["cluster"] = stores["cluster-redis-py"] = cluster
-    proxies = {s: start_proxy(fleet, s, vendor.url, stores[s][0], args.proxy_cpu) for s in systems}
+    proxies = {s: start_proxy(fleet, s, vendor.url, stores[s][0], args) for s in systems}
     for proxy in proxies.values():  # connections, pools, the Lua script, first-call allocations
         generate(fleet, args.generator, proxy.url, args.connections, args.warmup, args.load_cpu)
 

@@ -5,11 +5,13 @@ call touches one slot and goes to the primary that owns it, as one EVALSHA on th
 node's PipelinedConnection: the same single round trip as redis://, where redis-py's
 cluster client checks a connection out and back in for every call.
 
-The slot map comes from CLUSTER SLOTS and is refreshed after any redirection or lost
-connection. A reply that says the script did not run on this node (MOVED, ASK,
-TRYAGAIN, READONLY, NOSCRIPT) is followed by sending it again where it belongs; a
-lost connection or a missing reply is never sent again (the script may have taken its
-tokens), and surfaces to the caller as the store being unavailable.
+The slot map comes from CLUSTER SLOTS, and is learned again in the background after a
+redirection, a lost connection or a missing reply (a failover or a resharding may be
+under way); no call waits for that unless its slot has no known owner. A reply that
+says the script did not run on this node (MOVED, ASK, TRYAGAIN, READONLY, NOSCRIPT) is
+followed by sending it again where it belongs; a lost connection or a missing reply is
+never sent again (the script may have taken its tokens), and surfaces to the caller as
+the store being unavailable.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ Address = tuple[str, int]
 # than a few in a row means the cluster is still converging: the store is unavailable.
 _MAX_REDIRECTS = 5
 _TRYAGAIN_PAUSE = 0.005  # a multi-key call in a slot being migrated: its keys are moving now
+# Background refreshes at most this often: errors under load are no reason to ask the
+# cluster for its map a thousand times a second.
+_RELEARN_EVERY = 0.5
 
 
 class ClusterPipelines:
@@ -46,8 +51,8 @@ class ClusterPipelines:
         self._slots: list[Address | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._conns: dict[Address, PipelinedConnection] = {}
         self._sources: list[str] = []
-        self._stale = True
         self._refreshing: asyncio.Future[None] | None = None
+        self._relearn_after = 0.0
 
     def preload(self, source: str) -> None:
         """Load a script on every node's connection before its first EVALSHA."""
@@ -76,7 +81,18 @@ class ClusterPipelines:
         if self._refreshing is fut:
             self._refreshing = None
         if not fut.cancelled():
-            fut.exception()  # a failed refresh leaves the map stale: the next call tries again
+            fut.exception()  # a failed refresh leaves the map as it was: a later error tries again
+
+    def _relearn(self) -> None:
+        """Learn the map again in the background; callers go on with the one they have."""
+        now = asyncio.get_running_loop().time()
+        if now >= self._relearn_after:
+            self._relearn_after = now + _RELEARN_EVERY
+            self._start_refresh(self._connect_timeout)
+
+    async def _learn(self, within: float) -> None:
+        """Wait (at most ``within`` seconds) for the map to be learned again."""
+        await asyncio.wait_for(asyncio.shield(self._start_refresh(within)), within)
 
     async def _load_slots(self, within: float) -> None:
         # Ask every node known at once and take the first answer: a dead or frozen node
@@ -92,7 +108,6 @@ class ClusterPipelines:
                     error = exc
                     continue
                 self._slots = slots
-                self._stale = False
                 for addr in set(self._conns) - set(slots):  # no longer a primary
                     self._conns.pop(addr).close()
                 return
@@ -127,12 +142,13 @@ class ClusterPipelines:
             left = deadline - loop.time()
             if left <= 0:
                 raise TimeoutError("no reply from the Redis Cluster within the store timeout")
-            if target is None and (self._stale or self._slots[slot] is None):
-                await asyncio.wait_for(asyncio.shield(self._start_refresh(left)), left)
-                left = deadline - loop.time()
             addr = target or self._slots[slot]
-            if addr is None:
-                raise PipelineError(f"no node of the cluster serves slot {slot}")
+            if addr is None:  # the first call, or a slot nobody served last time we asked
+                await self._learn(left)
+                left = deadline - loop.time()
+                addr = self._slots[slot]
+                if addr is None:
+                    raise PipelineError(f"no node of the cluster serves slot {slot}")
             conn = self._conn(addr)
             try:
                 return await conn.execute(*command, reply_within=left, asking=asking)
@@ -147,19 +163,19 @@ class ClusterPipelines:
                 target, asking = None, False
                 if kind == "MOVED":  # the slot has a new owner: go there, and relearn the map
                     self._slots[slot] = target = _address(rest)
-                    self._stale = True
+                    self._relearn()
                 elif kind == "ASK":  # the slot is migrating and these keys have gone already
                     target, asking = _address(rest), True
                 elif kind == "TRYAGAIN":  # some of the keys have gone, some not yet
                     await asyncio.sleep(_TRYAGAIN_PAUSE)
                 elif kind == "READONLY":  # a primary turned replica (failover): no write ran
-                    self._stale = True
+                    await self._learn(left)
                 else:
                     raise
             except (PipelineError, OSError, TimeoutError):
-                # The script may have run: never sent again. A failover or a moved node is
-                # what the map learns before the next call.
-                self._stale = True
+                # The script may have run: never sent again. If a node failed over or
+                # moved, the map knows before long.
+                self._relearn()
                 raise
 
     def drop_if_stuck(self, after: float) -> None:

@@ -185,11 +185,12 @@ class LocalCluster:
                     total[command] = total.get(command, 0) + int(fields["calls"])
         return total
 
-    def rejected(self, node: RedisServer, command: str) -> int:
-        """Calls of ``command`` that ``node`` refused before running them (MOVED, ASK...)."""
+    def stat(self, node: RedisServer, command: str, field: str = "calls") -> int:
+        """``INFO commandstats`` of ``node``: e.g. how often it ran ``command`` (calls), or
+        refused it before running it (rejected_calls: MOVED, ASK...)."""
         with node.client() as c:
             stats = c.info("commandstats")
-        return int(stats.get(f"cmdstat_{command}", {}).get("rejected_calls", 0))
+        return int(stats.get(f"cmdstat_{command}", {}).get(field, 0))
 
 
 def _cluster_ok(node: RedisServer) -> bool:

@@ -120,13 +120,13 @@ async def test_acquires_follow_a_slot_migrated_mid_test_taking_each_token_once(
         await take(3)
         source = redis_cluster.owner(slot)
         target = next(n for n in redis_cluster.nodes if n is not source)
-        refused_before = redis_cluster.rejected(source, "evalsha")
+        refused_before = redis_cluster.stat(source, "evalsha", "rejected_calls")
         redis_cluster.begin_migration(slot, target)  # the source answers ASK now
         await take(3)
         redis_cluster.finish_migration(slot, target)  # and MOVED from here on
         await take(4)
         refused = await store.acquire(bucket, 1, 0)
-        redirected = redis_cluster.rejected(source, "evalsha") - refused_before
+        redirected = redis_cluster.stat(source, "evalsha", "rejected_calls") - refused_before
     finally:
         await store.close()
     # Each grant took exactly one token, in the order asked: none twice, none lost in transit.
@@ -151,6 +151,7 @@ async def test_a_dead_or_frozen_node_fails_its_vendors_closed_at_once(
         for v in by_node.values():
             assert (await store.acquire(buckets(v), 1, 0)).granted
 
+        ran_before = redis_cluster.stat(node, "evalsha")
         node.pause()  # frozen: connections stay open, nothing answers
         try:
             started = time.monotonic()
@@ -161,6 +162,9 @@ async def test_a_dead_or_frozen_node_fails_its_vendors_closed_at_once(
                 assert (await store.acquire(buckets(v), 1, 0)).granted
         finally:
             node.resume()
+        assert (await store.acquire(buckets(doomed), 1, 0)).granted
+        # The call that got no reply may have run once the node woke up; it was never sent again.
+        assert redis_cluster.stat(node, "evalsha") - ran_before <= 2
 
         redis_cluster.kill(node)
         try:
@@ -176,3 +180,18 @@ async def test_a_dead_or_frozen_node_fails_its_vendors_closed_at_once(
         assert (await store.acquire(buckets(doomed), 1, 0)).granted  # reconnected (its keys are gone)
     finally:
         await store.close()
+
+
+async def test_a_node_that_lost_its_scripts_gets_them_again(redis_cluster: LocalCluster, cluster_url: str) -> None:
+    store = RedisStore(cluster_url, timeout=1.0)
+    node = redis_cluster.owner(slot_of("forgetful"))
+    try:
+        assert (await store.acquire(buckets("forgetful"), 1, 0)).granted
+        with node.client() as c:
+            c.script_flush()  # as a node restarted under the same connection would have
+        loads = redis_cluster.stat(node, "script|load")
+        levels = [(await store.acquire(buckets("forgetful"), 1, 0)).levels for _ in range(2)]
+    finally:
+        await store.close()
+    assert [round(lv[1]) for lv in levels] == [1, 0]  # each grant took one token, once
+    assert redis_cluster.stat(node, "script|load") - loads == 1  # on NOSCRIPT, that node only
