@@ -158,8 +158,9 @@ async def _acquire_loop(url: str, pipelined: bool, callers: int, duration: float
         BucketSpec("bench:{bench}:state", huge, huge, "global", "1m", field="g:1m"),
         BucketSpec("bench:{bench}:t:default:1s", huge, huge, "tenant", "tenant"),
     )
-    store = RedisStore(url, timeout=0.25, pipelined=pipelined)
+    store = RedisStore(url, timeout=1.0, pipelined=pipelined)
     done = errors = 0
+    why: Counter[str] = Counter()
     stop = 0.0
 
     async def caller() -> None:
@@ -168,8 +169,9 @@ async def _acquire_loop(url: str, pipelined: bool, callers: int, duration: float
             try:
                 await store.acquire(buckets, 1, 0)
                 done += 1
-            except Exception:  # redis-py's cluster client raises more than RedisError
+            except Exception as exc:  # redis-py's cluster client raises more than RedisError
                 errors += 1
+                why[f"{type(exc).__name__}: {exc}"[:100]] += 1
 
     try:
         stop = time.monotonic() + 1.0  # warm-up: connections, the script, the slot map
@@ -181,10 +183,16 @@ async def _acquire_loop(url: str, pipelined: bool, callers: int, duration: float
         cpu1, t1 = time.process_time(), time.monotonic()
     finally:
         await store.close()
-    return {"acquires": done, "rate": done / (t1 - t0), "cpu_us": (cpu1 - cpu0) / max(done, 1) * 1e6, "errors": errors}
+    return {
+        "acquires": done,
+        "rate": done / (t1 - t0),
+        "cpu_us": (cpu1 - cpu0) / max(done, 1) * 1e6,
+        "errors": errors,
+        "why": dict(why.most_common(3)),
+    }
 
 
-def store_alone(fleet: Fleet, args: argparse.Namespace, system: str, url: str) -> dict[str, float]:
+def store_alone(fleet: Fleet, args: argparse.Namespace, system: str, url: str) -> dict[str, Any]:
     """One run of _acquire_loop in a child process pinned like the proxies."""
     pipelined = "1" if system != "cluster-redis-py" else "0"
     argv = [sys.executable, str(Path(__file__).resolve()), "--store-loop", url, pipelined]
@@ -216,7 +224,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--duration", type=float, default=3.0, help="measured seconds per system per round (default 3)")
+    p.add_argument("--duration", type=float, default=2.5, help="measured seconds per system per round (default 2.5)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds of load per proxy first (default 2)")
     p.add_argument("--connections", type=int, default=50, help="keep-alive connections (default 50)")
     p.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto")
@@ -232,7 +240,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument(
         "--store-duration",
         type=float,
-        default=2.0,
+        default=1.5,
         help="seconds per system per round of the store alone (acquires in-process, no HTTP); 0: skip",
     )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -273,7 +281,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         generate(fleet, args.generator, proxy.url, args.connections, args.warmup, args.load_cpu)
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    alone: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    alone: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for i in range(args.rounds):
         for s in systems:
             runs[s].append(measure(fleet, args, proxies[s], stores[s][1]))
@@ -322,7 +330,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         solo = {s: {k: statistics.median(r[k] for r in alone[s]) for k in ("rate", "cpu_us")} for s in systems}
         print(
             f"\nthe store alone ({args.connections} callers in one process on CPU {args.proxy_cpu or 'any'}, "
-            "acquire after acquire, no HTTP):"
+            "acquire after acquire, no HTTP, store timeout 1s):"
         )
         rows = [
             [
@@ -335,6 +343,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             for s in systems
         ]
         print(table(rows, ["system", "acquires/s", "CPU µs/acquire", "per round", "errors"]))
+        for s in systems:
+            why = Counter[str]()
+            for r in alone[s]:
+                why.update(r["why"])
+            if why:
+                print(f"{s}: store errors: " + "; ".join(f"{n} x {w}" for w, n in why.most_common(3)))
         for a, b in pairs:
             if a in solo and b in solo:
                 print(

@@ -107,9 +107,9 @@ class ClusterPipelines:
                 except (PipelineError, OSError, TimeoutError) as exc:
                     error = exc
                     continue
+                # A node that no longer serves a slot keeps its connection: calls still
+                # on it get MOVED and follow, where closing it would fail them.
                 self._slots = slots
-                for addr in set(self._conns) - set(slots):  # no longer a primary
-                    self._conns.pop(addr).close()
                 return
         finally:
             for ask in asks:
