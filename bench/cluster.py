@@ -174,7 +174,7 @@ async def _acquire_loop(url: str, pipelined: bool, callers: int, duration: float
                 why[f"{type(exc).__name__}: {exc}"[:100]] += 1
 
     try:
-        stop = time.monotonic() + 1.0  # warm-up: connections, the script, the slot map
+        stop = time.monotonic() + 0.5  # warm-up: connections, the script, the slot map
         await asyncio.gather(*(caller() for _ in range(callers)))
         done = errors = 0
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -224,8 +224,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--duration", type=float, default=2.5, help="measured seconds per system per round (default 2.5)")
-    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds of load per proxy first (default 2)")
+    p.add_argument("--duration", type=int, default=3, help="measured seconds per system per round (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured seconds of load per proxy first (default 1)")
     p.add_argument("--connections", type=int, default=50, help="keep-alive connections (default 50)")
     p.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto")
     p.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxies (default 1)")
@@ -240,7 +240,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument(
         "--store-duration",
         type=float,
-        default=1.5,
+        default=1.0,
         help="seconds per system per round of the store alone (acquires in-process, no HTTP); 0: skip",
     )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
