@@ -154,16 +154,22 @@ class LocalCluster:
                 return next(n for n in self.nodes if n.port == int(primary[1]))
         raise AssertionError(f"no node serves slot {slot}")
 
-    def begin_migration(self, slot: int, to: RedisServer) -> None:
-        """Mark ``slot`` migrating to ``to`` and move its keys there: the old owner now
-        answers ASK for them (resharding, midway)."""
+    def begin_migration(self, slot: int, to: RedisServer, keys: list[str] | None = None) -> None:
+        """Mark ``slot`` migrating to ``to`` and move its keys there (or only ``keys``): the
+        old owner now answers ASK for keys it no longer has, TRYAGAIN for a call that names
+        keys on both sides (resharding, midway)."""
         source = self.owner(slot)
         with to.client() as dst, source.client() as src:
             dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
             src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(to))
-            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
-            if keys:
-                src.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+            self.migrate(slot, to, keys)
+
+    def migrate(self, slot: int, to: RedisServer, keys: list[str] | None = None) -> None:
+        """Move ``keys`` (default: every key still on the old owner) of a migrating slot."""
+        with self.owner(slot).client() as src:  # the old owner, until finish_migration
+            moving = keys if keys is not None else src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            if moving:
+                src.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *moving)
 
     def finish_migration(self, slot: int, to: RedisServer) -> None:
         """Give ``slot`` to ``to`` on every node: the old owner now answers MOVED."""

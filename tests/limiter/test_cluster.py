@@ -195,3 +195,32 @@ async def test_a_node_that_lost_its_scripts_gets_them_again(redis_cluster: Local
         await store.close()
     assert [round(lv[1]) for lv in levels] == [1, 0]  # each grant took one token, once
     assert redis_cluster.stat(node, "script|load") - loads == 1  # on NOSCRIPT, that node only
+
+
+async def test_a_call_whose_keys_are_half_migrated_is_retried_and_never_takes_twice(
+    redis_cluster: LocalCluster, cluster_url: str
+) -> None:
+    vendor = "halfway"
+    pair = (
+        BucketSpec(f"t:{{{vendor}}}:t:acme:1", 0.0001, 10, "tenant", "tenant"),
+        BucketSpec(f"t:{{{vendor}}}:g:1", 0.0001, 10, "global", "global"),
+    )
+    slot = key_slot(pair[0].key.encode())
+    store = RedisStore(cluster_url, timeout=0.5)
+    try:
+        assert (await store.acquire(pair, 1, 0)).granted
+        source = redis_cluster.owner(slot)
+        target = next(n for n in redis_cluster.nodes if n is not source)
+        retried_before = redis_cluster.stat(source, "evalsha", "rejected_calls")
+        redis_cluster.begin_migration(slot, target, keys=[pair[0].key])  # one key gone, one not
+        with pytest.raises(StoreUnavailable, match="TRYAGAIN"):  # still split after the retries
+            await store.acquire(pair, 1, 0)
+        retried = redis_cluster.stat(source, "evalsha", "rejected_calls") - retried_before
+        redis_cluster.migrate(slot, target)
+        redis_cluster.finish_migration(slot, target)
+        after = await store.acquire(pair, 1, 0)
+    finally:
+        await store.close()
+    assert retried > 1  # TRYAGAIN was followed by sending again, and refused each time
+    assert after.granted
+    assert [round(x) for x in after.levels] == [8, 8]  # the refused calls took nothing
