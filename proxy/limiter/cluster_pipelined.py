@@ -31,7 +31,7 @@ Address = tuple[str, int]
 # Redirections followed for one call: a slot moves once per resharding step, so more
 # than a few in a row means the cluster is still converging: the store is unavailable.
 _MAX_REDIRECTS = 5
-_TRYAGAIN_PAUSE = 0.005  # a multi-key call in a slot being migrated: its keys are moving now
+_TRYAGAIN_PAUSE = 0.005  # between tries of a call whose keys are being migrated, until its deadline
 # Background refreshes at most this often: errors under load are no reason to ask the
 # cluster for its map a thousand times a second.
 _RELEARN_EVERY = 0.5
@@ -138,10 +138,11 @@ class ClusterPipelines:
         target: Address | None = None  # where a redirection said to go, whatever the map says
         asking = False
         redirects = 0
+        refused: ReplyError | None = None  # the last answer, when it was "try again"
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError("no reply from the Redis Cluster within the store timeout")
+                raise refused or TimeoutError("no reply from the Redis Cluster within the store timeout")
             addr = target or self._slots[slot]
             if addr is None:  # the first call, or a slot nobody served last time we asked
                 await self._learn(left)
@@ -157,6 +158,10 @@ class ClusterPipelines:
                 if kind == "NOSCRIPT" and source:
                     await conn.execute("SCRIPT", "LOAD", source, reply_within=left)
                     continue
+                if kind == "TRYAGAIN":  # some of the keys have gone, some not yet: soon all will
+                    refused = exc
+                    await asyncio.sleep(min(_TRYAGAIN_PAUSE, left))
+                    continue
                 redirects += 1
                 if redirects > _MAX_REDIRECTS:
                     raise
@@ -166,8 +171,6 @@ class ClusterPipelines:
                     self._relearn()
                 elif kind == "ASK":  # the slot is migrating and these keys have gone already
                     target, asking = _address(rest), True
-                elif kind == "TRYAGAIN":  # some of the keys have gone, some not yet
-                    await asyncio.sleep(_TRYAGAIN_PAUSE)
                 elif kind == "READONLY":  # a primary turned replica (failover): no write ran
                     await self._learn(left)
                 else:

@@ -134,6 +134,8 @@ class PipelinedConnection:
         self._ssl = (ssl_context or _tls_context(opts)) if tls else None
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        self._opening: _Protocol | None = None
+        self._closed = False
 
     async def _connection(self) -> _Protocol:
         proto = self._proto
@@ -160,14 +162,19 @@ class PipelinedConnection:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, proto = await loop.create_connection(_Protocol, self._host, self._port, ssl=self._ssl)
+                self._opening = proto  # close() ends the set-up too: no transport outlives the store
                 for command in self._setup:
                     reply = await proto.send(hiredis.pack_command(command))
                     if isinstance(reply, hiredis.ReplyError):
                         raise PipelineError(f"{command[0]}: {reply}")
+                if self._closed:
+                    raise PipelineError("connection closed")
         except BaseException:
             if proto is not None:
                 proto.close()
             raise
+        finally:
+            self._opening = None
         self._proto = proto
         return proto
 
@@ -205,9 +212,14 @@ class PipelinedConnection:
         seconds while commands wait is presumed dead (frozen server, lost peer); drop it
         so the next call reconnects. A merely slow event loop keeps it."""
         if self._proto is not None and self._proto.stuck_for() >= after:
-            self.close()
+            self._proto.close()
+            self._proto = None
 
     def close(self) -> None:
+        """For good: a connection still being opened is closed as soon as it opens."""
+        self._closed = True
+        if self._opening is not None:
+            self._opening.close()
         if self._proto is not None:
             self._proto.close()
             self._proto = None
