@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import quote
 
@@ -210,8 +211,9 @@ class ClusterScript:
         cluster.preload(source)
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
-        return await self._cluster.execute(
+    def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Awaitable[Any]:
+        # The caller awaits execute's coroutine itself: one coroutine fewer per acquire.
+        return self._cluster.execute(
             keys,
             "EVALSHA",
             self.sha,
