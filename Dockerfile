@@ -10,6 +10,10 @@
 # when more than one replica runs. SIGTERM drains in-flight requests for at most the
 # policy's drain_timeout (10s by default): give the container a longer stop grace period
 # than that (docker stop -t 15, Kubernetes terminationGracePeriodSeconds: 15).
+#
+# --workers auto: one worker process per CPU the container may use (its CPU limit, e.g.
+# docker run --cpus 2), all serving port 8080, with one admin port. On memory:// (the
+# baked-in example) auto means one process: its buckets cannot be shared.
 
 FROM python:3.11-slim
 
@@ -52,4 +56,4 @@ STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; url = os.environ.get('QUOTA_PROXY_HEALTHCHECK_URL', 'http://127.0.0.1:9090/healthz'); opener = urllib.request.build_opener(urllib.request.ProxyHandler({})); sys.exit(0 if opener.open(url, timeout=2).status == 200 else 1)"]
 
-CMD ["quota-proxy", "run", "-c", "/etc/quota-proxy/policy.yaml"]
+CMD ["quota-proxy", "run", "--workers", "auto", "-c", "/etc/quota-proxy/policy.yaml"]

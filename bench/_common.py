@@ -428,7 +428,9 @@ def policy(
     drain: float = 3.0,
     on_failure: str = "closed",
     cooloff: str | None = None,
+    vendor_extra: Iterable[str] = (),
 ) -> str:
+    """One vendor's policy; ``vendor_extra``: more YAML lines of the vendor, indented as its keys."""
     lines = [
         "version: 1",
         f"listen: {LOOPBACK}:0",
@@ -452,6 +454,7 @@ def policy(
     if tl:
         lines += ["    tenant_limits:", "      default:", *(f"        - {lim.yaml()}" for lim in tl)]
     lines += ["    on_limit:", f"      action: {action}", f"      max_hold: {max_hold}"]
+    lines += [f"    {line}" for line in vendor_extra]
     return "\n".join(lines) + "\n"
 
 

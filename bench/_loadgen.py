@@ -134,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default=None, help="Host header (default: the target's host)")
     p.add_argument("--connections", type=int, default=50)
     p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--header", action="append", default=[], metavar="NAME: VALUE", help="an extra request header")
     args = p.parse_args(argv)
     host, _, port = args.connect.rpartition(":")
     if not host.startswith("127.") and host not in ("localhost", "::1"):
         p.error("loopback targets only")
     target = args.target
     host_header = args.host or (target.split("://", 1)[1].split("/", 1)[0] if "://" in target else host)
-    request = f"GET {target} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: quota-bench\r\n\r\n".encode()
+    extra = "".join(f"{h}\r\n" for h in args.header)
+    request = f"GET {target} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: quota-bench\r\n{extra}\r\n".encode()
     try:
         import uvloop
 

@@ -14,6 +14,11 @@ Modes (every product mode has access log and metrics on; no limit ever binds):
   memory   the product, memory://, the shape of config/example.yaml (a tenant
            bucket, per-second and per-minute global buckets) at huge rates
   redis    as memory but on Redis: one EVALSHA per request, three keys
+  shapes   as redis with every quota shape of SPEC §10 on: two endpoint classes (the
+           request matches the second, which has limits of its own and cost 1), a
+           concurrency cap on the vendor and on the class (a lease per request, given
+           back after the answer), and a partition by the Authorization header the
+           generator sends (one credential)
   minimal  bench/_minimal_proxy.py, a bare aiohttp forwarder (no limiter, metrics or
            log): the floor of the stack on this machine, for reference
 
@@ -60,19 +65,37 @@ from _common import (
 )
 
 BENCH = Path(__file__).resolve().parent
-MODES = ("nolimit", "memory", "redis", "minimal")
+MODES = ("nolimit", "memory", "redis", "shapes", "minimal")
 HUGE = 1_000_000_000
 TARGET_URL = f"http://{VENDOR_HOST}/v1/ping"
 _WRK_REQUESTS = re.compile(r"(\d+) requests in ([\d.]+)(\w+),")
 _WRK_NON2XX = re.compile(r"Non-2xx or 3xx responses: (\d+)")
 _WRK_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 _MINIMAL_READY = re.compile(r"minimal-proxy listening on http://(\S+)")
+CREDENTIAL = "Authorization: Bearer sk_bench_1"
+"""Sent with every request (the ``shapes`` mode partitions by it; the others ignore it)."""
+SHAPES = (
+    "partition: {header: Authorization}",
+    f"concurrency: {HUGE}",
+    "endpoints:",
+    "  - name: search",
+    "    match: {methods: [POST], path: /v1/*/search}",
+    f"    limits: [{{rate: {HUGE}, per: 1s, burst: {HUGE}}}]",
+    "  - name: ping",
+    "    match: {path: /v1/ping}",
+    f"    limits: [{{rate: {HUGE}, per: 1s, burst: {HUGE}}}]",
+    f"    concurrency: {HUGE}",
+)
 
 
 def wrk_script(target: str = TARGET_URL) -> str:
     """wrk's Lua: the absolute-form request target, as a client behind HTTP_PROXY sends it."""
     host = target.split("://", 1)[1].split("/", 1)[0]
-    return f'wrk.method = "GET"\nwrk.path = "{target}"\nwrk.headers["Host"] = "{host}"\n'
+    name, _, value = CREDENTIAL.partition(": ")
+    return (
+        f'wrk.method = "GET"\nwrk.path = "{target}"\nwrk.headers["Host"] = "{host}"\n'
+        f'wrk.headers["{name}"] = "{value}"\n'
+    )
 
 
 def generate(
@@ -109,6 +132,8 @@ def generate(
                 str(connections),
                 "--duration",
                 f"{duration:g}",
+                "--header",
+                CREDENTIAL,
             ],
             cpus=cpus,
         )
@@ -166,17 +191,18 @@ def start_proxy(
 def product_policy(
     mode: str, vendor_url: str, redis_url: str | None, access_log: bool = True, store_timeout: str = "50ms"
 ) -> str:
-    """The policy of a product mode (nolimit, memory, redis): limits that never bind."""
+    """The policy of a product mode (nolimit, memory, redis, shapes): limits that never bind."""
     if mode == "nolimit":
         return policy(vendor_url, [Limit(HUGE, "1s", HUGE)], action="defer", access_log=access_log)
     return policy(
         vendor_url,
         [Limit(HUGE, "1s", HUGE), Limit(HUGE * 60, "1m")],
-        store=redis_url if mode == "redis" and redis_url is not None else "memory://",
+        store=redis_url if mode in ("redis", "shapes") and redis_url is not None else "memory://",
         tenant_limits=[Limit(HUGE, "1s", HUGE)],
         action="defer",
         access_log=access_log,
         store_timeout=store_timeout,
+        vendor_extra=SHAPES if mode == "shapes" else (),
     )
 
 
@@ -207,7 +233,7 @@ def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, red
     if load["non2xx"] > 0.01 * done or load["errors"] > 0.01 * done:
         problem = f"{load['non2xx']} non-2xx and {load['errors']} socket errors out of {done} requests"
     delta = {k: int(after_metrics.get(k, 0) - before_metrics.get(k, 0)) for k in after_metrics}
-    evalsha = script_calls(before_cmd, after_cmd)[0] if redis is not None and mode == "redis" else None
+    evalsha = script_calls(before_cmd, after_cmd)[0] if redis is not None and mode in ("redis", "shapes") else None
     window = t1 - t0
     proxy_cpus = cpu_names(args.proxy_cpu)
     core_busy = sum(busy1[c] - busy0[c] for c in proxy_cpus) if proxy_cpus else None
@@ -230,6 +256,12 @@ def measure(fleet: Fleet, args: argparse.Namespace, mode: str, vendor: Proc, red
     }
 
 
+def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one mode's rounds, the one with the median CPU per request."""
+    ordered = sorted(results, key=lambda r: r["cpu_us_per_request"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main(fleet: Fleet, argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(
         prog="bench/throughput.py",
@@ -240,6 +272,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per mode (default 10)")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds of load first (default 3)")
     p.add_argument("--connections", type=int, default=50, help="keep-alive connections (default 50)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all modes; medians (default 1)")
     p.add_argument(
         "--generator",
         choices=["auto", "wrk", "python"],
@@ -276,8 +309,14 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         f"generator/vendor/redis on CPU {args.load_cpu or 'any'}"
     )
     vendor = fleet.vendor(0, cpus=args.load_cpu)
-    redis = fleet.redis(cpus=args.load_cpu) if "redis" in modes else None
-    results = [measure(fleet, args, mode, vendor, redis) for mode in modes]
+    redis = fleet.redis(cpus=args.load_cpu) if {"redis", "shapes"} & set(modes) else None
+    # Rounds interleave the modes (the machine's noise falls on all of them alike); each
+    # mode's figures are then its round with the median CPU per request.
+    rounds = [[measure(fleet, args, mode, vendor, redis) for mode in modes] for _ in range(args.rounds)]
+    results = [median_round([r[i] for r in rounds]) for i in range(len(modes))]
+    if args.rounds > 1:
+        for i, mode in enumerate(modes):
+            print(f"{mode}: CPU µs/req by round " + ", ".join(f"{r[i]['cpu_us_per_request']:.0f}" for r in rounds))
 
     rows = [
         [
@@ -325,6 +364,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     if failed:
         print("measurement invalid (more than 1% of requests failed): " + "; ".join(failed))
     redis_r = next((r for r in results if r["mode"] == "redis"), None)
+    shapes_r = next((r for r in results if r["mode"] == "shapes"), None)
+    if redis_r is not None and shapes_r is not None:
+        print(
+            f"shapes / redis CPU per request: {shapes_r['cpu_us_per_request'] / redis_r['cpu_us_per_request']:.2f} "
+            "(endpoint classes, concurrency caps and a partition on, against none)"
+        )
     if redis_r is not None:
         ok = redis_r["cpu_us_per_request"] <= 250
         print(

@@ -3,11 +3,15 @@
 -- Called when the vendor's answer has been relayed, the exchange failed, the
 -- worker went away, or a hold was cancelled: whichever comes first, once. The
 -- announcement on `channel` wakes requests held for a free slot on every
--- replica (they are woken, not polling).
+-- replica (they are woken, not polling). Only sets that were full before and
+-- have room now are announced: a request waits for a slot only after finding
+-- its set full, so a set below its cap has nobody to wake (and at most caps,
+-- most releases announce nothing: no message to every replica per request).
 --
 -- KEYS[j]   lease set j
 -- ARGV[1]   lease id
--- ARGV[2]   channel to PUBLISH the released sets' names on; "" = none
+-- ARGV[2]   channel to PUBLISH the names of the sets that gained room on; "" = none
+-- ARGV[2+j] cap of set j
 --
 -- Returns {inflight_1, ..., inflight_m}: live leases in each set after the release.
 
@@ -18,11 +22,15 @@ local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 local out = {}
 local released = {}
 for j = 1, #KEYS do
-  if redis.call('ZREM', KEYS[j], ARGV[1]) == 1 then
+  local cap = tonumber(ARGV[2 + j])
+  local before = redis.call('ZCARD', KEYS[j])
+  redis.call('ZREM', KEYS[j], ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', string.format('%.3f', now))
+  local after = redis.call('ZCARD', KEYS[j])
+  if before >= cap and after < cap then
     released[#released + 1] = KEYS[j]
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', string.format('%.3f', now))
-  out[j] = tostring(redis.call('ZCARD', KEYS[j]))
+  out[j] = tostring(after)
 end
 if ARGV[2] ~= '' and #released > 0 then
   redis.call('PUBLISH', ARGV[2], table.concat(released, ' '))

@@ -27,6 +27,8 @@ from proxy.policy import (
     parse_store_url,
     summarize,
 )
+from proxy.policy.model import StoreSettings, Workers
+from proxy.policy.sections import memory_with_workers, workers_value
 
 EXIT_CONFIG = 2
 
@@ -56,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reload the policy when the file changes (SIGHUP and POST /reload always do)",
     )
+    run.add_argument(
+        "--workers",
+        type=_workers_arg,
+        metavar="N|auto",
+        help="processes serving the one listen address (auto: one per usable CPU; default: the file's "
+        "workers, then 1); more than one needs a shared store",
+    )
+    # How the supervisor of --workers N starts each worker (proxy/workers.py); not for people.
+    run.add_argument("--worker-admin-socket", help=argparse.SUPPRESS)
+    run.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     run.add_argument(
         "--log-level",
         default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
@@ -115,6 +127,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _workers_arg(text: str) -> Workers:
+    try:
+        return workers_value("--workers", text if text == "auto" else int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1 or auto, got {text!r}") from None
+
+
 def _permit_list(text: str) -> list[str]:
     """``--permit``'s comma-separated entries, each checked as ``ca init`` will read it."""
     from proxy.ca.commands import parse_permit  # cryptography only for this command
@@ -169,6 +188,15 @@ def _overridden(policy: Policy, args: argparse.Namespace) -> Policy:
             changes["store"] = dataclasses.replace(policy.store, url=parse_store_url(store_url))
         except ValueError as exc:
             problems.append(f"{origin}: {exc}")
+    workers: Workers | None = getattr(args, "workers", None)  # only `run` has --workers
+    if workers is not None:
+        changes["workers"] = workers
+    store = changes.get("store", policy.store)
+    count = workers if workers is not None else policy.workers
+    if isinstance(count, int) and count > 1 and isinstance(store, StoreSettings) and store.url == "memory://":
+        # the file's own workers on memory:// was refused by the loader: here --store or the flag
+        origin = f"--workers {count}" if workers is not None else "workers"
+        problems.append(f"{origin}: {memory_with_workers(count)}")
     token = os.environ.get("QUOTA_PROXY_ADMIN_TOKEN")
     if token is not None:  # a Secret made from a file may end in a newline
         try:
@@ -213,11 +241,48 @@ def _run(args: argparse.Namespace) -> int:
         """What SIGHUP, POST /reload and --watch load: the file, then the same overrides."""
         return _log_warnings(_overridden(load_policy(args.config), args))
 
-    from proxy.server import serve
+    from proxy.server import WorkerSockets, serve
 
-    return _asyncio_run(
-        serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
-    )
+    if args.worker_admin_socket is not None:  # one of a supervisor's workers (the supervisor watches the file)
+        _name_worker(args.worker_index)
+        worker = WorkerSockets(args.worker_admin_socket)
+        return _asyncio_run(serve(policy, policy.listen, policy.admin_listen, load=reload, worker=worker))
+    count = _worker_count(policy)
+    if count == 1:
+        return _asyncio_run(
+            serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
+        )
+    from proxy.workers import WorkerCommand, run_workers, worker_argv
+
+    base = ["-c", args.config, "--log-level", args.log_level]
+    if args.store is not None:
+        base += ["--store", args.store]
+    if args.admin_listen is not None:  # the workers' admin is a socket; kept for their policy's checks
+        base += ["--admin-listen", args.admin_listen]
+    command = WorkerCommand(worker_argv(base))
+    return asyncio.run(run_workers(policy, count, command, reload, args.config if args.watch else None))
+
+
+def _worker_count(policy: Policy) -> int:
+    """``workers`` resolved: ``auto`` is the usable CPUs, or 1 on memory:// (buckets in one
+    process); an explicit count above 1 on memory:// was refused with the policy."""
+    if policy.workers != "auto":
+        return policy.workers
+    from proxy.workers import usable_cpus
+
+    cpus = usable_cpus()
+    if cpus > 1 and policy.store.url == "memory://":
+        log.info("workers: auto is 1 with store memory:// (its buckets live in one process), not %d", cpus)
+        return 1
+    log.info("workers: auto is %d (usable CPUs)", cpus)
+    return cpus
+
+
+def _name_worker(index: int | None) -> None:
+    """A worker's log lines say which worker wrote them."""
+    tag = f"quota_proxy[worker {index if index is not None else '?'} pid {os.getpid()}]"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag} %(name)s %(message)s"))
 
 
 def _log_warnings(policy: Policy) -> Policy:

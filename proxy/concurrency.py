@@ -19,7 +19,8 @@ refuses, taking nothing. Around that call this module keeps what one replica nee
   replica that died (SIGKILL) frees its slots within one life.
 
 With ``store.on_failure: local`` a request granted by the replica's local share
-alone takes no lease: the caps are not enforced while the store is out.
+takes a lease in that replica's share of each cap (proxy/limiter/degraded.py), given
+back and renewed in-process; waiters are woken by those releases like by the store's.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class Concurrency:
     """This replica's side of the fleet-wide caps: slots, waiters, renewals, what the store said."""
 
     def __init__(self, limiter: Limiter, clock: Clock, sizing: Sizing, replica: str | None = None) -> None:
+        self._limiter = limiter
         self._store = limiter.store
         self._prefix = limiter.key_prefix
         self.clock = clock
@@ -127,6 +129,9 @@ class Concurrency:
         self._queues: dict[str, list[_Waiter]] = {}
         self._held: dict[str, int] = {}  # vendor -> requests held for a slot now
         self._inflight: dict[str, int] = {}  # set key -> fleet-wide leases as the store last said
+        # set key -> releases heard (announced, or given back locally): a request that finds
+        # its set full retries at once when one was heard while its acquire was on its way
+        self._releases: dict[str, int] = {}
         self._live: dict[str, dict[str, Slot]] = {}  # vendor -> lease id -> slot, renewed
         self._renewers: dict[str, asyncio.Task[None]] = {}
         self._releasing: set[asyncio.Task[None]] = set()
@@ -169,13 +174,19 @@ class Concurrency:
             queued = next((ls.key for ls in leases.sets if self._queues.get(ls.key)), None)
             if queued is not None:
                 waiter = self._enqueue(slot.vendor, queued)
+        heard_meanwhile = False
         try:
             while True:
-                if waiter is not None:
+                if waiter is not None and not heard_meanwhile:
                     await self._sleep(waiter, deadline - self.clock.monotonic())
                 left = max(deadline - self.clock.monotonic(), 0.0)
+                heard = self._heard(leases.sets)
                 result = await attempt(left)
-                self._saw(leases.sets, result.inflight)
+                # A release announced while the answer was on its way woke nobody yet.
+                heard_meanwhile = self._heard(leases.sets) != heard
+                # A full set has no room to wake anyone for (a local share's cap is smaller
+                # than the one the sets name: waking by it would spin the waiters).
+                self._saw(leases.sets, result.inflight, wake=result.full < 0)
                 if result.granted:
                     self._take(slot)
                     return result
@@ -219,6 +230,12 @@ class Concurrency:
         task.add_done_callback(self._releasing.discard)
 
     async def _give_back(self, vendor: str, leases: Leases) -> None:
+        local = await self._limiter.release_local(leases)
+        if local is not None:  # granted by a local share while the store was out
+            for ls in leases.sets:
+                self._releases[ls.key] = self._releases.get(ls.key, 0) + 1
+            self._saw(leases.sets, local)
+            return
         try:
             counts = await self._store.release(leases.sets, leases.id, release_channel(self._prefix, vendor))
         except StoreUnavailable as exc:  # the lease runs out by itself within its life
@@ -274,21 +291,26 @@ class Concurrency:
                 waiter.wake()
                 woken += 1
 
-    def _saw(self, sets: tuple[LeaseSet, ...], inflight: tuple[int, ...]) -> None:
-        """What the store said (an acquire or a release): fleet-wide counts, and room for waiters."""
-        for ls, count in zip(sets, inflight, strict=False):  # () from a local share: nothing known
+    def _saw(self, sets: tuple[LeaseSet, ...], inflight: tuple[int, ...], *, wake: bool = True) -> None:
+        """What the store said (an acquire or a release): fleet-wide counts (a local share's
+        own while the store is out), and room for waiters."""
+        for ls, count in zip(sets, inflight, strict=False):
             self._inflight[ls.key] = count
-            if ls.key in self._queues:
+            if wake and ls.key in self._queues:
                 self._wake(ls.key, ls.cap - count)
+
+    def heard_release(self, keys: tuple[str, ...]) -> None:
+        """A release announced fleet-wide (release.lua): each of ``keys`` gained room."""
+        for key in keys:
+            self._releases[key] = self._releases.get(key, 0) + 1
+            self._wake(key, 1)
+
+    def _heard(self, sets: tuple[LeaseSet, ...]) -> int:
+        return sum(self._releases.get(ls.key, 0) for ls in sets)
 
     async def watch(self) -> None:
         """Wake waiters on the releases other replicas announce, until cancelled."""
-
-        def on_release(keys: tuple[str, ...]) -> None:
-            for key in keys:
-                self._wake(key, 1)
-
-        await self._store.watch_releases(release_channel_pattern(self._prefix), on_release)
+        await self._store.watch_releases(release_channel_pattern(self._prefix), self.heard_release)
 
     # -- renewal -------------------------------------------------------------------
 
@@ -302,8 +324,10 @@ class Concurrency:
                 pairs = tuple((ls, lease_id) for lease_id, slot in live.items() for ls in _sets(slot))
                 if not pairs:
                     continue
+                life = max(_life(s) for s in live.values())
+                await self._limiter.renew_local(pairs, life)
                 try:
-                    await self._store.renew(pairs, max(_life(s) for s in live.values()))
+                    await self._store.renew(pairs, life)
                 except StoreUnavailable as exc:  # next time, then; a lease outlives two misses
                     log.debug("could not renew %d lease(s) of %s (%s)", len(pairs), vendor, exc)
         finally:

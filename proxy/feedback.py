@@ -18,10 +18,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.limiter import BucketSpec, Limiter
-from proxy.limiter.buckets import global_buckets
+from proxy.limiter import Limiter
 from proxy.metrics import Metrics
-from proxy.policy.model import Feedback, Limit, Vendor
+from proxy.policy.model import Endpoint, Feedback, Vendor
 from proxy.quota_headers import read_quota
 
 
@@ -95,26 +94,23 @@ async def apply_feedback(
     vendor: Vendor,
     status: int,
     headers: Mapping[str, str],
-    buckets: tuple[tuple[BucketSpec, Limit], ...] | None = None,
     metrics: Metrics | None = None,
     *,
     partition: str = "",
+    endpoint: Endpoint | None = None,
 ) -> Applied:
     """Feed one vendor response back (to the request's ``partition``: a credential's 429
     blocks that credential's quota only); costs a store call only on a 429, low quota, or
     when the vendor's quota headers (``feedback.headers: auto``) change what the buckets know.
 
-    ``buckets`` (each with its policy limit) are what learned limits apply to, by default
-    the global buckets of the request's partition; ``metrics`` gets ``ratelimit_learned_rate``."""
+    Learned limits go to the buckets the request counted against (``Limiter.learn``: its
+    ``endpoint`` class's, or its partition's global ones); ``metrics`` gets ``ratelimit_learned_rate``."""
     feedback = vendor.feedback
     applied = await _block_or_drain(limiter, vendor, status, headers, partition)
     if feedback.headers == "auto":
         reports = read_quota(headers, time.time())
         if reports:
-            if buckets is None and partition:
-                specs = global_buckets(limiter.key_prefix, vendor, partition)
-                buckets = tuple(zip(specs, vendor.limits, strict=True))
-            await limiter.learn(vendor, reports, buckets)
+            await limiter.learn(vendor, reports, endpoint=endpoint, partition=partition)
         if metrics is not None:
             metrics.set_learned_rate(vendor.name, limiter.learned_rate(vendor))
     return applied

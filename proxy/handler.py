@@ -28,6 +28,7 @@ from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
+from proxy.pacing import longest_window
 from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -220,7 +221,8 @@ class ProxyHandler:
         due = deps.clock.monotonic() + wait
         try:
             await deps.clock.sleep(wait)
-            await deps.pacer.leave(name, due)  # spaced again after a stall (pacing.py); on time: no wait
+            # Spaced again after a stall (pacing.py); on time: no wait.
+            await deps.pacer.leave(name, due, window=longest_window(vendor))
         except asyncio.CancelledError:
             _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
             raise
@@ -257,6 +259,7 @@ class ProxyHandler:
                 upstream.headers,
                 metrics=deps.metrics,
                 partition=match.partition,
+                endpoint=match.endpoint,
             )
         except BaseException:
             upstream.close()

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -60,6 +61,15 @@ def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
     raise RuntimeError("listener is not bound")
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSockets:
+    """How a worker of ``run --workers N`` binds (proxy/workers.py): the proxy listener with
+    SO_REUSEPORT, so that the kernel spreads connections over the workers' sockets, and its
+    admin endpoints on a Unix socket only the supervisor asks."""
+
+    admin_socket: str
+
+
 class ProxyServer:
     """Both listeners of one Runtime. ``start`` binds, ``stop`` drains.
 
@@ -76,8 +86,10 @@ class ProxyServer:
         *,
         reload: Reload | None = None,
         fd_capacity: int | None = None,
+        worker: WorkerSockets | None = None,
     ) -> None:
         self.runtime = runtime
+        self._worker = worker
         self._listen = listen
         self._admin_listen = admin_listen
         self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
@@ -109,17 +121,27 @@ class ProxyServer:
         await self._admin_runner.setup()
         role, address = "admin_listen", self._admin_listen
         try:
-            admin_site = web.TCPSite(self._admin_runner, address.host, address.port, reuse_address=True)
+            admin_site: web.BaseSite = (
+                web.TCPSite(self._admin_runner, address.host, address.port, reuse_address=True)
+                if self._worker is None
+                else web.UnixSite(self._admin_runner, self._worker.admin_socket)
+            )
             await admin_site.start()
             role, address = "listen", self._listen
             self._listener = await asyncio.get_running_loop().create_server(
-                self.gate.protocol, address.host, address.port, reuse_address=True, backlog=1024
+                self.gate.protocol,
+                address.host,
+                address.port,
+                reuse_address=True,
+                reuse_port=self._worker is not None,
+                backlog=1024,
             )
         except OSError as exc:
             await self._admin_runner.cleanup()
             raise CannotListen(role, address, exc) from exc
         self.address = _bound(s.getsockname() for s in self._listener.sockets)
-        self.admin_address = _bound(self._admin_runner.addresses)
+        if self._worker is None:
+            self.admin_address = _bound(self._admin_runner.addresses)
         self.admin.serving = True
 
     def _open(self) -> list[tuple[list[str], float]]:
@@ -186,6 +208,7 @@ async def serve(
     ready_line: bool = True,
     load: Callable[[], Policy] | None = None,
     watch: str | None = None,
+    worker: WorkerSockets | None = None,
 ) -> int:
     """Run until SIGTERM or SIGINT; returns the exit status. With ``load``, SIGHUP and
     POST /reload reload the policy; with ``watch`` (the policy's path) so does a change
@@ -200,6 +223,7 @@ async def serve(
         admin_listen,
         reload=reloader.reload if reloader is not None else None,
         fd_capacity=None if fd_limit is None else fd_limit.connection_capacity,
+        worker=worker,
     )
     # Handlers first: /readyz may answer while the proxy listener is still binding,
     # and a SIGTERM from whoever saw it ready must drain, not kill.

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import inspect
 import os
+import random
 import shutil
 import signal
 import socket
@@ -46,6 +47,15 @@ pytest.register_assert_rewrite("tests.helpers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With pytest-xdist (scripts/test runs the suite on both cores, --dist loadgroup), every
+    test that asserts rates or time bounds goes to one worker, so no two of them share the
+    machine's cores at once; the other worker runs the rest beside them."""
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("timing"):
+            item.add_marker(pytest.mark.xdist_group("timing"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (the vendors' SDKs among it) out of the garbage
     collector: the tests run the proxy, its vendor and its workers in this one process,
@@ -55,10 +65,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+# Ports for servers a test starts by number (redis-server, a `quota-proxy run` told
+# --listen): below the kernel's ephemeral range, so no socket bound to port 0 meanwhile (a
+# client's, another test's) can take one between this check and the server's bind. Each
+# xdist worker walks its own slice from a random point: two workers, or two suites run at
+# once, do not pick the same one.
+_PORTS_FIRST, _PORTS_SLICE = 20000, 5000
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    if not _next_port:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        base = _PORTS_FIRST + (int(worker) % 2) * _PORTS_SLICE if worker.isdigit() else _PORTS_FIRST
+        _next_port.append(base + random.randrange(_PORTS_SLICE))
+    for _ in range(_PORTS_SLICE):
+        port = _next_port[0]
+        first = _PORTS_FIRST + (port - _PORTS_FIRST) // _PORTS_SLICE * _PORTS_SLICE
+        _next_port[0] = first + (port - first + 1) % _PORTS_SLICE
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass

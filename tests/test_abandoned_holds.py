@@ -17,6 +17,8 @@ import pytest
 from proxy.server import ProxyServer
 from tests.conftest import eventually, vendor_policy
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 VENDOR_URL = "http://api.payments.example"
 GIVING_UP = 20
 

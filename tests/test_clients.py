@@ -29,6 +29,8 @@ from tests.conftest import curl, vendor_policy
 from tests.helpers.cli import PROXY_VARS
 from tests.helpers.node import node_request
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB

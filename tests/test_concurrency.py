@@ -1,22 +1,18 @@
 """Fleet-wide concurrency caps (SPEC §10): a lease per request in flight, on a real Redis.
 
-Replicas are real processes where the fleet matters (two replicas, one cap; a replica
-killed with SIGKILL), in-process proxies elsewhere; the vendor counts its own
-concurrency, and the store's lease sets are read directly.
-TODO(coordinator): policies set ``concurrency`` with dataclasses.replace (and
-tests/helpers/replica.py for processes) until the loader reads the YAML key.
+Replicas are real ``quota-proxy run`` processes where the fleet matters (two replicas,
+one cap; a replica killed with SIGKILL), in-process proxies elsewhere; the vendor counts
+its own concurrency, and the store's lease sets are read directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import io
 import json
 import random
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -28,14 +24,21 @@ from aiohttp import web
 
 from proxy.accesslog import AccessLog
 from proxy.app import Runtime
-from proxy.concurrency import lease_life
+from proxy.clock import ManualClock
+from proxy.concurrency import Concurrency, lease_life
+from proxy.decide import Wish
+from proxy.limiter import Breaker, Limiter
 from proxy.limiter.buckets import lease_sets
+from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import LeaseSet
-from proxy.policy.model import Policy
+from proxy.limiter.store import AcquireResult, LeaseSet
+from proxy.policy.model import Limit, Policy, Vendor
 from proxy.server import ProxyServer
+from proxy.sizing import Sizing
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy
-from tests.helpers.cli import ProxyProcess, Ready, write_policy
+from tests.helpers.cli import ProxyProcess, Ready, cli, write_policy
+
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
 
 URL = "http://api.payments.example"
 
@@ -84,8 +87,10 @@ async def serve_vendor(aiohttp_server: Any, vendor: CountingVendor) -> str:
     return str(server.make_url("")).rstrip("/")
 
 
-def capped(policy: Policy, cap: int) -> Policy:
-    return dataclasses.replace(policy, vendors=tuple(dataclasses.replace(v, concurrency=cap) for v in policy.vendors))
+def capped(upstream: str, cap: int, *, extra_vendor: str = "", **kwargs: Any) -> Policy:
+    """``vendor_policy`` with the YAML key ``concurrency: cap`` (and more vendor keys)."""
+    keys = "\n            ".join(k for k in (f"concurrency: {cap}", extra_vendor) if k)
+    return vendor_policy(upstream, extra_vendor=keys, **kwargs)
 
 
 def vendor_set(policy: Policy) -> tuple[LeaseSet, ...]:
@@ -111,8 +116,8 @@ async def inflight_is(store: RedisStore, sets: tuple[LeaseSet, ...], n: int, wha
 
 
 @contextlib.contextmanager
-def replicas(policy_file: Path, log_dir: Path, cap: int, count: int) -> Iterator[list[ProxyProcess]]:
-    argv = [sys.executable, "-m", "tests.helpers.replica", str(policy_file), "--concurrency", str(cap)]
+def replicas(policy_file: Path, log_dir: Path, count: int) -> Iterator[list[ProxyProcess]]:
+    argv = cli("run", "-c", str(policy_file))
     started = [ProxyProcess(argv, log_dir, name=f"replica{i}") for i in range(count)]
     try:
         yield started
@@ -121,7 +126,7 @@ def replicas(policy_file: Path, log_dir: Path, cap: int, count: int) -> Iterator
             process.close()
 
 
-def fleet_policy(path: Path, upstream: str, redis_url: str, *, on_limit: str, timeouts: str = "{}") -> Path:
+def fleet_policy(path: Path, upstream: str, redis_url: str, *, cap: int, on_limit: str, timeouts: str = "{}") -> Path:
     return write_policy(
         path,
         f"""
@@ -135,6 +140,7 @@ def fleet_policy(path: Path, upstream: str, redis_url: str, *, on_limit: str, ti
             hosts: [api.payments.example]
             upstream: {upstream}
             limits: [{{rate: 1000, per: 1s}}]
+            concurrency: {cap}
             on_limit: {on_limit}
             timeouts: {timeouts}
         """,
@@ -146,8 +152,10 @@ async def test_two_replicas_never_let_more_than_the_cap_reach_the_vendor(
 ) -> None:
     vendor = CountingVendor(delay=(0.05, 0.1))
     upstream = await serve_vendor(aiohttp_server, vendor)
-    policy_file = fleet_policy(tmp_path / "policy.yaml", upstream, redis_url, on_limit="{action: hold, max_hold: 10s}")
-    with replicas(policy_file, tmp_path, cap=5, count=2) as fleet:
+    policy_file = fleet_policy(
+        tmp_path / "policy.yaml", upstream, redis_url, cap=5, on_limit="{action: hold, max_hold: 10s}"
+    )
+    with replicas(policy_file, tmp_path, count=2) as fleet:
         ready: list[Ready] = [p.wait_ready() for p in fleet]
         async with client_session() as s:
 
@@ -166,7 +174,7 @@ async def test_two_replicas_never_let_more_than_the_cap_reach_the_vendor(
     assert len(vendor.arrived) == 50
     assert vendor.max == 5  # never more than the cap at the vendor, and the cap was used
     assert held >= 40  # most waited for a slot, on both replicas together
-    await inflight_is(store, vendor_set(capped(vendor_policy(upstream), 5)), 0, "every lease given back")
+    await inflight_is(store, vendor_set(capped(upstream, 5)), 0, "every lease given back")
 
 
 async def test_a_replica_killed_mid_request_frees_its_slot_within_the_lease_life(
@@ -178,12 +186,13 @@ async def test_a_replica_killed_mid_request_frees_its_slot_within_the_lease_life
         tmp_path / "policy.yaml",
         upstream,
         redis_url,
+        cap=2,
         on_limit="{action: defer}",
         timeouts="{connect: 200ms, read: 500ms}",
     )
-    policy = capped(vendor_policy(upstream, extra_vendor="timeouts: {connect: 200ms, read: 500ms}"), 2)
+    policy = capped(upstream, 2, extra_vendor="timeouts: {connect: 200ms, read: 500ms}")
     sets, life = vendor_set(policy), lease_life(policy.vendor("payments"))
-    with replicas(policy_file, tmp_path, cap=2, count=1) as (replica,):
+    with replicas(policy_file, tmp_path, count=1) as (replica,):
         ready = replica.wait_ready()
         async with client_session() as s:
 
@@ -209,7 +218,7 @@ async def test_a_replica_killed_mid_request_frees_its_slot_within_the_lease_life
 
 
 def one_vendor(upstream: str, redis_url: str, cap: int, **kwargs: Any) -> Policy:
-    return capped(vendor_policy(upstream, store=redis_url, **kwargs), cap)
+    return capped(upstream, cap, store=redis_url, **kwargs)
 
 
 @pytest.mark.parametrize("store_kind", ["memory", "redis"])
@@ -443,3 +452,34 @@ async def test_a_blind_tunnel_holds_a_lease_while_open(
     for n, tunnel in ((1, opened[0]), (0, opened[1])):
         tunnel.close()
         await inflight_is(store, sets, n, "a closed tunnel's lease to be given back")
+
+
+# -- a release heard while the refusal was on its way -------------------------------
+
+
+async def test_a_release_announced_before_the_full_answer_arrived_is_not_slept_through() -> None:
+    """The store runs a request's acquire (full), then another replica's release, and the
+    release's announcement (pub/sub, another connection) reaches this replica before the
+    acquire's answer: the request was not waiting yet, so the wake found nobody. It must
+    retry at once rather than sleep until its max_hold: the set may stay below its cap, and
+    then no later release is announced (release.lua announces only sets that were full)."""
+    clock = ManualClock()
+    limiter = Limiter(MemoryStore(clock), clock, key_prefix="qp-race", breaker=Breaker(clock, 3, 1.0))
+    concurrency = Concurrency(limiter, clock, Sizing())
+    vendor = Vendor("payments", hosts=("api.payments.example",), limits=(Limit(1000, 1, 1000),), concurrency=1)
+    slot = concurrency.slot(vendor, None)
+    assert slot.leases is not None
+    (cap,) = slot.leases.sets
+    answers = iter([AcquireResult(False, 0.0, -1, (), full=0, inflight=(1,)), AcquireResult(True, 0.0, -1, ())])
+
+    async def attempt(left: float) -> AcquireResult:
+        answer = next(answers)
+        if not answer.granted:
+            concurrency.heard_release((cap.key,))  # the announcement came first
+        return answer
+
+    result = await asyncio.wait_for(concurrency.acquire(slot, Wish("hold", 10.0), attempt), 1.0)
+    assert result.granted
+    assert clock.monotonic() == 1000.0  # no time passed: it never slept
+    slot.close()
+    await concurrency.close()

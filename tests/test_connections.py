@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.connections import EVICT_AFTER, TURNED_AWAY_MAX
 from proxy.fdlimit import RESERVED
@@ -28,6 +29,8 @@ from tests.conftest import HttpsVendor, Vendor, eventually, metric_samples, valu
 from tests.helpers.cli import cli, server_process
 from tests.helpers.intercept import intercept_policy, new_proxy_ca, upstream_of
 from tests.helpers.policies import payments_policy
+
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
 
 HEAD = 0.5  # connections.head_timeout in these tests
 IDLE = 0.7  # connections.idle_timeout

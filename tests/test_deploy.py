@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -63,6 +64,11 @@ METRICS: dict[str, set[str]] = {
     "ratelimit_connections_max": set(),
     "ratelimit_connections_closed_total": {"reason"},
 }
+SUPERVISOR_METRICS: dict[str, set[str]] = {
+    "ratelimit_workers_running": set(),
+    "ratelimit_worker_restarts_total": {"worker"},
+}
+"""Exported only by the supervisor of ``run --workers N`` (tests/test_workers.py reads them)."""
 HISTOGRAMS = {"ratelimit_hold_seconds", "http_client_request_duration_seconds"}
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "container", "service", "node"}
 LABEL_VALUES = {"outcome": set(OUTCOMES), "result": {"success", "failure"}, "mode": {"plain", "intercept", "tunnel"}}
@@ -160,12 +166,13 @@ def check_expr(expr: str, where: str, recorded: dict[str, str]) -> set[str]:
         if name in recorded:
             used |= check_expr(recorded[name], f"{where} → {name}", recorded)
             continue
-        assert base_metric(name) in METRICS, f"{where}: {name} is not a metric the proxy exports"
+        assert base_metric(name) in METRICS | SUPERVISOR_METRICS, f"{where}: {name} is not a metric the proxy exports"
         used.add(base_metric(name))
     for name, matchers in selectors(expr):
         if name in recorded:
             continue
-        allowed = METRICS[base_metric(name)] | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
+        labels = (METRICS | SUPERVISOR_METRICS)[base_metric(name)]
+        allowed = labels | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
         for label, op, value in matchers:
             assert label in allowed, f"{where}: {name} has no label {label!r}"
             if label in LABEL_VALUES and op in ("=", "=~"):
@@ -481,6 +488,8 @@ def test_compose_runs_two_replicas_of_the_repo_image_on_the_compose_policy(
         assert svc.get("command") is None, f"{name}: the image's CMD runs the mounted policy"
         (mount,) = [v for v in svc["volumes"] if v.startswith("./compose/policy.yaml:")]
         assert mount == f"./compose/policy.yaml:{image['cmd'][-1]}:ro" and image["cmd"][-1] == IMAGE_POLICY
+        assert parse_args(image["cmd"][1:]).workers == "auto", "the image serves from every CPU"
+        assert not policy.store.url.startswith("memory://"), "the replicas' workers share Redis"
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
         assert _duration(svc["stop_grace_period"]) > policy.drain_timeout, f"{name}: stop_grace_period"
         assert svc.get("stop_signal", "SIGTERM") == "SIGTERM"
@@ -596,12 +605,25 @@ def test_k8s_deployment_runs_the_configmap_policy_with_matching_ports_and_probes
 ) -> None:
     policy, args = _k8s_policy(k8s)
     assert args.watch, "--watch: an edited ConfigMap is reloaded without a restart"
+    assert args.workers == "auto", "--workers auto: every CPU of the pod serves the one port"
+    assert not policy.store.url.startswith("memory://"), "workers share buckets only through Redis"
     assert policy.listen.host == policy.admin_listen.host == "0.0.0.0"
     deployment = k8s[("Deployment", "quota-proxy")]
     spec = deployment["spec"]
     pod = spec["template"]["spec"]
     container = _container(deployment)
     assert spec["replicas"] == 2
+    # auto counts the CPUs the container may use: a CPU limit bounds the workers, and the memory
+    # limit must hold that many (the supervisor and ~60 MiB per worker).
+    limits = container["resources"]["limits"]
+    cpus = float(limits["cpu"].removesuffix("m")) / (1000 if limits["cpu"].endswith("m") else 1)
+    workers = math.ceil(cpus)
+    assert 1 <= workers <= 4
+    memory = limits["memory"]
+    assert memory.endswith("Mi") and int(memory[:-2]) >= 64 + 96 * workers
+    # /tmp is writable (the workers' admin sockets live there under a read-only root).
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert not tmp.get("readOnly", False)
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}

@@ -18,6 +18,8 @@ from proxy.policy.model import Endpoint, EndpointMatch, Limit, OnLimit, Policy, 
 from proxy.target import RequestTarget
 from tests.conftest import client_session, metric_samples, value, vendor_policy
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 PREFIX = "qp-endpoints"
 
 SEARCH = Endpoint("search", EndpointMatch(("GET",), "/v1/*/search"), (Limit(2, 3600, 2),))

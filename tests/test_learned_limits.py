@@ -24,6 +24,8 @@ from proxy.policy import Policy
 from proxy.server import ProxyServer
 from tests.conftest import ProxyFactory, Vendor, metric_samples, vendor_policy
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 POLICY_RATE = 100.0
 VENDOR_RATE = 70
 RAISED_RATE = 110

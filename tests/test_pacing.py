@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Awaitable
 
 import pytest
 
@@ -17,7 +18,7 @@ async def test_on_time_leavers_wait_nothing() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
     for _ in range(5):
-        assert await pacer.leave("v", clock.monotonic()) == 0
+        assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
         await clock.advance(0.1)
 
 
@@ -28,7 +29,7 @@ async def test_late_leavers_keep_the_spacing_they_were_due_at() -> None:
     left: list[float] = []
 
     async def leave(due: float) -> None:
-        await pacer.leave("v", due)
+        await pacer.leave("v", due, window=1.0)
         left.append(clock.monotonic())
 
     await clock.advance(0.5)  # a stall: all four were due during it, 0.1 s apart
@@ -45,16 +46,56 @@ async def test_a_long_gap_in_the_schedule_is_not_carried_over() -> None:
     made to wait an hour more."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    assert await pacer.leave("v", clock.monotonic()) == 0
+    assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
     await clock.advance(3600)
-    assert await pacer.leave("v", clock.monotonic()) == 0
+    assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
+
+
+async def _waited(clock: ManualClock, leaving: Awaitable[float]) -> float:
+    """Run one ``leave`` to its end, moving the manual clock until it returns."""
+    task = asyncio.ensure_future(leaving)
+    await asyncio.sleep(0)
+    while not task.done():
+        await clock.advance(0.05)
+    return round(task.result(), 3)
+
+
+async def test_a_stall_is_forgotten_once_no_window_holds_its_late_leavers() -> None:
+    """The lag a stall left (0.3 s here) shifts the leavers of that busy spell only: a
+    held request due after a quiet spell longer than the vendor's longest window cannot
+    share a window with the late ones, so it leaves when due. It used to keep the largest
+    stall ever seen as an offset: every later hold of the vendor waited 0.3 s more."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    await clock.advance(0.3)  # a stall: the first held request leaves 0.3 s late
+    assert await _waited(clock, pacer.leave("v", start, window=1.0)) == 0
+    await clock.advance(0.1)  # the next one, on time 0.4 s after the first, shifts with it
+    assert await _waited(clock, pacer.leave("v", start + 0.4, window=1.0)) == 0.3
+    await clock.advance(5.0)  # a quiet spell of 5 s, longer than the 1 s window
+    due = clock.monotonic()
+    assert await _waited(clock, pacer.leave("v", due, window=1.0)) == 0
+    await clock.advance(0.1)
+    assert await _waited(clock, pacer.leave("v", due + 0.1, window=1.0)) == 0
+
+
+async def test_within_the_window_the_shift_is_kept() -> None:
+    """A quiet spell shorter than the window keeps the shift: an on-time leaver right after
+    late ones would share a window with them and overrun it."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    await clock.advance(0.3)
+    assert await _waited(clock, pacer.leave("v", start, window=1.0)) == 0
+    await clock.advance(0.4)  # due 0.7 s after the first, which left 0.3 s late
+    assert await _waited(clock, pacer.leave("v", start + 0.7, window=1.0)) == 0.3
 
 
 async def test_vendors_are_paced_apart() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
-    assert await pacer.leave("a", clock.monotonic()) == 0
-    assert await pacer.leave("b", clock.monotonic()) == 0
+    assert await pacer.leave("a", clock.monotonic(), window=1.0) == 0
+    assert await pacer.leave("b", clock.monotonic(), window=1.0) == 0
 
 
 @pytest.mark.slow

@@ -317,7 +317,7 @@ def test_dockerfile_builds_a_non_root_image_that_drains_on_sigterm(dockerfile: l
     assert any(re.search(r"\bpip install \.(\s|$)", r.args) for r in runs), "a real, non-editable install"
     assert only(dockerfile, "STOPSIGNAL").args == "SIGTERM"
     assert set(only(dockerfile, "EXPOSE").args.split()) == {"8080", "9090"}
-    assert only(dockerfile, "CMD").exec_form() == ["quota-proxy", "run", "-c", IMAGE_POLICY]
+    assert only(dockerfile, "CMD").exec_form() == ["quota-proxy", "run", "--workers", "auto", "-c", IMAGE_POLICY]
 
     argv = _healthcheck_argv(dockerfile)
     assert argv[:2] == ["python", "-c"], "no curl in the slim image"

@@ -9,12 +9,15 @@ import dataclasses
 import io
 import json
 
+import pytest
 import redis
 
 from proxy.accesslog import AccessLog
 from proxy.partitions import partition_hash
 from proxy.policy.model import Partition, Policy
 from tests.conftest import client_session, vendor_policy
+
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
 
 A = "Bearer sk_live_AAAA_secret_1111"
 B = "Bearer sk_live_BBBB_secret_2222"

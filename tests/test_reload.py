@@ -23,6 +23,8 @@ from proxy.reload import Reloader
 from proxy.server import ProxyServer
 from tests.conftest import ROOT, client_session, eventually, metric_samples, value
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 POLICY = """\
 version: 1
 listen: 127.0.0.1:0

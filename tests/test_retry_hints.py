@@ -12,7 +12,11 @@ import asyncio
 import itertools
 import math
 
+import pytest
+
 from tests.conftest import client_session, vendor_policy
+
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
 
 BASE = "http://api.payments.example"
 

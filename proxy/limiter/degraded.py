@@ -32,6 +32,16 @@ shares held together, so the first shared grants cannot push any window over the
 A replica that never saw the replica count (the store was down since it started) has no
 share to enforce and fails closed.
 
+Learned limits (SPEC §10): a bucket whose vendor said it allows less than the policy is
+divided at the learned rate and burst, as this replica last knew them.
+
+Concurrency caps (SPEC §10) are shared too: while the store is out a request granted here
+takes a lease in this replica's share of each cap (the cap divided by the replicas, at
+least one), counted and given back in-process; a lease that is never given back runs out
+after its life, as in the store. Requests granted locally that are still in flight when the
+store returns are not counted there: for one request's length the fleet may briefly exceed a
+cap by what the shares had in flight.
+
 Endpoint classes and partitions (SPEC §10): every bucket a request touches is shared, so
 an endpoint's buckets are divided like the rest. Global shares start, block, drain and
 are charged per partition (each partition is a quota of its own). Endpoint shares start
@@ -45,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,7 +63,7 @@ from proxy.clock import Clock
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.presence import Presence
-from proxy.limiter.store import AcquireResult, BucketSpec
+from proxy.limiter.store import AcquireResult, BucketSpec, Leases, LeaseSet
 from proxy.policy.model import Vendor
 
 log = logging.getLogger("quota_proxy.store")
@@ -68,6 +79,13 @@ def grace_for(cooloff: float, timeout: float) -> float:
     replica's breaker has probed the store again (a probe that found it still out re-opens
     the breaker for a whole cool-off, so two of them), plus a second."""
     return 2 * cooloff + timeout + 1.0
+
+
+def cap_share(leases: Leases, replicas: int) -> Leases:
+    """One replica's share of the caps a request's leases are in: each divided by ``replicas``,
+    never below one request in flight."""
+    sets = tuple(dataclasses.replace(ls, cap=max(ls.cap // replicas, 1)) for ls in leases.sets)
+    return dataclasses.replace(leases, sets=sets)
 
 
 def share(spec: BucketSpec, replicas: int) -> BucketSpec:
@@ -106,6 +124,11 @@ class LocalShares:
         self._specs: dict[tuple[str, str, str | None, str], tuple[Vendor, tuple[BucketSpec, ...]]] = {}
         self._vendors: dict[tuple[str, str], _Spent] = {}
         """Per (vendor, partition): its global shares; partitions seen during the outage only."""
+        self.tighten: Callable[[BucketSpec], BucketSpec] = lambda spec: spec
+        """A bucket as the vendor's headers taught it (the Limiter's learned limits): the
+        shares divide what the vendor allows, not the policy's limit, when that is lower."""
+        self._leased: set[str] = set()
+        """Ids of the leases taken in the local shares of caps (and not yet given back)."""
         self._warned = -math.inf
 
     # -- modes -------------------------------------------------------------------------
@@ -176,6 +199,7 @@ class LocalShares:
         self._store = MemoryStore(self.clock)
         self._specs.clear()
         self._vendors.clear()
+        self._leased.clear()
 
     # -- buckets -----------------------------------------------------------------------
 
@@ -200,7 +224,7 @@ class LocalShares:
         if before is not None and [b.ident for b in before.shared] == [b.ident for b in shared]:
             before.vendor = vendor
             return
-        local = tuple(share(b, self.replicas) for b in shared)
+        local = tuple(share(self.tighten(b), self.replicas) for b in shared)
         now = self.clock.monotonic()
         for i, b in enumerate(local):
             level = levels[i] / self.replicas if levels is not None and i < len(levels) else 0.0
@@ -217,19 +241,47 @@ class LocalShares:
             return hit[1]
         if len(self._specs) >= _SPECS_MAX:
             self._specs.clear()
-        specs = tuple(share(spec, self.replicas) for spec in b.all)
+        specs = tuple(share(self.tighten(spec), self.replicas) for spec in b.all)
         self._specs[key] = (vendor, specs)
         return specs
 
     async def acquire(
-        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None, alone: bool
+        self,
+        vendor: Vendor,
+        tenant: str,
+        b: Buckets,
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        alone: bool,
+        leases: Leases | None = None,
     ) -> AcquireResult:
         """The store's acquire on this replica's shares. ``alone``: the shared buckets will
-        not take it (the store is out), so it is owed to them when it returns."""
-        result = await self._store.acquire(self._shares(vendor, tenant, b), cost, max_wait, queue)
+        not take it (the store is out), so it is owed to them when it returns. ``leases``:
+        a lease in this replica's share of each cap, or nothing (``full``)."""
+        mine = None if leases is None or not leases.sets else cap_share(leases, self.replicas)
+        if len(self._leased) >= _SPECS_MAX:  # ids whose requests never gave them back: long expired
+            self._leased.clear()
+        result = await self._store.acquire(self._shares(vendor, tenant, b), cost, max_wait, queue, leases=mine)
+        if result.granted and mine is not None:
+            self._leased.add(mine.id)
         if result.granted and alone:
             self.spent_alone(vendor, cost, b.partition)
         return result
+
+    async def release(self, leases: Leases) -> tuple[int, ...] | None:
+        """Give back a lease taken in the local shares of caps: the requests still in flight
+        here per set. None: not a local lease (the store's, or from before a recovery)."""
+        if leases.id not in self._leased:
+            return None
+        self._leased.discard(leases.id)
+        return await self._store.release(leases.sets, leases.id, "")
+
+    async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> None:
+        """Keep the local leases among ``leases`` alive (a long download while the store is out)."""
+        mine = tuple(pair for pair in leases if pair[1] in self._leased)
+        if mine:
+            await self._store.renew(mine, life)
 
     def spent_alone(self, vendor: Vendor, cost: float, partition: str = "") -> None:
         self._vendors[(vendor.name, partition)].alone += cost

@@ -18,6 +18,7 @@ knows what its share is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares
 from proxy.limiter.learning import LearnedLimits, plan
-from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, StateGuard, StoreUnavailable
+from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, LeaseSet, StateGuard, StoreUnavailable
 from proxy.partitions import RecentPartitions, shown
 from proxy.policy.model import Endpoint, Limit, Vendor
 from proxy.quota_headers import QuotaReport
@@ -107,6 +108,8 @@ class Limiter:
         self._on_state_lost = on_state_lost
         self.local = local
         """This replica's shares of the limits (``store.on_failure: local``), else None."""
+        if local is not None:
+            local.tighten = self._as_learned
         self._on_local_grant = on_local_grant
         self._settling = False  # a charge of the shared buckets is on its way (_come_back)
         self._cache: dict[tuple[str, str, str | None, str], _Cached] = {}
@@ -175,10 +178,10 @@ class Limiter:
             except StoreUnavailable as exc:
                 if local is None or not local.engage(exc):
                     raise
-                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
         assert local is not None
         if mode == "local" and not await self._come_back(local, vendor):
-            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue)
+            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
         return await self._acquire_both(local, vendor, tenant, b, cost, queue, leases)
 
     async def _acquire_shared(
@@ -250,13 +253,20 @@ class Limiter:
             await local.begin(vendor, b.global_part, levels, self.blocked_for(vendor.name, part), part)
 
     async def _acquire_local(
-        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, max_wait: float, queue: str | None
+        self,
+        vendor: Vendor,
+        tenant: str,
+        b: Buckets,
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        leases: Leases | None = None,
     ) -> AcquireResult:
-        """The store is out: this replica's share decides alone."""
+        """The store is out: this replica's share decides alone (of the caps too)."""
         local = self.local
         assert local is not None
         await self._local_shares(local, vendor, b)
-        result = await local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True)
+        result = await local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True, leases=leases)
         if result.granted and self._on_local_grant is not None:
             self._on_local_grant(vendor.name)
         return result
@@ -325,6 +335,15 @@ class Limiter:
         if not result.granted:
             await local.refund(vendor, tenant, b, cost)
         return result
+
+    async def release_local(self, leases: Leases) -> tuple[int, ...] | None:
+        """Give back a lease a local share granted (degraded.py): the requests still in
+        flight on this replica per set; None when the lease is not a local one."""
+        return None if self.local is None else await self.local.release(leases)
+
+    async def renew_local(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> None:
+        if self.local is not None:
+            await self.local.renew(leases, life)
 
     async def announce(self) -> None:
         """With local shares: keep this replica in the store's replica set until cancelled."""
@@ -539,16 +558,26 @@ class Limiter:
         self,
         vendor: Vendor,
         reports: Sequence[QuotaReport],
-        buckets: tuple[tuple[BucketSpec, Limit], ...] | None = None,
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
     ) -> bool:
-        """Teach the buckets what the vendor's quota headers say (learning.py): one store
-        call, and only when it changes something. ``buckets`` (each with its policy limit)
-        defaults to the vendor's global ones. Never raises; returns whether the store was called."""
+        """Teach the buckets a response counted against what the vendor's quota headers say
+        (learning.py): its ``endpoint`` class's own when the class has limits (the vendor
+        reports that quota: GitHub's search beside its hourly one), else the global buckets
+        of its ``partition``. One store call, and only when it changes something. Never
+        raises; returns whether the store was called."""
+        own = endpoint is None or not endpoint.limits
+        buckets: tuple[tuple[BucketSpec, Limit], ...]
+        if not own and endpoint is not None:
+            buckets = tuple(
+                zip(endpoint_buckets(self.key_prefix, vendor, endpoint, partition), endpoint.limits, strict=True)
+            )
+        else:
+            buckets = tuple(zip(global_buckets(self.key_prefix, vendor, partition), vendor.limits, strict=True))
+        own = own and not partition  # this replica's view of the default partition's global levels
         memory = self.learned
         memory.reports += 1
-        own = buckets is None
-        if buckets is None:
-            buckets = tuple(zip(global_buckets(self.key_prefix, vendor), vendor.limits, strict=True))
         teachings = plan(reports, [lim for _, lim in buckets])
         if not teachings:
             return False
@@ -578,6 +607,14 @@ class Limiter:
             self._observed[vendor.name] = Observation(tuple(levels), now)
         return True
 
+    def _as_learned(self, spec: BucketSpec) -> BucketSpec:
+        """``spec`` at the rate and burst the vendor's headers taught, when lower than its own."""
+        memo = self.learned.memos.get(spec.ident)
+        rate = None if memo is None else memo.learned_rate(self.clock.monotonic())
+        if memo is None or rate is None:
+            return spec
+        return dataclasses.replace(spec, rate=min(spec.rate, rate), burst=min(spec.burst, memo.burst))
+
     def _levels_learned(self, vendor: Vendor) -> tuple[float, ...] | None:
         """The global buckets' levels now, extrapolated from the last store answer at the
         rates the store last said they refill at (learned or the policy's)."""
@@ -599,8 +636,12 @@ class Limiter:
         return self.learned.tightest(idents, self.clock.monotonic())
 
     def learned_status(self, vendor: Vendor) -> dict[str, object]:
-        """For /status: per global bucket what was learned, from which header, until when."""
-        idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
+        """For /status: per global and endpoint class bucket (of the default partition) what
+        was learned, from which header, until when."""
+        specs = [*global_buckets(self.key_prefix, vendor)]
+        for endpoint in vendor.endpoints:
+            specs.extend(endpoint_buckets(self.key_prefix, vendor, endpoint))
+        idents = [b.ident for b in specs]
         memory = self.learned
         return {
             "buckets": memory.status(idents, self.clock.monotonic()),

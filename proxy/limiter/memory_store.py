@@ -32,7 +32,9 @@ class MemoryStore:
         self._state: dict[str, list[float]] = {}
         # deferral queue key -> (first free slot, expires_at), on the clock
         self._queues: dict[str, tuple[float, float]] = {}
-        self._seq: dict[str, int] = {}  # state key -> grants counted (acquire.lua's seq)
+        # state key -> [grants counted (acquire.lua's seq), expires_at]: it goes with the
+        # buckets it counts, as the state hash does on Redis (one per partition ever seen, else)
+        self._seq: dict[str, tuple[int, float]] = {}
         # lease set key -> {lease id: expires_at}, on the clock
         self._leases: dict[str, dict[str, float]] = {}
         # replica set key -> {member: last announced}, on the clock (presence.lua)
@@ -76,6 +78,8 @@ class MemoryStore:
             del self._state[key]
         for key in [k for k, (_, expires) in self._queues.items() if expires <= now]:
             del self._queues[key]
+        for key in [k for k, (_, expires) in self._seq.items() if expires <= now]:
+            del self._seq[key]
         for key in [k for k, learned in self._learned.items() if learned[2] <= now]:
             del self._learned[key]
         for key in list(self._leases):
@@ -105,7 +109,8 @@ class MemoryStore:
         full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
         # One process holds the state and its reservations alike: it cannot lose one
         # without the other, so the guard only counts (acquire.lua's seq).
-        seq = self._seq.get(guard.key, 0) if guard is not None else 0
+        counted = self._seq.get(guard.key) if guard is not None else None
+        seq = counted[0] if counted is not None and counted[1] > now else 0
         if wait > max_wait or full >= 0:
             self._forget_empty()
             hint = wait if full >= 0 else self._slot(queue, now, wait, cost / rates[binding])
@@ -118,7 +123,8 @@ class MemoryStore:
                 self._live(ls.key, now)[leases.id] = now + wait + leases.life
                 inflight[j] += 1
         if guard is not None:
-            seq = self._seq[guard.key] = seq + 1
+            seq += 1
+            self._seq[guard.key] = (seq, max(self._state[b.ident][2] for b in buckets))
         return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
 
     def _live(self, key: str, now: float) -> dict[str, float]:

@@ -90,15 +90,18 @@ class RedisStore:
         self._pipe: PipelinedConnection | ClusterPipelines | None = None
         self._acquire_fast: PipelinedScript | ClusterScript | None = None
         self._presence_fast: PipelinedScript | ClusterScript | None = None
+        self._release_fast: PipelinedScript | ClusterScript | None = None
         if pipelined and url.startswith("redis+cluster://"):
             cluster = ClusterPipelines(url, connect_timeout=max(timeout * 10, 1.0))
             self._pipe = cluster
             self._acquire_fast = ClusterScript(cluster, script("acquire"))
+            self._release_fast = ClusterScript(cluster, script("release"))
             self._presence_fast = ClusterScript(cluster, script("presence"))
         elif pipelined:
             pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
             self._pipe = pipe
             self._acquire_fast = PipelinedScript(pipe, script("acquire"))
+            self._release_fast = PipelinedScript(pipe, script("release"))
             self._presence_fast = PipelinedScript(pipe, script("presence"))
 
     @property
@@ -163,7 +166,11 @@ class RedisStore:
 
     async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
         keys = [ls.key for ls in sets]
-        out = await self._call(lambda: self._release(keys=keys, args=[lease_id, channel]))
+        args: list[float | str] = [lease_id, channel, *(ls.cap for ls in sets)]
+        if self._release_fast is not None:  # once per request with a cap: pipelined like acquire
+            out = await self._call_fast(self._release_fast, keys, args)
+        else:
+            out = await self._call(lambda: self._release(keys=keys, args=args))
         return tuple(int(x) for x in out)
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:

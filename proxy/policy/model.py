@@ -17,6 +17,7 @@ FailureMode = Literal["closed", "open", "local"]
 AnswerDialect = Literal["generic", "stripe", "openai"]
 TenantFrom = Literal["header", "proxy_auth"]
 HeaderFeedback = Literal["auto", "none"]
+Workers = int | Literal["auto"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
@@ -266,6 +267,9 @@ class Policy:
     tls: TlsSettings = field(default_factory=TlsSettings)
     drain_timeout: float = 10.0
     """Seconds SIGTERM waits for in-flight requests before closing them."""
+    workers: Workers = 1
+    """Processes serving ``listen`` (SPEC §11); ``auto``: one per usable CPU. More than one
+    needs a shared store (not ``memory://``)."""
     access_log: bool = True
     connections: Connections = field(default_factory=Connections)
     admin_token: str | None = field(default=None, repr=False)

@@ -14,6 +14,7 @@ from typing import Final
 import yaml
 
 from proxy.policy import values
+from proxy.policy.durations import show
 from proxy.policy.model import (
     FAILURE_MODES,
     TENANT_FROM,
@@ -27,6 +28,7 @@ from proxy.policy.model import (
     TenantSettings,
     TlsSettings,
     Vendor,
+    Workers,
 )
 from proxy.policy.vendors import build_vendors
 from proxy.policy.walker import CheckedMapping, Walk
@@ -42,7 +44,7 @@ _CONNECTIONS: Final = Connections()
 
 _ROOT_KEYS: Final = (
     "version", "listen", "admin_listen", "store", "tenant", "vendors", "tls", "drain_timeout", "access_log",
-    "connections", "admin_token", "admin_hosts",
+    "connections", "admin_token", "admin_hosts", "workers",
 )  # fmt: skip
 _STORE_KEYS: Final = ("url", "timeout", "on_failure", "key_prefix", "breaker")
 _BREAKER_KEYS: Final = ("failures", "cooloff")
@@ -68,11 +70,15 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
     tenant = m.section("tenant", _tenant, _TENANT)
     vendors: tuple[Vendor, ...] = m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls, tenant), ())
     _check_known_tenants(m, tenant, vendors)
+    store = m.section("store", _store, _STORE)
+    workers = m.get("workers", workers_value, _POLICY.workers)
+    if isinstance(workers, int) and workers > 1 and store.url == "memory://":
+        m.walk.error(m.node_of("workers") or m.node, m.child("workers"), memory_with_workers(workers))
     return Policy(
         version=version,
         listen=listen,
         admin_listen=admin_listen,
-        store=m.section("store", _store, _STORE),
+        store=store,
         tenant=tenant,
         vendors=vendors,
         tls=tls,
@@ -81,8 +87,26 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         connections=m.section("connections", _connections, _CONNECTIONS),
         admin_token=m.get("admin_token", values.nullable(values.admin_token), _POLICY.admin_token),
         admin_hosts=m.section("admin_hosts", _admin_hosts, _POLICY.admin_hosts),
+        workers=workers,
         source=walk.source,
         warnings=tuple(walk.warnings),  # last: keyword arguments are evaluated in order, vendors' included
+    )
+
+
+def workers_value(key: str, value: object) -> Workers:
+    """``workers``: a whole number of processes, at least 1, or ``auto`` (one per usable CPU)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"workers must be a whole number of at least 1 or auto, got {show(value)}")
+    return value
+
+
+def memory_with_workers(workers: int) -> str:
+    """Why ``workers`` > 1 cannot run on ``memory://`` (the file's and the command line's message)."""
+    return (
+        f"{workers} workers need a shared store: memory:// buckets live in one process and would not be "
+        "shared (use redis://, or one worker)"
     )
 
 

@@ -138,6 +138,7 @@ async def test_acquires_follow_a_slot_migrated_mid_test_taking_each_token_once(
     assert redis_cluster.owner(slot) is target
 
 
+@pytest.mark.timing
 async def test_a_dead_or_frozen_node_fails_its_vendors_closed_at_once(
     redis_cluster: LocalCluster, cluster_url: str
 ) -> None:
@@ -197,6 +198,7 @@ async def test_a_node_that_lost_its_scripts_gets_them_again(redis_cluster: Local
     assert redis_cluster.stat(node, "script|load") - loads == 1  # on NOSCRIPT, that node only
 
 
+@pytest.mark.timing
 async def test_a_call_whose_keys_are_half_migrated_waits_for_them_and_never_takes_twice(
     redis_cluster: LocalCluster, cluster_url: str
 ) -> None:

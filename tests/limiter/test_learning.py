@@ -16,7 +16,7 @@ from proxy.limiter.learning import bucket_for, learned_values, plan
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.store import BucketSpec, LearnResult, Lesson
 from proxy.metrics import Metrics
-from proxy.policy.model import Feedback, Limit, Vendor
+from proxy.policy.model import Endpoint, EndpointMatch, Feedback, Limit, Vendor
 from proxy.quota_headers import QuotaReport
 from tests.helpers.stores import FlakyStore
 
@@ -192,3 +192,42 @@ async def test_apply_feedback_learns_only_with_auto_and_a_429_still_blocks(clock
     cleared = CIMultiDict({"X-RateLimit-Limit": "110", "X-RateLimit-Remaining": "99", "X-RateLimit-Reset": "1"})
     await apply_feedback(limiter, on, 200, cleared, metrics=metrics)
     assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "v"}) is None
+
+
+async def test_a_request_of_an_endpoint_class_teaches_that_class_not_the_vendor(clock: ManualClock) -> None:
+    """A vendor's headers describe the bucket the request counted against: for a class with
+    limits of its own (GitHub's search, 30/min beside 5,000/h) that is the class's, so
+    "30 left" must not clamp every other request of the vendor to 30."""
+    limiter = Limiter(MemoryStore(clock), clock, key_prefix=PREFIX, breaker=Breaker(clock, 3, 1.0))
+    search = Endpoint("search", EndpointMatch(path="/search/*"), (Limit(60, 60, 60),))
+    plain = Endpoint("files", EndpointMatch(path="/files/*"), cost=5)  # no limits of its own
+    v = Vendor(
+        "v",
+        hosts=("v.example",),
+        limits=(Limit(100, 1, 100),),
+        feedback=Feedback(headers="auto"),
+        endpoints=(search, plain),
+    )
+    said = CIMultiDict({"X-RateLimit-Limit": "30", "X-RateLimit-Remaining": "30", "X-RateLimit-Reset": "60"})
+    await apply_feedback(limiter, v, 200, said, endpoint=search)
+    assert limiter.learned_rate(v) is None  # the vendor's global buckets learned nothing
+    learned = limiter.learned_status(v)["buckets"]
+    assert isinstance(learned, list)
+    assert [(b["bucket"], b["rate_per_second"]) for b in learned] == [
+        ("endpoint search 60/1m burst 60", round(29 / 60, 6))
+    ]  # one spare
+    # The class is held to 30 in any minute (burst 1, 29/min); the vendor's other requests are not.
+    assert (await limiter.acquire(v, "t", 0, endpoint=search)).granted
+    assert not (await limiter.acquire(v, "t", 0, endpoint=search)).granted
+    assert all([(await limiter.acquire(v, "t", 0)).granted for _ in range(50)])
+    await clock.advance(60 / 29)
+    assert (await limiter.acquire(v, "t", 0, endpoint=search)).granted
+    # A class without limits of its own: the headers are about the vendor's buckets.
+    await apply_feedback(
+        limiter,
+        v,
+        200,
+        CIMultiDict({"X-RateLimit-Limit": "70", "X-RateLimit-Remaining": "70", "X-RateLimit-Reset": "1"}),
+        endpoint=plain,
+    )
+    assert limiter.learned_rate(v) == pytest.approx(68)

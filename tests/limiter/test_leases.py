@@ -110,9 +110,22 @@ async def test_releases_are_announced_to_other_replicas(redis_url: str) -> None:
                 break
             except TimeoutError:
                 continue
+        # Only a set that was full can have requests waiting for it: the class (cap 1) is
+        # announced, the vendor's set (1 of 2) is not.
         assert (await a.acquire((bucket("la"),), 1, 0, leases=leases("r", VENDOR, SEARCH))).granted
         await a.release((VENDOR, SEARCH), "r", "test:{v}:released")
-        assert await asyncio.wait_for(heard.get(), 5.0) == (VENDOR.key, SEARCH.key)
+        assert await asyncio.wait_for(heard.get(), 5.0) == (SEARCH.key,)
+        # A release that leaves no set with room it lacked says nothing at all: the next
+        # message heard is the probe published after it.
+        assert (await a.acquire((bucket("la"),), 1, 0, leases=leases("s", VENDOR))).granted
+        await a.release((VENDOR,), "s", "test:{v}:released")
+        await a.client.publish("test:{v}:released", "after")
+        assert await asyncio.wait_for(heard.get(), 5.0) == ("after",)
+        # Both of the vendor's slots taken, one given back: announced.
+        for lease in ("t1", "t2"):
+            assert (await a.acquire((bucket("la"),), 1, 0, leases=leases(lease, VENDOR))).granted
+        await a.release((VENDOR,), "t1", "test:{v}:released")
+        assert await asyncio.wait_for(heard.get(), 5.0) == (VENDOR.key,)
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import AsyncIterator, Callable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from proxy.clock import ManualClock
+from proxy.concurrency import Concurrency, Slot
+from proxy.decide import Wish
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
-from proxy.limiter.buckets import global_buckets, replicas_key
+from proxy.limiter.buckets import global_buckets, lease_sets, replicas_key
 from proxy.limiter.degraded import LocalShares, grace_for, share
 from proxy.limiter.presence import Presence
-from proxy.limiter.store import AcquireResult, BucketSpec
-from proxy.policy.model import Limit, OnLimit, TenantLimits, Vendor
+from proxy.limiter.store import AcquireResult, BucketSpec, Leases
+from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor
+from proxy.quota_headers import read_quota
+from proxy.sizing import Sizing
 from tests.helpers.stores import FlakyStore
+
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
 
 PREFIX = "qp-degraded"
 COOLOFF = 1.0
@@ -424,3 +431,80 @@ async def test_a_reload_during_the_outage_keeps_the_shares_and_what_is_owed(
     changed = payments(rate=4, burst=10)  # new limits: fresh shares, the debt still owed
     await a.limiter.acquire(changed, "default", 0)
     assert [(b.rate, d) for b, d in await a.local.debts(changed)] == [(4.0, 10.0)]
+
+
+# -- concurrency caps --------------------------------------------------------------------
+
+
+async def test_the_store_down_each_replica_keeps_its_share_of_a_concurrency_cap(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    """A cap of 4 over 2 replicas is 2 each while the store is out: the leases a local share
+    grants are counted and given back locally (they used to be granted with no lease at all,
+    so the vendor could see any number in flight)."""
+    a, _ = fleet(2)
+    await settle(clock)
+    v = dataclasses.replace(payments(rate=1000, burst=1000), concurrency=4)
+    (cap,) = lease_sets(PREFIX, v, None)
+    await go_local(shared, a.limiter, v)
+    await clock.advance(0.1)  # the share (500/s) starts empty: 50 tokens, plenty
+
+    def leases(n: int) -> Leases:
+        return Leases(f"r{n}", 30.0, (cap,))
+
+    results = [await a.limiter.acquire(v, "default", 0, leases=leases(i)) for i in range(3)]
+    assert [r.granted for r in results] == [True, True, False]
+    assert results[-1].full == 0  # the cap's share is full, the buckets would grant
+    assert await a.limiter.release_local(leases(0)) == (1,)  # one left in flight here
+    assert (await a.limiter.acquire(v, "default", 0, leases=leases(3))).granted
+    assert await a.limiter.release_local(leases(99)) is None  # not a local lease: nothing known
+    # A local lease runs out by itself like a shared one (a request that never released).
+    await clock.advance(31.0)
+    assert (await a.limiter.acquire(v, "default", 0, leases=leases(4))).granted
+
+
+async def test_a_request_held_for_a_local_cap_share_gets_the_slot_when_one_is_given_back(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    """Through Concurrency (what the handler uses): with the store out, a hold waits for
+    this replica's share of the cap without spinning, and is woken by a local release."""
+    a, _ = fleet(2)
+    await settle(clock)
+    v = dataclasses.replace(payments(rate=1000, burst=1000), concurrency=2)  # 1 per replica
+    await go_local(shared, a.limiter, v)
+    await clock.advance(0.1)
+    concurrency = Concurrency(a.limiter, clock, Sizing())
+    wish = Wish("hold", 5.0)
+
+    def attempt_for(slot: Slot) -> Callable[[float], Awaitable[AcquireResult]]:
+        return lambda left: a.limiter.acquire(v, "default", left, leases=slot.leases)
+
+    first = concurrency.slot(v, None)
+    assert (await concurrency.acquire(first, wish, attempt_for(first))).granted
+    second = concurrency.slot(v, None)
+    waiting = asyncio.ensure_future(concurrency.acquire(second, wish, attempt_for(second)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done() and concurrency.held_for_slot("payments") == 1
+    first.close()  # given back locally: the waiter is woken, not polled
+    assert (await asyncio.wait_for(waiting, 1.0)).granted
+    second.close()
+    await concurrency.close()
+
+
+async def test_the_shares_start_from_what_the_vendor_taught_not_the_policy(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    """A vendor that said it allows 70/s (policy 100/s burst 10): the learned bucket is 68/s
+    burst 2, so each of 2 replicas' shares is 34/s burst 1, not 50/s burst 5."""
+    a, _ = fleet(2)
+    await settle(clock)
+    v = dataclasses.replace(payments(rate=100, burst=10), feedback=Feedback(headers="auto"))
+    said = {"X-RateLimit-Limit": "70", "X-RateLimit-Remaining": "70", "X-RateLimit-Reset": "1"}
+    assert await a.limiter.learn(v, read_quota(said, 0.0))
+    assert a.limiter.learned_rate(v) == pytest.approx(68)
+    await go_local(shared, a.limiter, v)
+    await clock.advance(1.0)  # the share refills to its burst
+    assert sum(r.granted for r in await take_all(a.limiter, v)) == 1
+    await clock.advance(0.5)  # 17 tokens at 34/s: again only the burst of 1 is there at once
+    assert sum(r.granted for r in await take_all(a.limiter, v, max_wait=0.5)) == 1 + 17

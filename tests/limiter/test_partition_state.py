@@ -185,6 +185,22 @@ async def test_per_state_memories_stay_bounded_with_many_partitions(monkeypatch:
     assert limiter.blocked_for("payments", part) > 0  # the latest block is kept
 
 
+async def test_memory_store_forgets_the_counters_of_idle_partitions() -> None:
+    """memory:// kept one grant counter per state key forever: one per partition ever
+    seen. Like the state hash on Redis, a counter now goes when its buckets have refilled."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    limiter = on(store, clock)
+    v = payments(rate=100, per=1, burst=100)
+    for i in range(300):
+        assert (await limiter.acquire(v, "acme", 0, partition=partition_hash(f"token {i}"))).granted
+    assert len(store._seq) == 300
+    await clock.advance(60.0)  # every bucket refilled long ago: the states expired
+    assert len(store) == 0
+    assert len(store._seq) == 0
+    assert (await limiter.acquire(v, "acme", 0, partition=partition_hash("token 0"))).granted
+
+
 async def test_recent_partitions_count_saturates_and_forgets() -> None:
     clock = ManualClock()
     recent = RecentPartitions(clock, limit=3)

@@ -446,6 +446,11 @@ BAD_FILES = {
     "bad_admin_token": "2: admin_token: the admin token may hold only letters, digits and -._~+/ (and = at the end)",
     "unquoted_admin_token": "2: admin_token: the admin token must be a string (quote it)",
     "bad_admin_host": '4: admin_hosts[1]: "proxy admin" is not a host name or IP address',
+    "bad_workers": '2: workers: workers must be a whole number of at least 1 or auto, got "many"',
+    "workers_on_memory": (
+        "4: workers: 2 workers need a shared store: memory:// buckets live in one process and would not be"
+        " shared (use redis://, or one worker)"
+    ),
     "retry_after_above_max": (
         "7: vendors[0].feedback.retry_after_default: retry_after_default (2h) exceeds max_retry_after (1h)"
     ),

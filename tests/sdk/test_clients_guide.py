@@ -22,6 +22,8 @@ from tests.helpers.cli import ROOT
 from tests.helpers.guide import GUIDE, GuideWorker, Ran, blocks, snippets
 from tests.helpers.sdks import HOSTS, connects, outcomes
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 CUSTOMER = f"https://{HOSTS['stripe']}/v1/customers/cus_123"
 SPENT = "[{rate: 1, per: 1h, burst: 1}]"
 """One token, then an hour's wait: beyond answers_max_wait, so the SDKs raise at once."""

@@ -16,6 +16,8 @@ from proxy.server import ProxyServer
 from tests.conftest import client_session, eventually
 from tests.helpers.sdks import SDKS, outcomes
 
+pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+
 NAMES = list(SDKS)
 
 
