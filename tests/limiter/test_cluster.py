@@ -17,7 +17,7 @@ from redis.crc import key_slot
 
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.scripts import script
-from proxy.limiter.store import BucketSpec, StoreUnavailable
+from proxy.limiter.store import BucketSpec, Leases, LeaseSet, StoreUnavailable
 from tests.conftest import vendor_policy
 from tests.helpers.stores import LocalCluster
 
@@ -230,3 +230,29 @@ async def test_a_call_whose_keys_are_half_migrated_waits_for_them_and_never_take
     assert during.granted and after.granted
     # The refused calls took nothing; the granted ones one token each.
     assert [[round(x) for x in r.levels] for r in (during, after)] == [[8, 8], [7, 7]]
+
+
+async def test_leases_are_taken_and_given_back_on_the_vendors_node(
+    redis_cluster: LocalCluster, cluster_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Acquire and release both go over the pipelined connection of the node that owns
+    # the vendor's slot: one EVALSHA each, nothing through redis-py.
+    cap = LeaseSet("t:{leased}:c", 1, "concurrency 1")
+    node = redis_cluster.owner(slot_of("leased"))
+    store = RedisStore(cluster_url, timeout=1.0)
+    through_redis_py: list[object] = []
+    monkeypatch.setattr(store.client, "evalsha", lambda *args: through_redis_py.append(args))
+    try:
+        ran_before = redis_cluster.stat(node, "evalsha")
+        first = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r1", 30.0, (cap,)))
+        full = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r2", 30.0, (cap,)))
+        released = await store.release((cap,), "r1", "")
+        again = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r3", 30.0, (cap,)))
+        ran = redis_cluster.stat(node, "evalsha") - ran_before
+    finally:
+        await store.close()
+    assert first.granted and not full.granted and full.full == 0
+    assert released == (0,)
+    assert again.granted and again.inflight == (1,)
+    assert ran == 4
+    assert through_redis_py == []
