@@ -2,8 +2,9 @@
 
 Each operation is one registered Lua script (EVALSHA; redis-py reloads it on
 NOSCRIPT), so a request costs one round trip and the clock is Redis ``TIME``. The
-per-request scripts (acquire, presence) skip redis-py: they go over one auto-pipelined
-connection (pipelined.py), or on Redis Cluster one per primary (cluster_pipelined.py).
+per-request scripts (acquire, release) and the replicas' presence skip redis-py: they go
+over one auto-pipelined connection (pipelined.py), or on Redis Cluster one per primary
+(cluster_pipelined.py).
 Every failure (refused connection, timeout, OOM, READONLY...) surfaces as
 StoreUnavailable: the caller then fails closed or open, never half-way.
 """
@@ -68,8 +69,8 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 class RedisStore:
     def __init__(self, url: str, timeout: float, *, pipelined: bool = True) -> None:
-        """``pipelined=False`` sends acquire and presence through redis-py, like every other
-        call: the store contract suite runs both paths, and bench/cluster.py compares them."""
+        """``pipelined=False`` sends acquire, release and presence through redis-py, like every
+        other call: the store contract suite runs both paths, and bench/cluster.py compares them."""
         self._timeout = timeout
         self._client = connect(url, timeout)
         self._acquire = self._client.register_script(script("acquire"))
