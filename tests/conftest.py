@@ -214,7 +214,8 @@ def clock() -> ManualClock:
 @pytest.fixture(params=["memory", "redis", "redis-py"])
 async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
     """Each store implementation, for the shared contract suite: "redis" acquires over the
-    pipelined connection (redis://, rediss://), "redis-py" through redis-py (redis+cluster://)."""
+    pipelined connection (redis://, rediss://), "redis-py" through redis-py (pipelined=False).
+    tests/limiter/test_store_contract.py adds redis+cluster:// on a three-node cluster."""
     if request.param == "memory":
         s: BucketStore = MemoryStore(clock)
     else:

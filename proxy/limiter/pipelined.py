@@ -29,6 +29,17 @@ class PipelineError(Exception):
     """The connection failed or Redis answered with an error."""
 
 
+class ReplyError(PipelineError):
+    """Redis answered with an error reply: the connection is fine, and the reply is
+    the command's (MOVED, ASK, NOSCRIPT... tell that the command did not run)."""
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """For a reply nobody awaits (ASKING's): a lost connection leaves no unretrieved error."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
@@ -123,6 +134,8 @@ class PipelinedConnection:
         self._ssl = (ssl_context or _tls_context(opts)) if tls else None
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        self._opening: _Protocol | None = None
+        self._closed = False
 
     async def _connection(self) -> _Protocol:
         proto = self._proto
@@ -149,24 +162,32 @@ class PipelinedConnection:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, proto = await loop.create_connection(_Protocol, self._host, self._port, ssl=self._ssl)
+                self._opening = proto  # close() ends the set-up too: no transport outlives the store
                 for command in self._setup:
                     reply = await proto.send(hiredis.pack_command(command))
                     if isinstance(reply, hiredis.ReplyError):
                         raise PipelineError(f"{command[0]}: {reply}")
+                if self._closed:
+                    raise PipelineError("connection closed")
         except BaseException:
             if proto is not None:
                 proto.close()
             raise
+        finally:
+            self._opening = None
         self._proto = proto
         return proto
 
-    async def execute(self, *args: Any, reply_within: float | None = None) -> Any:
+    async def execute(self, *args: Any, reply_within: float | None = None, asking: bool = False) -> Any:
         """Send one command and wait for its reply; TimeoutError when Redis has not
         answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
-        on the caller's wait: see _expire)."""
+        on the caller's wait: see _expire). ``asking``: ASKING goes out right before the
+        command, in the same write (Cluster's ASK redirection during a slot migration)."""
         loop = asyncio.get_running_loop()
         if reply_within is None:
             proto = await self._connection()
+            if asking:
+                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
             reply = await proto.send(hiredis.pack_command(args))
         else:
             deadline = loop.time() + reply_within
@@ -174,6 +195,8 @@ class PipelinedConnection:
             if current is None or current.closed:
                 current = await asyncio.wait_for(self._connection(), reply_within)
             proto = current
+            if asking:
+                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
             fut = proto.send(hiredis.pack_command(args))
             handle = loop.call_at(deadline, _expire, loop, fut, 2)
             try:
@@ -181,7 +204,7 @@ class PipelinedConnection:
             finally:
                 handle.cancel()
         if isinstance(reply, hiredis.ReplyError):
-            raise PipelineError(str(reply))
+            raise ReplyError(str(reply))
         return reply
 
     def drop_if_stuck(self, after: float) -> None:
@@ -189,9 +212,14 @@ class PipelinedConnection:
         seconds while commands wait is presumed dead (frozen server, lost peer); drop it
         so the next call reconnects. A merely slow event loop keeps it."""
         if self._proto is not None and self._proto.stuck_for() >= after:
-            self.close()
+            self._proto.close()
+            self._proto = None
 
     def close(self) -> None:
+        """For good: a connection still being opened is closed as soon as it opens."""
+        self._closed = True
+        if self._opening is not None:
+            self._opening.close()
         if self._proto is not None:
             self._proto.close()
             self._proto = None
@@ -209,7 +237,7 @@ class PipelinedScript:
     async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
         try:
             return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
-        except PipelineError as exc:
+        except ReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)

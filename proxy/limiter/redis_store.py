@@ -1,7 +1,10 @@
 """redis:// rediss:// redis+cluster://: bucket state shared by every replica.
 
 Each operation is one registered Lua script (EVALSHA; redis-py reloads it on
-NOSCRIPT), so a request costs one round trip and the clock is Redis ``TIME``.
+NOSCRIPT), so a request costs one round trip and the clock is Redis ``TIME``. The
+per-request scripts (acquire, release) and the replicas' presence skip redis-py: they go
+over one auto-pipelined connection (pipelined.py), or on Redis Cluster one per primary
+(cluster_pipelined.py).
 Every failure (refused connection, timeout, OOM, READONLY...) surfaces as
 StoreUnavailable: the caller then fails closed or open, never half-way.
 """
@@ -21,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
@@ -65,8 +69,8 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 class RedisStore:
     def __init__(self, url: str, timeout: float, *, pipelined: bool = True) -> None:
-        """``pipelined=False`` sends acquire through redis-py, as on Redis Cluster, whatever
-        the URL: the store contract suite runs both acquire paths on one redis-server."""
+        """``pipelined=False`` sends acquire, release and presence through redis-py, like every
+        other call: the store contract suite runs both paths, and bench/cluster.py compares them."""
         self._timeout = timeout
         self._client = connect(url, timeout)
         self._acquire = self._client.register_script(script("acquire"))
@@ -80,19 +84,26 @@ class RedisStore:
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         # The per-request script goes over one auto-pipelined connection (no pool, so no
-        # in-flight cap either); Cluster's slot routing stays with redis-py.
-        self._pipe: PipelinedConnection | None = None
-        self._acquire_fast: PipelinedScript | None = None
-        self._presence_fast: PipelinedScript | None = None
-        self._release_fast: PipelinedScript | None = None
-        if pipelined and not url.startswith("redis+cluster://"):
-            self._pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
-            self._acquire_fast = PipelinedScript(self._pipe, script("acquire"))
-            self._release_fast = PipelinedScript(self._pipe, script("release"))
-            # The once-a-second announcement rides on the same connection as the requests'
-            # scripts, pipelined with whatever is in flight: no connection of its own, and
-            # never a round trip any request waits for.
-            self._presence_fast = PipelinedScript(self._pipe, script("presence"))
+        # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
+        # The once-a-second announcement rides on the same connections as the requests'
+        # scripts, pipelined with whatever is in flight: no connection of its own, and
+        # never a round trip any request waits for.
+        self._pipe: PipelinedConnection | ClusterPipelines | None = None
+        self._acquire_fast: PipelinedScript | ClusterScript | None = None
+        self._presence_fast: PipelinedScript | ClusterScript | None = None
+        self._release_fast: PipelinedScript | ClusterScript | None = None
+        if pipelined and url.startswith("redis+cluster://"):
+            cluster = ClusterPipelines(url, connect_timeout=max(timeout * 10, 1.0))
+            self._pipe = cluster
+            self._acquire_fast = ClusterScript(cluster, script("acquire"))
+            self._release_fast = ClusterScript(cluster, script("release"))
+            self._presence_fast = ClusterScript(cluster, script("presence"))
+        elif pipelined:
+            pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
+            self._pipe = pipe
+            self._acquire_fast = PipelinedScript(pipe, script("acquire"))
+            self._release_fast = PipelinedScript(pipe, script("release"))
+            self._presence_fast = PipelinedScript(pipe, script("presence"))
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -105,7 +116,7 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
-    async def _call_fast(self, fast: PipelinedScript, keys: list[str], args: list[float | str]) -> Any:
+    async def _call_fast(self, fast: PipelinedScript | ClusterScript, keys: list[str], args: list[float | str]) -> Any:
         assert self._pipe is not None
         try:
             return await fast(keys, args, reply_within=self._timeout)

@@ -1,7 +1,8 @@
-"""One contract, two stores: every assertion here holds for memory:// and redis://, the
-latter on both of RedisStore's acquire paths (the ``store`` fixture's "redis" and "redis-py"
-params: the pipelined connection of redis:// and rediss://, and redis-py, which
-redis+cluster:// uses), so the two paths cannot drift apart.
+"""One contract, three stores: every assertion here holds for memory://, redis:// and
+redis+cluster://, the Redis ones on each of RedisStore's acquire paths (the ``store``
+fixture's params: "redis", the pipelined connection of redis:// and rediss://; "redis-py",
+redis-py's client; "cluster", one pipelined connection per primary of a real three-node
+Redis Cluster), so the paths cannot drift apart.
 
 The memory store runs on a ManualClock; Redis runs on its own TIME, so time is
 moved with real (short) sleeps there, and assertions allow for the few
@@ -11,6 +12,7 @@ milliseconds a real round trip takes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -34,13 +36,33 @@ async def advance(store: BucketStore, clock: ManualClock, seconds: float) -> Non
         await asyncio.sleep(seconds)
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["redis", "redis-py"])
+@pytest.fixture(params=["memory", "redis", "redis-py", "cluster"])
+async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
+    """The shared ``store`` fixture's stores, and redis+cluster:// on the session's cluster."""
+    if request.param == "memory":
+        s: BucketStore = MemoryStore(clock)
+    elif request.param == "cluster":
+        s = RedisStore(request.getfixturevalue("cluster_url"), timeout=1.0)
+        # redis-py's cluster client (block, peek, learn...) learns the slots and connects to
+        # every node on its first call: before the test, not inside its timed steps.
+        await s.ping()
+    else:
+        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0, pipelined=request.param == "redis")
+    yield s
+    await s.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "pipelined"),
+    [("redis_url", True), ("redis_url", False), ("cluster_url", True), ("cluster_url", False)],
+    ids=["redis", "redis-py", "cluster", "cluster-redis-py"],
+)
 async def test_the_redis_params_take_different_acquire_paths(
-    redis_url: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+    url: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    # What makes the fixture's two Redis params two paths: only "redis-py" acquires with
-    # redis-py's EVALSHA. Were both on one path, the suite would test it twice.
-    store = RedisStore(redis_url, timeout=1.0, pipelined=pipelined)
+    # What makes the fixture's Redis params different paths: only "redis-py" acquires with
+    # redis-py's EVALSHA. Were they on one path, the suite would test it twice.
+    store = RedisStore(request.getfixturevalue(url), timeout=1.0, pipelined=pipelined)
     through_redis_py: list[object] = []
     evalsha = store.client.evalsha
 
@@ -173,9 +195,7 @@ async def test_peek_takes_nothing(store: BucketStore) -> None:
     assert (await store.acquire(b, 1, 0)).granted
 
 
-async def test_keys_expire_once_refilled(
-    store: BucketStore, clock: ManualClock, request: pytest.FixtureRequest
-) -> None:
+async def test_keys_expire_once_refilled(store: BucketStore, clock: ManualClock) -> None:
     b = (bucket("ttl", rate=10, burst=2),)
     assert (await store.acquire(b, 1, 0)).granted
     if isinstance(store, MemoryStore):
@@ -184,12 +204,11 @@ async def test_keys_expire_once_refilled(
         await clock.advance(1.2)
         assert len(store) == 0
     else:
-        server = request.getfixturevalue("redis_server")
-        with server.client() as c:
-            pttl = c.pttl(b[0].key)
-            assert 1000 < pttl <= 1100
-            await asyncio.sleep(1.2)
-            assert c.exists(b[0].key) == 0
+        assert isinstance(store, RedisStore)
+        pttl = await store.client.pttl(b[0].key)
+        assert 1000 < pttl <= 1100
+        await asyncio.sleep(1.2)
+        assert await store.client.exists(b[0].key) == 0
 
 
 # -- learned limits (feedback.lua, mode "learn") ----------------------------------------------
