@@ -115,6 +115,13 @@ class RedisStore:
                 return await op()
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+        except AttributeError as exc:
+            # redis-py's cluster client, under concurrent load while a node's connection is
+            # being replaced, raises AttributeError ('NoneType' object has no attribute
+            # 'writelines') from inside itself: the store is unavailable, not the proxy broken.
+            if not isinstance(self._client, RedisCluster):
+                raise
+            raise StoreUnavailable(f"redis-py cluster client: {exc}") from exc
 
     async def _call_fast(self, fast: PipelinedScript | ClusterScript, keys: list[str], args: list[float | str]) -> Any:
         assert self._pipe is not None

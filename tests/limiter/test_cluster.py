@@ -256,3 +256,25 @@ async def test_leases_are_taken_and_given_back_on_the_vendors_node(
     assert again.granted and again.inflight == (1,)
     assert ran == 4
     assert through_redis_py == []
+
+
+async def test_redis_py_cluster_internals_failing_mean_the_store_is_unavailable(cluster_url: str) -> None:
+    """redis-py's cluster client raised AttributeError from inside itself under load (a
+    node's connection being replaced); the proxy answered 500 "internal proxy error". It is
+    the store failing: StoreUnavailable, which the breaker and on_failure handle."""
+    store = RedisStore(cluster_url, timeout=1.0)
+
+    async def broken() -> None:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    try:
+        with pytest.raises(StoreUnavailable, match="redis-py cluster client"):
+            await store._call(broken)
+    finally:
+        await store.close()
+    plain = RedisStore("redis://127.0.0.1:1/0", timeout=1.0)
+    try:
+        with pytest.raises(AttributeError):  # elsewhere it is a bug of ours, and says so
+            await plain._call(broken)
+    finally:
+        await plain.close()
