@@ -31,7 +31,7 @@ from email.utils import formatdate
 from typing import Final, Protocol, cast
 
 import httptools
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.tasks import spawn
 
@@ -194,17 +194,18 @@ class Body:
 class Request:
     """One request head as the worker sent it, and its body."""
 
-    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "target", "version")
+    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "tag", "target", "version")
 
     def __init__(
         self,
         method: str,
         target: str,
         version: str,
-        headers: CIMultiDict[str],
+        headers: CIMultiDictProxy[str],
         body: Body,
         keep_alive: bool,
         has_body: bool,
+        tag: object = None,
     ) -> None:
         self.method = method
         self.target = target
@@ -216,6 +217,8 @@ class Request:
         self.keep_alive = keep_alive
         self.has_body = has_body
         """The head announced a body (a Content-Length above 0, or chunked)."""
+        self.tag = tag
+        """What the connection was tagged with (an interception: where its tunnel leads)."""
 
     @property
     def raw_path(self) -> str:
@@ -272,10 +275,9 @@ class Responder:
         for name, value in headers:
             low = name.lower()
             if low == "content-length":
-                try:
+                if value.strip().isdigit():
                     length = int(value)
-                except ValueError:
-                    continue
+                continue
             elif low in ("transfer-encoding", "connection", "keep-alive"):
                 continue
             elif low == "date":
@@ -376,7 +378,9 @@ class _ParseError:
 class Http1Connection(asyncio.Protocol):
     """One worker connection, served by ``handler``. ``deadline``: loop time by which the
     first head must be in (default: ``guard.head_timeout`` from the connection's start);
-    ``tag``: where the connection came from (an interception), for the handler."""
+    ``tag``: where the connection came from (an interception), for the handler;
+    ``registry``: told when the connection opens (True) and closes (False);
+    ``keep_alive``: False to close after the first answer (the server is stopping)."""
 
     def __init__(
         self,
@@ -386,8 +390,11 @@ class Http1Connection(asyncio.Protocol):
         refuse: Refuse = plain_refusal,
         tag: object = None,
         deadline: float | None = None,
+        registry: Callable[[Http1Connection, bool], None] | None = None,
+        keep_alive: bool = True,
     ) -> None:
         self._handler = handler
+        self._registry = registry
         self._guard = guard
         self._refuse = refuse
         self.tag = tag
@@ -403,7 +410,7 @@ class Http1Connection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._open = False
         self._closed = False
-        self.keep_alive = True
+        self.keep_alive = keep_alive
         """False once the server stops: each connection closes after its current answer."""
         self._serving = False
         # the message being parsed
@@ -427,6 +434,8 @@ class Http1Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH)
         self._open = True
         self._guard.opened()
+        if self._registry is not None:
+            self._registry(self, True)
         deadline = self._deadline if self._deadline is not None else self._loop.time() + self._guard.head_timeout
         self._arm_head(deadline)
         self._task = spawn(self._serve(), name="http1-connection")
@@ -472,6 +481,8 @@ class Http1Connection(asyncio.Protocol):
         if self._open:
             self._open = False
             self._guard.closed()
+            if self._registry is not None:
+                self._registry(self, False)
         broken = BodyBroken("the worker's connection closed")
         if self._parsing is not None:
             self._parsing.body._fail(broken)
@@ -519,7 +530,7 @@ class Http1Connection(asyncio.Protocol):
             raise _HeadTooLarge(f"request head larger than {MAX_HEAD} bytes")
         self._in_head = False
         parser = self._parser
-        headers: CIMultiDict[str] = CIMultiDict(self._fields)
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
         version = parser.get_http_version()
         method = parser.get_method().decode("latin-1")
         expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
@@ -528,7 +539,7 @@ class Http1Connection(asyncio.Protocol):
         has_body = "chunked" in te.lower() or (length.strip().isdigit() and int(length) > 0)
         keep = parser.should_keep_alive() and method != "CONNECT"
         body = Body(self, expect and has_body)
-        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body)
+        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body, self.tag)
         self._parsing = req
         self._queue.append(req)
         if len(self._queue) > PIPELINE_AHEAD:

@@ -20,10 +20,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Final, Literal, cast
+from typing import Final, Literal, Protocol, cast
 
 import httptools
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.tasks import spawn
 
@@ -32,6 +32,9 @@ BODY_LOW: Final = 64 * 1024
 WRITE_HIGH: Final = 256 * 1024
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 """Methods whose request carries ``Content-Length: 0`` when it has no body (as aiohttp did)."""
+
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding", "host"})
+"""This hop's: the request's framing and Host are written here, whatever the caller gave."""
 
 FailureKind = Literal["refused", "connect-timeout", "tls", "certificate", "timeout", "broken"]
 
@@ -65,11 +68,10 @@ class Origin:
         return host if self.port == default else f"{host}:{self.port}"
 
 
-class BodySource:
+class BodySource(Protocol):
     """What a request body is read from: ``read()`` gives the next piece, ``b""`` at the end."""
 
-    async def read(self) -> bytes:  # pragma: no cover - a protocol
-        raise NotImplementedError
+    async def read(self) -> bytes: ...
 
 
 class Response:
@@ -88,7 +90,7 @@ class Response:
         "status",
     )
 
-    def __init__(self, conn: UpstreamConnection, status: int, reason: str, headers: CIMultiDict[str]) -> None:
+    def __init__(self, conn: UpstreamConnection, status: int, reason: str, headers: CIMultiDictProxy[str]) -> None:
         self._conn = conn
         self.status = status
         self.reason = reason
@@ -247,7 +249,7 @@ class UpstreamConnection(asyncio.Protocol):
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # an interim answer (103 Early Hints...): the real one follows
-        headers: CIMultiDict[str] = CIMultiDict(self._fields)
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
         response = Response(self, status, self._reason.decode("latin-1"), headers)
         self._response = response
         self._keep_alive = self._parser.should_keep_alive()
@@ -284,7 +286,8 @@ class UpstreamConnection(asyncio.Protocol):
         read_timeout: float | None,
     ) -> Response:
         """Send one request, return once the answer's head is in. ``body``: streamed with
-        ``content_length`` as its framing, or chunked when that is None."""
+        ``content_length`` as its framing, or chunked when that is None; ``headers`` are the
+        end-to-end ones (any framing among them is dropped)."""
         assert self.transport is not None and not self._in_use
         self._in_use = True
         self._method = method
@@ -293,7 +296,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._head = self._loop.create_future()
         lines = [f"{method} {target} HTTP/1.1\r\nHost: {self.origin.authority}\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        lines += [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
         if body is not None:
             lines.append(
                 "Transfer-Encoding: chunked\r\n" if content_length is None else f"Content-Length: {content_length}\r\n"
@@ -430,9 +433,7 @@ class Pool:
         except TimeoutError:
             raise UpstreamFailed("connect-timeout", "did not accept a connection in time", reached=False) from None
         except ssl.SSLCertVerificationError as exc:
-            raise UpstreamFailed(
-                "certificate", f"certificate verification failed: {exc.verify_message}", reached=False
-            ) from exc
+            raise UpstreamFailed("certificate", f"certificate verification failed: {exc}", reached=False) from exc
         except ssl.SSLError as exc:
             raise UpstreamFailed("tls", f"TLS error: {exc}", reached=False) from exc
         except OSError as exc:

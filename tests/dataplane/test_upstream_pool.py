@@ -94,7 +94,7 @@ async def start_answering(vendor: Any, *answers: bytes, then_close: bool = False
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-class Bytes(upstream.BodySource):
+class Bytes:
     def __init__(self, *parts: bytes) -> None:
         self.parts = list(parts)
 
