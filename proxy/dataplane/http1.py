@@ -93,7 +93,18 @@ class BodyBroken(ConnectionError):
 class Body:
     """A request body as it arrives: ``read()`` gives the next piece, ``b""`` at its end."""
 
-    __slots__ = ("_chunks", "_conn", "_continue", "_discarding", "_done", "_exc", "_paused", "_size", "_waiter")
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_continue",
+        "_discarding",
+        "_done",
+        "_end_waiter",
+        "_exc",
+        "_paused",
+        "_size",
+        "_waiter",
+    )
 
     def __init__(self, conn: Http1Connection, expect_continue: bool) -> None:
         self._conn = conn
@@ -102,6 +113,7 @@ class Body:
         self._done = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._end_waiter: asyncio.Future[None] | None = None
         self._continue = expect_continue
         self._paused = False
         self._discarding = False
@@ -125,11 +137,12 @@ class Body:
                 raise self._exc
             if self._done:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                await waiter
             finally:
-                self._waiter = None
+                if self._waiter is waiter:
+                    self._waiter = None
         chunk = self._chunks.popleft()
         self._size -= len(chunk)
         if self._paused and self._size <= BODY_LOW:
@@ -177,18 +190,22 @@ class Body:
             self._conn.resume("body")
 
     async def _finished(self) -> None:
+        """The rest of a discarded body is in (a reader of the body may still be waiting:
+        an upload the vendor answered before its end, being cancelled)."""
         while not self._done and self._exc is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._end_waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                await waiter
             finally:
-                self._waiter = None
+                self._end_waiter = None
         if self._exc is not None:
             raise self._exc
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self._end_waiter is not None and not self._end_waiter.done():
+            self._end_waiter.set_result(None)
 
 
 class Request:
@@ -635,6 +652,11 @@ class Http1Connection(asyncio.Protocol):
     def close(self) -> None:
         """Close now, cancelling the request being served (the server's drain bound)."""
         self.abort()
+
+    @property
+    def head_started(self) -> bool:
+        """Part of a request head is in, not yet the whole of it (while no request is served)."""
+        return self._head_bytes
 
     @property
     def idle(self) -> bool:

@@ -568,3 +568,78 @@ async def test_stop_keep_alive_closes_after_the_current_answer(serve, peer) -> N
     answer = await read_response(busy.reader)
     assert answer.status == 200 and answer.headers["Connection"] == "close"
     assert await busy.closed()
+
+
+async def test_a_later_head_is_timed_from_its_first_byte_not_from_the_idle_start(serve, peer) -> None:
+    guard = Guard(head_timeout=0.4, idle_timeout=5.0)
+    server = await serve(echo, guard)
+    client = await peer(server)
+    loop = asyncio.get_running_loop()
+    assert (await client.exchange(request("GET", "/first"))).status == 200
+    await asyncio.sleep(0.6)  # idle for longer than a head may take: the idle timeout rules then
+    await client.send(b"GET /second HTTP/1.1\r\n")
+    started = loop.time()
+    answer = await read_response(client.reader)
+    assert answer.status == 408 and loop.time() - started >= 0.35
+    assert guard.timed_out == [True]
+
+
+async def test_a_connection_handed_over_with_its_head_overdue_still_times_out() -> None:
+    """As the front door hands a connection over, with the bytes it read and the deadline
+    that ran from the connection's start."""
+    guard = Guard(head_timeout=30.0)
+    loop = asyncio.get_running_loop()
+
+    class Door(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            conn = Http1Connection(echo, guard, deadline=loop.time() - 1.0)
+            self.transport.set_protocol(conn)  # type: ignore[attr-defined]
+            conn.connection_made(self.transport)
+            conn.data_received(data)
+
+    listener = await loop.create_server(Door, "127.0.0.1", 0)
+    try:
+        client = await Peer.connect(listener.sockets[0].getsockname()[1])
+        await client.send(b"GET / HT")
+        assert (await read_response(client.reader)).status == 408
+        assert guard.timed_out == [True]
+        await client.close()
+    finally:
+        listener.close()
+
+
+async def test_a_new_connection_at_the_cap_may_evict_one_stalled_in_its_head(serve, peer) -> None:
+    guard = Guard()
+    server = await serve(echo, guard)
+    client = await peer(server)
+    await client.send(b"GET / HTTP/1.1\r\nHost: x")
+    await until(lambda: server.connections[0].head_started, "part of the head is in")
+    (evict,) = guard.waiting_now.values()
+    evict()
+    assert (await read_response(client.reader)).status == 408
+    assert await client.closed()
+
+
+async def test_an_answer_given_before_the_body_came_keeps_the_connection_in_step(serve, peer) -> None:
+    """The vendor answered before the upload's end: the reader of the body is cancelled,
+    the rest of the body arrives later and is dropped, the next request is served."""
+
+    async def answer_early(req: Request, resp: Responder) -> None:
+        if req.target == "/early":
+            reader = asyncio.ensure_future(req.body.read_all())
+            await asyncio.sleep(0)  # the reader waits for the body
+            await resp.send(200, "OK", [], b"early")
+            reader.cancel()
+            return
+        await echo(req, resp)
+
+    server = await serve(answer_early)
+    client = await peer(server)
+    head = request("POST", "/early", [("Content-Length", "8")])
+    assert (await client.exchange(head)).body == b"early"
+    await client.send(b"the body")  # after the answer
+    after = await client.exchange(request("GET", "/after"))
+    assert seen(after)["target"] == "/after"
