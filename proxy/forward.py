@@ -13,6 +13,7 @@ after them, one over a strict window that rate + burst fills exactly (issue 10 i
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import ssl
@@ -93,21 +94,21 @@ def warm_count(vendor: Vendor) -> int:
     return min(math.ceil(min(lim.burst for lim in vendor.limits)), _WARM_MAX)
 
 
-def origin_of(url: str) -> tuple[Origin, str]:
-    """``scheme://authority/path?query`` → where to connect, and the request target (kept
-    byte for byte: re-encoding could break a signed URL)."""
-    scheme, _, rest = url.partition("://")
-    cut = rest.find("/")
-    authority, target = (rest, "/") if cut < 0 else (rest[:cut], rest[cut:])
+@functools.lru_cache(maxsize=1024)
+def origin_of(origin: str) -> Origin:
+    """``scheme://authority`` (a vendor's ``upstream``, or the origin a request named) →
+    where to connect; a vendor's few origins are parsed once each."""
+    scheme, _, rest = origin.partition("://")
+    authority = rest.split("/", 1)[0]
     host, port = parse_authority(authority)
     scheme = scheme.lower()
-    return Origin(scheme, host, port if port is not None else (443 if scheme == "https" else 80)), target
+    return Origin(scheme, host, port if port is not None else (443 if scheme == "https" else 80))
 
 
 def _origin(vendor: Vendor) -> Origin | None:
     """Where the vendor's requests go when the policy says (``upstream``), else None: with
     the origin taken from each request there is nothing to connect to in advance."""
-    return origin_of(vendor.upstream)[0] if vendor.upstream else None
+    return origin_of(vendor.upstream) if vendor.upstream else None
 
 
 async def _keep_warm(pool: Pool, origin: Origin, count: int) -> None:
@@ -169,14 +170,14 @@ def classify(vendor: Vendor, method: str, headers: Mapping[str, str], failure: F
     return UpstreamFailed(status, kind, f"{vendor.name}{sep}{detail}", failure.reached, safe)
 
 
-async def send(pool: Pool, vendor: Vendor, request: Request, url: str, tenant_header: str) -> Response:
-    """Send the worker's request upstream; return once the vendor's headers are in.
-    Raises refusals.UpstreamFailed (``classify``)."""
-    origin, target = origin_of(url)
+async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target: str, tenant_header: str) -> Response:
+    """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
+    and query byte for byte (re-encoding could break a signed URL); return once the vendor's
+    headers are in. Raises refusals.UpstreamFailed (``classify``)."""
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
-        conn = await pool.connection(origin, timeouts.connect)
+        conn = await pool.connection(origin_of(origin), timeouts.connect)
         return await conn.request(
             request.method,
             target,

@@ -249,7 +249,7 @@ class ProxyHandler:
         vendor = match.vendor
         sent = deps.clock.monotonic()
         upstream = await send(
-            deps.upstreams.pool(vendor), vendor, request, match.origin + match.path_qs, deps.policy.tenant.header
+            deps.upstreams.pool(vendor), vendor, request, match.origin, match.path_qs, deps.policy.tenant.header
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

@@ -8,12 +8,17 @@ The path and query are kept byte for byte: re-encoding could change a signed URL
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from proxy.names import parse_authority
+from proxy import names
 from proxy.refusals import BadRequest
+
+# Workers name the same few authorities over and over: parsed once each (a malformed one,
+# which raises, is not kept).
+parse_authority = functools.lru_cache(maxsize=1024)(names.parse_authority)
 
 
 class HasTarget(Protocol):

@@ -75,7 +75,7 @@ async def test_a_failure_says_whether_the_request_may_have_reached_the_vendor(
     )
     with pytest.raises(UpstreamFailed) as raised:
         pool: Any = FailingPool(exc, connected)
-        await send(pool, VENDOR, request, "https://api.payments.example/v1/charges", "X-Tenant-Id")
+        await send(pool, VENDOR, request, "https://api.payments.example", "/v1/charges", "X-Tenant-Id")
     failure = raised.value
     assert (failure.status, failure.kind, failure.reached) == (status, kind, reached)
     assert failure.idempotent == (method == "GET" or "Idempotency-Key" in headers)

@@ -442,6 +442,7 @@ class Http1Connection(asyncio.Protocol):
         self._broken = False
         # timers
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_until = 0.0
         self._head_bytes = False
 
     # -- asyncio.Protocol ------------------------------------------------------------
@@ -460,10 +461,9 @@ class Http1Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken or self._closed:
             return
-        if data and not self._serving and not self._queue and not self._in_head:
-            self._head_bytes = True
-            if self._timer is None or self._timer_kind == "idle":  # a new head begins: no longer idle
-                self._arm_head(self._loop.time() + self._guard.head_timeout)
+        waiting = not self._serving and not self._queue
+        if data and waiting and not self._in_head:
+            self._head_bytes = True  # a new head begins: no longer idle
         was_in_head = self._in_head
         self._began = False
         try:
@@ -486,6 +486,10 @@ class Http1Connection(asyncio.Protocol):
             if self._head_seen > MAX_HEAD:
                 self._parse_failed(431, f"request head larger than {MAX_HEAD} bytes")
                 return
+            if waiting and self._timer_kind != "head":
+                # Timed from its first byte, which came now: a head that arrives whole in one
+                # read (the usual case) never needs the timer.
+                self._arm_head(self._loop.time() + self._guard.head_timeout)
 
     def eof_received(self) -> bool:
         # A worker that stops sending has gone away, as aiohttp takes it too: the request
@@ -757,9 +761,12 @@ class Http1Connection(asyncio.Protocol):
         self._guard.waiting(self, self._evicted)
 
     def _arm_idle(self) -> None:
-        self._disarm()
-        self._timer_kind = "idle"
-        self._timer = self._loop.call_later(self._guard.idle_timeout, self._idle_timed_out)
+        """Idle from now. Lazily: a timer already set for an earlier idle period is left to
+        fire and moves itself to this one's end (one timer per idle_timeout, not per request)."""
+        self._idle_until = self._loop.time() + self._guard.idle_timeout
+        if self._timer is None:
+            self._timer_kind = "idle"
+            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -772,6 +779,7 @@ class Http1Connection(asyncio.Protocol):
     def _head_arrived(self) -> None:
         if self._timer_kind == "head":
             self._disarm()
+        self._head_bytes = False
 
     def _head_timed_out(self) -> None:
         self._timer = None
@@ -799,8 +807,13 @@ class Http1Connection(asyncio.Protocol):
     def _idle_timed_out(self) -> None:
         self._timer = None
         self._timer_kind = ""
-        if self.transport is not None and self.idle and not self._in_head:
-            self.transport.close()
+        if self.transport is None or not self.idle or self._in_head or self._head_bytes:
+            return  # busy again: its next idle period sets a timer of its own
+        if self._loop.time() < self._idle_until:  # idle again since, later: wait for that period's end
+            self._timer_kind = "idle"
+            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
+            return
+        self.transport.close()
 
 
 _FRAMING: Final = frozenset({"content-length", "transfer-encoding"})

@@ -113,13 +113,10 @@ class Response:
                 raise self._exc
             if self._done:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            self._conn.awaiting()
             try:
-                async with asyncio.timeout(self._conn.read_timeout):
-                    await self._waiter
-            except TimeoutError:
-                self._conn.close()
-                raise UpstreamBroke(f"no data for {self._conn.read_timeout:g}s") from None
+                await waiter  # the connection's read timer fails it when the vendor goes silent
             finally:
                 self._waiter = None
         chunk = self._chunks.popleft()
@@ -189,6 +186,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._in_use = False
         self._writer: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._silent_until = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -200,6 +199,8 @@ class UpstreamConnection(asyncio.Protocol):
         if not self._in_use:  # an idle connection should say nothing: it cannot be trusted after this
             self.close()
             return
+        if self.read_timeout is not None:
+            self._silent_until = self._loop.time() + self.read_timeout
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -294,6 +295,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.read_timeout = read_timeout
         self._response = None
         self._complete = False
+        self._silent_until = 0.0
         self._head = self._loop.create_future()
         lines = [f"{method} {target} HTTP/1.1\r\nHost: {self.origin.authority}\r\n"]
         lines += [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
@@ -316,11 +318,8 @@ class UpstreamConnection(asyncio.Protocol):
                 await asyncio.wait((writer, self._head), return_when=asyncio.FIRST_COMPLETED)
                 if writer.done() and not self._head.done():
                     writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
-            async with asyncio.timeout(read_timeout):
-                return await self._head
-        except TimeoutError:
-            self.close()
-            raise UpstreamFailed("timeout", f"no answer within {read_timeout:g}s", reached=True) from None
+            self.awaiting()
+            return await self._head  # the read timer fails it when the vendor stays silent
         except BaseException:
             if writer is not None and not writer.done():
                 writer.cancel()
@@ -343,6 +342,37 @@ class UpstreamConnection(asyncio.Protocol):
         if chunked:
             transport.write(b"0\r\n\r\n")
         self._written = True
+
+    # -- the read timeout -----------------------------------------------------------------
+
+    def awaiting(self) -> None:
+        """Someone now waits for the vendor (the answer's head, or more of its body): it has
+        ``read_timeout`` from now, or from its last bytes if later, to send something.
+        One lazy timer per connection: it moves itself when it fires early."""
+        if self.read_timeout is None:
+            return
+        self._silent_until = max(self._silent_until, self._loop.time() + self.read_timeout)
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._silent_until, self._read_timer)
+
+    def _read_timer(self) -> None:
+        self._timer = None
+        if self.closed or not self._in_use or self.read_timeout is None:
+            return
+        now = self._loop.time()
+        head = self._head is not None and not self._head.done()
+        body = self._response is not None and self._response._waiter is not None
+        if not (head or body):
+            return  # nobody waits (the worker reads slowly): the next wait sets the timer again
+        if now < self._silent_until:  # the vendor spoke since: watch until its new deadline
+            self._timer = self._loop.call_at(self._silent_until, self._read_timer)
+            return
+        silent = f"no answer within {self.read_timeout:g}s"
+        if head and self._head is not None:
+            self._head.set_exception(UpstreamFailed("timeout", silent, reached=True))
+        if self._response is not None:
+            self._response._fail(UpstreamBroke(f"no data for {self.read_timeout:g}s"))
+        self.close()
 
     # -- the end of an exchange ----------------------------------------------------------
 
@@ -386,6 +416,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
         if self._writer is not None and not self._writer.done():
             self._writer.cancel()  # an upload the vendor answered before its end
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._pool._forget(self)
 
 

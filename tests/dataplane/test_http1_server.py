@@ -596,7 +596,7 @@ async def test_a_connection_handed_over_with_its_head_overdue_still_times_out() 
 
         def data_received(self, data: bytes) -> None:
             conn = Http1Connection(echo, guard, deadline=loop.time() - 1.0)
-            self.transport.set_protocol(conn)  # type: ignore[attr-defined]
+            self.transport.set_protocol(conn)
             conn.connection_made(self.transport)
             conn.data_received(data)
 
