@@ -137,7 +137,7 @@ class Body:
                 raise self._exc
             if self._done:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._conn.loop.create_future()
             try:
                 await waiter
             finally:
@@ -193,7 +193,7 @@ class Body:
         """The rest of a discarded body is in (a reader of the body may still be waiting:
         an upload the vendor answered before its end, being cancelled)."""
         while not self._done and self._exc is None:
-            waiter = self._end_waiter = asyncio.get_running_loop().create_future()
+            waiter = self._end_waiter = self._conn.loop.create_future()
             try:
                 await waiter
             finally:
@@ -416,7 +416,7 @@ class Http1Connection(asyncio.Protocol):
         self._refuse = refuse
         self.tag = tag
         self._deadline = deadline
-        self._loop = asyncio.get_running_loop()
+        self.loop = self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser: httptools.HttpRequestParser = httptools.HttpRequestParser(self)
         self._queue: deque[Request | _ParseError] = deque()

@@ -113,7 +113,7 @@ class Response:
                 raise self._exc
             if self._done:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._conn.loop.create_future()
             self._conn.awaiting()
             try:
                 await waiter  # the connection's read timer fails it when the vendor goes silent
@@ -169,7 +169,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._pool = pool
         self.origin = origin
         self.transport: asyncio.Transport | None = None
-        self._loop = asyncio.get_running_loop()
+        self.loop = self._loop = asyncio.get_running_loop()
         self.closed = False
         self.read_timeout: float | None = None
         self.idle_since = 0.0
