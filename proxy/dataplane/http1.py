@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import Final, Protocol, cast
 
 import httptools
@@ -50,6 +51,7 @@ connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
 DISCARD_WAIT: Final = 5.0
 CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_BODY_STATUS: Final = frozenset({204, 304})
+_REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 
 
 class ConnectionGuard(Protocol):
@@ -285,6 +287,8 @@ class Responder:
         assert not self.started, "answer already started"
         req = self._request
         self.status = status
+        if not reason:
+            reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1"))]
         length: int | None = None

@@ -643,3 +643,14 @@ async def test_an_answer_given_before_the_body_came_keeps_the_connection_in_step
     await client.send(b"the body")  # after the answer
     after = await client.exchange(request("GET", "/after"))
     assert seen(after)["target"] == "/after"
+
+
+async def test_an_empty_reason_gets_the_standard_phrase(serve, peer) -> None:
+    async def handler(req: Request, resp: Responder) -> None:
+        await resp.send(404, "", [], b"")
+
+    server = await serve(handler)
+    client = await peer(server)
+    answer = await client.exchange(request("GET", "/"))
+    assert answer.start == "HTTP/1.1 404 Not Found"
+    assert "Date" in answer.headers
