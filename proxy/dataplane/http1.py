@@ -244,14 +244,17 @@ class Request:
         return self.target
 
 
-_date_cache: tuple[int, bytes] = (0, b"")
+_date_cache: tuple[int, str] = (0, "")
+_OURS: Final = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+"""Fields of this hop's framing, written by the responder whatever the handler gave."""
 
 
-def _date() -> bytes:
+def _date() -> str:
+    """The ``Date`` field line, made once a second."""
     global _date_cache
     now = int(time.time())
     if _date_cache[0] != now:
-        _date_cache = (now, formatdate(now, usegmt=True).encode())
+        _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n")
     return _date_cache[1]
 
 
@@ -290,41 +293,40 @@ class Responder:
         if not reason:
             reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1"))]
+        lines = [f"HTTP/1.1 {status} {reason}\r\n"]
         length: int | None = None
         date = False
         for name, value in headers:
             low = name.lower()
-            if low == "content-length":
-                if value.strip().isdigit():
+            if low in _OURS:
+                if low == "content-length" and value.strip().isdigit():
                     length = int(value)
                 continue
-            elif low in ("transfer-encoding", "connection", "keep-alive"):
-                continue
-            elif low == "date":
+            if low == "date":
                 date = True
-            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+            lines.append(f"{name}: {value}\r\n")
         if not date:
-            lines.append(b"Date: %s\r\n" % _date())
+            lines.append(_date())
         # A body the worker waits to be invited for and that was not: it may or may not come.
         keep = req.keep_alive and self._conn.keep_alive and not req.body.continue_pending
         if length is not None:
-            lines.append(b"Content-Length: %d\r\n" % length)
+            lines.append(f"Content-Length: {length}\r\n")
             if not self._no_body:
                 self._left = length
         elif not self._no_body:
             if req.version == "1.1":
                 self._chunked = True
-                lines.append(b"Transfer-Encoding: chunked\r\n")
+                lines.append("Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # an HTTP/1.0 worker takes no chunks: the close delimits the body
         if not keep:
             req.keep_alive = False
-            lines.append(b"Connection: close\r\n")
+            lines.append("Connection: close\r\n\r\n")
         elif req.version == "1.0":
-            lines.append(b"Connection: keep-alive\r\n")
-        lines.append(b"\r\n")
-        self._head = b"".join(lines)
+            lines.append("Connection: keep-alive\r\n\r\n")
+        else:
+            lines.append("\r\n")
+        self._head = "".join(lines).encode("latin-1")
 
     async def write(self, data: bytes) -> None:
         assert self.started and not self._finished
