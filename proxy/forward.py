@@ -25,7 +25,7 @@ from proxy.dataplane.upstream import UpstreamFailed as Failed
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.names import parse_authority
 from proxy.policy.model import Policy, TlsSettings, Vendor
-from proxy.refusals import UpstreamFailed
+from proxy.refusals import BadRequest, UpstreamFailed
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.forward")
@@ -188,9 +188,9 @@ async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target
         )
     except Failed as exc:
         raise classify(vendor, request.method, request.headers, exc) from exc
+    except BodyBroken as exc:  # the worker's side, not the vendor's: its body's framing broke
+        raise BadRequest(f"the request body broke off: {exc}") from exc
     except OSError as exc:
-        if isinstance(exc, BodyBroken):
-            raise  # the worker's side, not the vendor's
         failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)
         raise classify(vendor, request.method, request.headers, failure) from exc
 
