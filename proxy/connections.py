@@ -51,8 +51,9 @@ _WARN_EVERY: Final = 10.0  # seconds between two log lines about the cap
 
 
 def raw_response(resp: web.Response) -> bytes:
-    """An answer serialised by hand, for a connection that is ours rather than aiohttp's
-    (a CONNECT, a turned-away or timed-out connection); the connection closes after it."""
+    """An answer serialised whole, for a connection answered outside the request path (a
+    CONNECT, a turned-away or timed-out connection, a head that does not parse); the
+    connection closes after it."""
     body = resp.body if isinstance(resp.body, bytes) else b""
     lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
     lines += [f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in ("content-length", "connection")]

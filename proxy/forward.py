@@ -195,12 +195,7 @@ async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target
         raise classify(vendor, request.method, request.headers, failure) from exc
 
 
-async def relay(
-    upstream: Response,
-    request: Request,
-    responder: Responder,
-    extra_headers: dict[str, str] | None = None,
-) -> str | None:
+async def relay(upstream: Response, responder: Responder, extra_headers: dict[str, str] | None = None) -> str | None:
     """Stream the vendor's answer to the worker; returns why the relay did not complete, if it did not.
 
     If the vendor broke off mid-body, the worker's connection is cut: a truncated body

@@ -292,7 +292,7 @@ class ProxyHandler:
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        broken = await relay(upstream, request, responder, extra)
+        broken = await relay(upstream, responder, extra)
         elapsed = deps.clock.monotonic() - sent
         deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
         deps.sizing.observe(vendor.name, elapsed)
