@@ -435,7 +435,9 @@ class Pool:
             ssl_context.verify_mode = ssl.CERT_NONE
         self._ssl = ssl_context
         self._keepalive = keepalive
-        self._idle: dict[Origin, list[UpstreamConnection]] = {}
+        self._idle: dict[Origin, deque[UpstreamConnection]] = {}
+        """Idle connections per origin, the longest idle first: requests take the newest, the
+        oldest are closed once idle ``keepalive`` seconds (``_sweep``)."""
         self._all: set[UpstreamConnection] = set()
         self.closed = False
 
@@ -478,8 +480,18 @@ class Pool:
         return conn
 
     def idle_count(self, origin: Origin) -> int:
-        now = time.monotonic()
-        return sum(1 for c in self._idle.get(origin, ()) if not c.closed and now - c.idle_since < self._keepalive)
+        idle = self._idle.get(origin)
+        if not idle:
+            return 0
+        self._sweep(idle)
+        return sum(1 for c in idle if not c.closed)
+
+    def _sweep(self, idle: deque[UpstreamConnection]) -> None:
+        """Close the connections idle for ``keepalive`` seconds (a vendor need not close them
+        itself: without this, every warm top-up would add to them)."""
+        stale = time.monotonic() - self._keepalive
+        while idle and idle[0].idle_since <= stale:
+            idle.popleft().close()
 
     async def warm(self, origin: Origin, count: int, connect_timeout: float) -> list[BaseException]:
         """Open connections to ``origin`` until ``count`` are idle; returns the failures."""
@@ -502,7 +514,11 @@ class Pool:
             conn.close()
             return
         conn.idle_since = time.monotonic()
-        self._idle.setdefault(conn.origin, []).append(conn)
+        idle = self._idle.get(conn.origin)
+        if idle is None:
+            idle = self._idle[conn.origin] = deque()
+        idle.append(conn)
+        self._sweep(idle)
 
     def _forget(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)

@@ -374,3 +374,24 @@ class socket_port:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+async def test_connections_idle_past_keepalive_are_closed_not_piled_up(vendor) -> None:
+    """A vendor that never closes idle connections: the pool closes them after ``keepalive``,
+    so topping up the warm ones replaces them instead of adding to them."""
+    closed = {"count": 0}
+
+    async def keep_open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the proxy closes it
+        closed["count"] += 1
+
+    v = await vendor(keep_open)
+    pool = Pool(keepalive=0.2)
+    try:
+        assert await pool.warm(v.origin, 2, 5.0) == []
+        await until(lambda: pool.idle_count(v.origin) == 0, "the idle connections go stale")
+        assert await pool.warm(v.origin, 2, 5.0) == []
+        await until(lambda: closed["count"] == 2, "the stale ones are closed")
+        assert v.connections == 4 and pool.idle_count(v.origin) == 2
+    finally:
+        await pool.close()
