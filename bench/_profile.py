@@ -4,7 +4,7 @@ STACKS [--cpu-us N]`` to re-read a collapsed-stacks file (py-spy ``--format raw`
 
 Each sample (one stack) is charged to one part: walking from the innermost frame
 outwards, the first frame that belongs to a known part decides, so a ``write()`` that
-aiohttp's response writer made through uvloop counts as writing the response, and a
+the data plane's responder made through uvloop counts as writing the response, and a
 sample is the event loop's (polling, reading sockets, scheduling callbacks) only when
 no known part is on its stack at all. Shares are of the samples in
 which the process was running (py-spy leaves idle samples out); µs per request = share x
@@ -27,11 +27,13 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("metrics", r"prometheus_client/|\(proxy/metrics\.py|\(proxy/recent\.py|\(proxy/sizing\.py"),
     ("limiter: Redis round trip", r"\(proxy/limiter/pipelined\.py|hiredis|\(pack\.c|\(read\.c"),
     ("limiter: buckets, decision", r"\(proxy/limiter/|\(proxy/decide\.py|\(proxy/ratelimit_fields\.py"),
+    ("HTTP parsing (llhttp)", r"\(llhttp|\(http\.c|\(api\.c|\(parser\.c|httptools/"),
+    ("data plane: worker side", r"\(proxy/dataplane/http1\.py"),
+    ("data plane: vendor side", r"\(proxy/dataplane/upstream\.py"),
+    ("forward: headers, relay", r"\(proxy/forward\.py|\(proxy/headers\.py"),
+    # aiohttp is off the request path since issue 11; kept so an old profile still reads.
     ("aiohttp client (upstream)", r"aiohttp/client|aiohttp/connector\.py|aiohttp/tracing\.py|aiohttp/cookiejar"),
-    ("aiohttp server: parsing", r"aiohttp/http_parser\.py|_http_parser|\(llhttp|\(http\.c|\(api\.c"),
-    ("aiohttp server: response", r"aiohttp/web_response\.py|aiohttp/http_writer\.py|_http_writer|aiohttp/helpers\.py"),
-    ("aiohttp server: protocol, request", r"aiohttp/web_protocol\.py|aiohttp/web_request\.py|aiohttp/web_server\.py"),
-    ("aiohttp streams", r"aiohttp/streams\.py|aiohttp/base_protocol\.py"),
+    ("aiohttp server", r"aiohttp/(web_|http_|streams|base_protocol|helpers)|_http_parser|_http_writer"),
     ("multidict, yarl", r"multidict|yarl/|\(_multidict|\(hashtable\.h|\(htkeys\.h|\(bulk_update\.h"),
     ("our request path", r"\(proxy/(?!cli\.py|__main__\.py)"),
 )
@@ -75,11 +77,13 @@ def breakdown(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
 STEPS: tuple[tuple[str, str], ...] = (
     ("ProxyHandler: our request path, whole (its awaits' callees included)", r"^ProxyHandler\._handle \("),
     ("  admit: limiter.acquire, decide", r"^ProxyHandler\.admit \("),
-    ("  send: headers, aiohttp client request", r"^send \(proxy/forward\.py"),
-    ("  relay: prepare and write the answer", r"^relay \(proxy/forward\.py"),
+    ("  send: headers, write the request, await the answer's head", r"^send \(proxy/forward\.py"),
+    ("  relay: write the answer", r"^relay \(proxy/forward\.py"),
     ("Ledger.close: outcome metric, access-log line", r"^Ledger\.close \("),
-    ("aiohttp server: RequestHandler.data_received", r"^RequestHandler\.data_received \("),
-    ("aiohttp client: ResponseHandler.data_received", r"^ResponseHandler\.data_received \("),
+    ("data plane: Http1Connection.data_received (parse)", r"^Http1Connection\.data_received \("),
+    ("data plane: Responder (head, body, socket writes)", r"^Responder\.(start|write|finish|send) \("),
+    ("data plane: UpstreamConnection.data_received (parse)", r"^UpstreamConnection\.data_received \("),
+    ("data plane: UpstreamConnection.request (head, socket write)", r"^UpstreamConnection\.request \("),
     ("Redis: pipelined _Protocol.data_received", r"^_Protocol\.data_received \(proxy/limiter"),
 )
 

@@ -17,7 +17,8 @@ connection beyond it is told, and what a request head that does not arrive in ti
 The cap is ``connections.max``, lowered at start when the file-descriptor limit cannot hold
 it (fdlimit.py), so the admin listener, the store and the vendors keep the descriptors they
 need. ConnectGate counts the open connections; the head and idle timeouts are applied by the
-front door (until the first request says what it is) and by aiohttp_internals.served_connection.
+front door (until the first request says what it is) and by the data plane's connections
+(dataplane/http1.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ _WARN_EVERY: Final = 10.0  # seconds between two log lines about the cap
 
 
 def raw_response(resp: web.Response) -> bytes:
-    """An answer serialised by hand, for a connection that is ours rather than aiohttp's
-    (a CONNECT, a turned-away or timed-out connection); the connection closes after it."""
+    """An answer serialised whole, for a connection answered outside the request path (a
+    CONNECT, a turned-away or timed-out connection, a head that does not parse); the
+    connection closes after it."""
     body = resp.body if isinstance(resp.body, bytes) else b""
     lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
     lines += [f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in ("content-length", "connection")]
@@ -76,7 +78,7 @@ REQUEST_TIMEOUT: Final = _answer(
 class ConnectionLimits:
     """The listener's connection settings as they are now (``settings``: the live policy's
     ``connections`` section, which a reload may change), the cap, and the count of
-    connections aiohttp serves (``aiohttp_internals.ConnectionGuard``)."""
+    connections the data plane serves (``dataplane.http1.ConnectionGuard``)."""
 
     def __init__(self, settings: Callable[[], Connections], metrics: Metrics, fd_capacity: int | None = None) -> None:
         self._settings = settings
@@ -84,7 +86,7 @@ class ConnectionLimits:
         self.fd_capacity = fd_capacity
         """Worker connections the file-descriptor limit can hold (None: not limited)."""
         self.served = 0
-        """Connections aiohttp serves now: plain HTTP, and HTTP inside intercepted CONNECTs."""
+        """Connections the data plane serves now: plain HTTP, and HTTP inside intercepted CONNECTs."""
         self._turned_away: set[_TurnedAway] = set()
         self._warned = -_WARN_EVERY
         # Connections waiting for a request head, oldest first: since when, and how to close one.
@@ -104,7 +106,7 @@ class ConnectionLimits:
         configured = self._settings().max
         return configured if self.fd_capacity is None else min(configured, self.fd_capacity)
 
-    # -- aiohttp_internals.ConnectionGuard ----------------------------------------------
+    # -- dataplane.http1.ConnectionGuard ------------------------------------------------
 
     def opened(self) -> None:
         self.served += 1

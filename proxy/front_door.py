@@ -3,8 +3,9 @@
 Every connection starts here: beyond the cap on open connections it is turned away
 (connections.py); a connection whose first request head does not arrive within
 ``connections.head_timeout`` is closed (408 if part of a head came). Its first bytes
-decide: a plain HTTP request hands the connection to aiohttp (the request path in
-handler.py); ``CONNECT host:port`` is answered here, per the vendor's ``connect`` mode:
+decide: a plain HTTP request hands the connection to the data plane's HTTP/1.1 server
+(dataplane/http1.py, serving the request path in handler.py); ``CONNECT host:port`` is
+answered here, per the vendor's ``connect`` mode:
 
 - ``intercept``: 200, then TLS is terminated and the requests inside go to the
   request path (intercept.py).
@@ -23,15 +24,16 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.aiohttp_internals import served_connection
+from proxy.answers import Answer, render
 from proxy.blind_tunnel import BlindTunnels
 from proxy.connections import ConnectionLimits, raw_response
+from proxy.dataplane.http1 import Http1Connection
 from proxy.deps import Deps
 from proxy.handler import ProxyHandler
 from proxy.intercept import Interception, Interceptor, LeafSource
 from proxy.ledger import Ledger, accounted
 from proxy.names import parse_authority
-from proxy.refusals import BadRequest, Denied, Refusal
+from proxy.refusals import BadRequest, Denied, ErrorType, Refusal
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.connect")
@@ -68,8 +70,16 @@ def parse_connect_head(head: bytes) -> ConnectHead:
     return ConnectHead(parts[1], headers)
 
 
+def _refusal(status: int, message: str) -> bytes:
+    """A request the data plane could not parse (400) or take (431, 500): never counted as
+    a request, since none was read; answered in the proxy's own JSON, then closed."""
+    error: ErrorType = "proxy_error" if status >= 500 else "bad_request"
+    code = {400: "bad_request", 431: "request_header_fields_too_large"}.get(status, "internal_error")
+    return raw_response(render(Answer(status, error, code, message, False, {}, {})))
+
+
 class ConnectGate:
-    """Owns the listener's connections until each is handed to aiohttp, tunnelled or
+    """Owns the listener's connections until each is handed to the data plane, tunnelled or
     intercepted, and counts them all. ``protocol`` is the listener's protocol factory;
     ``leaf_minter`` the current leaf minter (it changes when a reload changes the CA);
     ``limits`` the cap and the timeouts."""
@@ -77,19 +87,43 @@ class ConnectGate:
     def __init__(
         self,
         handler: ProxyHandler,
-        web_server: web.Server,
         leaf_minter: Callable[[], LeafSource | None],
         limits: ConnectionLimits,
     ) -> None:
         self.handler = handler
-        self.web = web_server
         self.limits = limits
         self._doors: set[FrontDoor] = set()
+        self._served: set[Http1Connection] = set()
+        self._served_empty = asyncio.Event()
+        self._served_empty.set()
+        self._keep_alive = True
         self._handshakes = 0
         self._empty = asyncio.Event()
         self._empty.set()
         self.tunnels = BlindTunnels(handler.admit, on_change=self._update)
-        self.interceptor = Interceptor(lambda tag: served_connection(web_server, limits, tag=tag), leaf_minter)
+        self.interceptor = Interceptor(lambda tag: self.serve(tag=tag), leaf_minter)
+
+    def serve(self, *, tag: object = None, head_deadline: float | None = None) -> Http1Connection:
+        """The data plane's protocol for one connection: the request path on it, its
+        requests tagged with ``tag``, its first head due by ``head_deadline``."""
+        return Http1Connection(
+            self.handler,
+            self.limits,
+            refuse=_refusal,
+            tag=tag,
+            deadline=head_deadline,
+            registry=self._served_changed,
+            keep_alive=self._keep_alive,
+        )
+
+    def _served_changed(self, conn: Http1Connection, is_open: bool) -> None:
+        if is_open:
+            self._served.add(conn)
+            self._served_empty.clear()
+        else:
+            self._served.discard(conn)
+            if not self._served:
+                self._served_empty.set()
 
     def protocol(self) -> asyncio.Protocol:
         return self.limits.turn_away(self.open_connections) or FrontDoor(self)
@@ -97,15 +131,23 @@ class ConnectGate:
     @property
     def open_connections(self) -> int:
         """Workers' connections open now, whatever they became: undecided or CONNECTs being
-        answered, TLS handshakes, connections aiohttp serves, blind tunnels."""
+        answered, TLS handshakes, connections the data plane serves, blind tunnels."""
         return len(self._doors) + self._handshakes + self.limits.served + self.tunnels.open_tunnels
 
     # -- lifecycle ---------------------------------------------------------------
 
     def close_idle(self) -> None:
-        """At shutdown: connections that have not sent a request yet are closed."""
+        """At shutdown: connections that have not sent a request yet are closed, and each
+        served connection closes after the answer it is writing (at once if idle)."""
+        self._keep_alive = False
         for door in list(self._doors):
             door.close_if_idle()
+        for conn in list(self._served):
+            conn.stop_keep_alive()
+
+    async def served_drained(self) -> None:
+        """Wait until every served connection is closed (bound it with a timeout)."""
+        await self._served_empty.wait()
 
     async def drained(self) -> None:
         """Wait until no tunnel and no undecided CONNECT is left (bound it with a timeout)."""
@@ -126,16 +168,19 @@ class ConnectGate:
             self._empty.set()
 
     def cut(self) -> None:
+        """Close every connection now, cancelling the requests still in flight on them."""
         self.tunnels.cut()
         self.limits.cut()
         for door in list(self._doors):
             door.close()
+        for conn in list(self._served):
+            conn.close()
 
     # -- hand-offs ---------------------------------------------------------------
 
     def handoff(self, transport: asyncio.Transport, data: bytes, head_deadline: float) -> None:
-        """A plain HTTP connection: aiohttp takes it from here; its first head is due by ``head_deadline``."""
-        proto = served_connection(self.web, self.limits, head_deadline=head_deadline)
+        """A plain HTTP connection: the data plane takes it from here; its first head is due by ``head_deadline``."""
+        proto = self.serve(head_deadline=head_deadline)
         transport.set_protocol(proto)
         proto.connection_made(transport)
         proto.data_received(data)
@@ -196,7 +241,7 @@ class ConnectGate:
                 claim = claim or tenancy.of_connect(parsed.headers)
                 rec.tenant = claim.tenant
                 handshake = self.interceptor.prepare(deps, Interception(vendor, host, port, claim))
-                self._handshakes += 1  # counted open from the door's release to aiohttp's taking over
+                self._handshakes += 1  # counted open from the door's release to the data plane's taking over
                 try:
                     door.established()
                     if await handshake.take_over(door.transport, early, rec):
@@ -234,7 +279,7 @@ class FrontDoor(asyncio.Protocol):
         self._gate.limits.waiting(self, self._head_timed_out)
 
     def _settled(self) -> None:
-        """The first request is in (or handed to aiohttp, which times the rest of it)."""
+        """The first request is in (or handed to the data plane, which times the rest of it)."""
         self._gate.limits.not_waiting(self)
         if self._timer is not None:
             self._timer.cancel()

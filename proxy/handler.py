@@ -16,8 +16,8 @@ from collections.abc import Awaitable
 from aiohttp import web
 
 from proxy.accesslog import AccessRecord
-from proxy.aiohttp_internals import answer_begun
 from proxy.concurrency import Slot
+from proxy.dataplane.http1 import Request, Responder
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import apply_feedback
@@ -43,8 +43,14 @@ log = logging.getLogger("quota_proxy")
 CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the proxy"
 
 
-def _as_is(answer: web.Response) -> web.StreamResponse:
+def _as_is(answer: web.Response) -> web.Response | None:
     return answer
+
+
+async def write_answer(responder: Responder, answer: web.Response) -> None:
+    """One of the proxy's own answers (answers.render), written whole."""
+    body = answer.body if isinstance(answer.body, bytes) else b""
+    await responder.send(answer.status, answer.reason, answer.headers.items(), body)
 
 
 def _give_back(
@@ -69,22 +75,24 @@ class ProxyHandler:
         self._loudly = Loudly(log, deps.clock)
         self._seats = Seats(deps.clock)
 
-    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def __call__(self, request: Request, responder: Responder) -> None:
         deps = self.deps  # one policy generation for the whole request
-        ledger = Ledger(deps, request.method, request.raw_path)
+        ledger = Ledger(deps, request.method, request.target)
 
-        def crashed(exc: Exception) -> web.StreamResponse:
-            log.exception("internal error on %s %s", request.method, request.raw_path[:200])
-            if answer_begun(request):
-                raise exc  # the answer had begun: aiohttp drops the connection, never a spliced body
+        def crashed(exc: Exception) -> web.Response | None:
+            log.exception("internal error on %s %s", request.method, request.target[:200])
+            if responder.begun:
+                raise exc  # the answer had begun: the connection is cut, never a spliced body
             return ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
 
-        return await accounted(ledger, self._handle(deps, request, ledger.rec), _as_is, crashed)
+        answer = await accounted(ledger, self._handle(deps, request, responder, ledger.rec), _as_is, crashed)
+        if answer is not None:
+            await write_answer(responder, answer)
 
-    async def _handle(self, deps: Deps, request: web.BaseRequest, rec: AccessRecord) -> web.StreamResponse:
+    async def _handle(self, deps: Deps, request: Request, responder: Responder, rec: AccessRecord) -> None:
         if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
-            rec.host = request.raw_path
-            raise Denied(CONNECT_REFUSED, request.raw_path)
+            rec.host = request.target
+            raise Denied(CONNECT_REFUSED, request.target)
         tunnel = interception_of(request)
         if tunnel is None:
             target = parse_target(request)
@@ -106,9 +114,8 @@ class ProxyHandler:
             admission = await self.admit(
                 deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
             )
-            resp = await self._forward(deps, request, match, rec, admission)
-        rec.status = resp.status
-        return resp
+            await self._forward(deps, request, responder, match, rec, admission)
+        rec.status = responder.status
 
     async def admit(
         self,
@@ -239,12 +246,12 @@ class ProxyHandler:
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
     async def _forward(
-        self, deps: Deps, request: web.BaseRequest, match: Match, rec: AccessRecord, admission: Admission
-    ) -> web.StreamResponse:
+        self, deps: Deps, request: Request, responder: Responder, match: Match, rec: AccessRecord, admission: Admission
+    ) -> None:
         vendor = match.vendor
         sent = deps.clock.monotonic()
         upstream = await send(
-            deps.upstreams.session(vendor), vendor, request, match.origin + match.path_qs, deps.policy.tenant.header
+            deps.upstreams.pool(vendor), vendor, request, match.origin, match.path_qs, deps.policy.tenant.header
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()
@@ -288,14 +295,13 @@ class ProxyHandler:
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        resp, broken = await relay(upstream, request, extra)
+        broken = await relay(upstream, responder, extra)
         elapsed = deps.clock.monotonic() - sent
         deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
         deps.sizing.observe(vendor.name, elapsed)
         rec.outcome = admission.outcome
         if broken:
             rec.outcome, rec.detail = "error", broken
-        return resp
 
     def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
         # Loud, but one line a second, not one per request.

@@ -16,10 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiohttp import web
-
 from proxy.accesslog import AccessRecord
-from proxy.aiohttp_internals import connection_tag
+from proxy.dataplane.http1 import Request
 from proxy.deps import Deps
 from proxy.policy.model import Vendor
 from proxy.refusals import BadRequest, Denied
@@ -48,20 +46,20 @@ class Interception:
     (with proxy credentials) the tenant of every request inside."""
 
 
-def interception_of(request: web.BaseRequest) -> Interception | None:
+def interception_of(request: Request) -> Interception | None:
     """Where the tunnel ``request`` came through leads (None for a plain request)."""
-    tag = connection_tag(request)
+    tag = request.tag
     return tag if isinstance(tag, Interception) else None
 
 
 Serve = Callable[[Interception], asyncio.Protocol]
 """An HTTP/1.1 protocol serving the request path on a connection, its requests tagged with
-where the tunnel leads, its heads and idle time timed (aiohttp_internals.served_connection)."""
+where the tunnel leads, its heads and idle time timed (dataplane.http1.Http1Connection)."""
 
 
 class Interceptor:
-    """Terminates workers' TLS and gives the connection to aiohttp (``serve``: the request
-    path). ``leaf_minter`` is the current leaf minter (it changes when a reload changes the CA)."""
+    """Terminates workers' TLS and gives the connection to the data plane (``serve``: the
+    request path). ``leaf_minter`` is the current leaf minter (it changes when a reload changes the CA)."""
 
     def __init__(self, serve: Serve, leaf_minter: Callable[[], LeafSource | None]) -> None:
         self._serve = serve
@@ -93,7 +91,7 @@ class Handshake:
     ctx: ssl.SSLContext
 
     async def take_over(self, transport: asyncio.Transport, early: bytes, rec: AccessRecord) -> bool:
-        """TLS with the worker, then aiohttp serves the requests inside. False if the
+        """TLS with the worker, then the data plane serves the requests inside. False if the
         handshake failed (counted, logged, the connection cut)."""
         metrics, vendor = self.deps.metrics, self.where.vendor.name
         pending = _Pending()
@@ -184,7 +182,7 @@ def _feed(transport: asyncio.Transport, data: bytes) -> None:
 
 class _Pending(asyncio.Protocol):
     """Holds decrypted bytes that arrive with the last handshake flight, before
-    aiohttp's handler is attached to the TLS transport."""
+    the data plane's protocol is attached to the TLS transport."""
 
     def __init__(self) -> None:
         self.buffer = bytearray()

@@ -25,7 +25,6 @@ from aiohttp import web
 
 from proxy.accesslog import AccessLog
 from proxy.admin import AdminState, Reload, admin_app
-from proxy.aiohttp_internals import cut_connections, stop_keep_alive
 from proxy.app import Runtime
 from proxy.connections import ConnectionLimits
 from proxy.fdlimit import FdLimit, raise_fd_limit
@@ -74,7 +73,7 @@ class ProxyServer:
     """Both listeners of one Runtime. ``start`` binds, ``stop`` drains.
 
     The proxy listener's connections go through the ConnectGate: plain HTTP is handed
-    to aiohttp's low-level server, CONNECT is answered by the gate. ``fd_capacity``:
+    to the data plane's HTTP/1.1 server, CONNECT is answered by the gate. ``fd_capacity``:
     the worker connections the file-descriptor limit holds (None: no such bound).
     """
 
@@ -92,9 +91,8 @@ class ProxyServer:
         self._worker = worker
         self._listen = listen
         self._admin_listen = admin_listen
-        self._web = web.Server(runtime.handler, handler_cancellation=True, access_log=None)
         self.limits = ConnectionLimits(lambda: runtime.policy.connections, runtime.metrics, fd_capacity)
-        self.gate = ConnectGate(runtime.handler, self._web, lambda: runtime.leaf_minter, self.limits)
+        self.gate = ConnectGate(runtime.handler, lambda: runtime.leaf_minter, self.limits)
         self.admin = AdminState(lambda: runtime.deps, self.gate.tunnels.count, reload, self._connections)
         self._listener: asyncio.Server | None = None
         self._admin_runner = web.AppRunner(
@@ -178,16 +176,13 @@ class ProxyServer:
             self._listener.close()
         # Let requests that arrived just before the close start being handled.
         await asyncio.sleep(0)
-        self.gate.close_idle()
-        stop_keep_alive(self._web)  # shutdown() below closes the idle ones at once
-        # aiohttp waits its timeout for in-flight handlers, then up to as long again after
-        # merely *asking* them to stop (a handler awaiting its vendor never notices): close
-        # what is still open at the bound ourselves, so the drain really ends at drain_timeout.
+        self.gate.close_idle()  # idle connections close now, busy ones after their answer
+        # What is still open at the bound is closed, its requests cancelled: the drain ends at drain_timeout.
         cut = asyncio.get_running_loop().call_later(drain, self._cut_in_flight)
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(drain):
-                    await asyncio.gather(self._web.shutdown(drain), self.gate.drained())
+                    await asyncio.gather(self.gate.served_drained(), self.gate.drained())
         finally:
             cut.cancel()
             self._cut_in_flight()
@@ -197,8 +192,7 @@ class ProxyServer:
         await self.runtime.close()
 
     def _cut_in_flight(self) -> None:
-        cut_connections(self._web)  # their handlers are cancelled (handler_cancellation)
-        self.gate.cut()
+        self.gate.cut()  # the requests on them are cancelled
 
 
 async def serve(

@@ -8,12 +8,27 @@ The path and query are kept byte for byte: re-encoding could change a signed URL
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from aiohttp import web
-
-from proxy.names import parse_authority
+from proxy import names
 from proxy.refusals import BadRequest
+
+# Workers name the same few authorities over and over: parsed once each (a malformed one,
+# which raises, is not kept).
+parse_authority = functools.lru_cache(maxsize=1024)(names.parse_authority)
+
+
+class HasTarget(Protocol):
+    """A request as the data plane parsed it (dataplane.http1.Request)."""
+
+    @property
+    def raw_path(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +44,7 @@ class RequestTarget:
     """Raw path and query, always starting with ``/``."""
 
 
-def parse_target(request: web.BaseRequest) -> RequestTarget:
+def parse_target(request: HasTarget) -> RequestTarget:
     raw = request.raw_path
     lower = raw[:8].lower()
     if lower.startswith(("http://", "https://")):
@@ -56,7 +71,7 @@ def parse_target(request: web.BaseRequest) -> RequestTarget:
     return RequestTarget(False, "http", host, port, raw)
 
 
-def parse_tunneled_target(request: web.BaseRequest, host: str, port: int) -> RequestTarget:
+def parse_tunneled_target(request: HasTarget, host: str, port: int) -> RequestTarget:
     """A request inside an intercepted CONNECT tunnel: the tunnel names the
     destination (the worker asked for ``host:port``); the request line names the path.
     An absolute-form target inside the tunnel must name the same host."""

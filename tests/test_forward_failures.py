@@ -4,73 +4,83 @@ safe to repeat, is answered with "retry"."""
 
 from __future__ import annotations
 
-import ssl
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.client_reqrep import ConnectionKey
-from aiohttp.test_utils import make_mocked_request
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.dataplane import upstream
+from proxy.dataplane.http1 import Body, Request
 from proxy.forward import send
 from proxy.headers import idempotent
 from proxy.policy.model import Vendor
 from proxy.refusals import UpstreamFailed
 
-KEY = ConnectionKey("api.payments.example", 443, True, True, None, None, None, None)
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
 
 
-class FailingSession:
-    """Stands in for the vendor's ClientSession: every request fails with ``exc``."""
+def failed(kind: upstream.FailureKind, reached: bool) -> upstream.UpstreamFailed:
+    return upstream.UpstreamFailed(kind, f"{kind} happened", reached=reached)
 
-    def __init__(self, exc: BaseException) -> None:
+
+class FailingPool:
+    """Stands in for the vendor's connection pool: connecting fails with ``exc`` when no
+    connection could be made, else the request sent on the connection does."""
+
+    def __init__(self, exc: BaseException, connected: bool) -> None:
         self.exc = exc
+        self.connected = connected
 
-    async def request(self, *args: Any, **kwargs: Any) -> aiohttp.ClientResponse:
+    async def connection(self, *args: Any) -> Any:
+        if not self.connected:
+            raise self.exc
+        return self
+
+    async def request(self, *args: Any) -> Any:
         raise self.exc
 
 
 @pytest.mark.parametrize(
-    ("exc", "status", "kind", "reached"),
+    ("exc", "connected", "status", "kind", "reached"),
     [
         # No connection was made: nothing was sent.
-        (aiohttp.ClientConnectorError(KEY, ConnectionRefusedError(111, "refused")), 502, "upstream-unreachable", False),
-        (
-            aiohttp.ClientConnectorDNSError(KEY, OSError(-2, "Name or service not known")),
-            502,
-            "upstream-unreachable",
-            False,
-        ),
-        (aiohttp.ConnectionTimeoutError("connect timed out"), 504, "upstream-timeout", False),
-        (
-            aiohttp.ClientConnectorCertificateError(KEY, ssl.SSLCertVerificationError(1, "bad cert")),
-            502,
-            "upstream-tls",
-            False,
-        ),
-        (aiohttp.ClientConnectorSSLError(KEY, ssl.SSLError(1, "handshake failure")), 502, "upstream-tls", False),
+        (failed("refused", False), False, 502, "upstream-unreachable", False),  # refused, DNS, unreachable
+        (failed("connect-timeout", False), False, 504, "upstream-timeout", False),
+        (failed("certificate", False), False, 502, "upstream-tls", False),
+        (failed("tls", False), False, 502, "upstream-tls", False),
         # A connection was made and the request written, or being written.
-        (aiohttp.SocketTimeoutError("read timed out"), 504, "upstream-timeout", True),
-        (TimeoutError(), 504, "upstream-timeout", True),
-        (aiohttp.ServerDisconnectedError(), 502, "upstream-unreachable", True),
-        (aiohttp.ClientOSError(104, "Connection reset by peer"), 502, "upstream-unreachable", True),
-        (aiohttp.ClientPayloadError("bad chunk"), 502, "upstream-unreachable", True),
+        (failed("timeout", True), True, 504, "upstream-timeout", True),
+        (failed("broken", True), True, 502, "upstream-unreachable", True),  # closed, reset, malformed answer
+        (ConnectionResetError(104, "Connection reset by peer"), True, 502, "upstream-unreachable", True),
     ],
 )
 @pytest.mark.parametrize(("method", "headers"), [("POST", {}), ("POST", {"Idempotency-Key": "k1"}), ("GET", {})])
 async def test_a_failure_says_whether_the_request_may_have_reached_the_vendor(
-    exc: BaseException, status: int, kind: str, reached: bool, method: str, headers: dict[str, str]
+    exc: BaseException,
+    connected: bool,
+    status: int,
+    kind: str,
+    reached: bool,
+    method: str,
+    headers: dict[str, str],
 ) -> None:
-    request = make_mocked_request(method, "/v1/charges", headers=headers)
+    request = Request(
+        method,
+        "/v1/charges",
+        "1.1",
+        CIMultiDictProxy(CIMultiDict(headers)),
+        Body(None, False),  # type: ignore[arg-type]  # never read: no body
+        True,
+        False,
+    )
     with pytest.raises(UpstreamFailed) as raised:
-        await send(FailingSession(exc), VENDOR, request, "https://api.payments.example/v1/charges", "X-Tenant-Id")  # type: ignore[arg-type]
-    failed = raised.value
-    assert (failed.status, failed.kind, failed.reached) == (status, kind, reached)
-    assert failed.idempotent == (method == "GET" or "Idempotency-Key" in headers)
-    assert failed.retry == (not reached or failed.idempotent)
-    assert failed.detail.startswith("payments")
+        pool: Any = FailingPool(exc, connected)
+        await send(pool, VENDOR, request, "https://api.payments.example", "/v1/charges", "X-Tenant-Id")
+    failure = raised.value
+    assert (failure.status, failure.kind, failure.reached) == (status, kind, reached)
+    assert failure.idempotent == (method == "GET" or "Idempotency-Key" in headers)
+    assert failure.retry == (not reached or failure.idempotent)
+    assert failure.detail.startswith("payments")
 
 
 @pytest.mark.parametrize(

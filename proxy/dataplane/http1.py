@@ -1,0 +1,825 @@
+"""The worker-facing HTTP/1.1 server of the data plane: one asyncio protocol per connection,
+llhttp (httptools) parsing, requests served one at a time in arrival order.
+
+    bytes in  → parser callbacks → Request (method, target, headers) + its Body stream
+    handler   → Responder: the head leaves with the first piece of the body; Content-Length
+                when the handler gives one, else chunked (HTTP/1.1) or close-delimited (1.0)
+
+Flow control both ways: a Body holding more than ``BODY_HIGH`` bytes the handler has not
+read pauses reading from the worker (resumed below ``BODY_LOW``), more than ``PIPELINE_AHEAD``
+parsed requests waiting their turn pause it too, and ``Responder.write`` waits while the
+transport's write buffer is over its high-water mark (pause_writing / resume_writing).
+
+A head that does not parse is answered 400, one larger than ``MAX_HEAD`` 431, after the
+answers to the requests before it, and the connection is closed. ``Upgrade`` is never
+honoured (the proxy speaks HTTP only): the request is served as a plain one and the
+connection stays HTTP; a CONNECT is handed to the handler (which refuses it) and the
+connection closed after the answer. Heads are timed as the ``ConnectionGuard`` says
+(head_timeout from the connection's start or from the first byte of a later head,
+idle_timeout between requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Final, Protocol, cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.tasks import spawn
+
+log = logging.getLogger("quota_proxy.dataplane")
+
+MAX_HEAD: Final = 64 * 1024
+"""Bytes a request head may take (request line and fields together); more: 431."""
+BODY_HIGH: Final = 256 * 1024
+BODY_LOW: Final = 64 * 1024
+PIPELINE_AHEAD: Final = 4
+"""Parsed requests waiting behind the one being served before reading pauses."""
+WRITE_HIGH: Final = 256 * 1024
+DISCARD_MAX: Final = 16 * 1024 * 1024
+"""An unread request body up to this size is read and dropped after the answer, keeping the
+connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
+DISCARD_WAIT: Final = 5.0
+CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NO_BODY_STATUS: Final = frozenset({204, 304})
+_REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
+
+
+class ConnectionGuard(Protocol):
+    """What a served connection reports to, and the timeouts it applies (read per head)."""
+
+    @property
+    def head_timeout(self) -> float: ...
+
+    @property
+    def idle_timeout(self) -> float: ...
+
+    def opened(self) -> None: ...
+
+    def closed(self) -> None: ...
+
+    def head_timed_out(self, partial: bool) -> bytes:
+        """The bytes to write before closing a connection whose head is overdue (b"": none)."""
+
+    def waiting(self, connection: object, evict: Callable[[], None]) -> None: ...
+
+    def not_waiting(self, connection: object) -> None: ...
+
+
+Refuse = Callable[[int, str], bytes]
+"""A connection-level answer (400, 431, 500) as bytes, ``Connection: close`` included."""
+
+
+def plain_refusal(status: int, message: str) -> bytes:
+    """A minimal JSON answer, for servers built without the proxy's own answers."""
+    reason = {400: "Bad Request", 431: "Request Header Fields Too Large"}.get(status, "Internal Server Error")
+    kind = "bad_request" if status < 500 else "proxy_error"
+    body = json.dumps({"error": {"type": kind, "message": message}, "message": message}).encode()
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode("latin-1") + body
+
+
+class BodyBroken(ConnectionError):
+    """The worker's connection ended (or its framing broke) before the body was complete."""
+
+
+class Body:
+    """A request body as it arrives: ``read()`` gives the next piece, ``b""`` at its end."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_continue",
+        "_discarding",
+        "_done",
+        "_end_waiter",
+        "_exc",
+        "_paused",
+        "_size",
+        "_waiter",
+    )
+
+    def __init__(self, conn: Http1Connection, expect_continue: bool) -> None:
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._done = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._end_waiter: asyncio.Future[None] | None = None
+        self._continue = expect_continue
+        self._paused = False
+        self._discarding = False
+
+    @property
+    def done(self) -> bool:
+        """Has the body arrived whole (whatever was read of it)?"""
+        return self._done
+
+    @property
+    def continue_pending(self) -> bool:
+        """The worker waits for ``100 Continue``, not sent yet."""
+        return self._continue
+
+    async def read(self) -> bytes:
+        if self._continue:  # the body is wanted now: invite it
+            self._continue = False
+            self._conn.write_interim(CONTINUE)
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._done:
+                return b""
+            waiter = self._waiter = self._conn.loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        chunk = self._chunks.popleft()
+        self._size -= len(chunk)
+        if self._paused and self._size <= BODY_LOW:
+            self._paused = False
+            self._conn.resume("body")
+        return chunk
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    # -- from the connection ---------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self._discarding:
+            self._size += len(data)  # counted, not kept
+            if self._size > DISCARD_MAX:
+                self._fail(BodyBroken("unread body too large to discard"))
+            return
+        self._chunks.append(data)
+        self._size += len(data)
+        if not self._paused and self._size > BODY_HIGH:
+            self._paused = True
+            self._conn.pause("body")
+        self._wake()
+
+    def _end(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done and self._exc is None:
+            self._exc = exc
+            self._wake()
+
+    def _discard(self) -> None:
+        """The answer is out and nobody will read the rest: drop it as it comes."""
+        self._discarding = True
+        self._chunks.clear()
+        self._size = 0
+        if self._paused:
+            self._paused = False
+            self._conn.resume("body")
+
+    async def _finished(self) -> None:
+        """The rest of a discarded body is in (a reader of the body may still be waiting:
+        an upload the vendor answered before its end, being cancelled)."""
+        while not self._done and self._exc is None:
+            waiter = self._end_waiter = self._conn.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._end_waiter = None
+        if self._exc is not None:
+            raise self._exc
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self._end_waiter is not None and not self._end_waiter.done():
+            self._end_waiter.set_result(None)
+
+
+class Request:
+    """One request head as the worker sent it, and its body."""
+
+    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "tag", "target", "version")
+
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        version: str,
+        headers: CIMultiDictProxy[str],
+        body: Body,
+        keep_alive: bool,
+        has_body: bool,
+        tag: object = None,
+    ) -> None:
+        self.method = method
+        self.target = target
+        """The request target byte for byte (latin-1): absolute form, a path, an authority."""
+        self.version = version
+        """``"1.1"`` or ``"1.0"``."""
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.has_body = has_body
+        """The head announced a body (a Content-Length above 0, or chunked)."""
+        self.tag = tag
+        """What the connection was tagged with (an interception: where its tunnel leads)."""
+
+    @property
+    def raw_path(self) -> str:
+        return self.target
+
+
+_date_cache: tuple[int, str] = (0, "")
+_OURS: Final = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+"""Fields of this hop's framing, written by the responder whatever the handler gave."""
+
+
+def _date() -> str:
+    """The ``Date`` field line, made once a second."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n")
+    return _date_cache[1]
+
+
+class Responder:
+    """Writes the answer to one request: ``start`` (the head is held back and leaves with
+    the first piece of the body), ``write``, ``finish``; or ``send`` for a whole answer."""
+
+    __slots__ = ("_chunked", "_conn", "_finished", "_head", "_left", "_no_body", "_request", "begun", "status")
+
+    def __init__(self, conn: Http1Connection, request: Request) -> None:
+        self._conn = conn
+        self._request = request
+        self._head: bytes | None = None
+        self._chunked = False
+        self._no_body = False
+        self._left: int | None = None
+        self._finished = False
+        self.begun = False
+        """Has any byte of the answer been written (an interim 100 Continue aside)?"""
+        self.status = 0
+
+    @property
+    def started(self) -> bool:
+        return self.status != 0
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def start(self, status: int, reason: str, headers: Iterable[tuple[str, str]]) -> None:
+        """The answer's status and end-to-end headers (hop-by-hop ones are this hop's: any
+        given are dropped). A ``Content-Length`` among them frames the body; else chunks."""
+        assert not self.started, "answer already started"
+        req = self._request
+        self.status = status
+        if not reason:
+            reason = _REASONS.get(status, "")
+        self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
+        lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+        length: int | None = None
+        date = False
+        for name, value in headers:
+            low = name.lower()
+            if low in _OURS:
+                if low == "content-length" and value.strip().isdigit():
+                    length = int(value)
+                continue
+            if low == "date":
+                date = True
+            lines.append(f"{name}: {value}\r\n")
+        if not date:
+            lines.append(_date())
+        # A body the worker waits to be invited for and that was not: it may or may not come.
+        keep = req.keep_alive and self._conn.keep_alive and not req.body.continue_pending
+        if length is not None:
+            lines.append(f"Content-Length: {length}\r\n")
+            if not self._no_body:
+                self._left = length
+        elif not self._no_body:
+            if req.version == "1.1":
+                self._chunked = True
+                lines.append("Transfer-Encoding: chunked\r\n")
+            else:
+                keep = False  # an HTTP/1.0 worker takes no chunks: the close delimits the body
+        if not keep:
+            req.keep_alive = False
+            lines.append("Connection: close\r\n\r\n")
+        elif req.version == "1.0":
+            lines.append("Connection: keep-alive\r\n\r\n")
+        else:
+            lines.append("\r\n")
+        self._head = "".join(lines).encode("latin-1")
+
+    async def write(self, data: bytes) -> None:
+        assert self.started and not self._finished
+        if self._no_body or not data:
+            return
+        if self._left is not None:
+            if len(data) > self._left:
+                raise ValueError("more body than the Content-Length said")
+            self._left -= len(data)
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self._emit(data)
+        await self._conn.drain()
+
+    async def finish(self) -> None:
+        """The answer is complete. A body shorter than its Content-Length cannot be, so the
+        connection is cut instead (a truncated body must never look complete)."""
+        assert self.started
+        if self._finished:
+            return
+        if self._left:
+            self.abort()
+            return
+        self._finished = True
+        self._emit(b"0\r\n\r\n" if self._chunked else b"")
+        await self._conn.drain()
+
+    async def send(self, status: int, reason: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> None:
+        """A whole answer at once, ``Content-Length`` set from ``body``."""
+        fields = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        fields.append(("Content-Length", str(len(body))))
+        self.start(status, reason, fields)
+        if body and not self._no_body:
+            self._left = 0
+            self._emit(body)
+        self._finished = True
+        self._emit(b"")
+        await self._conn.drain()
+
+    def abort(self) -> None:
+        """Cut the connection now: what was written of the answer is all the worker gets."""
+        self._finished = True
+        self._request.keep_alive = False
+        self._conn.abort()
+
+    def _emit(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        if data:
+            self.begun = True
+            self._conn.write(data)
+
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
+"""Serves one request: must start and finish (or abort) the answer before returning."""
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+class _ParseError:
+    __slots__ = ("message", "status")
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+
+
+class Http1Connection(asyncio.Protocol):
+    """One worker connection, served by ``handler``. ``deadline``: loop time by which the
+    first head must be in (default: ``guard.head_timeout`` from the connection's start);
+    ``tag``: where the connection came from (an interception), for the handler;
+    ``registry``: told when the connection opens (True) and closes (False);
+    ``keep_alive``: False to close after the first answer (the server is stopping)."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        guard: ConnectionGuard,
+        *,
+        refuse: Refuse = plain_refusal,
+        tag: object = None,
+        deadline: float | None = None,
+        registry: Callable[[Http1Connection, bool], None] | None = None,
+        keep_alive: bool = True,
+    ) -> None:
+        self._handler = handler
+        self._registry = registry
+        self._guard = guard
+        self._refuse = refuse
+        self.tag = tag
+        self._deadline = deadline
+        self.loop = self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._parser: httptools.HttpRequestParser = httptools.HttpRequestParser(self)
+        self._queue: deque[Request | _ParseError] = deque()
+        self._queue_waiter: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pauses: set[str] = set()
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._open = False
+        self._closed = False
+        self.keep_alive = keep_alive
+        """False once the server stops: each connection closes after its current answer."""
+        self._serving = False
+        # the message being parsed
+        self._url = bytearray()
+        self._fields: list[tuple[str, str]] = []
+        self._in_head = False
+        self._head_seen = 0
+        self._fresh = 0
+        self._began = False
+        self._parsing: Request | None = None
+        self._skip_message = False
+        self._broken = False
+        # timers
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_until = 0.0
+        self._head_bytes = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
+        self._open = True
+        self._guard.opened()
+        if self._registry is not None:
+            self._registry(self, True)
+        deadline = self._deadline if self._deadline is not None else self._loop.time() + self._guard.head_timeout
+        self._arm_head(deadline)
+        self._task = spawn(self._serve(), name="http1-connection")
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken or self._closed:
+            return
+        waiting = not self._serving and not self._queue
+        if data and waiting and not self._in_head:
+            self._head_bytes = True  # a new head begins: no longer idle
+        was_in_head = self._in_head
+        self._began = False
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(data[exc.args[0] :])
+            return
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._parse_failed(431, str(exc.__context__))
+                return
+            raise
+        except httptools.HttpParserError as exc:
+            self._parse_failed(400, f"malformed request: {exc}")
+            return
+        if self._in_head:
+            # A head that began in an earlier read owns all of this one; one that began in
+            # this read is counted by its parsed parts (its unfinished field: at most one read).
+            self._head_seen += self._fresh if self._began or not was_in_head else len(data)
+            if self._head_seen > MAX_HEAD:
+                self._parse_failed(431, f"request head larger than {MAX_HEAD} bytes")
+                return
+            if waiting and self._timer_kind != "head":
+                # Timed from its first byte, which came now: a head that arrives whole in one
+                # read (the usual case) never needs the timer.
+                self._arm_head(self._loop.time() + self._guard.head_timeout)
+
+    def eof_received(self) -> bool:
+        # A worker that stops sending has gone away, as aiohttp takes it too: the request
+        # being served is cancelled (a held one gives its tokens back), the connection closed.
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._disarm()
+        if self._open:
+            self._open = False
+            self._guard.closed()
+            if self._registry is not None:
+                self._registry(self, False)
+        broken = BodyBroken("the worker's connection closed")
+        if self._parsing is not None:
+            self._parsing.body._fail(broken)
+        for item in self._queue:
+            if isinstance(item, Request):
+                item.body._fail(broken)
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(ConnectionResetError("the worker's connection closed"))
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the request being served is cancelled, as aiohttp's handler_cancellation does
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._skip_message:
+            return
+        self._in_head = True
+        self._began = True
+        self._head_seen = self._fresh = 0
+        self._url.clear()
+        self._fields = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._fresh += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fresh += len(name) + len(value) + 4
+        if self._in_head:
+            self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        # else a trailer field: dropped (Trailer is hop-by-hop, as aiohttp drops them too)
+
+    def on_headers_complete(self) -> None:
+        if self._skip_message:
+            return
+        if self._fresh > MAX_HEAD:  # its parts alone are over: the whole head came in one read
+            raise _HeadTooLarge(f"request head larger than {MAX_HEAD} bytes")
+        self._in_head = False
+        parser = self._parser
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        version = parser.get_http_version()
+        method = parser.get_method().decode("latin-1")
+        expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
+        te = headers.get("Transfer-Encoding", "")
+        length = headers.get("Content-Length", "")
+        has_body = "chunked" in te.lower() or (length.strip().isdigit() and int(length) > 0)
+        keep = parser.should_keep_alive() and method != "CONNECT"
+        body = Body(self, expect and has_body)
+        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body, self.tag)
+        self._parsing = req
+        self._queue.append(req)
+        if len(self._queue) > PIPELINE_AHEAD:
+            self.pause("pipeline")
+        self._head_arrived()
+        self._wake_queue()
+
+    def on_body(self, body: bytes) -> None:
+        if self._parsing is not None:
+            self._parsing.body._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._skip_message:
+            self._skip_message = False
+        if self._parsing is not None:
+            self._parsing.body._end()
+            self._parsing = None
+
+    # -- parsing edge cases ------------------------------------------------------------
+
+    def _upgraded(self, rest: bytes) -> None:
+        """llhttp stops at an ``Upgrade`` (or CONNECT) head as if the protocol switched; the
+        proxy never switches it. A CONNECT ends the connection after its answer; any other
+        request goes on as plain HTTP, its body framed as its head said."""
+        req = self._queue[-1] if self._queue else None
+        self._parser = httptools.HttpRequestParser(self)
+        if not isinstance(req, Request) or req.method == "CONNECT":
+            self._broken = True  # what follows a CONNECT head is not HTTP: read no further
+            self.pause("connect")
+            return
+        if req.has_body:
+            # Parse the body with a head of its own framing, its callbacks going to ``req``.
+            framing = "".join(f"{k}: {v}\r\n" for k, v in req.headers.items() if k.lower() in _FRAMING)
+            req.body._done = False
+            self._parsing = req
+            self._skip_message = True
+            try:
+                self._parser.feed_data(f"POST / HTTP/{req.version}\r\n{framing}\r\n".encode("latin-1"))
+            except httptools.HttpParserError as exc:
+                self._parse_failed(400, f"malformed request: {exc}")
+                return
+        if rest:
+            self.data_received(rest)
+
+    def _parse_failed(self, status: int, message: str) -> None:
+        """Answer ``status`` once the requests before it are answered, then close."""
+        self._broken = True
+        self._in_head = False
+        self._head_arrived()
+        if self._parsing is not None:
+            self._parsing.body._fail(BodyBroken(message))
+            self._parsing = None
+        self._queue.append(_ParseError(status, message))
+        self.pause("broken")
+        self._wake_queue()
+
+    # -- flow control ------------------------------------------------------------------
+
+    def pause(self, reason: str) -> None:
+        if not self._pauses and self.transport is not None and not self._closed:
+            self.transport.pause_reading()
+        self._pauses.add(reason)
+
+    def resume(self, reason: str) -> None:
+        if reason not in self._pauses:
+            return
+        self._pauses.discard(reason)
+        if not self._pauses and self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.write(data)
+
+    def write_interim(self, data: bytes) -> None:
+        self.write(data)
+
+    async def drain(self) -> None:
+        if self._closed:
+            raise ConnectionResetError("the worker's connection closed")
+        if not self._write_paused:
+            return
+        self._drain_waiter = self._loop.create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        """Close now, cancelling the request being served (the server's drain bound)."""
+        self.abort()
+
+    @property
+    def head_started(self) -> bool:
+        """Part of a request head is in, not yet the whole of it (while no request is served)."""
+        return self._head_bytes
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request, none being served or queued."""
+        return not self._serving and not self._queue
+
+    def stop_keep_alive(self) -> None:
+        """Take no further request: close after the current answer, or now if idle."""
+        self.keep_alive = False
+        if self.idle and not self._in_head and self.transport is not None:
+            self.transport.close()
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def _next(self) -> Request | _ParseError:
+        while not self._queue:
+            self._queue_waiter = self._loop.create_future()
+            try:
+                await self._queue_waiter
+            finally:
+                self._queue_waiter = None
+        item = self._queue.popleft()
+        if len(self._queue) <= PIPELINE_AHEAD:
+            self.resume("pipeline")
+        return item
+
+    def _wake_queue(self) -> None:
+        if self._queue_waiter is not None and not self._queue_waiter.done():
+            self._queue_waiter.set_result(None)
+
+    async def _serve(self) -> None:
+        transport = self.transport
+        assert transport is not None
+        while True:
+            item = await self._next()
+            if isinstance(item, _ParseError):
+                if item.status:
+                    self.write(self._refuse(item.status, item.message))
+                transport.close()
+                return
+            self._serving = True
+            responder = Responder(self, item)
+            try:
+                await self._handler(item, responder)
+            except asyncio.CancelledError:
+                transport.abort()
+                raise
+            except ConnectionError:  # the worker went away, or its body's framing broke
+                nxt = self._queue[0] if self._queue else None
+                if isinstance(nxt, _ParseError) and nxt.status and not responder.begun:
+                    self.write(self._refuse(nxt.status, nxt.message))
+                    transport.close()
+                else:
+                    transport.abort()
+                return
+            except Exception:
+                log.exception("internal error serving %s %s", item.method, item.target[:200])
+                if responder.begun:
+                    transport.abort()
+                else:
+                    self.write(self._refuse(500, "internal error"))
+                    transport.close()
+                return
+            if not responder.finished:
+                log.error("handler returned without finishing the answer to %s %s", item.method, item.target[:200])
+                transport.abort()
+                return
+            body = item.body
+            if item.keep_alive and not body.done:
+                if body.continue_pending:
+                    item.keep_alive = False  # the body was never invited: the worker may not send it
+                else:
+                    body._discard()
+                    try:
+                        async with asyncio.timeout(DISCARD_WAIT):
+                            await body._finished()
+                    except (TimeoutError, BodyBroken):
+                        item.keep_alive = False
+            self._serving = False
+            if not (item.keep_alive and self.keep_alive):
+                transport.close()
+                return
+            if not self._queue:
+                self._head_bytes = self._in_head
+                if self._in_head:
+                    self._arm_head(self._loop.time() + self._guard.head_timeout)
+                else:
+                    self._arm_idle()
+
+    # -- timers ------------------------------------------------------------------------
+
+    _timer_kind = ""
+
+    def _arm_head(self, when: float) -> None:
+        self._disarm()
+        self._timer_kind = "head"
+        self._timer = self._loop.call_at(when, self._head_timed_out)
+        self._guard.waiting(self, self._evicted)
+
+    def _arm_idle(self) -> None:
+        """Idle from now. Lazily: a timer already set for an earlier idle period is left to
+        fire and moves itself to this one's end (one timer per idle_timeout, not per request)."""
+        self._idle_until = self._loop.time() + self._guard.idle_timeout
+        if self._timer is None:
+            self._timer_kind = "idle"
+            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            if self._timer_kind == "head":
+                self._guard.not_waiting(self)
+            self._timer_kind = ""
+
+    def _head_arrived(self) -> None:
+        if self._timer_kind == "head":
+            self._disarm()
+        self._head_bytes = False
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        self._timer_kind = ""
+        self._guard.not_waiting(self)
+        self._timed_out()
+
+    def _evicted(self) -> None:
+        """A new connection at the cap takes this one's place, as if its head had timed out."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_kind = ""
+        self._timed_out()
+
+    def _timed_out(self) -> None:
+        if self._serving or self._queue or self.transport is None:
+            return
+        answer = self._guard.head_timed_out(self._head_bytes)
+        if answer:
+            self.write(answer)
+        self._broken = True
+        self.transport.close()
+
+    def _idle_timed_out(self) -> None:
+        self._timer = None
+        self._timer_kind = ""
+        if self.transport is None or not self.idle or self._in_head or self._head_bytes:
+            return  # busy again: its next idle period sets a timer of its own
+        if self._loop.time() < self._idle_until:  # idle again since, later: wait for that period's end
+            self._timer_kind = "idle"
+            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
+            return
+        self.transport.close()
+
+
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding"})

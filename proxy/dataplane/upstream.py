@@ -1,0 +1,545 @@
+"""The vendor-facing HTTP/1.1 client of the data plane: pooled keep-alive connections, llhttp
+(httptools) parsing, TLS through ``loop.create_connection(ssl=...)``.
+
+A connection goes back to its pool only when its answer was read whole, the vendor said
+keep-alive and the whole request was written; anything else closes it. A request is never
+sent twice: a connection that broke while the request was being written or awaited is an
+``UpstreamFailed`` with ``reached=True`` (the vendor may have it), never a silent resend on
+a fresh connection (SPEC §12). An idle connection the vendor is known to have closed is
+skipped before anything is written on it, which is not a resend.
+
+Flow control: an answer body holding more than ``BODY_HIGH`` unread bytes pauses reading
+from the vendor; a request body waits while the transport's write buffer is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol, cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.tasks import spawn
+
+BODY_HIGH: Final = 256 * 1024
+BODY_LOW: Final = 64 * 1024
+WRITE_HIGH: Final = 256 * 1024
+_EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+"""Methods whose request carries ``Content-Length: 0`` when it has no body (as aiohttp did)."""
+
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding", "host"})
+"""This hop's: the request's framing and Host are written here, whatever the caller gave."""
+
+FailureKind = Literal["refused", "connect-timeout", "tls", "certificate", "timeout", "broken"]
+
+
+class UpstreamFailed(Exception):
+    """The request could not be completed. ``reached``: it may have reached the vendor
+    (False only when no byte of it was written)."""
+
+    def __init__(self, kind: FailureKind, detail: str, *, reached: bool) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+        self.reached = reached
+
+
+class UpstreamBroke(Exception):
+    """The vendor's answer body ended early, failed to parse, or went silent past the read timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def authority(self) -> str:
+        """What ``Host`` says: the port only when it is not the scheme's default."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+class BodySource(Protocol):
+    """What a request body is read from: ``read()`` gives the next piece, ``b""`` at the end."""
+
+    async def read(self) -> bytes: ...
+
+
+class Response:
+    """The vendor's answer: status and headers once in, the body as it arrives."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_done",
+        "_exc",
+        "_paused",
+        "_size",
+        "_waiter",
+        "headers",
+        "reason",
+        "status",
+    )
+
+    def __init__(self, conn: UpstreamConnection, status: int, reason: str, headers: CIMultiDictProxy[str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._done = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    @property
+    def done(self) -> bool:
+        return self._done and not self._chunks
+
+    async def read(self) -> bytes:
+        """The next piece of the body, ``b""`` at its end; ``UpstreamBroke`` if it broke off."""
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._done:
+                return b""
+            waiter = self._waiter = self._conn.loop.create_future()
+            self._conn.awaiting()
+            try:
+                await waiter  # the connection's read timer fails it when the vendor goes silent
+            finally:
+                self._waiter = None
+        chunk = self._chunks.popleft()
+        self._size -= len(chunk)
+        if self._paused and self._size <= BODY_LOW:
+            self._paused = False
+            self._conn.resume_reading()
+        return chunk
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the answer: its connection goes back to the pool if it can be reused."""
+        self._conn.finished(self)
+
+    def close(self) -> None:
+        """Done with the answer before its end: the connection is closed, never reused."""
+        self._conn.close()
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if not self._paused and self._size > BODY_HIGH:
+            self._paused = True
+            self._conn.pause_reading()
+        self._wake()
+
+    def _end(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done and self._exc is None:
+            self._exc = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to a vendor, one request at a time."""
+
+    def __init__(self, pool: Pool, origin: Origin) -> None:
+        self._pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.loop = self._loop = asyncio.get_running_loop()
+        self.closed = False
+        self.read_timeout: float | None = None
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._method = ""
+        self._fields: list[tuple[str, str]] = []
+        self._reason = b""
+        self._head: asyncio.Future[Response] | None = None
+        self._response: Response | None = None
+        self._complete = False
+        self._keep_alive = False
+        self._written = True
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._in_use = False
+        self._writer: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._silent_until = 0.0
+
+    # -- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_use:  # an idle connection should say nothing: it cannot be trusted after this
+            self.close()
+            return
+        if self.read_timeout is not None:
+            self._silent_until = self._loop.time() + self.read_timeout
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broke("the vendor switched protocols, which the proxy never asked for")
+        except httptools.HttpParserError as exc:
+            self._broke(f"malformed answer: {exc}")
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool._forget(self)
+        reason = f"the vendor closed the connection{f' ({exc})' if exc else ''}"
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(UpstreamFailed("broken", reason, reached=True))
+        if self._response is not None and not self._complete:
+            if self._close_delimited():
+                self._complete = True
+                self._response._end()
+            else:
+                self._response._fail(UpstreamBroke(reason))
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(ConnectionResetError(reason))
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._fields = []
+        self._reason = b""
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            return  # an interim answer (103 Early Hints...): the real one follows
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        response = Response(self, status, self._reason.decode("latin-1"), headers)
+        self._response = response
+        self._keep_alive = self._parser.should_keep_alive()
+        if self._method == "HEAD":
+            # llhttp does not know the request was a HEAD: the answer ends with its head. A
+            # parser that still waits for the body it announced is not reused.
+            self._complete = True
+            if "Content-Length" in headers or "Transfer-Encoding" in headers:
+                self._keep_alive = False
+            response._end()
+        if self._head is not None and not self._head.done():
+            self._head.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None and not self._complete:
+            self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self._response
+        if response is None or self._complete:
+            return  # the end of an interim answer, or of a HEAD answer's announced body
+        self._complete = True
+        response._end()
+
+    # -- sending -----------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: Iterable[tuple[str, str]],
+        body: BodySource | None,
+        content_length: int | None,
+        read_timeout: float | None,
+    ) -> Response:
+        """Send one request, return once the answer's head is in. ``body``: streamed with
+        ``content_length`` as its framing, or chunked when that is None; ``headers`` are the
+        end-to-end ones (any framing among them is dropped)."""
+        assert self.transport is not None and not self._in_use
+        self._in_use = True
+        self._method = method
+        self.read_timeout = read_timeout
+        self._response = None
+        self._complete = False
+        self._silent_until = 0.0
+        self._head = self._loop.create_future()
+        lines = [f"{method} {target} HTTP/1.1\r\nHost: {self.origin.authority}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
+        if body is not None:
+            lines.append(
+                "Transfer-Encoding: chunked\r\n" if content_length is None else f"Content-Length: {content_length}\r\n"
+            )
+        elif method in _EMPTY_BODY_METHODS:
+            lines.append("Content-Length: 0\r\n")
+        lines.append("\r\n")
+        self.transport.write("".join(lines).encode("latin-1"))
+        writer: asyncio.Task[None] | None = None
+        if body is not None:
+            self._written = False
+            writer = self._writer = spawn(self._send_body(body, content_length is None), name="upstream-upload")
+            writer.add_done_callback(_retrieve)
+        try:
+            if writer is not None:
+                # The read timeout runs from the end of the upload: a slow worker's upload is not the vendor's silence.
+                await asyncio.wait((writer, self._head), return_when=asyncio.FIRST_COMPLETED)
+                if writer.done() and not self._head.done():
+                    writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
+            self.awaiting()
+            return await self._head  # the read timer fails it when the vendor stays silent
+        except BaseException:
+            if writer is not None and not writer.done():
+                writer.cancel()
+            self.close()
+            raise
+
+    async def _send_body(self, body: BodySource, chunked: bool) -> None:
+        transport = self.transport
+        assert transport is not None
+        while chunk := await body.read():
+            if self.closed:
+                raise UpstreamFailed("broken", "the vendor closed the connection during the upload", reached=True)
+            transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if self._write_paused:
+                self._drain_waiter = self._loop.create_future()
+                try:
+                    await self._drain_waiter
+                finally:
+                    self._drain_waiter = None
+        if chunked:
+            transport.write(b"0\r\n\r\n")
+        self._written = True
+
+    # -- the read timeout -----------------------------------------------------------------
+
+    def awaiting(self) -> None:
+        """Someone now waits for the vendor (the answer's head, or more of its body): it has
+        ``read_timeout`` from now, or from its last bytes if later, to send something.
+        One lazy timer per connection: it moves itself when it fires early."""
+        if self.read_timeout is None:
+            return
+        self._silent_until = max(self._silent_until, self._loop.time() + self.read_timeout)
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._silent_until, self._read_timer)
+
+    def _read_timer(self) -> None:
+        self._timer = None
+        if self.closed or not self._in_use or self.read_timeout is None:
+            return
+        now = self._loop.time()
+        head = self._head is not None and not self._head.done()
+        body = self._response is not None and self._response._waiter is not None
+        if not (head or body):
+            return  # nobody waits (the worker reads slowly): the next wait sets the timer again
+        if now < self._silent_until:  # the vendor spoke since: watch until its new deadline
+            self._timer = self._loop.call_at(self._silent_until, self._read_timer)
+            return
+        silent = f"no answer within {self.read_timeout:g}s"
+        if head and self._head is not None:
+            self._head.set_exception(UpstreamFailed("timeout", silent, reached=True))
+        if self._response is not None:
+            self._response._fail(UpstreamBroke(f"no data for {self.read_timeout:g}s"))
+        self.close()
+
+    # -- the end of an exchange ----------------------------------------------------------
+
+    def finished(self, response: Response) -> None:
+        if self._response is not response or self.closed:
+            return
+        if self._complete and response.done and self._keep_alive and self._written:
+            self._in_use = False
+            self._response = None
+            self._parser = httptools.HttpResponseParser(self)
+            self._pool._give_back(self)
+        else:
+            self.close()
+
+    def _close_delimited(self) -> bool:
+        """Does the answer end at the connection's close (no length, not chunked)?"""
+        response = self._response
+        if response is None:
+            return False
+        headers = response.headers
+        return "Content-Length" not in headers and "chunked" not in headers.get("Transfer-Encoding", "").lower()
+
+    def _broke(self, why: str) -> None:
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(UpstreamFailed("broken", why, reached=True))
+        if self._response is not None:
+            self._response._fail(UpstreamBroke(why))
+        self.close()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()  # an upload the vendor answered before its end
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._pool._forget(self)
+
+
+class Pool:
+    """Keep-alive connections to one vendor's origins. ``ssl_context``: for https origins
+    (False: no verification); ``keepalive``: seconds an idle connection is kept."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | bool = True, keepalive: float = 30.0) -> None:
+        if ssl_context is True:
+            ssl_context = ssl.create_default_context()
+        elif ssl_context is False:
+            ssl_context = ssl.create_default_context()
+            ssl_context.check_hostname = False
+            ssl_context.verify_mode = ssl.CERT_NONE
+        self._ssl = ssl_context
+        self._keepalive = keepalive
+        self._idle: dict[Origin, deque[UpstreamConnection]] = {}
+        """Idle connections per origin, the longest idle first: requests take the newest, the
+        oldest are closed once idle ``keepalive`` seconds (``_sweep``)."""
+        self._all: set[UpstreamConnection] = set()
+        self.closed = False
+
+    async def connection(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
+        """An idle connection to ``origin`` if one is open, else a new one. Raises
+        UpstreamFailed (``reached=False``) when none can be made."""
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self._keepalive:
+                return conn
+            conn.close()
+        return await self.open(origin, connect_timeout)
+
+    async def open(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
+        loop = asyncio.get_running_loop()
+        tls = self._ssl if origin.scheme == "https" else None
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=tls,
+                    server_hostname=origin.host if tls is not None else None,
+                )
+        except TimeoutError:
+            raise UpstreamFailed("connect-timeout", "did not accept a connection in time", reached=False) from None
+        except ssl.SSLCertVerificationError as exc:
+            raise UpstreamFailed("certificate", f"certificate verification failed: {exc}", reached=False) from exc
+        except ssl.SSLError as exc:
+            raise UpstreamFailed("tls", f"TLS error: {exc}", reached=False) from exc
+        except OSError as exc:
+            raise UpstreamFailed("refused", f"cannot connect: {exc}", reached=False) from exc
+        if self.closed:
+            conn.close()
+            raise UpstreamFailed("refused", "the pool is closed", reached=False)
+        self._all.add(conn)
+        return conn
+
+    def idle_count(self, origin: Origin) -> int:
+        idle = self._idle.get(origin)
+        if not idle:
+            return 0
+        self._sweep(idle)
+        return sum(1 for c in idle if not c.closed)
+
+    def _sweep(self, idle: deque[UpstreamConnection]) -> None:
+        """Close the connections idle for ``keepalive`` seconds (a vendor need not close them
+        itself: without this, every warm top-up would add to them)."""
+        stale = time.monotonic() - self._keepalive
+        while idle and idle[0].idle_since <= stale:
+            idle.popleft().close()
+
+    async def warm(self, origin: Origin, count: int, connect_timeout: float) -> list[BaseException]:
+        """Open connections to ``origin`` until ``count`` are idle; returns the failures."""
+        missing = count - self.idle_count(origin)
+        if missing <= 0:
+            return []
+        opened = await asyncio.gather(
+            *(self.open(origin, connect_timeout) for _ in range(missing)), return_exceptions=True
+        )
+        failures = []
+        for conn in opened:
+            if isinstance(conn, UpstreamConnection):
+                self._give_back(conn)
+            else:
+                failures.append(conn)
+        return failures
+
+    def _give_back(self, conn: UpstreamConnection) -> None:
+        if self.closed or conn.closed:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle = self._idle.get(conn.origin)
+        if idle is None:
+            idle = self._idle[conn.origin] = deque()
+        idle.append(conn)
+        self._sweep(idle)
+
+    def _forget(self, conn: UpstreamConnection) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def close(self) -> None:
+        self.closed = True
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """An upload's failure is the request's (or nobody's, once the answer is in): never
+    'Task exception was never retrieved'."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def iterate(body: BodySource) -> AsyncIterator[bytes]:
+    while chunk := await body.read():
+        yield chunk
