@@ -74,6 +74,10 @@ class AccessLog:
                 pass
 
 
+_NOT_HELD = 0.0
+"""``hold`` of a request never held: this very object, so its text is known ("0.0")."""
+
+
 class AccessRecord:
     """Filled in along the request path, written once at the end."""
 
@@ -102,7 +106,7 @@ class AccessRecord:
         self.outcome = "error"
         self.status: int | None = None
         self.upstream_status: int | None = None
-        self.hold = 0.0
+        self.hold = _NOT_HELD
         self.duration = 0.0
         self.detail: str | None = None
         self.endpoint: str | None = None
@@ -142,7 +146,7 @@ class AccessRecord:
         return fields
 
     def _direct(self, now: float) -> str:
-        vendor, tenant = self.vendor, self.tenant
+        vendor, tenant, hold = self.vendor, self.tenant, self.hold
         text = (
             f'{{"ts":{_rounded(now, ".3f", 1e9, 1e11)},"method":{_quoted(self.method)},'
             f'"host":{_quoted(self.host)},"path":{_quoted(self.path.split("?", 1)[0][:256])},'
@@ -150,7 +154,7 @@ class AccessRecord:
             f'"tenant":{"null" if tenant is None else _quoted(tenant)},'
             f'"outcome":{_quoted(self.outcome)},"status":{_integer(self.status)},'
             f'"upstream_status":{_integer(self.upstream_status)},'
-            f'"hold_ms":{_rounded(self.hold * 1000, ".1f", 0.0, 1e9)},'
+            f'"hold_ms":{"0.0" if hold is _NOT_HELD else _rounded(hold * 1000, ".1f", 0.0, 1e9)},'
             f'"duration_ms":{_rounded(self.duration * 1000, ".2f", 0.0, 1e9)}'
         )
         if self.endpoint is not None:
