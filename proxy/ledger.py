@@ -52,7 +52,11 @@ class Ledger:
             if refusal.tls_error is not None:
                 deps.metrics.tls_errors.labels(vendor, refusal.tls_error).inc()
         # The vendor's dialect and settings (answers, answers_max_wait) shape the answer.
-        speaker = next((v for v in deps.policy.vendors if v.name == vendor), None)
+        speaker = None
+        for candidate in deps.policy.vendors:  # a loop, not next(generator): cheaper, per refusal
+            if candidate.name == vendor:
+                speaker = candidate
+                break
         answer = refusal_response(refusal, speaker)
         rec.status = answer.status
         return answer

@@ -14,9 +14,14 @@ Label ``limiter`` is the vendor name. Each request is counted exactly once in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Self
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 OUTCOMES = ("forwarded", "held", "deferred", "shed", "denied", "error")
@@ -24,8 +29,61 @@ NO_VENDOR = "none"  # the limiter label of requests that matched no vendor
 OTHER_TENANTS = "_other"
 _MAX_TENANT_LABELS = 500  # distinct tenant label values before the rest share one
 
+_MAX_CACHED_CHILDREN = 10_000  # label sets per metric served from the plain dict
+
 _HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _CachedLabels(MetricWrapperBase):
+    """``labels(...)`` served from a plain dict after a label set's first call:
+    prometheus_client takes a lock, str()s every value and builds a tuple on each
+    call (about 1 µs, several times per request). Only label sets of plain str are
+    kept: no other value equals one, so a hit is exactly the child prometheus_client
+    would return. At most ``_MAX_CACHED_CHILDREN`` of them: past that the dict
+    starts over (the series themselves stay)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._cached: dict[tuple[object, ...], Self] = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+        try:
+            child = self._cached.get(labelvalues)
+        except TypeError:  # unhashable: prometheus_client str()s it
+            child = None
+        if child is not None and not labelkwargs:
+            return child
+        child = super().labels(*labelvalues, **labelkwargs)
+        if not labelkwargs and all(type(value) is str for value in labelvalues):
+            if len(self._cached) >= _MAX_CACHED_CHILDREN:
+                self._cached.clear()
+            self._cached[labelvalues] = child
+        return child
+
+    def remove(self, *labelvalues: Any) -> None:
+        self._cached.clear()
+        super().remove(*labelvalues)
+
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        self._cached.clear()
+        super().remove_by_labels(labels)
+
+    def clear(self) -> None:
+        self._cached.clear()
+        super().clear()
+
+
+class Counter(_CachedLabels, _Counter):
+    pass
+
+
+class Gauge(_CachedLabels, _Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, _Histogram):
+    pass
 
 
 class Metrics:

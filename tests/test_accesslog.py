@@ -24,8 +24,13 @@ def access(stream: io.StringIO) -> AccessLog:
 
 
 def lines(access: AccessLog, stream: io.StringIO) -> list[dict[str, object]]:
+    """The lines written, parsed; each exactly as compact json.dumps writes it (the line is built by hand)."""
     access.flush()
-    return [json.loads(line) for line in stream.getvalue().splitlines()]
+    parsed = []
+    for line in stream.getvalue().splitlines():
+        parsed.append(json.loads(line))
+        assert json.dumps(parsed[-1], separators=(",", ":")) == line
+    return parsed
 
 
 async def get(proxy_url: str, path: str = "/x") -> None:
