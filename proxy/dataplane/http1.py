@@ -343,7 +343,8 @@ class Responder:
         if self._chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self._emit(data)
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
 
     async def finish(self) -> None:
         """The answer is complete. A body shorter than its Content-Length cannot be, so the
@@ -356,7 +357,8 @@ class Responder:
             return
         self._finished = True
         self._emit(b"0\r\n\r\n" if self._chunked else b"")
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
 
     async def complete(self, data: bytes) -> None:
         """``write(data)`` then ``finish()``, the head, ``data`` and the end of the body in one
@@ -375,7 +377,8 @@ class Responder:
         if self._chunked:
             data = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         self._emit(data)
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
         self._finished = True
 
     async def send(self, status: int, reason: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> None:
@@ -386,7 +389,8 @@ class Responder:
             self._emit(body)
         self._finished = True
         self._emit(b"")
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
 
     def abort(self) -> None:
         """Cut the connection now: what was written of the answer is all the worker gets."""
@@ -665,6 +669,11 @@ class Http1Connection(asyncio.Protocol):
 
     def write_interim(self, data: bytes) -> None:
         self.write(data)
+
+    @property
+    def must_drain(self) -> bool:
+        """Would ``drain`` wait or raise (the write buffer is full, or the connection closed)?"""
+        return self._write_paused or self._closed
 
     async def drain(self) -> None:
         if self._closed:
