@@ -33,6 +33,7 @@ log = logging.getLogger("quota_proxy.forward")
 _WARM_MAX = 16  # idle connections kept per vendor at most, whatever its burst
 _WARM_EVERY = 2.0  # seconds between top-ups of the idle connections
 _KEEPALIVE = 30.0  # seconds an idle pooled connection is kept (then closed and, warm, replaced)
+_WHOLE_MAX = 64 * 1024  # an answer body all in and at most this big is relayed in one write
 
 
 def upstream_ssl_context(tls: TlsSettings) -> ssl.SSLContext | bool:
@@ -177,11 +178,12 @@ async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
-        conn = await pool.connection(origin_of(origin), timeouts.connect)
+        where = origin_of(origin)
+        conn = pool.idle(where) or await pool.open(where, timeouts.connect)
         return await conn.request(
             request.method,
             target,
-            headers.items(),
+            headers,
             _WorkerBody(request) if request.has_body else None,
             _content_length(request) if request.has_body else None,
             timeouts.read,
@@ -205,12 +207,16 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     HTTP/1.1 worker and delimited by the close for an HTTP/1.0 one."""
     headers = downstream_response_headers(upstream.headers)
     if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
-        headers.extend(extra_headers)
+        headers.extend(extra_headers.items())
     try:
-        responder.start(upstream.status, upstream.reason, headers.items())
-        while chunk := await upstream.read():
-            await responder.write(chunk)
-        await responder.finish()
+        responder.start(upstream.status, upstream.reason, headers)
+        whole = upstream.whole(_WHOLE_MAX)
+        if whole is not None:  # all in already (a small answer): one write, no read per piece
+            await responder.complete(whole)
+        else:
+            while chunk := await upstream.read():
+                await responder.write(chunk)
+            await responder.finish()
     except UpstreamBroke as exc:
         upstream.close()
         responder.abort()

@@ -3,6 +3,7 @@ whether a request is safe to send twice."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -53,13 +54,23 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
     return tokens
 
 
-def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str) -> CIMultiDict[str]:
+Fields = list[tuple[str, str]]
+"""Header fields in their order, as the data plane writes them."""
+
+
+@functools.lru_cache(maxsize=64)
+def _request_drop(tenant_header: str) -> frozenset[str]:
+    """What ``upstream_request_headers`` drops besides ``X-Quota-*``: one set per tenant header, not one per request."""
+    return _REQUEST_DROP | {tenant_header.lower()}
+
+
+def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str) -> Fields:
     """The worker's headers minus hop-by-hop ones, ``Host`` (set from the upstream URL),
     the tenant header and every ``X-Quota-*`` header."""
-    return _without(headers, _REQUEST_DROP | {tenant_header.lower()})
+    return _without(headers, _request_drop(tenant_header))
 
 
-def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+def downstream_response_headers(headers: CIMultiDictProxy[str]) -> Fields:
     """The vendor's headers minus hop-by-hop ones and any ``X-Quota-*`` header, for the worker.
 
     ``X-Quota-*`` is the proxy's namespace: a worker must be able to trust that
@@ -67,17 +78,16 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
     return _without(headers, HOP_BY_HOP)
 
 
-def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> Fields:
     """``headers`` minus the names in ``drop``, those its ``Connection`` field names and
     every ``X-Quota-*`` header, in their order."""
-    dropped = drop | _connection_tokens(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        low = name.lower()
-        if low in dropped or low.startswith(QUOTA_PREFIX):
-            continue
-        out.add(name, value)
-    return out
+    # Most messages name nothing in Connection (or only a hop-by-hop field): no set to build.
+    dropped = drop | _connection_tokens(headers) if "Connection" in headers else drop
+    return [
+        (name, value)
+        for name, value in headers.items()
+        if not ((low := name.lower()) in dropped or low.startswith(QUOTA_PREFIX))
+    ]
 
 
 def idempotent(method: str, headers: Mapping[str, str]) -> bool:

@@ -14,9 +14,12 @@ from proxy.endpoints import endpoint_for
 from proxy.names import default_port, format_origin, parse_authority
 from proxy.partitions import DEFAULT, partition_hash
 from proxy.policy.model import Endpoint, Policy, Vendor
-from proxy.refusals import Denied
+from proxy.refusals import Denied, Refusal
 from proxy.target import RequestTarget
 from proxy.tenancy import NO_CLAIM, Claim, Tenancy
+
+_MATCHES_MAX = 4096
+_KEY_MAX = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,9 @@ class Router:
         # Longest prefix first, so /api/v2 wins over /api.
         self._routes.sort(key=lambda rv: len(rv[0]), reverse=True)
         self.tenancy = Tenancy(policy)
+        self._matches: dict[tuple[RequestTarget, str, str], Match] = {}
+        """(target, method, tenant) → its Match, for vendors without a partition (whose
+        Match depends on nothing else); one Router per policy, so a reload starts afresh."""
 
     def vendor_for_host(self, host: str, port: int | None, scheme: str = "http") -> Vendor | None:
         """The vendor of ``scheme://host[:port]``: a host listed with a port matches that
@@ -80,6 +86,18 @@ class Router:
         and its partition; raises the refusal. Proxy credentials are checked before anything
         else is said (407 first), so an unauthenticated client cannot learn which hosts are vendors."""
         tenant = self.tenancy.of_request(headers, tunnel) if self.tenancy.authenticates else None
+        known = tenant
+        if known is None and self._matches:
+            # Telling the tenant first is safe when it is not refused: a refusal waits until
+            # the vendor is known (no vendor is 403 before a tenant's 400).
+            try:
+                known = self.tenancy.of_request(headers, tunnel)
+            except Refusal:
+                known = None
+        if known is not None:
+            found = self._matches.get((target, method, known))
+            if found is not None:
+                return found
         vendor: Vendor | None = None
         path_qs = target.path_qs
         if not target.absolute:
@@ -96,14 +114,19 @@ class Router:
             shown = target.host + (f":{target.port}" if target.port else "")
             raise Denied(f"no vendor in the policy matches {shown or target.path_qs[:100]!r}", shown)
         if tenant is None:
-            tenant = self.tenancy.of_request(headers, tunnel)
+            tenant = known if known is not None else self.tenancy.of_request(headers, tunnel)
         endpoint = endpoint_for(vendor, method, path_qs.split("?", 1)[0]) if vendor.endpoints else None
         partition = DEFAULT
         if vendor.partition is not None:
             value = headers.get(vendor.partition.header)
             if value:  # absent or empty: the default partition
                 partition = partition_hash(value)
-        return Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition)
+        match = Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition)
+        if vendor.partition is None and len(target.path_qs) <= _KEY_MAX:
+            if len(self._matches) >= _MATCHES_MAX:
+                self._matches.clear()
+            self._matches[(target, method, tenant)] = match
+        return match
 
     @staticmethod
     def _origin(vendor: Vendor, target: RequestTarget) -> str:

@@ -35,6 +35,9 @@ from proxy.policy.model import Address, Policy
 from proxy.reload import Reloader
 from proxy.tasks import spawn
 
+_GC_YOUNG = 10_000
+"""Net new container objects between two young-generation collections."""
+
 log = logging.getLogger("quota_proxy")
 
 _ADMIN_IDLE_TIMEOUT = 75.0  # seconds an admin connection may idle: longer than common scrape intervals
@@ -238,6 +241,11 @@ async def serve(
     # which would otherwise rescan it, stalling the event loop (and held requests' timing).
     gc.collect()
     gc.freeze()
+    # A young generation of 700 objects (the default) fills with the objects of the
+    # requests in flight, not with garbage: a collection every ~50 requests, each one
+    # traversing them all (~6-15 µs per request under load, issue 11). Garbage cycles are
+    # few, so a larger one is collected rarely and the memory it holds stays small.
+    gc.set_threshold(_GC_YOUNG, *gc.get_threshold()[1:])
     watcher = spawn(reloader.watch(watch), name="watch-policy") if reloader and watch else None
     if ready_line:
         print(

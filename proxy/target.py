@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from proxy import names
 from proxy.refusals import BadRequest
@@ -19,6 +19,8 @@ from proxy.refusals import BadRequest
 # Workers name the same few authorities over and over: parsed once each (a malformed one,
 # which raises, is not kept).
 parse_authority = functools.lru_cache(maxsize=1024)(names.parse_authority)
+
+_K = TypeVar("_K", str, tuple[str, str])
 
 
 class HasTarget(Protocol):
@@ -44,7 +46,40 @@ class RequestTarget:
     """Raw path and query, always starting with ``/``."""
 
 
+# Workers send the same few targets over and over: each parsed once (a RequestTarget is
+# immutable, so sharing one is safe). Bounded: emptied when full; long targets (query
+# strings that differ every time) are not kept.
+_CACHE_MAX = 4096
+_CACHE_KEY_MAX = 512
+_absolute: dict[str, RequestTarget] = {}
+_origin_form: dict[tuple[str, str], RequestTarget] = {}
+
+
 def parse_target(request: HasTarget) -> RequestTarget:
+    raw = request.raw_path
+    if raw[:1] == "/":
+        host_header = request.headers.get("Host", "")
+        key = (raw, host_header)
+        target = _origin_form.get(key)
+        if target is None:
+            target = _parse_origin_form(raw, host_header)
+            _remember(_origin_form, key, target, len(raw) + len(host_header))
+        return target
+    target = _absolute.get(raw)
+    if target is None:
+        target = _parse(request)
+        _remember(_absolute, raw, target, len(raw))
+    return target
+
+
+def _remember(cache: dict[_K, RequestTarget], key: _K, target: RequestTarget, size: int) -> None:
+    if size <= _CACHE_KEY_MAX:
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+        cache[key] = target
+
+
+def _parse(request: HasTarget) -> RequestTarget:
     raw = request.raw_path
     lower = raw[:8].lower()
     if lower.startswith(("http://", "https://")):
@@ -61,7 +96,10 @@ def parse_target(request: HasTarget) -> RequestTarget:
         return RequestTarget(True, scheme.lower(), host, port, path_qs)
     if not raw.startswith("/"):
         raise BadRequest(f"unsupported request target {raw[:100]!r}: use absolute form or a path")
-    host_header = request.headers.get("Host", "")
+    return _parse_origin_form(raw, request.headers.get("Host", ""))
+
+
+def _parse_origin_form(raw: str, host_header: str) -> RequestTarget:
     host, port = "", None
     if host_header:
         try:

@@ -31,7 +31,10 @@ class FailingPool:
         self.exc = exc
         self.connected = connected
 
-    async def connection(self, *args: Any) -> Any:
+    def idle(self, *args: Any) -> Any:
+        return None  # nothing pooled: every request opens a connection
+
+    async def open(self, *args: Any) -> Any:
         if not self.connected:
             raise self.exc
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from proxy import match as match_module
 from proxy.match import Router
 from proxy.refusals import BadRequest, Denied
 from proxy.target import RequestTarget
@@ -73,3 +74,65 @@ def test_tenants() -> None:
     for bad in ({}, {"X-Tenant-Id": ""}, {"X-Tenant-Id": "a b"}, {"X-Tenant-Id": "x" * 129}, {"X-Tenant-Id": "{slot}"}):
         with pytest.raises(BadRequest):
             ROUTER.match(target("api.example"), bad)
+
+
+# -- remembered matches: the same answer as working it out, and nothing more ------------------
+
+PARTITIONED = make_policy("""
+    version: 1
+    tenant: {header: X-Tenant-Id, default: null}
+    vendors:
+      - name: api
+        hosts: [api.example]
+        upstream: https://api.example
+        limits: [{rate: 1, per: 1s}]
+      - name: keyed
+        hosts: [keyed.example]
+        partition: {header: X-Api-Key}
+        limits: [{rate: 1, per: 1s}]
+""")
+
+
+def test_a_remembered_match_is_what_a_fresh_router_says() -> None:
+    router = Router(POLICY)
+    cases = [
+        (target("api.example"), ACME, "GET"),
+        (target("api.example"), {"X-Tenant-Id": "other"}, "GET"),
+        (target("api.example"), ACME, "POST"),
+        (target("localhost", 8081, "/a?b"), ACME, "GET"),
+        (target("", None, "/api/v2/charges", absolute=False), ACME, "GET"),
+    ]
+    for _ in range(2):  # the second round is answered from what the first remembered
+        for t, headers, method in cases:
+            assert router.match(t, headers, method=method) == Router(POLICY).match(t, headers, method=method)
+    assert len(router._matches) == len(cases)
+
+
+def test_refusals_keep_their_order_once_matches_are_remembered() -> None:
+    router = Router(POLICY)
+    router.match(target("api.example"), ACME)
+    with pytest.raises(Denied):  # no vendor: 403 before the missing tenant's 400
+        router.match(target("elsewhere.example"), {})
+    with pytest.raises(BadRequest):
+        router.match(target("api.example"), {})
+    with pytest.raises(BadRequest):
+        router.match(target("api.example"), {"X-Tenant-Id": "a b"})
+
+
+def test_a_partitioned_vendors_match_is_never_remembered() -> None:
+    router = Router(PARTITIONED)
+    a = router.match(target("keyed.example"), {"X-Tenant-Id": "t", "X-Api-Key": "a"})
+    b = router.match(target("keyed.example"), {"X-Tenant-Id": "t", "X-Api-Key": "b"})
+    assert a.partition and b.partition and a.partition != b.partition
+    assert router.match(target("keyed.example"), {"X-Tenant-Id": "t"}).partition == ""
+    assert not router._matches
+
+
+def test_remembered_matches_are_bounded() -> None:
+    router = Router(POLICY)
+    for i in range(match_module._MATCHES_MAX + 10):
+        router.match(target("api.example", None, f"/n{i}"), ACME)
+    assert 0 < len(router._matches) <= match_module._MATCHES_MAX
+    long_path = "/" + "x" * match_module._KEY_MAX
+    assert router.match(target("api.example", None, long_path), ACME).path_qs == long_path
+    assert all(key[0].path_qs != long_path for key in router._matches)

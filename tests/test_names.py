@@ -12,6 +12,7 @@ import json
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from proxy import target as target_module
 from proxy.ca.authority import normalize_host
 from proxy.match import Router
 from proxy.names import format_authority, format_origin, parse_authority, parse_host_port
@@ -198,3 +199,27 @@ def test_formatting_puts_ipv6_in_brackets_and_leaves_default_ports_out() -> None
 def test_request_target_keeps_the_port_it_was_given() -> None:
     target = parse_target(make_mocked_request("GET", "http://[2001:DB8::1]:8080/a?b"))
     assert target == RequestTarget(True, "http", "2001:db8::1", 8080, "/a?b")
+
+
+def test_a_target_parsed_again_from_the_cache_is_the_same_and_a_host_header_keys_it() -> None:
+    first = parse_target(make_mocked_request("GET", "http://API.example:8080/a?b#frag"))
+    again = parse_target(make_mocked_request("GET", "http://API.example:8080/a?b#frag"))
+    assert again is first and first == RequestTarget(True, "http", "api.example", 8080, "/a?b")
+    # Origin form: the same path under another Host is another destination.
+    one = parse_target(make_mocked_request("GET", "/v1", headers={"Host": "one.example"}))
+    two = parse_target(make_mocked_request("GET", "/v1", headers={"Host": "two.example:81"}))
+    assert (one.host, one.port, two.host, two.port) == ("one.example", None, "two.example", 81)
+    assert parse_target(make_mocked_request("GET", "/v1", headers={"Host": "one.example"})) is one
+    # A malformed one is refused every time, never remembered.
+    for _ in range(2):
+        with pytest.raises(BadRequest):
+            parse_target(make_mocked_request("GET", "/v1", headers={"Host": "bad host"}))
+
+
+def test_the_target_cache_is_bounded_and_long_targets_are_parsed_each_time() -> None:
+    for i in range(target_module._CACHE_MAX + 10):
+        parse_target(make_mocked_request("GET", f"http://api.example/n{i}"))
+    assert len(target_module._absolute) <= target_module._CACHE_MAX
+    long_path = "/q?" + "x" * target_module._CACHE_KEY_MAX
+    target = parse_target(make_mocked_request("GET", f"http://api.example{long_path}"))
+    assert target.path_qs == long_path and f"http://api.example{long_path}" not in target_module._absolute

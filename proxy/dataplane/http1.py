@@ -284,17 +284,19 @@ class Responder:
     def finished(self) -> bool:
         return self._finished
 
-    def start(self, status: int, reason: str, headers: Iterable[tuple[str, str]]) -> None:
+    def start(self, status: int, reason: str, headers: Iterable[tuple[str, str]], *, length: int = -1) -> None:
         """The answer's status and end-to-end headers (hop-by-hop ones are this hop's: any
-        given are dropped). A ``Content-Length`` among them frames the body; else chunks."""
+        given are dropped). A ``Content-Length`` among them frames the body (``length``, when
+        given, instead of theirs); else chunks."""
         assert not self.started, "answer already started"
+        given = length
+        length = -1
         req = self._request
         self.status = status
         if not reason:
             reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
         lines = [f"HTTP/1.1 {status} {reason}\r\n"]
-        length: int | None = None
         date = False
         for name, value in headers:
             low = name.lower()
@@ -309,7 +311,9 @@ class Responder:
             lines.append(_date())
         # A body the worker waits to be invited for and that was not: it may or may not come.
         keep = req.keep_alive and self._conn.keep_alive and not req.body.continue_pending
-        if length is not None:
+        if given >= 0:
+            length = given
+        if length >= 0:
             lines.append(f"Content-Length: {length}\r\n")
             if not self._no_body:
                 self._left = length
@@ -339,7 +343,8 @@ class Responder:
         if self._chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self._emit(data)
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
 
     async def finish(self) -> None:
         """The answer is complete. A body shorter than its Content-Length cannot be, so the
@@ -352,19 +357,40 @@ class Responder:
             return
         self._finished = True
         self._emit(b"0\r\n\r\n" if self._chunked else b"")
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
+
+    async def complete(self, data: bytes) -> None:
+        """``write(data)`` then ``finish()``, the head, ``data`` and the end of the body in one
+        write to the socket (a small answer that is all in)."""
+        assert self.started and not self._finished
+        if self._no_body or not data:
+            data = b""
+        elif self._left is not None:
+            if len(data) > self._left:
+                raise ValueError("more body than the Content-Length said")
+            self._left -= len(data)
+        if self._left:  # shorter than its Content-Length: cut, as ``finish`` does
+            self._emit(data)
+            self.abort()
+            return
+        if self._chunked:
+            data = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        self._emit(data)
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
+        self._finished = True
 
     async def send(self, status: int, reason: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> None:
         """A whole answer at once, ``Content-Length`` set from ``body``."""
-        fields = [(k, v) for k, v in headers if k.lower() != "content-length"]
-        fields.append(("Content-Length", str(len(body))))
-        self.start(status, reason, fields)
+        self.start(status, reason, headers, length=len(body))
         if body and not self._no_body:
             self._left = 0
             self._emit(body)
         self._finished = True
         self._emit(b"")
-        await self._conn.drain()
+        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+            await self._conn.drain()
 
     def abort(self) -> None:
         """Cut the connection now: what was written of the answer is all the worker gets."""
@@ -643,6 +669,11 @@ class Http1Connection(asyncio.Protocol):
 
     def write_interim(self, data: bytes) -> None:
         self.write(data)
+
+    @property
+    def must_drain(self) -> bool:
+        """Would ``drain`` wait or raise (the write buffer is full, or the connection closed)?"""
+        return self._write_paused or self._closed
 
     async def drain(self) -> None:
         if self._closed:

@@ -126,6 +126,20 @@ class Response:
             self._conn.resume_reading()
         return chunk
 
+    def whole(self, limit: int) -> bytes | None:
+        """The rest of the body at once when it is all in (and at most ``limit`` bytes), else
+        None: a small answer is relayed in one write, without a read per piece."""
+        if not self._done or self._exc is not None or self._size > limit:
+            return None
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        if self._paused:
+            self._paused = False
+            self._conn.resume_reading()
+        return data
+
     async def read_all(self) -> bytes:
         parts = []
         while chunk := await self.read():
@@ -188,6 +202,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._writer: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._silent_until = 0.0
+        self._host_line = f"Host: {origin.authority}\r\n"
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -297,7 +312,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._silent_until = 0.0
         self._head = self._loop.create_future()
-        lines = [f"{method} {target} HTTP/1.1\r\nHost: {self.origin.authority}\r\n"]
+        lines = [f"{method} {target} HTTP/1.1\r\n", self._host_line]
         lines += [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
         if body is not None:
             lines.append(
@@ -444,14 +459,20 @@ class Pool:
     async def connection(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
         """An idle connection to ``origin`` if one is open, else a new one. Raises
         UpstreamFailed (``reached=False``) when none can be made."""
+        return self.idle(origin) or await self.open(origin, connect_timeout)
+
+    def idle(self, origin: Origin) -> UpstreamConnection | None:
+        """The newest idle connection to ``origin`` still usable, if any (no await: the usual case)."""
         idle = self._idle.get(origin)
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self._keepalive:
                 return conn
             conn.close()
-        return await self.open(origin, connect_timeout)
+        return None
 
     async def open(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
         loop = asyncio.get_running_loop()

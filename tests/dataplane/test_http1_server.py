@@ -654,3 +654,55 @@ async def test_an_empty_reason_gets_the_standard_phrase(serve, peer) -> None:
     answer = await client.exchange(request("GET", "/"))
     assert answer.start == "HTTP/1.1 404 Not Found"
     assert "Date" in answer.headers
+
+
+# -- a whole answer in one write (Responder.complete) -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "version", "framing"),
+    [
+        ([("Content-Length", "12")], "1.1", "Content-Length"),
+        ([], "1.1", "Transfer-Encoding"),
+        ([], "1.0", "Connection"),  # no chunks for HTTP/1.0: the close delimits the body
+    ],
+)
+async def test_complete_sends_head_body_and_end_in_one_write(serve, peer, fields, version, framing) -> None:
+    writes: list[bytes] = []
+
+    async def handler(req: Request, resp: Responder) -> None:
+        resp.start(200, "OK", [("Content-Type", "text/plain"), *fields])
+        await resp.complete(b"twelve bytes")
+        assert resp.finished
+
+    server = await serve(handler)
+    client = await peer(server)
+    await until(lambda: bool(server.connections), "the connection")
+    conn = server.connections[0]
+    original = conn.write
+
+    def counted(data: bytes) -> None:
+        writes.append(data)
+        original(data)
+
+    conn.write = counted
+    await client.send(request("GET", "/", version=version))
+    answer = await read_response(client.reader)
+    assert answer.body == b"twelve bytes" and framing in answer.headers
+    assert len(writes) == 1 and writes[0].endswith(b"0\r\n\r\n" if framing == "Transfer-Encoding" else b"twelve bytes")
+
+
+async def test_complete_keeps_heads_bodiless_and_cuts_a_short_body(serve, peer) -> None:
+    async def handler(req: Request, resp: Responder) -> None:
+        resp.start(200, "OK", [("Content-Length", "100" if req.target == "/short" else "12")])
+        await resp.complete(b"twelve bytes")
+
+    server = await serve(handler)
+    client = await peer(server)
+    answer = await client.exchange(request("HEAD", "/"), head=True)
+    assert answer.headers["Content-Length"] == "12" and answer.body == b""
+    assert (await client.exchange(request("GET", "/"))).body == b"twelve bytes"  # nothing stray from the HEAD
+    await client.send(request("GET", "/short"))
+    _, headers = await read_head(client.reader)
+    assert headers["Content-Length"] == "100"
+    assert await client.reader.read() == b"twelve bytes"  # then the close: never a complete-looking body

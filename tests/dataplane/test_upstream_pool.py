@@ -395,3 +395,45 @@ async def test_connections_idle_past_keepalive_are_closed_not_piled_up(vendor) -
         assert v.connections == 4 and pool.idle_count(v.origin) == 2
     finally:
         await pool.close()
+
+
+# -- a small answer all in at once (Response.whole) and the pool's no-await path ----------------
+
+
+async def test_whole_gives_an_answer_all_in_at_once_and_the_connection_goes_back(vendor, pool) -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    v = await start_answering(vendor, chunked, OK)
+    assert pool.idle(v.origin) is None  # nothing pooled yet: the caller opens one
+    conn = await pool.open(v.origin, 5.0)
+    resp = await conn.request("GET", "/", [], None, None, 5.0)
+    await until(lambda: resp._done, "the whole answer in (unread)")
+    assert resp.whole(4) is None  # over the limit: read piece by piece instead
+    assert resp.whole(1024) == b"abcde" and await resp.read() == b""
+    resp.release()
+    assert pool.idle(v.origin) is conn  # reused without a coroutine
+    assert await get_on(conn) == (200, b"ok") and v.connections == 1
+
+
+async def test_whole_is_none_while_the_answer_is_still_coming(vendor, pool) -> None:
+    release = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabc")
+        await release.wait()
+        writer.write(b"def")
+        await writer.drain()
+
+    v = await vendor(slow)
+    conn = await pool.connection(v.origin, 5.0)
+    resp = await conn.request("GET", "/", [], None, None, 5.0)
+    assert await resp.read() == b"abc" and resp.whole(1024) is None
+    release.set()
+    assert await resp.read_all() == b"def"
+
+
+async def get_on(conn: Any) -> tuple[int, bytes]:
+    resp = await conn.request("GET", "/", [], None, None, 5.0)
+    body = await resp.read_all()
+    resp.release()
+    return resp.status, body
