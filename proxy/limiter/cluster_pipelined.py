@@ -22,6 +22,7 @@ from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import quote
 
+import hiredis
 from redis.asyncio.connection import parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -133,6 +134,10 @@ class ClusterPipelines:
         """``command`` on the primary that owns ``keys`` (one slot); ``source`` is the
         script to load on NOSCRIPT. TimeoutError when no reply comes ``reply_within``
         seconds after the call."""
+        return await self.execute_packed(keys, hiredis.pack_command(command), reply_within=reply_within, source=source)
+
+    async def execute_packed(self, keys: list[str], packed: bytes, *, reply_within: float, source: str = "") -> Any:
+        """``execute`` of a command already packed (RESP)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + reply_within
         slot = key_slot(keys[0].encode()) if keys else 0
@@ -153,7 +158,7 @@ class ClusterPipelines:
                     raise PipelineError(f"no node of the cluster serves slot {slot}")
             conn = self._conn(addr)
             try:
-                return await conn.execute(*command, reply_within=left, asking=asking)
+                return await conn.execute_packed(packed, reply_within=left, asking=asking)
             except ReplyError as exc:
                 kind, _, rest = str(exc).partition(" ")
                 if kind == "NOSCRIPT" and source:
@@ -212,14 +217,15 @@ class ClusterScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Awaitable[Any]:
+        packed = hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args))
+        return self.call_packed(keys, packed, reply_within)
+
+    def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Awaitable[Any]:
+        """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""
         # The caller awaits execute's coroutine itself: one coroutine fewer per acquire.
-        return self._cluster.execute(
+        return self._cluster.execute_packed(
             keys,
-            "EVALSHA",
-            self.sha,
-            len(keys),
-            *keys,
-            *args,
+            packed,
             reply_within=reply_within if reply_within is not None else 60.0,
             source=self._source,
         )

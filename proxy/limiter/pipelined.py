@@ -34,6 +34,9 @@ class ReplyError(PipelineError):
     the command's (MOVED, ASK, NOSCRIPT... tell that the command did not run)."""
 
 
+_ASKING = hiredis.pack_command(("ASKING",))
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     """For a reply nobody awaits (ASKING's): a lost connection leaves no unretrieved error."""
     if not fut.cancelled():
@@ -183,21 +186,25 @@ class PipelinedConnection:
         answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
         on the caller's wait: see _expire). ``asking``: ASKING goes out right before the
         command, in the same write (Cluster's ASK redirection during a slot migration)."""
-        loop = asyncio.get_running_loop()
+        return await self.execute_packed(hiredis.pack_command(args), reply_within=reply_within, asking=asking)
+
+    async def execute_packed(self, packed: bytes, *, reply_within: float | None = None, asking: bool = False) -> Any:
+        """``execute`` of a command already packed (RESP)."""
         if reply_within is None:
             proto = await self._connection()
             if asking:
-                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
-            reply = await proto.send(hiredis.pack_command(args))
+                proto.send(_ASKING).add_done_callback(_retrieve)
+            reply = await proto.send(packed)
         else:
+            loop = asyncio.get_running_loop()
             deadline = loop.time() + reply_within
             current = self._proto
             if current is None or current.closed:
                 current = await asyncio.wait_for(self._connection(), reply_within)
             proto = current
             if asking:
-                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
-            fut = proto.send(hiredis.pack_command(args))
+                proto.send(_ASKING).add_done_callback(_retrieve)
+            fut = proto.send(packed)
             handle = loop.call_at(deadline, _expire, loop, fut, 2)
             try:
                 reply = await fut
@@ -235,10 +242,16 @@ class PipelinedScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
+        return await self.call_packed(
+            keys, hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args)), reply_within
+        )
+
+    async def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Any:
+        """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""
         try:
-            return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
+            return await self._conn.execute_packed(packed, reply_within=reply_within)
         except ReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
-        return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
+        return await self._conn.execute_packed(packed, reply_within=reply_within)
