@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -47,6 +48,9 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
         self._waiters: deque[asyncio.Future[Any]] = deque()
+        self._deadlines: deque[float] = deque()  # each waiter's reply deadline (loop time)
+        self._latest = 0.0  # the latest deadline sent so far
+        self._watch: asyncio.TimerHandle | None = None  # one timer for the waiters' deadlines
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.last_reply = asyncio.get_running_loop().time()
@@ -59,24 +63,56 @@ class _Protocol(asyncio.Protocol):
         self.last_reply = asyncio.get_running_loop().time()
         while (reply := self._reader.gets()) is not False:
             fut = self._waiters.popleft()
+            self._deadlines.popleft()
             if not fut.done():  # a caller that timed out left its slot: drop its reply
                 fut.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         error = PipelineError(f"connection lost: {exc}" if exc else "connection closed")
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._deadlines.clear()
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(error)
 
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(self, packed: bytes, deadline: float = math.inf) -> asyncio.Future[Any]:
+        """Write ``packed``; its reply fails with TimeoutError when it has not come by
+        ``deadline`` (loop time; see _expire)."""
         if self.closed or self.transport is None:
             raise PipelineError("connection closed")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self._waiters.append(fut)
+        self._deadlines.append(deadline)
         self.transport.write(packed)
+        if deadline != math.inf:
+            # Deadlines come in the order commands go out (one store timeout), so one timer,
+            # at the oldest waiter's deadline, watches them all: no timer per call. A deadline
+            # earlier than one sent before (a Cluster call sent again) gets its own.
+            if deadline < self._latest:
+                loop.call_at(deadline, _expire, loop, fut, 2)
+            else:
+                self._latest = deadline
+                if self._watch is None:
+                    self._watch = loop.call_at(deadline, self._overdue)
         return fut
+
+    def _overdue(self) -> None:
+        """The watch's time came: expire every waiter past its deadline, then watch the next."""
+        self._watch = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for fut, deadline in zip(self._waiters, self._deadlines, strict=True):
+            if fut.done() or deadline == math.inf:
+                continue
+            if deadline > now:
+                self._watch = loop.call_at(deadline, self._overdue)
+                return
+            _expire(loop, fut, 2)
 
     def stuck_for(self) -> float:
         """Seconds since Redis last answered while commands are waiting (0 when none wait)."""
@@ -196,20 +232,13 @@ class PipelinedConnection:
                 proto.send(_ASKING).add_done_callback(_retrieve)
             reply = await proto.send(packed)
         else:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + reply_within
+            deadline = asyncio.get_running_loop().time() + reply_within
             current = self._proto
             if current is None or current.closed:
                 current = await asyncio.wait_for(self._connection(), reply_within)
-            proto = current
             if asking:
-                proto.send(_ASKING).add_done_callback(_retrieve)
-            fut = proto.send(packed)
-            handle = loop.call_at(deadline, _expire, loop, fut, 2)
-            try:
-                reply = await fut
-            finally:
-                handle.cancel()
+                current.send(_ASKING).add_done_callback(_retrieve)
+            reply = await current.send(packed, deadline)
         if isinstance(reply, hiredis.ReplyError):
             raise ReplyError(str(reply))
         return reply
