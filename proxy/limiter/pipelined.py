@@ -53,14 +53,15 @@ class _Protocol(asyncio.Protocol):
         self._watch: asyncio.TimerHandle | None = None  # one timer for the waiters' deadlines
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.last_reply = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self.last_reply = self._loop.time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
-        self.last_reply = asyncio.get_running_loop().time()
+        self.last_reply = self._loop.time()
         while (reply := self._reader.gets()) is not False:
             fut = self._waiters.popleft()
             self._deadlines.popleft()
@@ -84,7 +85,7 @@ class _Protocol(asyncio.Protocol):
         ``deadline`` (loop time; see _expire)."""
         if self.closed or self.transport is None:
             raise PipelineError("connection closed")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut: asyncio.Future[Any] = loop.create_future()
         self._waiters.append(fut)
         self._deadlines.append(deadline)
@@ -104,7 +105,7 @@ class _Protocol(asyncio.Protocol):
     def _overdue(self) -> None:
         """The watch's time came: expire every waiter past its deadline, then watch the next."""
         self._watch = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         now = loop.time()
         for fut, deadline in zip(self._waiters, self._deadlines, strict=True):
             if fut.done() or deadline == math.inf:
