@@ -165,21 +165,18 @@ class RedisStore:
                 raise
             raise StoreUnavailable(f"redis-py cluster client: {exc}") from exc
 
-    async def _call_packed(self, fast: PipelinedScript | ClusterScript, keys: list[str], packed: bytes) -> Any:
+    def _fast_failed(self, exc: BaseException) -> StoreUnavailable:
+        """A pipelined call failed: what to raise (and a stuck connection is dropped)."""
         assert self._pipe is not None
-        try:
-            return await fast.call_packed(keys, packed, reply_within=self._timeout)
-        except (PipelineError, OSError, TimeoutError) as exc:
-            self._pipe.drop_if_stuck(self._timeout)
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+        self._pipe.drop_if_stuck(self._timeout)
+        return StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
     async def _call_fast(self, fast: PipelinedScript | ClusterScript, keys: list[str], args: list[float | str]) -> Any:
         assert self._pipe is not None
         try:
             return await fast(keys, args, reply_within=self._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
-            self._pipe.drop_if_stuck(self._timeout)
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+            raise self._fast_failed(exc) from exc
 
     async def acquire(
         self,
@@ -211,7 +208,10 @@ class RedisStore:
                     shape.tail,
                 )
             )
-            out = await self._call_packed(fast, shape.keys, packed)
+            try:  # _call_packed's, inline: one coroutine fewer per acquire
+                out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
+            except (PipelineError, OSError, TimeoutError) as exc:
+                raise self._fast_failed(exc) from exc
         else:
             args: list[float | str] = [
                 cost,
