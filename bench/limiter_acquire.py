@@ -1,6 +1,6 @@
 """CPU per Limiter.acquire on our side, against a real redis-server: this tree vs another.
 
-    .venv/bin/python bench/limiter_acquire.py --against /work/main [--acquires 20000] [--rounds 3]
+    .venv/bin/python bench/limiter_acquire.py --against /work/main [--acquires 20000] [--rounds 3] [--loop asyncio]
 
 Starts one redis-server on a free port (stopped by its PID at the end), then runs, in
 alternating subprocesses (one per tree and round), two loops on the bench policy's shape
@@ -92,10 +92,10 @@ async def _child(url: str, acquires: int, mode: str) -> float:
     return cpu / (per_task * TASKS) * 1e6
 
 
-def _run_child(tree: str, url: str, acquires: int, mode: str) -> float:
+def _run_child(tree: str, url: str, acquires: int, mode: str, loop: str) -> float:
     env = {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run(
-        [sys.executable, __file__, "--child", url, "--acquires", str(acquires), "--mode", mode],
+        [sys.executable, __file__, "--child", url, "--acquires", str(acquires), "--mode", mode, "--loop", loop],
         env=env,
         cwd=tree,
         capture_output=True,
@@ -109,14 +109,22 @@ def _run_child(tree: str, url: str, acquires: int, mode: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", default="/work/main", help="the other tree (its proxy/ is imported)")
+    ap.add_argument("--after", default=str(ROOT), help="the tree measured against it (default: this one)")
     ap.add_argument("--acquires", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="redis,no-io")
     ap.add_argument("--child")
     ap.add_argument("--mode", default="redis")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the proxy runs on uvloop")
     args = ap.parse_args()
     if args.child:
-        print(asyncio.run(_child(args.child, args.acquires, args.mode)))
+        factory = asyncio.new_event_loop
+        if args.loop == "uvloop":
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        with asyncio.Runner(loop_factory=factory) as runner:
+            print(runner.run(_child(args.child, args.acquires, args.mode)))
         return 0
     binary = shutil.which("redis-server")
     if binary is None:
@@ -135,12 +143,13 @@ def main() -> int:
             except OSError:
                 time.sleep(0.05)
         url = f"redis://127.0.0.1:{port}/0"
-        trees = {"before": args.against, "after": str(ROOT)}
+        trees = {"before": args.against, "after": args.after}
         results: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
             for mode in args.modes.split(","):
                 for name, tree in trees.items():
-                    results.setdefault((name, mode), []).append(_run_child(tree, url, args.acquires, mode))
+                    results.setdefault((name, mode), []).append(_run_child(tree, url, args.acquires, mode, args.loop))
+        print(f"event loop: {args.loop}; {args.acquires} acquires per run, {TASKS} tasks; medians of {args.rounds}")
         for mode in args.modes.split(","):
             before = statistics.median(results[("before", mode)])
             after = statistics.median(results[("after", mode)])
