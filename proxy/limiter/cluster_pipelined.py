@@ -37,6 +37,7 @@ _TRYAGAIN_PAUSE = 0.005  # between tries of a call whose keys are being migrated
 # Background refreshes at most this often: errors under load are no reason to ask the
 # cluster for its map a thousand times a second.
 _RELEARN_EVERY = 0.5
+_KEY_SLOTS_MAX = 10_000  # keys whose slot is remembered (a slot never changes for a key)
 
 
 class ClusterPipelines:
@@ -55,6 +56,7 @@ class ClusterPipelines:
         self._sources: list[str] = []
         self._refreshing: asyncio.Future[None] | None = None
         self._relearn_after = 0.0
+        self._key_slots: dict[str, int] = {}
 
     def preload(self, source: str) -> None:
         """Load a script on every node's connection before its first EVALSHA."""
@@ -140,7 +142,7 @@ class ClusterPipelines:
         """``execute`` of a command already packed (RESP)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + reply_within
-        slot = key_slot(keys[0].encode()) if keys else 0
+        slot = self._slot_of(keys[0]) if keys else 0
         target: Address | None = None  # where a redirection said to go, whatever the map says
         asking = False
         redirects = 0
@@ -186,6 +188,15 @@ class ClusterPipelines:
                 # moved, the map knows before long.
                 self._relearn()
                 raise
+
+    def _slot_of(self, key: str) -> int:
+        """The key's slot; remembered, as the hot path's keys come again and again."""
+        slot = self._key_slots.get(key)
+        if slot is None:
+            if len(self._key_slots) >= _KEY_SLOTS_MAX:
+                self._key_slots.clear()
+            slot = self._key_slots[key] = key_slot(key.encode())
+        return slot
 
     def drop_if_stuck(self, after: float) -> None:
         """See PipelinedConnection.drop_if_stuck; a dropped node is looked up again."""
