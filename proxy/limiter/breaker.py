@@ -42,6 +42,8 @@ class Breaker:
 
     def allow(self) -> bool:
         """May a call go to the store now? In half-open, only the single probe may."""
+        if self._state == "closed":
+            return True
         state = self.state
         if state == "closed":
             return True
@@ -51,6 +53,8 @@ class Breaker:
         return False
 
     def success(self) -> None:
+        if self._state == "closed" and not self._failures and not self._probing:
+            return  # nothing to reset: the usual answer costs nothing
         if self._state != "closed":
             log.warning("store recovered: circuit breaker closed")
         self._failures = 0

@@ -22,6 +22,7 @@ from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import quote
 
+import hiredis
 from redis.asyncio.connection import parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -36,6 +37,7 @@ _TRYAGAIN_PAUSE = 0.005  # between tries of a call whose keys are being migrated
 # Background refreshes at most this often: errors under load are no reason to ask the
 # cluster for its map a thousand times a second.
 _RELEARN_EVERY = 0.5
+_KEY_SLOTS_MAX = 10_000  # keys whose slot is remembered (a slot never changes for a key)
 
 
 class ClusterPipelines:
@@ -54,6 +56,7 @@ class ClusterPipelines:
         self._sources: list[str] = []
         self._refreshing: asyncio.Future[None] | None = None
         self._relearn_after = 0.0
+        self._key_slots: dict[str, int] = {}
 
     def preload(self, source: str) -> None:
         """Load a script on every node's connection before its first EVALSHA."""
@@ -133,9 +136,13 @@ class ClusterPipelines:
         """``command`` on the primary that owns ``keys`` (one slot); ``source`` is the
         script to load on NOSCRIPT. TimeoutError when no reply comes ``reply_within``
         seconds after the call."""
+        return await self.execute_packed(keys, hiredis.pack_command(command), reply_within=reply_within, source=source)
+
+    async def execute_packed(self, keys: list[str], packed: bytes, *, reply_within: float, source: str = "") -> Any:
+        """``execute`` of a command already packed (RESP)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + reply_within
-        slot = key_slot(keys[0].encode()) if keys else 0
+        slot = self._slot_of(keys[0]) if keys else 0
         target: Address | None = None  # where a redirection said to go, whatever the map says
         asking = False
         redirects = 0
@@ -153,7 +160,7 @@ class ClusterPipelines:
                     raise PipelineError(f"no node of the cluster serves slot {slot}")
             conn = self._conn(addr)
             try:
-                return await conn.execute(*command, reply_within=left, asking=asking)
+                return await conn.execute_packed(packed, reply_within=left, asking=asking)
             except ReplyError as exc:
                 kind, _, rest = str(exc).partition(" ")
                 if kind == "NOSCRIPT" and source:
@@ -181,6 +188,15 @@ class ClusterPipelines:
                 # moved, the map knows before long.
                 self._relearn()
                 raise
+
+    def _slot_of(self, key: str) -> int:
+        """The key's slot; remembered, as the hot path's keys come again and again."""
+        slot = self._key_slots.get(key)
+        if slot is None:
+            if len(self._key_slots) >= _KEY_SLOTS_MAX:
+                self._key_slots.clear()
+            slot = self._key_slots[key] = key_slot(key.encode())
+        return slot
 
     def drop_if_stuck(self, after: float) -> None:
         """See PipelinedConnection.drop_if_stuck; a dropped node is looked up again."""
@@ -212,14 +228,15 @@ class ClusterScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Awaitable[Any]:
+        packed = hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args))
+        return self.call_packed(keys, packed, reply_within)
+
+    def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Awaitable[Any]:
+        """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""
         # The caller awaits execute's coroutine itself: one coroutine fewer per acquire.
-        return self._cluster.execute(
+        return self._cluster.execute_packed(
             keys,
-            "EVALSHA",
-            self.sha,
-            len(keys),
-            *keys,
-            *args,
+            packed,
             reply_within=reply_within if reply_within is not None else 60.0,
             source=self._source,
         )

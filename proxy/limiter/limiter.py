@@ -198,18 +198,21 @@ class Limiter:
             self.breaker.release()
             raise
         self.breaker.success()
-        self._answered(vendor, b.state_key, result)
-        self._observe(vendor, b, result.levels)
+        now = self.clock.monotonic()
+        self._answered(vendor, b.state_key, result, now)
+        self._observe(vendor, b, result.levels, now)
         return result
 
-    def _observe(self, vendor: Vendor, b: Buckets, levels: tuple[float, ...]) -> None:
-        """Remember the global buckets' levels in ``levels`` (every bucket of ``b``)."""
+    def _observe(self, vendor: Vendor, b: Buckets, levels: tuple[float, ...], now: float | None = None) -> None:
+        """Remember the global buckets' levels in ``levels`` (every bucket of ``b``), as of
+        ``now`` (the clock's, when not given)."""
         start = b.tenant_count + b.endpoint_count
         if start < len(levels):
             if b.partition:
                 self._note_levels(vendor, b.partition, b.state_key, levels[start:])
             else:
-                self._observed[vendor.name] = Observation(levels[start:], self.clock.monotonic())
+                at = self.clock.monotonic() if now is None else now
+                self._observed[vendor.name] = Observation(levels[start:], at)
 
     def _note_levels(self, vendor: Vendor, partition: str, key: str, levels: tuple[float, ...]) -> None:
         obs = Observation(levels, self.clock.monotonic())
@@ -224,9 +227,10 @@ class Limiter:
     def _guard(self, vendor: Vendor, key: str) -> StateGuard:
         return StateGuard(key, self._seen_seq(key), vendor.on_limit.max_hold)
 
-    def _answered(self, vendor: Vendor, key: str, result: AcquireResult) -> None:
-        """What every acquire the store answered tells: the state's counter, a loss."""
-        self._note_state(vendor, key, result)
+    def _answered(self, vendor: Vendor, key: str, result: AcquireResult, now: float | None = None) -> None:
+        """What every acquire the store answered tells: the state's counter, a loss
+        (``now``: the clock's, when not given)."""
+        self._note_state(vendor, key, result, self.clock.monotonic() if now is None else now)
         if result.lost:
             part = self._partition_of(vendor, key)
             log.error(
@@ -365,14 +369,13 @@ class Limiter:
         seq, matters_until = self._seen.get(key, (0, 0.0))
         return seq if self.clock.monotonic() < matters_until else 0
 
-    def _note_state(self, vendor: Vendor, key: str, result: AcquireResult) -> None:
+    def _note_state(self, vendor: Vendor, key: str, result: AcquireResult, now: float) -> None:
         seen = self._seen.get(key)
         seq = 0 if seen is None else seen[0]
         if result.seq >= seq or result.lost:
             # The state lives ``debt`` + 1 s past its buckets' refill (the ttl the store
             # reports, whoever extended it last): only until then can a missing state be
             # a loss that matters (acquire.lua, "Lost state").
-            now = self.clock.monotonic()
             if seen is None:
                 # Many partitions: entries past their time say nothing any more (_seen_seq).
                 _bounded(self._seen, lambda s: s[1] <= now)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -34,6 +35,9 @@ class ReplyError(PipelineError):
     the command's (MOVED, ASK, NOSCRIPT... tell that the command did not run)."""
 
 
+_ASKING = hiredis.pack_command(("ASKING",))
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     """For a reply nobody awaits (ASKING's): a lost connection leaves no unretrieved error."""
     if not fut.cancelled():
@@ -44,36 +48,72 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
         self._waiters: deque[asyncio.Future[Any]] = deque()
+        self._deadlines: deque[float] = deque()  # each waiter's reply deadline (loop time)
+        self._latest = 0.0  # the latest deadline sent so far
+        self._watch: asyncio.TimerHandle | None = None  # one timer for the waiters' deadlines
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.last_reply = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self.last_reply = self._loop.time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
-        self.last_reply = asyncio.get_running_loop().time()
+        self.last_reply = self._loop.time()
         while (reply := self._reader.gets()) is not False:
             fut = self._waiters.popleft()
+            self._deadlines.popleft()
             if not fut.done():  # a caller that timed out left its slot: drop its reply
                 fut.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         error = PipelineError(f"connection lost: {exc}" if exc else "connection closed")
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._deadlines.clear()
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(error)
 
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(self, packed: bytes, deadline: float = math.inf) -> asyncio.Future[Any]:
+        """Write ``packed``; its reply fails with TimeoutError when it has not come by
+        ``deadline`` (loop time; see _expire)."""
         if self.closed or self.transport is None:
             raise PipelineError("connection closed")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        fut: asyncio.Future[Any] = loop.create_future()
         self._waiters.append(fut)
+        self._deadlines.append(deadline)
         self.transport.write(packed)
+        if deadline != math.inf:
+            # Deadlines come in the order commands go out (one store timeout), so one timer,
+            # at the oldest waiter's deadline, watches them all: no timer per call. A deadline
+            # earlier than one sent before (a Cluster call sent again) gets its own.
+            if deadline < self._latest:
+                loop.call_at(deadline, _expire, loop, fut, 2)
+            else:
+                self._latest = deadline
+                if self._watch is None:
+                    self._watch = loop.call_at(deadline, self._overdue)
         return fut
+
+    def _overdue(self) -> None:
+        """The watch's time came: expire every waiter past its deadline, then watch the next."""
+        self._watch = None
+        loop = self._loop
+        now = loop.time()
+        for fut, deadline in zip(self._waiters, self._deadlines, strict=True):
+            if fut.done() or deadline == math.inf:
+                continue
+            if deadline > now:
+                self._watch = loop.call_at(deadline, self._overdue)
+                return
+            _expire(loop, fut, 2)
 
     def stuck_for(self) -> float:
         """Seconds since Redis last answered while commands are waiting (0 when none wait)."""
@@ -183,26 +223,23 @@ class PipelinedConnection:
         answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
         on the caller's wait: see _expire). ``asking``: ASKING goes out right before the
         command, in the same write (Cluster's ASK redirection during a slot migration)."""
-        loop = asyncio.get_running_loop()
+        return await self.execute_packed(hiredis.pack_command(args), reply_within=reply_within, asking=asking)
+
+    async def execute_packed(self, packed: bytes, *, reply_within: float | None = None, asking: bool = False) -> Any:
+        """``execute`` of a command already packed (RESP)."""
         if reply_within is None:
             proto = await self._connection()
             if asking:
-                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
-            reply = await proto.send(hiredis.pack_command(args))
+                proto.send(_ASKING).add_done_callback(_retrieve)
+            reply = await proto.send(packed)
         else:
-            deadline = loop.time() + reply_within
+            deadline = asyncio.get_running_loop().time() + reply_within
             current = self._proto
             if current is None or current.closed:
                 current = await asyncio.wait_for(self._connection(), reply_within)
-            proto = current
             if asking:
-                proto.send(hiredis.pack_command(("ASKING",))).add_done_callback(_retrieve)
-            fut = proto.send(hiredis.pack_command(args))
-            handle = loop.call_at(deadline, _expire, loop, fut, 2)
-            try:
-                reply = await fut
-            finally:
-                handle.cancel()
+                current.send(_ASKING).add_done_callback(_retrieve)
+            reply = await current.send(packed, deadline)
         if isinstance(reply, hiredis.ReplyError):
             raise ReplyError(str(reply))
         return reply
@@ -235,10 +272,16 @@ class PipelinedScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Any:
+        return await self.call_packed(
+            keys, hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args)), reply_within
+        )
+
+    async def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Any:
+        """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""
         try:
-            return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
+            return await self._conn.execute_packed(packed, reply_within=reply_within)
         except ReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
-        return await self._conn.execute("EVALSHA", self.sha, len(keys), *keys, *args, reply_within=reply_within)
+        return await self._conn.execute_packed(packed, reply_within=reply_within)

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
+from proxy.limiter.resp import bulk, bulks, header
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
     AcquireResult,
@@ -67,6 +68,46 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
     return aioredis.from_url(url, retry=Retry(NoBackoff(), 1), **options)
 
 
+_SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter keeps as many)
+_EMPTY = bulk("")
+_ZERO = bulk(0.0)
+
+
+class _AcquireShape:
+    """The parts of acquire.lua's keys and arguments that one bucket set (with its queue,
+    state and lease sets) sends in every call; ``head`` and ``tail`` as RESP, the
+    arguments between them (cost, max_wait...) packed per call."""
+
+    __slots__ = ("args", "buckets", "count", "head", "keys", "n", "queued", "sets", "state", "tail")
+
+    def __init__(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        queue: str | None,
+        state: str | None,
+        sets: tuple[LeaseSet, ...],
+        sha: str,
+    ) -> None:
+        self.buckets, self.state, self.sets = buckets, state, sets
+        keys = [b.key for b in buckets] + [ls.key for ls in sets]
+        if queue is not None:
+            keys.append(queue)
+        if state is not None:
+            keys.append(state)
+        self.keys = keys
+        args: list[float | str] = []
+        for b in buckets:
+            args += (b.rate / _MS, b.burst, b.field)
+        args += [ls.cap for ls in sets]
+        self.args = args
+        self.n = len(buckets)
+        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life | args...
+        self.head = header(3 + len(keys) + 8 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
+        self.queued = bulk("q" if queue is not None else "")
+        self.count = bulk(self.n)
+        self.tail = bulks(args)
+
+
 class RedisStore:
     def __init__(self, url: str, timeout: float, *, pipelined: bool = True) -> None:
         """``pipelined=False`` sends acquire, release and presence through redis-py, like every
@@ -83,6 +124,7 @@ class RedisStore:
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
+        self._shapes: dict[tuple[int, str | None], _AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
         # The once-a-second announcement rides on the same connections as the requests'
@@ -123,13 +165,18 @@ class RedisStore:
                 raise
             raise StoreUnavailable(f"redis-py cluster client: {exc}") from exc
 
+    def _fast_failed(self, exc: BaseException) -> StoreUnavailable:
+        """A pipelined call failed: what to raise (and a stuck connection is dropped)."""
+        assert self._pipe is not None
+        self._pipe.drop_if_stuck(self._timeout)
+        return StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
     async def _call_fast(self, fast: PipelinedScript | ClusterScript, keys: list[str], args: list[float | str]) -> Any:
         assert self._pipe is not None
         try:
             return await fast(keys, args, reply_within=self._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
-            self._pipe.drop_if_stuck(self._timeout)
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+            raise self._fast_failed(exc) from exc
 
     async def acquire(
         self,
@@ -141,36 +188,80 @@ class RedisStore:
         leases: Leases | None = None,
     ) -> AcquireResult:
         sets = leases.sets if leases is not None else ()
-        keys = [b.key for b in buckets] + [ls.key for ls in sets]
-        args: list[float | str] = [cost, max_wait * _MS, "", "", 0.0, len(buckets), "", 0.0]
-        if queue is not None:
-            keys.append(queue)
-            args[2] = "q"
-        if guard is not None:
-            keys.append(guard.key)
-            args[3], args[4] = guard.seen, guard.debt * _MS
-        if leases is not None:
-            args[6], args[7] = leases.id, leases.life * _MS
-        for b in buckets:
-            args += (b.rate / _MS, b.burst, b.field)
-        args += [ls.cap for ls in sets]
-        if self._acquire_fast is not None:
-            out = await self._call_fast(self._acquire_fast, keys, args)
+        shape = self._shape(buckets, queue, guard, sets)
+        n = shape.n
+        fast = self._acquire_fast
+        if fast is not None:
+            # The command's fixed parts were packed once (_AcquireShape): only what changes
+            # per call is packed here, the bytes being those of the whole command packed.
+            packed = b"".join(
+                (
+                    shape.head,
+                    bulk(cost),
+                    bulk(max_wait * _MS),
+                    shape.queued,
+                    _EMPTY if guard is None else bulk(guard.seen),
+                    _ZERO if guard is None else bulk(guard.debt * _MS),
+                    shape.count,
+                    _EMPTY if leases is None else bulk(leases.id),
+                    _ZERO if leases is None else bulk(leases.life * _MS),
+                    shape.tail,
+                )
+            )
+            try:  # _call_packed's, inline: one coroutine fewer per acquire
+                out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
+            except (PipelineError, OSError, TimeoutError) as exc:
+                raise self._fast_failed(exc) from exc
         else:
+            args: list[float | str] = [
+                cost,
+                max_wait * _MS,
+                "q" if queue is not None else "",
+                "" if guard is None else guard.seen,
+                0.0 if guard is None else guard.debt * _MS,
+                n,
+                "" if leases is None else leases.id,
+                0.0 if leases is None else leases.life * _MS,
+                *shape.args,
+            ]
+            keys = shape.keys
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
-        n = len(buckets)
+        wait = out[1]
+        waited = float(wait) / _MS
         return AcquireResult(
-            granted=out[0] == b"1",
-            wait=float(out[1]) / _MS,
-            binding=int(out[2]) - 1,
-            levels=tuple(float(x) for x in out[8 : 8 + n]),
-            hint=float(out[3]) / _MS,
-            seq=int(out[4]),
-            lost=out[5] == b"1",
-            full=int(out[6]) - 1,
-            inflight=tuple(int(x) for x in out[8 + n :]),
-            ttl=int(out[7]) / _MS,
+            out[0] == b"1",
+            waited,
+            int(out[2]) - 1,
+            tuple(map(float, out[8 : 8 + n])),
+            waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
+            int(out[4]),
+            out[5] == b"1",
+            int(out[6]) - 1,
+            tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
+            int(out[7]) / _MS,
         )
+
+    def _shape(
+        self, buckets: tuple[BucketSpec, ...], queue: str | None, guard: StateGuard | None, sets: tuple[LeaseSet, ...]
+    ) -> _AcquireShape:
+        """What an acquire of these buckets sends whatever the call (keys, rates, bursts,
+        fields, caps), kept per bucket set: the limiter passes the same tuple every time."""
+        state = None if guard is None else guard.key
+        key = (id(buckets), queue)
+        shape = self._shapes.get(key)
+        if (
+            shape is not None
+            and shape.buckets is buckets
+            and shape.state == state
+            and (shape.sets is sets or shape.sets == sets)
+        ):
+            return shape
+        if len(self._shapes) >= _SHAPES_MAX:
+            self._shapes.clear()
+        shape = self._shapes[key] = _AcquireShape(
+            buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha
+        )
+        return shape
 
     async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
         keys = [ls.key for ls in sets]

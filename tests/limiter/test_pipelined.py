@@ -153,3 +153,36 @@ async def test_a_silent_store_still_times_out_at_the_deadline(own_redis: RedisSe
     finally:
         own_redis.resume()
         conn.close()
+
+
+SLOW = (
+    "local t = redis.call('TIME'); while true do "
+    "local u = redis.call('TIME'); if (u[1]-t[1])*1e6 + (u[2]-t[2]) > 300000 "
+    "then break end end; return 'slow'"
+)
+
+
+async def test_every_waiter_times_out_at_its_own_deadline(redis_url: str) -> None:
+    # One timer watches the connection's deadlines: a later one sent after an earlier one
+    # still times out when its time comes, and one earlier than those sent before it does too.
+    conn = PipelinedConnection(redis_url, connect_timeout=1.0)
+    slow = PipelinedScript(conn, SLOW)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        await echo([], ["warm"])
+        await slow([], [])  # loaded: no NOSCRIPT round trip below
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        busy = asyncio.ensure_future(slow([], [], reply_within=5.0))
+        later = asyncio.ensure_future(echo([], ["later"], reply_within=0.15))
+        earlier = asyncio.ensure_future(echo([], ["earlier"], reply_within=0.05))  # earlier than `later`'s
+        with pytest.raises(TimeoutError):
+            await earlier
+        assert loop.time() - started < 0.15  # not at `later`'s deadline, nor at Redis's answer
+        with pytest.raises(TimeoutError):
+            await later
+        assert loop.time() - started < 0.28  # Redis is still busy: before its answer
+        assert await busy == b"slow"
+        assert await echo([], ["after"], reply_within=1.0) == b"after"  # the dropped replies kept order
+    finally:
+        conn.close()
