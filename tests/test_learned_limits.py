@@ -104,10 +104,12 @@ async def test_the_fleet_comes_down_to_the_vendors_limit_and_follows_it_back_up(
         # Converged well within 5 s: measured from 1.5 s to 3 s.
         await until(start, 1.5)
         early = await learn_status(admin, proxy)
+        early_at = time.monotonic()
         await until(start, 3.0)
         down = mock.measured_rate(start + 1.5, start + 3.0)
         rejected_down = mock.rejected
         learned = await learned_rate(admin, proxy)
+        status_at = time.monotonic()
         status = await learn_status(admin, proxy)
         # The vendor raises its limit to what the policy can grant in a second (100/s + burst
         # 10): the proxy follows within one reset period (the vendor's 1-s window), never above
@@ -132,8 +134,12 @@ async def test_the_fleet_comes_down_to_the_vendors_limit_and_follows_it_back_up(
     assert bucket["source"] == ("X-RateLimit" if family == "x-ratelimit" else "RateLimit 'default'")
     # Learn calls: a few while settling, then none per request at a steady limit.
     assert early["store_calls"] <= 20
+    # Every answer between the two snapshots was a report (at most the workers' requests in
+    # flight at either end aside); timed by the snapshots themselves, which a loaded machine
+    # delays (a fixed ">= 90" failed at 31-69 on a loaded machine, with the calls still <= 2).
     steady_reports = status["reports"] - early["reports"]
-    assert steady_reports >= 90
+    answered = sum(early_at <= t <= status_at for t in arrivals)
+    assert steady_reports >= max(answered - 2 * WORKERS, 30), (steady_reports, answered)
     assert status["store_calls"] - early["store_calls"] <= 2, (early, status)
     assert busiest_second(arrivals, start - 1.0, raised - 1.0) <= VENDOR_RATE  # cold start included
     assert up >= 0.95 * POLICY_RATE, f"{up:.1f}/s at the vendor one window after it raised its limit"
