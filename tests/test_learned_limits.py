@@ -101,12 +101,14 @@ async def test_the_fleet_comes_down_to_the_vendors_limit_and_follows_it_back_up(
     proxy = await start_proxy(learning_policy(vendor.url, redis_url))
     start = time.monotonic()
     async with saturating(proxy), aiohttp.ClientSession() as admin:
-        # Converged well within 5 s: measured from 1.5 s to 3 s.
+        # Converged within 5 s: measured from 1.5 s to 4.5 s (a 1.5-s window read 66.3/s for
+        # the learned 68/s once, on a machine another test process kept busy: one 30 ms stall
+        # is 2 requests of 102; of 204 it is 1 %).
         await until(start, 1.5)
         early = await learn_status(admin, proxy)
         early_at = time.monotonic()
-        await until(start, 3.0)
-        down = mock.measured_rate(start + 1.5, start + 3.0)
+        await until(start, 4.5)
+        down = mock.measured_rate(start + 1.5, start + 4.5)
         rejected_down = mock.rejected
         learned = await learned_rate(admin, proxy)
         status_at = time.monotonic()
