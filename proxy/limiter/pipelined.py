@@ -122,8 +122,11 @@ class _Protocol(asyncio.Protocol):
         return asyncio.get_running_loop().time() - self.last_reply
 
     def close(self) -> None:
+        # abort, not close: over TLS, close() starts a close_notify exchange that needs more
+        # turns of the event loop; a store closed as its loop ends (a test, a shutdown) left
+        # the socket open ("unclosed transport"). Redis needs no TLS goodbye.
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
 
 def _expire(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], hops: int) -> None:

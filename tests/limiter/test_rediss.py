@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import shutil
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +103,26 @@ async def test_an_unknown_server_certificate_is_refused(tls_redis: tuple[int, Pa
             await store.ping()
     finally:
         await store.close()
+
+
+def test_a_store_closed_as_its_loop_ends_leaves_no_socket_open(tls_redis: tuple[int, Path]) -> None:
+    """Over TLS, closing the pipelined connection started a close_notify exchange that needed
+    more turns of the loop: a store closed just before its loop ended (a test's, a shutdown's)
+    left the socket open, a ResourceWarning ("unclosed transport") when collected, which failed
+    a later test at random."""
+    port, ca = tls_redis
+
+    async def use_and_close() -> None:
+        store = RedisStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}", timeout=1.0)
+        assert (await store.acquire((BucketSpec("t:{v}:g:closing", 1000, 10, "global", "g"),), 1, 0)).granted
+        await store.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(use_and_close())
+        finally:
+            loop.close()
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
