@@ -5,7 +5,7 @@ llhttp (httptools) parsing, requests served one at a time in arrival order.
     handler   → Responder: the head leaves with the first piece of the body; Content-Length
                 when the handler gives one, else chunked (HTTP/1.1) or close-delimited (1.0)
 
-Flow control both ways: a Body holding more than ``BODY_HIGH`` bytes the handler has not
+Flow control both ways: a Body holding more than ``BODY_HIGH`` (inbox.py) bytes the handler has not
 read pauses reading from the worker (resumed below ``BODY_LOW``), more than ``PIPELINE_AHEAD``
 parsed requests waiting their turn pause it too, and ``Responder.write`` waits while the
 transport's write buffer is over its high-water mark (pause_writing / resume_writing).
@@ -34,14 +34,13 @@ from typing import Final, Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.dataplane")
 
 MAX_HEAD: Final = 64 * 1024
 """Bytes a request head may take (request line and fields together); more: 431."""
-BODY_HIGH: Final = 256 * 1024
-BODY_LOW: Final = 64 * 1024
 PIPELINE_AHEAD: Final = 4
 """Parsed requests waiting behind the one being served before reading pauses."""
 WRITE_HIGH: Final = 256 * 1024
@@ -92,32 +91,16 @@ class BodyBroken(ConnectionError):
     """The worker's connection ended (or its framing broke) before the body was complete."""
 
 
-class Body:
+class Body(Inbox):
     """A request body as it arrives: ``read()`` gives the next piece, ``b""`` at its end."""
 
-    __slots__ = (
-        "_chunks",
-        "_conn",
-        "_continue",
-        "_discarding",
-        "_done",
-        "_end_waiter",
-        "_exc",
-        "_paused",
-        "_size",
-        "_waiter",
-    )
+    __slots__ = ("_conn", "_continue", "_discarding", "_end_waiter")
 
     def __init__(self, conn: Http1Connection, expect_continue: bool) -> None:
+        super().__init__()
         self._conn = conn
-        self._chunks: deque[bytes] = deque()
-        self._size = 0
-        self._done = False
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
         self._end_waiter: asyncio.Future[None] | None = None
         self._continue = expect_continue
-        self._paused = False
         self._discarding = False
 
     @property
@@ -130,33 +113,19 @@ class Body:
         """The worker waits for ``100 Continue``, not sent yet."""
         return self._continue
 
-    async def read(self) -> bytes:
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._conn.loop
+
+    def _pause(self) -> None:
+        self._conn.pause("body")
+
+    def _resume(self) -> None:
+        self._conn.resume("body")
+
+    def _reading(self) -> None:
         if self._continue:  # the body is wanted now: invite it
             self._continue = False
             self._conn.write_interim(CONTINUE)
-        while not self._chunks:
-            if self._exc is not None:
-                raise self._exc
-            if self._done:
-                return b""
-            waiter = self._waiter = self._conn.loop.create_future()
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:
-                    self._waiter = None
-        chunk = self._chunks.popleft()
-        self._size -= len(chunk)
-        if self._paused and self._size <= BODY_LOW:
-            self._paused = False
-            self._conn.resume("body")
-        return chunk
-
-    async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read():
-            parts.append(chunk)
-        return b"".join(parts)
 
     # -- from the connection ---------------------------------------------------------
 
@@ -166,30 +135,12 @@ class Body:
             if self._size > DISCARD_MAX:
                 self._fail(BodyBroken("unread body too large to discard"))
             return
-        self._chunks.append(data)
-        self._size += len(data)
-        if not self._paused and self._size > BODY_HIGH:
-            self._paused = True
-            self._conn.pause("body")
-        self._wake()
-
-    def _end(self) -> None:
-        self._done = True
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._done and self._exc is None:
-            self._exc = exc
-            self._wake()
+        super()._feed(data)
 
     def _discard(self) -> None:
         """The answer is out and nobody will read the rest: drop it as it comes."""
         self._discarding = True
-        self._chunks.clear()
-        self._size = 0
-        if self._paused:
-            self._paused = False
-            self._conn.resume("body")
+        self._drop_unread()
 
     async def _finished(self) -> None:
         """The rest of a discarded body is in (a reader of the body may still be waiting:
@@ -204,8 +155,7 @@ class Body:
             raise self._exc
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        super()._wake()
         if self._end_waiter is not None and not self._end_waiter.done():
             self._end_waiter.set_result(None)
 

@@ -8,7 +8,7 @@ sent twice: a connection that broke while the request was being written or await
 a fresh connection (SPEC §12). An idle connection the vendor is known to have closed is
 skipped before anything is written on it, which is not a resend.
 
-Flow control: an answer body holding more than ``BODY_HIGH`` unread bytes pauses reading
+Flow control: an answer body holding more than ``BODY_HIGH`` (inbox.py) unread bytes pauses reading
 from the vendor; a request body waits while the transport's write buffer is full.
 """
 
@@ -25,10 +25,9 @@ from typing import Final, Literal, Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
 
-BODY_HIGH: Final = 256 * 1024
-BODY_LOW: Final = 64 * 1024
 WRITE_HIGH: Final = 256 * 1024
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 """Methods whose request carries ``Content-Length: 0`` when it has no body (as aiohttp did)."""
@@ -74,57 +73,33 @@ class BodySource(Protocol):
     async def read(self) -> bytes: ...
 
 
-class Response:
+class Response(Inbox):
     """The vendor's answer: status and headers once in, the body as it arrives."""
 
-    __slots__ = (
-        "_chunks",
-        "_conn",
-        "_done",
-        "_exc",
-        "_paused",
-        "_size",
-        "_waiter",
-        "headers",
-        "reason",
-        "status",
-    )
+    __slots__ = ("_conn", "headers", "reason", "status")
 
     def __init__(self, conn: UpstreamConnection, status: int, reason: str, headers: CIMultiDictProxy[str]) -> None:
+        super().__init__()
         self._conn = conn
         self.status = status
         self.reason = reason
         self.headers = headers
-        self._chunks: deque[bytes] = deque()
-        self._size = 0
-        self._done = False
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._paused = False
 
     @property
     def done(self) -> bool:
         return self._done and not self._chunks
 
-    async def read(self) -> bytes:
-        """The next piece of the body, ``b""`` at its end; ``UpstreamBroke`` if it broke off."""
-        while not self._chunks:
-            if self._exc is not None:
-                raise self._exc
-            if self._done:
-                return b""
-            waiter = self._waiter = self._conn.loop.create_future()
-            self._conn.awaiting()
-            try:
-                await waiter  # the connection's read timer fails it when the vendor goes silent
-            finally:
-                self._waiter = None
-        chunk = self._chunks.popleft()
-        self._size -= len(chunk)
-        if self._paused and self._size <= BODY_LOW:
-            self._paused = False
-            self._conn.resume_reading()
-        return chunk
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._conn.loop
+
+    def _pause(self) -> None:
+        self._conn.pause_reading()
+
+    def _resume(self) -> None:
+        self._conn.resume_reading()
+
+    def _waiting(self) -> None:
+        self._conn.awaiting()  # the connection's read timer fails the read when the vendor goes silent
 
     def whole(self, limit: int) -> bytes | None:
         """The rest of the body at once when it is all in (and at most ``limit`` bytes), else
@@ -133,18 +108,8 @@ class Response:
             return None
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._size = 0
-        if self._paused:
-            self._paused = False
-            self._conn.resume_reading()
+        self._drop_unread()
         return data
-
-    async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read():
-            parts.append(chunk)
-        return b"".join(parts)
 
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if it can be reused."""
@@ -153,27 +118,6 @@ class Response:
     def close(self) -> None:
         """Done with the answer before its end: the connection is closed, never reused."""
         self._conn.close()
-
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if not self._paused and self._size > BODY_HIGH:
-            self._paused = True
-            self._conn.pause_reading()
-        self._wake()
-
-    def _end(self) -> None:
-        self._done = True
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._done and self._exc is None:
-            self._exc = exc
-            self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
 
 class UpstreamConnection(asyncio.Protocol):

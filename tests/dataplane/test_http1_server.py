@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.dataplane import http1
+from proxy.dataplane import http1, inbox
 from proxy.dataplane.http1 import Http1Connection, Request, Responder
 from tests.dataplane.wire import Peer, read_head, read_response, request, until
 
@@ -254,7 +254,7 @@ async def test_an_upload_the_handler_does_not_read_pauses_the_worker(serve, peer
         last = bodies[0]._size
         await asyncio.sleep(0.2)
     assert not sender.done()  # the worker is held back by TCP, not buffered in the proxy
-    assert bodies[0]._size <= http1.BODY_HIGH + 1024 * 1024, bodies[0]._size
+    assert bodies[0]._size <= inbox.BODY_HIGH + 1024 * 1024, bodies[0]._size
     release.set()
     answer = await read_response(client.reader)
     await sender

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trustme
 
-from proxy.dataplane import upstream
+from proxy.dataplane import inbox
 from proxy.dataplane.upstream import Origin, Pool, UpstreamBroke, UpstreamFailed
 from tests.dataplane.wire import Message, read_request, until
 
@@ -283,7 +283,7 @@ async def test_a_slow_reader_pauses_the_vendor(vendor, pool) -> None:
         last = sent["bytes"]
         await asyncio.sleep(0.2)
     assert sent["bytes"] < size / 2
-    assert resp._size <= upstream.BODY_HIGH + 1024 * 1024, resp._size
+    assert resp._size <= inbox.BODY_HIGH + 1024 * 1024, resp._size
     received = 0
     while chunk := await resp.read():
         received += len(chunk)
