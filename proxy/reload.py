@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,26 +66,42 @@ class Reloader:
             log.warning("reload: %s", note)
         return ReloadResult(True, (), notes)
 
+    def watch(self, path: str, interval: float = 1.0) -> Coroutine[Any, Any, None]:
+        """--watch (``watch_file``)."""
+        return watch_file(path, self.reload, interval)
+
     def _failed(self, reason: str, errors: tuple[str, ...]) -> ReloadResult:
         self._runtime.metrics.reloads.labels("failure").inc()
-        log.error("policy reload (%s) refused; the running policy keeps serving:", reason)
-        for error in errors:
-            log.error("  %s", error)
-        return ReloadResult(False, errors)
+        return refused(reason, errors)
 
-    def watch(self, path: str, interval: float = 1.0) -> Coroutine[Any, Any, None]:
-        """Reload whenever the file's content changes (polled: works on every filesystem,
-        including ConfigMap symlink swaps); the coroutine runs until cancelled. The
-        file is read now, so a change made right after start is not missed."""
-        return self._watch(path, interval, _digest(path))
 
-    async def _watch(self, path: str, interval: float, last: bytes | None) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            current = _digest(path)
-            if current is not None and current != last:
-                last = current
-                await self.reload("file changed")
+def refused(reason: str, errors: tuple[str, ...]) -> ReloadResult:
+    """A reload that did not happen: logged with every error; the running policy stays."""
+    log.error("policy reload (%s) refused; the running policy keeps serving:", reason)
+    for error in errors:
+        log.error("  %s", error)
+    return ReloadResult(False, errors)
+
+
+def watch_file(
+    path: str, reload: Callable[[str], Awaitable[ReloadResult]], interval: float = 1.0
+) -> Coroutine[Any, Any, None]:
+    """--watch: ``reload("file changed")`` whenever the file's content changes (polled: works
+    on every filesystem, including ConfigMap symlink swaps); the coroutine runs until
+    cancelled. The file is read now, so a change made right after start (or while workers
+    start) is not missed."""
+    return _watch(path, reload, interval, _digest(path))
+
+
+async def _watch(
+    path: str, reload: Callable[[str], Awaitable[ReloadResult]], interval: float, last: bytes | None
+) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        current = _digest(path)
+        if current is not None and current != last:
+            last = current
+            await reload("file changed")
 
 
 def _digest(path: str) -> bytes | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import hashlib
 import logging
 import math
 import os
@@ -47,7 +46,7 @@ import aiohttp
 
 from proxy.policy import ConfigErrors, Policy, mask_password
 from proxy.policy.model import Address
-from proxy.reload import ReloadResult
+from proxy.reload import ReloadResult, refused, watch_file
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.workers")
@@ -310,24 +309,11 @@ class Supervisor:
 
     def _refused(self, reason: str, errors: tuple[str, ...]) -> ReloadResult:
         self.reloads["failure"] += 1
-        log.error("policy reload (%s) refused; the running policy keeps serving:", reason)
-        for error in errors:
-            log.error("  %s", error)
-        return ReloadResult(False, errors)
+        return refused(reason, errors)
 
     def watch(self, path: str, interval: float = 1.0) -> Coroutine[Any, Any, None]:
-        """--watch: reload when the file's content changes (polled, as one process does).
-        The file is read now (before the workers start): a change made while they start,
-        or right after, is not missed."""
-        return self._watch(path, interval, _digest(path))
-
-    async def _watch(self, path: str, interval: float, last: bytes | None) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            current = _digest(path)
-            if current is not None and current != last:
-                last = current
-                await self.reload("file changed")
+        """--watch, as one process does (reload.py); the file is read before the workers start."""
+        return watch_file(path, self.reload, interval)
 
     # ------------------------------------------------------------------ asking workers
 
@@ -438,13 +424,6 @@ def _exit_text(status: int) -> str:
         except ValueError:
             return f"was killed by signal {-status}"
     return f"exited with status {status}"
-
-
-def _digest(path: str) -> bytes | None:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).digest()
-    except OSError:
-        return None
 
 
 def ready_line(listen: Address, admin: Address, policy: Policy) -> str:
