@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy import headers as h
-from proxy.limiter.store import AcquireResult
+from proxy.limiter.store import AcquireResult, BucketSpec
 from proxy.policy.durations import parse_duration
 from proxy.policy.model import ACTIONS, Action, OnLimit
 from proxy.ratelimit_fields import QuotaItem
@@ -63,6 +63,11 @@ class Admission:
     quota: QuotaItem | None = None
     """Its tightest bucket, for the RateLimit fields of the forwarded answer (when the
     vendor asks for them and the store answered)."""
+    pace: tuple[BucketSpec, ...] = ()
+    """The vendor-side buckets its write is paced by (pacing.py); none when it went
+    without the store (failing open)."""
+    cost: float = 1.0
+    """What it takes from each of them."""
 
 
 FORWARD = Forward()

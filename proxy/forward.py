@@ -17,13 +17,15 @@ import functools
 import logging
 import math
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from proxy.dataplane.http1 import BodyBroken, Request, Responder
-from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke
+from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
+from proxy.limiter.store import BucketSpec
 from proxy.names import parse_authority
+from proxy.pacing import Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import BadRequest, UpstreamFailed
 from proxy.tasks import spawn
@@ -171,15 +173,34 @@ def classify(vendor: Vendor, method: str, headers: Mapping[str, str], failure: F
     return UpstreamFailed(status, kind, f"{vendor.name}{sep}{detail}", failure.reached, safe)
 
 
-async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target: str, tenant_header: str) -> Response:
+async def send(
+    pool: Pool,
+    vendor: Vendor,
+    request: Request,
+    origin: str,
+    target: str,
+    tenant_header: str,
+    pacer: Pacer | None = None,
+    pace: Sequence[BucketSpec] = (),
+    cost: float = 1.0,
+) -> Response:
     """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
     and query byte for byte (re-encoding could break a signed URL); return once the vendor's
-    headers are in. Raises refusals.UpstreamFailed (``classify``)."""
+    headers are in. Raises refusals.UpstreamFailed (``classify``).
+
+    With a ``pacer``, the request is written only once the mirrors of its vendor-side
+    buckets ``pace`` hold its ``cost``: at the last moment, its connection in hand, so that
+    whatever delayed it (a connection opening, a busy loop) cannot bunch it with the
+    requests granted after it (pacing.py)."""
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
         conn = pool.idle(where) or await pool.open(where, timeouts.connect)
+        if pacer is not None:
+            wait, rest = pacer.reserve(pace, cost)
+            if wait > 0:
+                conn = await _paced(pool, conn, pacer, wait, rest, cost, timeouts.connect)
         return await conn.request(
             request.method,
             target,
@@ -195,6 +216,31 @@ async def send(pool: Pool, vendor: Vendor, request: Request, origin: str, target
     except OSError as exc:
         failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)
         raise classify(vendor, request.method, request.headers, failure) from exc
+
+
+async def _paced(
+    pool: Pool,
+    conn: UpstreamConnection,
+    pacer: Pacer,
+    wait: float,
+    rest: Sequence[BucketSpec],
+    cost: float,
+    connect: float | None,
+) -> UpstreamConnection:
+    """Hold ``conn`` until the pacer lets the request go (``wait`` seconds, then the tokens
+    of the buckets ``rest`` it has not taken yet); the connection to write on then (another
+    if the vendor closed this one meanwhile). A wait cut short (the worker went away) puts
+    the unused connection back."""
+    try:
+        while wait > 0:
+            await pacer.clock.sleep(wait)
+            wait, rest = pacer.reserve(rest, cost)
+    except BaseException:
+        pool.give_back(conn)
+        raise
+    if conn.closed:
+        return pool.idle(conn.origin) or await pool.open(conn.origin, connect)
+    return conn
 
 
 async def relay(upstream: Response, responder: Responder, extra_headers: dict[str, str] | None = None) -> str | None:

@@ -28,7 +28,6 @@ from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
-from proxy.pacing import longest_window
 from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -173,16 +172,17 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
+        pace = limiter.vendor_side(limiter.buckets(vendor, tenant, endpoint, partition))
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
             await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
-            return Admission("held", quota)
+            return Admission("held", quota, pace, cost)
         if slot.waited:
             rec.hold = slot.waited
             deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
-            return Admission("held", quota)
-        return Admission("forwarded", quota)
+            return Admission("held", quota, pace, cost)
+        return Admission("forwarded", quota, pace, cost)
 
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
@@ -215,7 +215,8 @@ class ProxyHandler:
         waited: float = 0.0,
     ) -> None:
         """Sleep until the reservation matures. The store spaced reservations one
-        refill interval apart, so held requests leave in order and evenly paced.
+        refill interval apart, so held requests leave in order and evenly paced (and,
+        woken late, are spaced again when written: pacing.py).
         ``waited``: seconds already held for a concurrency slot.
 
         A hold whose worker goes away gives its tokens back, once: nothing used them
@@ -225,11 +226,8 @@ class ProxyHandler:
         deps.held[name] = deps.held.get(name, 0) + 1
         gauge = deps.metrics.held_now.labels(name)
         gauge.inc()
-        due = deps.clock.monotonic() + wait
         try:
             await deps.clock.sleep(wait)
-            # Spaced again after a stall (pacing.py); on time: no wait.
-            await deps.pacer.leave(name, due, window=longest_window(vendor))
         except asyncio.CancelledError:
             _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
             raise
@@ -251,7 +249,15 @@ class ProxyHandler:
         vendor = match.vendor
         sent = deps.clock.monotonic()
         upstream = await send(
-            deps.upstreams.pool(vendor), vendor, request, match.origin, match.path_qs, deps.policy.tenant.header
+            deps.upstreams.pool(vendor),
+            vendor,
+            request,
+            match.origin,
+            match.path_qs,
+            deps.policy.tenant.header,
+            deps.pacer if admission.pace else None,
+            admission.pace,
+            admission.cost,
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from proxy import forward
+from proxy.dataplane.upstream import Origin, Pool, UpstreamConnection
 from tests.conftest import client_session, eventually, vendor_policy
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,52 @@ async def test_rate_plus_burst_at_the_window_never_overruns_it_from_a_cold_start
     assert stats["window_max"] <= WINDOW_LIMIT, (stats["window_max"], *detail)
     assert stats["rejected"] == 0, detail
     assert stats["accepted"] >= 0.9 * (5 + 95 * RUN) - 20, (stats["accepted"], seen)  # saturated, not idle
+
+
+@pytest.mark.parametrize("action", ["defer", "hold"])
+async def test_requests_delayed_between_grant_and_write_are_not_bunched(
+    vendor, start_proxy, redis_url, action, monkeypatch
+):
+    """Every request granted in the first 100 ms is delayed before it is written (its
+    connection opens slowly: a cold start, a busy loop) while the later ones are not.
+    They used to reach the vendor together at 100 ms, ~14 in a bunch, and the window
+    after it held those and the next second's grants: ~109 of 100, and vendor 429s. Now
+    the writes are paced on their own: at most a burst at once, the rest at the rate."""
+    monkeypatch.setattr(forward, "warm_count", lambda vendor: 0)  # every request connects itself
+    real_idle, real_open = Pool.idle, Pool.open
+    loop = asyncio.get_running_loop()
+    stall_until: list[float] = []
+
+    def stalled() -> bool:
+        if not stall_until:
+            stall_until.append(loop.time() + 0.1)
+        return loop.time() < stall_until[0]
+
+    def idle(self: Pool, origin: Origin) -> UpstreamConnection | None:
+        return None if stalled() else real_idle(self, origin)
+
+    async def open_(self: Pool, origin: Origin, timeout: float | None) -> UpstreamConnection:
+        if stalled():
+            conn = await real_open(self, origin, timeout)
+            await asyncio.sleep(stall_until[0] - loop.time())
+            return conn
+        return await real_open(self, origin, timeout)
+
+    monkeypatch.setattr(Pool, "idle", idle)
+    monkeypatch.setattr(Pool, "open", open_)
+    vendor.mock.configure(WINDOW_LIMIT, window=1.0)
+    policy = vendor_policy(
+        vendor.url,
+        store=redis_url,
+        limits="[{rate: 95, per: 1s, burst: 5}]",
+        on_limit=f"{{action: {action}, max_hold: 500ms}}",
+    )
+    proxy = await start_proxy(policy)
+    seen = await saturate(proxy.url, 1.6)
+    stats = vendor.mock.stats()
+    assert stats["window_max"] <= WINDOW_LIMIT, (stats["window_max"], seen)
+    assert stats["rejected"] == 0, seen
+    assert stats["accepted"] >= 0.9 * (5 + 95 * 1.6) - 20, (stats["accepted"], seen)
 
 
 async def test_a_burst_worth_of_connections_waits_open_before_the_first_request(raw_vendor, start_proxy, monkeypatch):

@@ -5,97 +5,112 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable
 
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.pacing import Pacer
+from proxy.limiter.store import BucketSpec
+from proxy.pacing import _MAX_TRACKED, MAX_WAIT, Pacer
 from tests.conftest import client_session, vendor_policy
 
 
-async def test_on_time_leavers_wait_nothing() -> None:
+def spec(rate: float, burst: float, key: str = "v") -> BucketSpec:
+    return BucketSpec(key, rate, burst, "global", f"{key} {rate}/1s burst {burst}")
+
+
+async def test_on_time_writes_wait_nothing() -> None:
+    """Writes on their grants' schedule (a burst, then one per interval) fit the mirror."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    for _ in range(5):
-        assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
+    bucket = [spec(10, 3)]
+    assert [pacer.reserve(bucket)[0] for _ in range(3)] == [0.0, 0.0, 0.0]
+    for _ in range(20):
         await clock.advance(0.1)
+        assert pacer.reserve(bucket)[0] == 0.0
 
 
-async def test_late_leavers_keep_the_spacing_they_were_due_at() -> None:
+async def test_writes_bunched_by_a_delay_leave_a_burst_then_at_the_rate() -> None:
+    """Eight requests granted over 0.5 s and all delayed to its end (a connection opening,
+    a stall): a burst of them goes, the rest one interval apart, as the vendor's bucket
+    would have let them."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    start = clock.monotonic()
-    left: list[float] = []
-
-    async def leave(due: float) -> None:
-        await pacer.leave("v", due, window=1.0)
-        left.append(clock.monotonic())
-
-    await clock.advance(0.5)  # a stall: all four were due during it, 0.1 s apart
-    tasks = [asyncio.ensure_future(leave(start + 0.1 * i)) for i in range(4)]
-    for _ in range(10):
-        await asyncio.sleep(0)
-        await clock.advance(0.05)
-    await asyncio.gather(*tasks)
-    assert [round(t - start, 2) for t in left] == [0.5, 0.6, 0.7, 0.8]
+    bucket = [spec(10, 3)]
+    for _ in range(3):
+        pacer.reserve(bucket)
+    await clock.advance(0.5)
+    waits = [round(pacer.reserve(bucket)[0], 3) for _ in range(8)]
+    assert waits == [0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
 
 
-async def test_a_long_gap_in_the_schedule_is_not_carried_over() -> None:
-    """Pacing keeps the store's spacing, never more: one held request an hour is not
-    made to wait an hour more."""
+async def test_a_lag_is_spent_from_the_slack_not_carried_on() -> None:
+    """Steady traffic at half the rate, one request written 0.15 s late: the next waits
+    only for the tokens the late one took early, later ones nothing. (The earlier pacer
+    kept every lag as an offset while traffic went on: under steady load each stall
+    delayed all later requests more.)"""
     clock = ManualClock()
     pacer = Pacer(clock)
-    assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
-    await clock.advance(3600)
-    assert await pacer.leave("v", clock.monotonic(), window=1.0) == 0
+    bucket = [spec(10, 1)]
+    assert pacer.reserve(bucket)[0] == 0.0
+    await clock.advance(0.35)  # due at 0.2, written at 0.35
+    assert pacer.reserve(bucket)[0] == 0.0
+    await clock.advance(0.05)  # due at 0.4: the late one's token is back at 0.45
+    assert round(pacer.reserve(bucket)[0], 3) == 0.05
+    for _ in range(5):
+        await clock.advance(0.2)
+        assert pacer.reserve(bucket)[0] == 0.0
 
 
-async def _waited(clock: ManualClock, leaving: Awaitable[float]) -> float:
-    """Run one ``leave`` to its end, moving the manual clock until it returns."""
-    task = asyncio.ensure_future(leaving)
-    await asyncio.sleep(0)
-    while not task.done():
-        await clock.advance(0.05)
-    return round(task.result(), 3)
-
-
-async def test_a_stall_is_forgotten_once_no_window_holds_its_late_leavers() -> None:
-    """The lag a stall left (0.3 s here) shifts the leavers of that busy spell only: a
-    held request due after a quiet spell longer than the vendor's longest window cannot
-    share a window with the late ones, so it leaves when due. It used to keep the largest
-    stall ever seen as an offset: every later hold of the vendor waited 0.3 s more."""
+async def test_the_tightest_bucket_binds_and_cost_counts() -> None:
+    """A request waiting for its endpoint class's bucket takes the vendor's global one only
+    when it goes: the class's waiters do not hold back the vendor's other requests."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    start = clock.monotonic()
-    await clock.advance(0.3)  # a stall: the first held request leaves 0.3 s late
-    assert await _waited(clock, pacer.leave("v", start, window=1.0)) == 0
-    await clock.advance(0.1)  # the next one, on time 0.4 s after the first, shifts with it
-    assert await _waited(clock, pacer.leave("v", start + 0.4, window=1.0)) == 0.3
-    await clock.advance(5.0)  # a quiet spell of 5 s, longer than the 1 s window
-    due = clock.monotonic()
-    assert await _waited(clock, pacer.leave("v", due, window=1.0)) == 0
-    await clock.advance(0.1)
-    assert await _waited(clock, pacer.leave("v", due + 0.1, window=1.0)) == 0
+    loose, tight = spec(100, 10, "global"), spec(4, 2, "search")
+    assert pacer.reserve([tight, loose], cost=2) == (0.0, ())  # the class's burst of 2, at once
+    wait, rest = pacer.reserve([tight, loose], cost=2)
+    assert (round(wait, 3), rest) == (0.5, [loose])  # 2 more tokens at 4/s; the global one later
+    assert [pacer.reserve([loose])[0] for _ in range(7)] == [0.0] * 7  # the global bucket has room
+    await clock.advance(0.5)
+    assert pacer.reserve(rest, cost=2) == (0.0, ())  # the waiter goes: its 2 global tokens are back
+    assert [pacer.reserve([loose])[0] > 0 for _ in range(9)] == [False] * 8 + [True]  # it took 2 of 10
+    assert round(pacer.reserve([tight, loose], cost=2)[0], 3) == 0.5
 
 
-async def test_within_the_window_the_shift_is_kept() -> None:
-    """A quiet spell shorter than the window keeps the shift: an on-time leaver right after
-    late ones would share a window with them and overrun it."""
+async def test_buckets_and_vendors_are_paced_apart() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
-    start = clock.monotonic()
-    await clock.advance(0.3)
-    assert await _waited(clock, pacer.leave("v", start, window=1.0)) == 0
-    await clock.advance(0.4)  # due 0.7 s after the first, which left 0.3 s late
-    assert await _waited(clock, pacer.leave("v", start + 0.7, window=1.0)) == 0.3
+    assert pacer.reserve([spec(1, 1, "a")])[0] == 0.0
+    assert pacer.reserve([spec(1, 1, "b")])[0] == 0.0
+    assert pacer.reserve([spec(1, 1, "a")])[0] == 1.0
 
 
-async def test_vendors_are_paced_apart() -> None:
+async def test_a_mirror_out_of_step_with_the_store_does_not_hold_requests() -> None:
+    """5 a minute: the mirror's burst is spent, so the next token is 12 s away. A request
+    the store grants now (it restarted empty of history, or requests went out failing
+    open) is not held 12 s: no stall is that long, the store is trusted, and the mirror
+    restarts from its answer. (The fault tests' store restart held each request 12 s.)"""
     clock = ManualClock()
     pacer = Pacer(clock)
-    assert await pacer.leave("a", clock.monotonic(), window=1.0) == 0
-    assert await pacer.leave("b", clock.monotonic(), window=1.0) == 0
+    bucket = [spec(5 / 60, 5)]
+    assert [pacer.reserve(bucket)[0] for _ in range(5)] == [0.0] * 5
+    assert pacer.reserve(bucket) == (0.0, ())  # 12 s away: the store is trusted
+    assert pacer._tat["v"] == clock.monotonic() + 12  # a full mirror, less this request
+    assert [pacer.reserve(bucket)[0] for _ in range(4)] == [0.0] * 4
+    fast = [spec(10, 1, "fast")]
+    assert pacer.reserve(fast)[0] == 0.0
+    assert round(pacer.reserve(fast)[0], 3) == 0.1 < MAX_WAIT  # a wait within the bound is kept
+
+
+async def test_what_it_remembers_is_bounded() -> None:
+    """One mirror per partition's bucket: many credentials must not grow it without end."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    for i in range(3 * _MAX_TRACKED):
+        pacer.reserve([spec(10, 1, f"p{i}")])
+        if i % 1000 == 0:
+            await clock.advance(0.05)
+    assert len(pacer._tat) <= _MAX_TRACKED
 
 
 @pytest.mark.slow

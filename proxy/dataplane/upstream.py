@@ -342,7 +342,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._in_use = False
             self._response = None
             self._parser = httptools.HttpResponseParser(self)
-            self._pool._give_back(self)
+            self._pool.give_back(self)
         else:
             self.close()
 
@@ -469,12 +469,13 @@ class Pool:
         failures = []
         for conn in opened:
             if isinstance(conn, UpstreamConnection):
-                self._give_back(conn)
+                self.give_back(conn)
             else:
                 failures.append(conn)
         return failures
 
-    def _give_back(self, conn: UpstreamConnection) -> None:
+    def give_back(self, conn: UpstreamConnection) -> None:
+        """``conn`` idle again (its answer read whole, or never used): kept for the next request."""
         if self.closed or conn.closed:
             conn.close()
             return
