@@ -13,7 +13,7 @@ A vendor's global and endpoint buckets are fields of its state hash (acquire.lua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.limiter.store import BucketSpec, LeaseSet
 from proxy.policy.model import Endpoint, Limit, Vendor
@@ -35,6 +35,11 @@ class Buckets:
     """The partition's hash; "" = the default partition."""
     endpoint: str | None = None
     """The endpoint class's name, None for a request of none."""
+    vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
+    """The buckets the vendor counts itself: the endpoint class's and the global ones."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "vendor_side", self.all[self.tenant_count :])
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:

@@ -637,7 +637,7 @@ class Limiter:
         """The buckets of ``b`` the vendor counts itself (the endpoint class's and the global
         ones, of the partition; not the tenants'), at the rates its headers taught: what
         the pacer mirrors on the writes (pacing.py)."""
-        specs = b.all[b.tenant_count :]
+        specs = b.vendor_side
         if not self.learned.memos:
             return specs
         return tuple(self._as_learned(spec) for spec in specs)

@@ -8,6 +8,7 @@ from "now" on the store's own clock), so callers never compare clocks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -31,11 +32,11 @@ class BucketSpec:
     """Empty: the bucket is the hash ``key`` itself (expiring once full again). Else
     the bucket lives in the hash ``key`` (a vendor's state) under ``<field>:t`` and
     ``<field>:ts``, so it cannot be lost without the state's counter (acquire.lua)."""
+    ident: str = dataclasses.field(init=False, repr=False, compare=False)
+    """One name for the bucket, whichever way it is stored (made once: looked up per request)."""
 
-    @property
-    def ident(self) -> str:
-        """One name for the bucket, whichever way it is stored."""
-        return f"{self.key}#{self.field}" if self.field else self.key
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ident", f"{self.key}#{self.field}" if self.field else self.key)
 
 
 class StateGuard(NamedTuple):
