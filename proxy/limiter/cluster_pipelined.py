@@ -57,6 +57,15 @@ class ClusterPipelines:
         self._refreshing: asyncio.Future[None] | None = None
         self._relearn_after = 0.0
         self._key_slots: dict[str, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the calls run on, remembered: asyncio.get_running_loop() makes a getpid()
+        system call on Python 3.11, and this is asked on every request."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def preload(self, source: str) -> None:
         """Load a script on every node's connection before its first EVALSHA."""
@@ -89,7 +98,7 @@ class ClusterPipelines:
 
     def _relearn(self) -> None:
         """Learn the map again in the background; callers go on with the one they have."""
-        now = asyncio.get_running_loop().time()
+        now = self._running_loop().time()
         if now >= self._relearn_after:
             self._relearn_after = now + _RELEARN_EVERY
             self._start_refresh(self._connect_timeout)
@@ -140,7 +149,7 @@ class ClusterPipelines:
 
     async def execute_packed(self, keys: list[str], packed: bytes, *, reply_within: float, source: str = "") -> Any:
         """``execute`` of a command already packed (RESP)."""
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         deadline = loop.time() + reply_within
         slot = self._slot_of(keys[0]) if keys else 0
         target: Address | None = None  # where a redirection said to go, whatever the map says
