@@ -78,16 +78,37 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> Fields:
     return _without(headers, HOP_BY_HOP)
 
 
+_KEPT: dict[frozenset[str], dict[str, bool]] = {}
+"""Per drop set, whether a field name (as spelled) is kept: the same few names come in
+every message, and lower-casing and testing each cost 2 µs a request."""
+_KEPT_MAX = 4096  # names remembered per drop set; past that it starts over
+
+
 def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> Fields:
     """``headers`` minus the names in ``drop``, those its ``Connection`` field names and
     every ``X-Quota-*`` header, in their order."""
-    # Most messages name nothing in Connection (or only a hop-by-hop field): no set to build.
-    dropped = drop | _connection_tokens(headers) if "Connection" in headers else drop
-    return [
-        (name, value)
-        for name, value in headers.items()
-        if not ((low := name.lower()) in dropped or low.startswith(QUOTA_PREFIX))
-    ]
+    if "Connection" in headers:  # the fields it names are dropped too: no memo for those
+        dropped = drop | _connection_tokens(headers)
+        return [
+            (name, value)
+            for name, value in headers.items()
+            if not ((low := name.lower()) in dropped or low.startswith(QUOTA_PREFIX))
+        ]
+    kept = _KEPT.get(drop)
+    if kept is None:
+        kept = _KEPT[drop] = {}
+    out = []
+    for name, value in headers.items():
+        keep = kept.get(name)
+        if keep is None:
+            low = name.lower()
+            keep = not (low in drop or low.startswith(QUOTA_PREFIX))
+            if len(kept) >= _KEPT_MAX:
+                kept.clear()
+            kept[name] = keep
+        if keep:
+            out.append((name, value))
+    return out
 
 
 def idempotent(method: str, headers: Mapping[str, str]) -> bool:

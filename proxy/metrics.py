@@ -13,6 +13,7 @@ Label ``limiter`` is the vendor name. Each request is counted exactly once in
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self
 
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as _Counter
 from prometheus_client import Gauge as _Gauge
 from prometheus_client import Histogram as _Histogram
+from prometheus_client import values as prometheus_values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -74,16 +76,66 @@ class _CachedLabels(MetricWrapperBase):
         super().clear()
 
 
+class _Value:
+    """A metric value without prometheus-client's lock (``values.MutexValue``): the proxy
+    changes and reads its metrics on its event loop's thread only, and the lock cost
+    about 0.3 µs per increment, several per request. (With prometheus-client's
+    multiprocess mode, never used here, its own value class is kept.)"""
+
+    __slots__ = ("_exemplar", "_value")
+    _multiprocess = False
+
+    def __init__(self, value: float = 0.0) -> None:
+        self._value = value
+        self._exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _unlocked(value: Any) -> Any:
+    return _Value(value.get()) if type(value) is prometheus_values.MutexValue else value  # type: ignore[no-untyped-call]
+
+
 class Counter(_CachedLabels, _Counter):
-    pass
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _unlocked(self._value)
 
 
 class Gauge(_CachedLabels, _Gauge):
-    pass
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _unlocked(self._value)
 
 
 class Histogram(_CachedLabels, _Histogram):
-    pass
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._sum = _unlocked(self._sum)
+        self._buckets = [_unlocked(b) for b in self._buckets]
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        """prometheus-client's observe, finding the bucket by bisection rather than a loop
+        over every bound (what it counts is the same: the first bound >= amount)."""
+        if exemplar or amount != amount:  # exemplars and NaN: as prometheus-client does
+            super().observe(amount, exemplar)
+            return
+        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        self._sum.inc(amount)
+        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
 
 
 class Metrics:

@@ -47,3 +47,43 @@ def test_values_that_are_not_str_get_the_same_series() -> None:
     responses.labels(limiter="payments", code="429").inc()
     assert sample(registry, "http_client_responses_total", limiter="payments", code="429") == 3.0
     assert list(responses._cached) == [("payments", "429")]  # only plain str label sets are kept
+
+
+def test_unlocked_metrics_expose_exactly_what_prometheus_client_would() -> None:
+    """Counters, gauges and histograms without prometheus-client's lock, and histogram
+    buckets found by bisection: the exposition is byte for byte prometheus-client's own
+    (values on bucket bounds, between them, past the last, negative, NaN)."""
+    import prometheus_client
+    from prometheus_client import generate_latest
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    histograms = [
+        metrics_module.Histogram("h", "h", ["v"], buckets=bounds, registry=ours),
+        prometheus_client.Histogram("h", "h", ["v"], buckets=bounds, registry=theirs),
+    ]
+    counters = [
+        metrics_module.Counter("c", "c", ["v"], registry=ours),
+        prometheus_client.Counter("c", "c", ["v"], registry=theirs),
+    ]
+    gauges = [
+        metrics_module.Gauge("g", "g", ["v"], registry=ours),
+        prometheus_client.Gauge("g", "g", ["v"], registry=theirs),
+    ]
+    amounts = [0.0, 0.001, 0.0011, 0.01, 0.05, 0.1, 1.0, 1.5, 1e9, -2.0, float("nan"), 0.0999]
+    for histogram in histograms:
+        for amount in amounts:
+            histogram.labels("a").observe(amount)
+    for counter in counters:
+        counter.labels("a").inc()
+        counter.labels("a").inc(2.5)
+    for gauge in gauges:
+        gauge.labels("a").inc(3)
+        gauge.labels("a").dec()
+        gauge.labels("b").set(7)
+
+    def without_created(text: bytes) -> list[str]:
+        return [line for line in text.decode().splitlines() if "_created" not in line]
+
+    assert without_created(generate_latest(ours)) == without_created(generate_latest(theirs))
+    assert type(counters[0].labels("a")._value) is metrics_module._Value  # the unlocked value is in use
