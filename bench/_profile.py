@@ -43,6 +43,21 @@ _COMPILED = [(part, re.compile(pattern)) for part, pattern in PARTS]
 OTHER = "other"
 
 
+# The C library's system-call wrappers for socket I/O and polling, as py-spy --native names
+# them: the kernel's work for a request (TCP on loopback, waking the peer) is charged to
+# these frames, and any proxy that relays the same bytes makes the same calls.
+_SYSCALL = re.compile(
+    r"^(read|write|recv|send|sendto|recvfrom|readv|writev|sendmsg|recvmsg|epoll_wait|epoll_pwait|epoll_ctl|poll|"
+    r"select|getpid|__libc_\w+) \((libc|libpthread)"
+)
+
+
+def syscall_share(stacks: Counter[tuple[str, ...]]) -> float:
+    """Share of the samples spent in system calls for sockets and polling (innermost frame)."""
+    total = sum(stacks.values()) or 1
+    return sum(n for stack, n in stacks.items() if stack and _SYSCALL.search(stack[-1])) / total
+
+
 def read_collapsed(lines: Iterable[str]) -> Counter[tuple[str, ...]]:
     """py-spy ``--format raw``: ``frame;frame;...;frame COUNT`` per line, outermost first."""
     stacks: Counter[tuple[str, ...]] = Counter()

@@ -78,7 +78,7 @@ from _common import (
     table,
     watchdog,
 )
-from _profile import print_breakdown, read_collapsed
+from _profile import print_breakdown, read_collapsed, syscall_share
 from https import _run, make_certs, tls_section
 from https import generate as tls_generate
 from latency import summarize
@@ -465,10 +465,58 @@ def profile(
         "priced at the latter)"
     )
     with open(out) as f:
-        found = print_breakdown(read_collapsed(f), cpu_us or under)
+        stacks = read_collapsed(f)
+    found = print_breakdown(stacks, cpu_us or under)
     if args.profile_out:
         print(f"collapsed stacks kept in {out} (re-read: python bench/_profile.py {out} --top 10)")
-    return {**found, "cpu_us_per_request_sampled": under, "rps_sampled": done / load["elapsed"]}
+    return {
+        **found,
+        "syscall_share": syscall_share(stacks),
+        "cpu_us_per_request_sampled": under,
+        "rps_sampled": done / load["elapsed"],
+    }
+
+
+def spy(fleet: Fleet, args: argparse.Namespace, proxy: Proc, target: str, load_side: list[Proc], name: str) -> float:
+    """The share of ``proxy``'s samples (its worker processes too) in socket and polling
+    system calls under the rounds' load (``syscall_share``)."""
+    exe = venv_tool(args.cache, f"py-spy-{PYSPY_VERSION}", f"py-spy=={PYSPY_VERSION}", "py-spy")
+    out = fleet.workdir / f"profile-{name}.txt"
+    seconds = max(int(args.profile), 1)
+    argv = [str(exe), "record", "--pid", str(proxy.pid), "--duration", str(seconds), "--rate", str(args.profile_rate)]
+    argv += ["--native", "--subprocesses", "--format", "raw", "--output", str(out)]
+    proc = fleet.start(f"py-spy-{name}", argv, cpus=args.load_cpu)
+    deadline = time.monotonic() + 20
+    while "Sampling process" not in proc.stdout.read_text(errors="replace") + proc.stderr.read_text(errors="replace"):
+        if not proc.alive() or time.monotonic() > deadline:
+            raise BenchError(f"py-spy did not start sampling {name}:\n{proc.tail()}")
+        time.sleep(0.05)
+    load, _ = generate(fleet, args.generator, proxy.url, args.connections, seconds + 1.0, args.load_cpu, target)
+    check_load(f"profile {name}", load)
+    try:
+        proc.popen.wait(30)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"py-spy still running 30 s after its duration:\n{proc.tail()}") from None
+    fleet.stop(proc)
+    if not out.exists():
+        raise BenchError(f"py-spy wrote no profile of {name}:\n{proc.tail()}")
+    with open(out) as f:
+        return syscall_share(read_collapsed(f))
+
+
+def print_floor(ours_share: float, ours_us: float, peer_share: float, peer_us: float) -> dict[str, float]:
+    """What both proxies spend in the kernel's socket calls, and what is left for the rest."""
+    floor_ours, floor_peer = ours_share * ours_us, peer_share * peer_us
+    rest_ours, rest_peer = ours_us - floor_ours, peer_us - floor_peer
+    print(
+        f"\n5. system calls for sockets and polling (the same reads and writes whichever proxy relays the bytes), "
+        f"py-spy --native, priced at the rounds' medians:\n"
+        f"   quota-proxy (Redis): {ours_share * 100:.0f}% = {floor_ours:.0f} µs/req, the rest {rest_ours:.0f} µs/req\n"
+        f"   proxy.py:            {peer_share * 100:.0f}% = {floor_peer:.0f} µs/req, the rest {rest_peer:.0f} µs/req\n"
+        f"   proxy.py's system calls alone are {floor_peer / peer_us:.2f}x its CPU per request; ours are "
+        f"{floor_ours / peer_us:.2f}x it"
+    )
+    return {"ours_syscall_us": floor_ours, "peer_syscall_us": floor_peer}
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -633,6 +681,10 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             procs["redis"] = start_ours(fleet, "redis", upstream, redis, args.proxy_cpu)
         cpu_us = result["saturation"].get("redis", {}).get("cpu_us_per_request")
         result["profile"] = profile(fleet, args, procs["redis"], TARGET_URL, load_side, cpu_us)
+        peer_us = result["saturation"].get("proxypy", {}).get("cpu_us_per_request")
+        if "proxypy" in procs and cpu_us and peer_us:
+            peer_share = spy(fleet, args, procs["proxypy"], targets["proxypy"], load_side, "proxypy")
+            result["floor"] = print_floor(result["profile"]["syscall_share"], cpu_us, peer_share, peer_us)
     dump_json(args.json, result)
     return 2 if args.strict and result["missed"] else 0
 
