@@ -8,10 +8,12 @@ import time
 
 import pytest
 
+from proxy import forward
 from proxy.clock import ManualClock
+from proxy.dataplane.upstream import Pool
 from proxy.limiter.store import BucketSpec
 from proxy.pacing import _MAX_TRACKED, MAX_WAIT, Pacer
-from tests.conftest import client_session, vendor_policy
+from tests.conftest import client_session, eventually, vendor_policy
 
 
 def spec(rate: float, burst: float, key: str = "v") -> BucketSpec:
@@ -136,3 +138,50 @@ async def test_a_stalled_event_loop_does_not_release_the_held_requests_together(
     arrivals = sorted(vendor.mock.arrivals)
     gaps = [b - a for a, b in itertools.pairwise(arrivals[1:])]  # between held requests
     assert min(gaps) >= 0.04, [round(g, 3) for g in gaps]
+
+
+async def test_a_paced_write_given_up_puts_its_connection_back_unused(raw_vendor) -> None:
+    """A worker that goes away while its request waits for the pacer: nothing was written
+    on the pooled connection it held, so the connection goes back to the pool."""
+    received: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read(100))
+
+    raw = await raw_vendor(serve)
+    origin = forward.origin_of(raw.url)
+    pool = Pool(False)
+    conn = await pool.open(origin, 1.0)
+    clock = ManualClock()
+    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, (), 1.0, 1.0))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert pool.idle(origin) is conn
+    assert received == []
+    await pool.close()
+
+
+async def test_a_connection_the_vendor_closed_during_the_wait_is_replaced(raw_vendor) -> None:
+    closing = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if raw.connections == 1:
+            await closing.wait()
+            return  # the vendor drops its idle connection (its keep-alive timeout)
+        await reader.read(100)
+
+    raw = await raw_vendor(serve)
+    origin = forward.origin_of(raw.url)
+    pool = Pool(False)
+    conn = await pool.open(origin, 1.0)
+    clock = ManualClock()
+    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, (), 1.0, 1.0))
+    closing.set()
+    await eventually(lambda: conn.closed, "the vendor's close seen")
+    await clock.advance(0.5)
+    fresh = await waiting
+    assert fresh is not conn and not fresh.closed
+    assert raw.connections == 2
+    await pool.close()
