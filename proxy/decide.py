@@ -66,8 +66,10 @@ class Admission:
     pace: tuple[BucketSpec, ...] = ()
     """The vendor-side buckets its write is paced by (pacing.py); none when it went
     without the store (failing open)."""
-    cost: float = 1.0
-    """What it takes from each of them."""
+    window: float = 1.0
+    """The vendor's longest window (pacing.longest_window)."""
+    granted: float = 0.0
+    """When it was granted (the clock's time; a hold: when it matured)."""
 
 
 FORWARD = Forward()

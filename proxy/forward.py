@@ -182,25 +182,27 @@ async def send(
     tenant_header: str,
     pacer: Pacer | None = None,
     pace: Sequence[BucketSpec] = (),
-    cost: float = 1.0,
+    window: float = 1.0,
+    granted: float = 0.0,
 ) -> Response:
     """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
     and query byte for byte (re-encoding could break a signed URL); return once the vendor's
     headers are in. Raises refusals.UpstreamFailed (``classify``).
 
-    With a ``pacer``, the request is written only once the mirrors of its vendor-side
-    buckets ``pace`` hold its ``cost``: at the last moment, its connection in hand, so that
-    whatever delayed it (a connection opening, a busy loop) cannot bunch it with the
-    requests granted after it (pacing.py)."""
+    With a ``pacer``, the request is written no less late after its grant (at
+    ``granted``) than the last one of its vendor-side buckets ``pace`` was within the
+    vendor's longest ``window``: at the last moment, its connection in hand, so that
+    whatever delayed one request (a connection opening, a busy loop) cannot bunch it with
+    the ones granted after it (pacing.py)."""
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
         conn = pool.idle(where) or await pool.open(where, timeouts.connect)
         if pacer is not None:
-            wait, rest = pacer.reserve(pace, cost)
+            wait = pacer.reserve(pace, granted, window)
             if wait > 0:
-                conn = await _paced(pool, conn, pacer, wait, rest, cost, timeouts.connect)
+                conn = await _paced(pool, conn, pacer, wait, timeouts.connect)
         return await conn.request(
             request.method,
             target,
@@ -219,22 +221,13 @@ async def send(
 
 
 async def _paced(
-    pool: Pool,
-    conn: UpstreamConnection,
-    pacer: Pacer,
-    wait: float,
-    rest: Sequence[BucketSpec],
-    cost: float,
-    connect: float | None,
+    pool: Pool, conn: UpstreamConnection, pacer: Pacer, wait: float, connect: float | None
 ) -> UpstreamConnection:
-    """Hold ``conn`` until the pacer lets the request go (``wait`` seconds, then the tokens
-    of the buckets ``rest`` it has not taken yet); the connection to write on then (another
-    if the vendor closed this one meanwhile). A wait cut short (the worker went away) puts
-    the unused connection back."""
+    """Hold ``conn`` for the ``wait`` seconds the pacer asked; the connection to write on
+    then (another if the vendor closed this one meanwhile). A wait cut short (the worker
+    went away) puts the unused connection back."""
     try:
-        while wait > 0:
-            await pacer.clock.sleep(wait)
-            wait, rest = pacer.reserve(rest, cost)
+        await pacer.clock.sleep(wait)
     except BaseException:
         pool.give_back(conn)
         raise

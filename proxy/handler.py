@@ -28,6 +28,7 @@ from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
+from proxy.pacing import longest_window
 from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -172,17 +173,19 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
-        pace = limiter.vendor_side(limiter.buckets(vendor, tenant, endpoint, partition))
+        pace = limiter.buckets(vendor, tenant, endpoint, partition).vendor_side
+        window = longest_window(vendor)
+        granted = deps.clock.monotonic() + result.wait  # a hold's grant: when it matures
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
             await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
-            return Admission("held", quota, pace, cost)
+            return Admission("held", quota, pace, window, granted)
         if slot.waited:
             rec.hold = slot.waited
             deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
-            return Admission("held", quota, pace, cost)
-        return Admission("forwarded", quota, pace, cost)
+            return Admission("held", quota, pace, window, granted)
+        return Admission("forwarded", quota, pace, window, granted)
 
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
@@ -257,7 +260,8 @@ class ProxyHandler:
             deps.policy.tenant.header,
             deps.pacer if admission.pace else None,
             admission.pace,
-            admission.cost,
+            admission.window,
+            admission.granted,
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

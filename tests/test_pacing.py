@@ -20,99 +20,95 @@ def spec(rate: float, burst: float, key: str = "v") -> BucketSpec:
     return BucketSpec(key, rate, burst, "global", f"{key} {rate}/1s burst {burst}")
 
 
+BUCKET = [spec(10, 5)]
+W = 1.0  # the vendor's longest window
+
+
 async def test_on_time_writes_wait_nothing() -> None:
-    """Writes on their grants' schedule (a burst, then one per interval) fit the mirror."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    bucket = [spec(10, 3)]
-    assert [pacer.reserve(bucket)[0] for _ in range(3)] == [0.0, 0.0, 0.0]
     for _ in range(20):
+        assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
         await clock.advance(0.1)
-        assert pacer.reserve(bucket)[0] == 0.0
 
 
-async def test_writes_bunched_by_a_delay_leave_a_burst_then_at_the_rate() -> None:
-    """Eight requests granted over 0.5 s and all delayed to its end (a connection opening,
-    a stall): a burst of them goes, the rest one interval apart, as the vendor's bucket
-    would have let them."""
+async def test_requests_delayed_together_keep_the_spacing_of_their_grants() -> None:
+    """A replica's requests granted 0.2 s apart (the other replica has the rest of the
+    fleet's 10/s) are all delayed to 0.5 s: they go as far apart as they were granted,
+    shifted, never together. (A mirror of the bucket kept by the replica alone, which saw
+    only half the grants, let them go at once: 102 in a window of 100 at the vendor.)"""
     clock = ManualClock()
     pacer = Pacer(clock)
-    bucket = [spec(10, 3)]
-    for _ in range(3):
-        pacer.reserve(bucket)
+    start = clock.monotonic()
     await clock.advance(0.5)
-    waits = [round(pacer.reserve(bucket)[0], 3) for _ in range(8)]
-    assert waits == [0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    waits = [round(pacer.reserve(BUCKET, start + 0.2 * i, W), 3) for i in range(3)]
+    assert waits == [0.0, 0.2, 0.4]
 
 
-async def test_a_lag_is_spent_from_the_slack_not_carried_on() -> None:
-    """Steady traffic at half the rate, one request written 0.15 s late: the next waits
-    only for the tokens the late one took early, later ones nothing. (The earlier pacer
-    kept every lag as an offset while traffic went on: under steady load each stall
-    delayed all later requests more.)"""
+async def test_a_lag_is_kept_while_requests_keep_coming_and_forgotten_after_a_quiet_window() -> None:
+    """A 0.3 s stall shifts the requests after it by 0.3 s while they keep coming (any
+    one less late would be early against the shifted stream); once the last write is
+    older than the vendor's window, the next request goes when granted."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    bucket = [spec(10, 1)]
-    assert pacer.reserve(bucket)[0] == 0.0
-    await clock.advance(0.35)  # due at 0.2, written at 0.35
-    assert pacer.reserve(bucket)[0] == 0.0
-    await clock.advance(0.05)  # due at 0.4: the late one's token is back at 0.45
-    assert round(pacer.reserve(bucket)[0], 3) == 0.05
+    start = clock.monotonic()
+    await clock.advance(0.3)
+    assert pacer.reserve(BUCKET, start, W) == 0.0  # written 0.3 s after its grant
     for _ in range(5):
-        await clock.advance(0.2)
-        assert pacer.reserve(bucket)[0] == 0.0
+        await clock.advance(0.5)  # within the window of the last write
+        assert round(pacer.reserve(BUCKET, clock.monotonic(), W), 3) == 0.3
+    await clock.advance(0.3 + W)  # a quiet spell longer than the window
+    assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
+    assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
 
 
-async def test_the_tightest_bucket_binds_and_cost_counts() -> None:
-    """A request waiting for its endpoint class's bucket takes the vendor's global one only
-    when it goes: the class's waiters do not hold back the vendor's other requests."""
+async def test_a_lag_is_the_longest_stall_not_the_sum_of_them() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
-    loose, tight = spec(100, 10, "global"), spec(4, 2, "search")
-    assert pacer.reserve([tight, loose], cost=2) == (0.0, ())  # the class's burst of 2, at once
-    wait, rest = pacer.reserve([tight, loose], cost=2)
-    assert (round(wait, 3), rest) == (0.5, [loose])  # 2 more tokens at 4/s; the global one later
-    assert [pacer.reserve([loose])[0] for _ in range(7)] == [0.0] * 7  # the global bucket has room
-    await clock.advance(0.5)
-    assert pacer.reserve(rest, cost=2) == (0.0, ())  # the waiter goes: its 2 global tokens are back
-    assert [pacer.reserve([loose])[0] > 0 for _ in range(9)] == [False] * 8 + [True]  # it took 2 of 10
-    assert round(pacer.reserve([tight, loose], cost=2)[0], 3) == 0.5
+    start = clock.monotonic()
+    await clock.advance(0.2)
+    assert pacer.reserve(BUCKET, start, W) == 0.0  # a 0.2 s stall
+    for _ in range(5):  # later requests, each delayed 0.1 s on its own: kept at 0.2 s late
+        granted = clock.monotonic()
+        await clock.advance(0.1)
+        assert round(pacer.reserve(BUCKET, granted, W), 3) == 0.1
+        await clock.advance(0.1)
 
 
-async def test_buckets_and_vendors_are_paced_apart() -> None:
+async def test_the_latest_bucket_binds_and_buckets_are_apart() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
-    assert pacer.reserve([spec(1, 1, "a")])[0] == 0.0
-    assert pacer.reserve([spec(1, 1, "b")])[0] == 0.0
-    assert pacer.reserve([spec(1, 1, "a")])[0] == 1.0
+    start = clock.monotonic()
+    search, global_ = spec(2, 1, "search"), spec(100, 10, "global")
+    await clock.advance(0.3)
+    assert pacer.reserve([search], start, W) == 0.0  # 0.3 s late on the class's bucket
+    now = clock.monotonic()
+    assert pacer.reserve([global_], now, W) == 0.0  # the global bucket had no late write
+    assert pacer.reserve([spec(10, 1, "other")], now, W) == 0.0  # nor another vendor's
+    assert round(pacer.reserve([search, global_], now, W), 3) == 0.3  # the class binds
+    assert round(pacer.reserve([global_], now, W), 3) == 0.3  # and now the global one is late too
 
 
-async def test_a_mirror_out_of_step_with_the_store_does_not_hold_requests() -> None:
-    """5 a minute: the mirror's burst is spent, so the next token is 12 s away. A request
-    the store grants now (it restarted empty of history, or requests went out failing
-    open) is not held 12 s: no stall is that long, the store is trusted, and the mirror
-    restarts from its answer. (The fault tests' store restart held each request 12 s.)"""
+async def test_a_ledger_out_of_step_with_the_store_does_not_hold_requests() -> None:
+    """A wait over MAX_WAIT is no stall to carry on: the store granted the request, it
+    goes, and the lag restarts from it."""
     clock = ManualClock()
     pacer = Pacer(clock)
-    bucket = [spec(5 / 60, 5)]
-    assert [pacer.reserve(bucket)[0] for _ in range(5)] == [0.0] * 5
-    assert pacer.reserve(bucket) == (0.0, ())  # 12 s away: the store is trusted
-    assert pacer._tat["v"] == clock.monotonic() + 12  # a full mirror, less this request
-    assert [pacer.reserve(bucket)[0] for _ in range(4)] == [0.0] * 4
-    fast = [spec(10, 1, "fast")]
-    assert pacer.reserve(fast)[0] == 0.0
-    assert round(pacer.reserve(fast)[0], 3) == 0.1 < MAX_WAIT  # a wait within the bound is kept
+    start = clock.monotonic()
+    await clock.advance(0.4)
+    assert pacer.reserve(BUCKET, start - 5.0, W) == 0.0  # 5 s late (a clock jump, a lost state)
+    assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
+    assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
+    assert MAX_WAIT < 5.0
 
 
 async def test_what_it_remembers_is_bounded() -> None:
-    """One mirror per partition's bucket: many credentials must not grow it without end."""
+    """One lag per partition's bucket: many credentials must not grow it without end."""
     clock = ManualClock()
     pacer = Pacer(clock)
     for i in range(3 * _MAX_TRACKED):
-        pacer.reserve([spec(10, 1, f"p{i}")])
-        if i % 1000 == 0:
-            await clock.advance(0.05)
-    assert len(pacer._tat) <= _MAX_TRACKED
+        pacer.reserve([spec(10, 1, f"p{i}")], clock.monotonic(), W)
+    assert len(pacer._lag) <= _MAX_TRACKED
 
 
 @pytest.mark.slow
@@ -153,7 +149,7 @@ async def test_a_paced_write_given_up_puts_its_connection_back_unused(raw_vendor
     pool = Pool(False)
     conn = await pool.open(origin, 1.0)
     clock = ManualClock()
-    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, (), 1.0, 1.0))
+    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
     await asyncio.sleep(0)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -177,7 +173,7 @@ async def test_a_connection_the_vendor_closed_during_the_wait_is_replaced(raw_ve
     pool = Pool(False)
     conn = await pool.open(origin, 1.0)
     clock = ManualClock()
-    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, (), 1.0, 1.0))
+    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
     closing.set()
     await eventually(lambda: conn.closed, "the vendor's close seen")
     await clock.advance(0.5)

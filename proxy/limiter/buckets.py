@@ -36,7 +36,8 @@ class Buckets:
     endpoint: str | None = None
     """The endpoint class's name, None for a request of none."""
     vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
-    """The buckets the vendor counts itself: the endpoint class's and the global ones."""
+    """The buckets the vendor counts itself: the endpoint class's and the global ones (the
+    pacer keeps a lag per bucket: pacing.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vendor_side", self.all[self.tenant_count :])

@@ -633,15 +633,6 @@ class Limiter:
             out.append(min(burst, level + elapsed * rate))
         return tuple(out)
 
-    def vendor_side(self, b: Buckets) -> tuple[BucketSpec, ...]:
-        """The buckets of ``b`` the vendor counts itself (the endpoint class's and the global
-        ones, of the partition; not the tenants'), at the rates its headers taught: what
-        the pacer mirrors on the writes (pacing.py)."""
-        specs = b.vendor_side
-        if not self.learned.memos:
-            return specs
-        return tuple(self._as_learned(spec) for spec in specs)
-
     def learned_rate(self, vendor: Vendor) -> float | None:
         """Requests/s of the vendor's tightest learned global bucket; None when none is learned."""
         idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
