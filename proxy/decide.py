@@ -70,6 +70,9 @@ class Admission:
     """The vendor's longest window (pacing.longest_window)."""
     granted: float = 0.0
     """When it was granted (the clock's time; a hold: when it matured)."""
+    room: tuple[float, ...] = ()
+    """The tokens each of ``pace`` had left once this request's were taken, at its grant."""
+    cost: float = 1.0
 
 
 FORWARD = Forward()

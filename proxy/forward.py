@@ -184,6 +184,8 @@ async def send(
     pace: Sequence[BucketSpec] = (),
     window: float = 1.0,
     granted: float = 0.0,
+    room: Sequence[float] = (),
+    cost: float = 1.0,
 ) -> Response:
     """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
     and query byte for byte (re-encoding could break a signed URL); return once the vendor's
@@ -191,16 +193,16 @@ async def send(
 
     With a ``pacer``, the request is written no less late after its grant (at
     ``granted``) than the last one of its vendor-side buckets ``pace`` was within the
-    vendor's longest ``window``: at the last moment, its connection in hand, so that
-    whatever delayed one request (a connection opening, a busy loop) cannot bunch it with
-    the ones granted after it (pacing.py)."""
+    vendor's longest ``window``, unless they had the ``room`` for it: at the last moment,
+    its connection in hand, so that whatever delayed one request (a connection opening, a
+    busy loop) cannot bunch it with the ones granted after it (pacing.py)."""
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
         conn = pool.idle(where) or await pool.open(where, timeouts.connect)
         if pacer is not None:
-            wait = pacer.reserve(pace, granted, window)
+            wait = pacer.reserve(pace, granted, window, room, cost)
             if wait > 0:
                 conn = await _paced(pool, conn, pacer, wait, timeouts.connect)
         return await conn.request(

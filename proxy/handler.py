@@ -173,19 +173,24 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
-        pace = limiter.buckets(vendor, tenant, endpoint, partition).vendor_side
+        b = limiter.buckets(vendor, tenant, endpoint, partition)
+        pace = b.vendor_side
         window = longest_window(vendor)
-        granted = deps.clock.monotonic() + result.wait  # a hold's grant: when it matures
+        wait = result.wait
+        granted = deps.clock.monotonic() + wait  # a hold's grant: when it matures
+        # The room each vendor-side bucket had then (a hold's level refills while it waits).
+        levels = result.levels[b.tenant_count :]
+        room = tuple(level + wait * spec.rate for spec, level in zip(pace, levels, strict=False))
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
             await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
-            return Admission("held", quota, pace, window, granted)
+            return Admission("held", quota, pace, window, granted, room, cost)
         if slot.waited:
             rec.hold = slot.waited
             deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
-            return Admission("held", quota, pace, window, granted)
-        return Admission("forwarded", quota, pace, window, granted)
+            return Admission("held", quota, pace, window, granted, room, cost)
+        return Admission("forwarded", quota, pace, window, granted, room, cost)
 
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
@@ -262,6 +267,8 @@ class ProxyHandler:
             admission.pace,
             admission.window,
             admission.granted,
+            admission.room,
+            admission.cost,
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

@@ -18,10 +18,12 @@ the bucket as the grants did). The lag is the longest stall of a busy spell, not
 it ends once the bucket's last write is older than the vendor's longest window (no
 window can hold both), and until then costs every request of the spell that much latency.
 
-A lag may not shrink while requests keep coming: every request written less late than
-the one before it is early against the shifted stream, and such requests add up (letting
-each spend the room its own grant left, as this module first did, let a stall's lag melt
-within ten requests under saturation: 101 in a window of 100).
+A lag may not shrink while requests keep coming, unless the bucket had room for it: a
+request written less late than the one before it is early against the shifted stream, as
+are the ones after it, and their number is at most what the bucket grants over the lag
+(rate x lag). So a request granted with that many tokens (and its own) still in the bucket
+(the store says how many were left) may drop the lag to its own: a vendor whose limit does
+not bind never carries a lag, and a bound one keeps it until a quiet window.
 
 A wait of more than ``MAX_WAIT`` is not a stall to carry on (no request was held that
 long by one) but a ledger out of step (a clock jump, a lag from before the store lost
@@ -54,20 +56,27 @@ class Pacer:
         self.clock = clock
         self._lag: dict[str, tuple[float, float]] = {}
 
-    def reserve(self, specs: Sequence[BucketSpec], granted: float, window: float) -> float:
+    def reserve(
+        self, specs: Sequence[BucketSpec], granted: float, window: float, room: Sequence[float] = (), cost: float = 1.0
+    ) -> float:
         """A request granted at ``granted`` (this clock's time: when the store answered, or
         when its hold matured) is about to be written. Returns the seconds it must wait
         first (0.0 on time), and records the lag it will have been written with.
-        ``window``: the vendor's longest window (``longest_window``)."""
+        ``window``: the vendor's longest window (``longest_window``); ``room[k]``: the tokens
+        ``specs[k]`` had left once the request's ``cost`` was taken, at its grant."""
         now = self.clock.monotonic()
         lags = self._lag
         at = now
-        for spec in specs:
+        for k, spec in enumerate(specs):
             last = lags.get(spec.ident)
-            if last is not None and now - last[1] < window:
-                earliest = granted + last[0]
-                if earliest > at:
-                    at = earliest
+            if last is None or now - last[1] >= window:
+                continue
+            lag = last[0]
+            if k < len(room) and room[k] >= spec.rate * lag + cost:
+                continue  # room for every request the lag's end makes early
+            earliest = granted + lag
+            if earliest > at:
+                at = earliest
         if at - now > MAX_WAIT:
             at = now
         if len(lags) >= _MAX_TRACKED:

@@ -62,6 +62,24 @@ async def test_a_lag_is_kept_while_requests_keep_coming_and_forgotten_after_a_qu
     assert pacer.reserve(BUCKET, clock.monotonic(), W) == 0.0
 
 
+async def test_a_bucket_with_room_for_the_lag_carries_none() -> None:
+    """A lag of 0.3 s at 10/s makes at most 3 requests early when it ends: a request
+    granted with 4 tokens still in the bucket (3 + its own) drops it; with 3.5 it does not.
+    A vendor whose limit does not bind thus never keeps its requests late."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    await clock.advance(0.3)
+    assert pacer.reserve(BUCKET, start, W, [0.0]) == 0.0  # written 0.3 s late
+    now = clock.monotonic()
+    assert round(pacer.reserve(BUCKET, now, W, [3.5]), 3) == 0.3  # not room enough: kept
+    assert pacer.reserve(BUCKET, now, W, [4.0]) == 0.0  # room: the lag ends here
+    assert pacer.reserve(BUCKET, now, W, [0.0]) == 0.0  # and is not carried on
+    huge = [spec(1e9, 1e9, "huge")]
+    assert pacer.reserve(huge, start, W, [1e9]) == 0.0
+    assert pacer.reserve(huge, clock.monotonic(), W, [1e9 - 1]) == 0.0
+
+
 async def test_a_lag_is_the_longest_stall_not_the_sum_of_them() -> None:
     clock = ManualClock()
     pacer = Pacer(clock)
