@@ -13,8 +13,11 @@ grace period long enough for the requests that still use it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,7 @@ from proxy.deps import Deps
 from proxy.forward import Upstreams
 from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
+from proxy.limiter.buckets import lag_channel
 from proxy.limiter.degraded import LocalShares, grace_for
 from proxy.limiter.presence import Presence
 from proxy.match import Router
@@ -78,6 +82,8 @@ class Runtime:
         )
         self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
+        self._replica = secrets.token_hex(6)  # tells this replica's lag messages from the others'
+        self.handler.deps.pacer.on_grown = self._tell_lag
         self._watch = self._follow(limiter, concurrency)
         self._declare_gauges()
         for vendor in policy.vendors:
@@ -122,10 +128,33 @@ class Runtime:
         tasks = [
             spawn(limiter.watch_blocks(), name="watch-vendor-blocks"),
             spawn(concurrency.watch(), name="watch-lease-releases"),
+            spawn(self._follow_lags(limiter), name="watch-write-lags"),
         ]
         if limiter.local is not None:
             tasks.append(spawn(limiter.announce(), name="announce-replica"))
         return tasks
+
+    def _tell_lag(self, idents: tuple[str, ...], lag: float) -> None:
+        """This replica's write lag grew (a stall): the others keep it too (pacing.py)."""
+        limiter = self.handler.deps.limiter
+        data = json.dumps([self._replica, round(lag, 6), idents])
+
+        async def tell() -> None:
+            with contextlib.suppress(StoreUnavailable):  # best effort: the lag still holds here
+                await limiter.store.publish(lag_channel(limiter.key_prefix), data)
+
+        spawn(tell(), name="tell-write-lag")
+
+    async def _follow_lags(self, limiter: Limiter) -> None:
+        def heard(_channel: str, data: str) -> None:
+            try:
+                replica, lag, idents = json.loads(data)
+            except TypeError as exc:  # valid JSON of another shape
+                raise ValueError(str(exc)) from None
+            if replica != self._replica:
+                self.handler.deps.pacer.adopt([str(i) for i in idents], float(lag))
+
+        await limiter.store.watch_lags(lag_channel(limiter.key_prefix), heard)
 
     def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""

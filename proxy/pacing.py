@@ -25,6 +25,12 @@ are the ones after it, and their number is at most what the bucket grants over t
 (the store says how many were left) may drop the lag to its own: a vendor whose limit does
 not bind never carries a lag, and a bound one keeps it until a quiet window.
 
+The lag is the fleet's, not only the replica's: a replica whose lag grows (a stall) tells
+the others through the store (``on_grown``; rare: once per stall), and they ``adopt`` it,
+so a stall on one shifts every replica's writes alike rather than putting the stalled
+replica's late requests in the windows of the others' on-time ones (about its rate x the
+stall more per window: one window of 101 in five 60-s runs of hold/40/2/busy before).
+
 A wait of more than ``MAX_WAIT`` is not a stall to carry on (no request was held that
 long by one) but a ledger out of step (a clock jump, a lag from before the store lost
 its state): the store granted the request, so it goes, and the lag restarts from it.
@@ -32,7 +38,7 @@ its state): the store granted the request, so it goes, and the lag restarts from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.clock import Clock
 from proxy.limiter.store import BucketSpec
@@ -40,6 +46,7 @@ from proxy.policy.model import Vendor
 
 MAX_WAIT = 1.0  # seconds a write is held at most; longer: the store is trusted (see above)
 _MAX_TRACKED = 10_000  # buckets remembered at most (partitions are many)
+GROWN = 0.002  # seconds a lag must grow by before the other replicas are told
 
 
 def longest_window(vendor: Vendor) -> float:
@@ -55,6 +62,18 @@ class Pacer:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._lag: dict[str, tuple[float, float]] = {}
+        self.on_grown: Callable[[tuple[str, ...], float], None] | None = None
+        """Told the buckets whose lag a write made grow by ``GROWN`` or more, and the lag."""
+
+    def adopt(self, idents: Sequence[str], lag: float) -> None:
+        """Another replica's lag for these buckets: this one's writes keep it too, from now
+        until a quiet window (or a grant with room for its end)."""
+        now = self.clock.monotonic()
+        lags = self._lag
+        for ident in idents:
+            last = lags.get(ident)
+            if last is None or last[0] < lag:
+                lags[ident] = (lag, now)
 
     def reserve(
         self, specs: Sequence[BucketSpec], granted: float, window: float, room: Sequence[float] = (), cost: float = 1.0
@@ -81,7 +100,16 @@ class Pacer:
             at = now
         if len(lags) >= _MAX_TRACKED:
             lags.clear()  # forgotten: on time, as at start
-        entry = (at - granted, at)
+        lag = at - granted
+        entry = (lag, at)
+        grown: list[str] | None = None
         for spec in specs:
-            lags[spec.ident] = entry
+            ident = spec.ident
+            if lag >= GROWN and self.on_grown is not None:
+                last = lags.get(ident)
+                if last is None or lag - last[0] >= GROWN or now - last[1] >= window:
+                    grown = [ident] if grown is None else [*grown, ident]
+            lags[ident] = entry
+        if grown is not None and self.on_grown is not None:
+            self.on_grown(tuple(grown), lag)
         return at - now

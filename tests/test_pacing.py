@@ -107,6 +107,24 @@ async def test_the_latest_bucket_binds_and_buckets_are_apart() -> None:
     assert round(pacer.reserve([global_], now, W), 3) == 0.3  # and now the global one is late too
 
 
+async def test_a_growing_lag_is_told_once_per_stall_and_an_adopted_one_is_kept() -> None:
+    clock = ManualClock()
+    told: list[tuple[tuple[str, ...], float]] = []
+    a, b = Pacer(clock), Pacer(clock)
+    a.on_grown = lambda idents, lag: told.append((idents, round(lag, 3)))
+    start = clock.monotonic()
+    assert a.reserve(BUCKET, start, W) == 0.0  # on time: nothing to tell
+    await clock.advance(0.2)
+    a.reserve(BUCKET, start + 0.05, W)  # a stall: written 0.15 s late
+    for _ in range(5):  # the requests after it keep the lag: nothing new to tell
+        await clock.advance(0.01)
+        a.reserve(BUCKET, clock.monotonic() - 0.15, W)
+    assert told == [(("v",), 0.15)]
+    b.adopt(["v"], 0.15)  # what the other replica does with the message
+    b.adopt(["v"], 0.05)  # a smaller lag heard later does not shorten it
+    assert round(b.reserve(BUCKET, clock.monotonic(), W), 3) == 0.15
+
+
 async def test_a_ledger_out_of_step_with_the_store_does_not_hold_requests() -> None:
     """A wait over MAX_WAIT is no stall to carry on: the store granted the request, it
     goes, and the lag restarts from it."""
@@ -199,3 +217,29 @@ async def test_a_connection_the_vendor_closed_during_the_wait_is_replaced(raw_ve
     assert fresh is not conn and not fresh.closed
     assert raw.connections == 2
     await pool.close()
+
+
+@pytest.mark.slow
+async def test_a_stall_on_one_replica_shifts_the_other_replicas_writes(vendor, start_proxy, redis_url) -> None:
+    """Two replicas on one Redis. One of them writes 0.3 s late (a stall): the other hears
+    it through the store and its next request, granted at once, is written 0.3 s late too,
+    rather than into the windows that already hold the stalled replica's late ones."""
+    policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 100, per: 1s, burst: 5}]")
+    a = await start_proxy(policy)
+    b = await start_proxy(policy)
+    deps_a, deps_b = a.runtime.deps, b.runtime.deps
+    pace = deps_b.limiter.buckets(deps_b.policy.vendors[0], "t").vendor_side
+    idents = tuple(spec.ident for spec in pace)
+
+    async def heard() -> bool:
+        a.runtime._tell_lag(idents, 0.3)  # as its pacer does when a write's lag grows
+        await asyncio.sleep(0.05)
+        return all(deps_b.pacer._lag.get(i, (0.0, 0.0))[0] == 0.3 for i in idents)
+
+    await eventually(heard, "the other replica heard the lag")
+    assert deps_a.pacer._lag == {}  # a replica ignores its own message
+    async with client_session() as s:
+        started = time.monotonic()
+        async with s.get("http://api.payments.example/late", proxy=b.url) as r:
+            assert r.status == 200
+    assert vendor.mock.arrivals[-1] - started >= 0.28, vendor.mock.arrivals[-1] - started

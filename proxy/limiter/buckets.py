@@ -61,6 +61,11 @@ def block_channel(prefix: str, vendor: str, partition: str = "") -> str:
     return f"{channel}:{partition}" if partition else channel
 
 
+def lag_channel(prefix: str) -> str:
+    """Where replicas tell each other their write lags (pacing.py): one channel, rarely used."""
+    return f"{prefix}:lag"
+
+
 def block_channel_pattern(prefix: str) -> str:
     return f"{prefix}:{{*}}:block*"
 

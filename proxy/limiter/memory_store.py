@@ -259,6 +259,12 @@ class MemoryStore:
     async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
         return  # one process: the limiter already knows every block it made
 
+    async def publish(self, channel: str, data: str) -> None:
+        return  # one process: nobody else to tell
+
+    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
+        return
+
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         now = self._clock.monotonic()
         members = self._replicas.setdefault(key, {})

@@ -362,6 +362,13 @@ class RedisStore:
         """Follow lease releases announced by release.lua; reconnects until cancelled."""
         await self._follow(pattern, lambda _channel, data: on_release(tuple(data.split())))
 
+    async def publish(self, channel: str, data: str) -> None:
+        await self._call(functools.partial(self._client.publish, channel, data))
+
+    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
+        """Follow the replicas' write lags (pacing.py); reconnects until cancelled."""
+        await self._follow(pattern, on_lag)
+
     async def _follow(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
         """Call ``on_message(channel, data)`` for every message on channels matching
         ``pattern``; reconnects with backoff until cancelled."""

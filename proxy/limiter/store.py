@@ -208,6 +208,14 @@ class BucketStore(Protocol):
         """Call ``on_block(channel, seconds)`` for every block other processes announce on
         channels matching ``pattern``; runs until cancelled. A single-process store returns."""
 
+    async def publish(self, channel: str, data: str) -> None:
+        """Tell other processes ``data`` on ``channel`` (a replica's write lag, pacing.py);
+        best effort. Raises StoreUnavailable. A single-process store does nothing."""
+
+    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
+        """Call ``on_lag(channel, data)`` for every message other processes ``publish`` on
+        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
+
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         """Record ``member`` (a replica) alive now in the replica set ``key``, or remove it
         (``leave``); returns how many members announced within the last ``stale`` seconds
