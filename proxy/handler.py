@@ -179,8 +179,9 @@ class ProxyHandler:
         wait = result.wait
         granted = deps.clock.monotonic() + wait  # a hold's grant: when it matures
         # The room each vendor-side bucket had then (a hold's level refills while it waits).
-        levels = result.levels[b.tenant_count :]
-        room = tuple(level + wait * spec.rate for spec, level in zip(pace, levels, strict=False))
+        room = result.levels[b.tenant_count :]
+        if wait > 0:
+            room = tuple(level + wait * spec.rate for spec, level in zip(pace, room, strict=False))
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):

@@ -49,11 +49,21 @@ _MAX_TRACKED = 10_000  # buckets remembered at most (partitions are many)
 GROWN = 0.002  # seconds a lag must grow by before the other replicas are told
 
 
+_WINDOWS: dict[int, tuple[Vendor, float]] = {}  # per policy vendor: asked on every request
+
+
 def longest_window(vendor: Vendor) -> float:
     """Seconds of the vendor's longest limit (global or endpoint class): past it, a request
     that went late no longer shares a window with the next one."""
+    hit = _WINDOWS.get(id(vendor))
+    if hit is not None and hit[0] is vendor:
+        return hit[1]
     limits = [*vendor.limits, *(limit for endpoint in vendor.endpoints for limit in endpoint.limits)]
-    return max((limit.per for limit in limits), default=1.0)
+    window = max((limit.per for limit in limits), default=1.0)
+    if len(_WINDOWS) >= 1024:  # reloads leave old vendors behind
+        _WINDOWS.clear()
+    _WINDOWS[id(vendor)] = (vendor, window)
+    return window
 
 
 class Pacer:
@@ -103,8 +113,13 @@ class Pacer:
         lag = at - granted
         entry = (lag, at)
         grown: list[str] | None = None
-        for spec in specs:
+        for k, spec in enumerate(specs):
             ident = spec.ident
+            if k < len(room) and room[k] >= spec.rate * lag + cost:
+                # Room for this lag's end too: nothing to keep, nothing to tell (a vendor
+                # whose limit does not bind: every request's own delay would be "growth").
+                lags[ident] = (0.0, at)
+                continue
             if lag >= GROWN and self.on_grown is not None:
                 last = lags.get(ident)
                 if last is None or lag - last[0] >= GROWN or now - last[1] >= window:

@@ -125,6 +125,22 @@ async def test_a_growing_lag_is_told_once_per_stall_and_an_adopted_one_is_kept()
     assert round(b.reserve(BUCKET, clock.monotonic(), W), 3) == 0.15
 
 
+async def test_a_bucket_that_does_not_bind_keeps_and_tells_nothing() -> None:
+    """Huge limits (room for any lag): a request's own delay on a busy loop is no lag to
+    keep or tell; telling it cost a PUBLISH every few requests under load."""
+    clock = ManualClock()
+    told: list[float] = []
+    pacer = Pacer(clock)
+    pacer.on_grown = lambda idents, lag: told.append(lag)
+    huge = [spec(1e9, 1e9, "huge")]
+    for k in range(20):
+        granted = clock.monotonic()
+        await clock.advance(0.001 * (k % 7))  # each its own delay, up to 6 ms
+        assert pacer.reserve(huge, granted, W, [1e9 - k]) == 0.0
+    assert told == []
+    assert pacer._lag["huge"][0] == 0.0
+
+
 async def test_a_ledger_out_of_step_with_the_store_does_not_hold_requests() -> None:
     """A wait over MAX_WAIT is no stall to carry on: the store granted the request, it
     goes, and the lag restarts from it."""
