@@ -83,6 +83,7 @@ class Runtime:
         self.leaf_minter = self._new_leaf_minter(policy)
         self._retiring: set[asyncio.Task[None]] = set()
         self._replica = secrets.token_hex(6)  # tells this replica's lag messages from the others'
+        self._telling: set[asyncio.Task[None]] = set()  # lag messages on their way: ended before the store closes
         self.handler.deps.pacer.on_grown = self._tell_lag
         self._watch = self._follow(limiter, concurrency)
         self._declare_gauges()
@@ -143,7 +144,9 @@ class Runtime:
             with contextlib.suppress(StoreUnavailable):  # best effort: the lag still holds here
                 await limiter.store.publish(lag_channel(limiter.key_prefix), data)
 
-        spawn(tell(), name="tell-write-lag")
+        task = spawn(tell(), name="tell-write-lag")
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
     async def _follow_lags(self, limiter: Limiter) -> None:
         def heard(_channel: str, data: str) -> None:
@@ -349,7 +352,8 @@ class Runtime:
             self.leaf_minter.close()
         deps = self.handler.deps
         await deps.upstreams.close()
-        await _closing(deps.limiter, deps.concurrency, self._watch)()  # the watches end before the store they read
+        # The watches (and lag messages on their way) end before the store they use.
+        await _closing(deps.limiter, deps.concurrency, [*self._watch, *self._telling])()
         deps.access_log.flush()
 
 

@@ -390,8 +390,15 @@ class RedisStore:
             except (RedisError, OSError) as exc:
                 log.debug("watch of %s lost its connection (%s); retrying in %.1fs", pattern, exc, backoff)
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                # Closed whole even if cancelled again meanwhile (cancel_and_wait repeats its
+                # cancellation): a half-closed subscription leaves its connection open.
+                # A cancellation that arrives meanwhile is dropped; cancel_and_wait repeats it.
+                closing = asyncio.ensure_future(pubsub.aclose())  # type: ignore[no-untyped-call]
+                while not closing.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(closing)
+                if not closing.cancelled():
+                    closing.exception()  # retrieved: a failed close is only a closed connection
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
