@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy import headers as h
-from proxy.limiter.store import AcquireResult, BucketSpec
+from proxy.limiter.store import AcquireResult
+from proxy.pacing import Paced
 from proxy.policy.durations import parse_duration
 from proxy.policy.model import ACTIONS, Action, OnLimit
 from proxy.ratelimit_fields import QuotaItem
@@ -63,16 +64,9 @@ class Admission:
     quota: QuotaItem | None = None
     """Its tightest bucket, for the RateLimit fields of the forwarded answer (when the
     vendor asks for them and the store answered)."""
-    pace: tuple[BucketSpec, ...] = ()
-    """The vendor-side buckets its write is paced by (pacing.py); none when it went
-    without the store (failing open)."""
-    window: float = 1.0
-    """The vendor's longest window (pacing.longest_window)."""
-    granted: float = 0.0
-    """When it was granted (the clock's time; a hold: when it matured)."""
-    room: tuple[float, ...] = ()
-    """The tokens each of ``pace`` had left once this request's were taken, at its grant."""
-    cost: float = 1.0
+    pace: Paced | None = None
+    """What its write is paced by (pacing.py); None when it went without the store
+    (failing open)."""
 
 
 FORWARD = Forward()

@@ -17,15 +17,14 @@ import functools
 import logging
 import math
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 
 from proxy.dataplane.http1 import BodyBroken, Request, Responder
 from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
-from proxy.limiter.store import BucketSpec
 from proxy.names import parse_authority
-from proxy.pacing import Pacer
+from proxy.pacing import Paced, Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.refusals import BadRequest, UpstreamFailed
 from proxy.tasks import spawn
@@ -181,28 +180,24 @@ async def send(
     target: str,
     tenant_header: str,
     pacer: Pacer | None = None,
-    pace: Sequence[BucketSpec] = (),
-    window: float = 1.0,
-    granted: float = 0.0,
-    room: Sequence[float] = (),
-    cost: float = 1.0,
+    pace: Paced | None = None,
 ) -> Response:
     """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
     and query byte for byte (re-encoding could break a signed URL); return once the vendor's
     headers are in. Raises refusals.UpstreamFailed (``classify``).
 
-    With a ``pacer``, the request is written no less late after its grant (at
-    ``granted``) than the last one of its vendor-side buckets ``pace`` was within the
-    vendor's longest ``window``, unless they had the ``room`` for it: at the last moment,
-    its connection in hand, so that whatever delayed one request (a connection opening, a
-    busy loop) cannot bunch it with the ones granted after it (pacing.py)."""
+    With a ``pacer`` and what it needs (``pace``), the request is written no less late after
+    its grant than the last one of its vendor-side buckets was within the vendor's longest
+    window, unless they had the room for it: at the last moment, its connection in hand, so
+    that whatever delayed one request (a connection opening, a busy loop) cannot bunch it
+    with the ones granted after it (pacing.py)."""
     headers = upstream_request_headers(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
         conn = pool.idle(where) or await pool.open(where, timeouts.connect)
-        if pacer is not None:
-            wait = pacer.reserve(pace, granted, window, room, cost)
+        if pacer is not None and pace is not None:
+            wait = pacer.reserve(*pace)
             if wait > 0:
                 conn = await _paced(pool, conn, pacer, wait, timeouts.connect)
         return await conn.request(

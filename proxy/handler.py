@@ -28,7 +28,7 @@ from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
 from proxy.loudly import Loudly
 from proxy.match import Match
-from proxy.pacing import longest_window
+from proxy.pacing import Paced, longest_window
 from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -174,24 +174,22 @@ class ProxyHandler:
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
         b = limiter.buckets(vendor, tenant, endpoint, partition)
-        pace = b.vendor_side
-        window = longest_window(vendor)
         wait = result.wait
-        granted = deps.clock.monotonic() + wait  # a hold's grant: when it matures
-        # The room each vendor-side bucket had then (a hold's level refills while it waits).
+        # The room each vendor-side bucket had at the grant (a hold's refills while it waits).
         room = result.levels[b.tenant_count :]
         if wait > 0:
-            room = tuple(level + wait * spec.rate for spec, level in zip(pace, room, strict=False))
+            room = tuple(level + wait * spec.rate for spec, level in zip(b.vendor_side, room, strict=False))
+        pace = Paced(b.vendor_side, deps.clock.monotonic() + wait, longest_window(vendor), room, cost)
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         if isinstance(decision, Hold):
             await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
-            return Admission("held", quota, pace, window, granted, room, cost)
+            return Admission("held", quota, pace)
         if slot.waited:
             rec.hold = slot.waited
             deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
-            return Admission("held", quota, pace, window, granted, room, cost)
-        return Admission("forwarded", quota, pace, window, granted, room, cost)
+            return Admission("held", quota, pace)
+        return Admission("forwarded", quota, pace)
 
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
@@ -264,12 +262,8 @@ class ProxyHandler:
             match.origin,
             match.path_qs,
             deps.policy.tenant.header,
-            deps.pacer if admission.pace else None,
+            deps.pacer,
             admission.pace,
-            admission.window,
-            admission.granted,
-            admission.room,
-            admission.cost,
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

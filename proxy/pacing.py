@@ -39,6 +39,7 @@ its state): the store granted the request, so it goes, and the lag restarts from
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from proxy.clock import Clock
 from proxy.limiter.store import BucketSpec
@@ -47,6 +48,20 @@ from proxy.policy.model import Vendor
 MAX_WAIT = 1.0  # seconds a write is held at most; longer: the store is trusted (see above)
 _MAX_TRACKED = 10_000  # buckets remembered at most (partitions are many)
 GROWN = 0.002  # seconds a lag must grow by before the other replicas are told
+
+
+class Paced(NamedTuple):
+    """What the pacer needs of one granted request when it is written (``Pacer.reserve``)."""
+
+    specs: tuple[BucketSpec, ...]
+    """Its vendor-side buckets."""
+    granted: float
+    """When it was granted (the clock's time; a hold: when it matured)."""
+    window: float
+    """The vendor's longest window (``longest_window``)."""
+    room: tuple[float, ...]
+    """The tokens each of ``specs`` had left once its own were taken, at its grant."""
+    cost: float
 
 
 _WINDOWS: dict[int, tuple[Vendor, float]] = {}  # per policy vendor: asked on every request
@@ -101,8 +116,8 @@ class Pacer:
             if last is None or now - last[1] >= window:
                 continue
             lag = last[0]
-            if k < len(room) and room[k] >= spec.rate * lag + cost:
-                continue  # room for every request the lag's end makes early
+            if _absorbs(room, k, spec, lag, cost):
+                continue
             earliest = granted + lag
             if earliest > at:
                 at = earliest
@@ -115,7 +130,7 @@ class Pacer:
         grown: list[str] | None = None
         for k, spec in enumerate(specs):
             ident = spec.ident
-            if k < len(room) and room[k] >= spec.rate * lag + cost:
+            if _absorbs(room, k, spec, lag, cost):
                 # Room for this lag's end too: nothing to keep, nothing to tell (a vendor
                 # whose limit does not bind: every request's own delay would be "growth").
                 lags[ident] = (0.0, at)
@@ -128,3 +143,9 @@ class Pacer:
         if grown is not None and self.on_grown is not None:
             self.on_grown(tuple(grown), lag)
         return at - now
+
+
+def _absorbs(room: Sequence[float], k: int, spec: BucketSpec, lag: float, cost: float) -> bool:
+    """Did ``spec`` have room, at the grant, for every request a lag's end makes early
+    (its rate x ``lag``) besides the request's own ``cost``?"""
+    return k < len(room) and room[k] >= spec.rate * lag + cost

@@ -390,9 +390,9 @@ class RedisStore:
             except (RedisError, OSError) as exc:
                 log.debug("watch of %s lost its connection (%s); retrying in %.1fs", pattern, exc, backoff)
             finally:
-                # Closed whole even if cancelled again meanwhile (cancel_and_wait repeats its
-                # cancellation): a half-closed subscription leaves its connection open.
-                # A cancellation that arrives meanwhile is dropped; cancel_and_wait repeats it.
+                # Closed whole even if cancelled again meanwhile (a half-closed subscription
+                # leaves its connection open); that cancellation is dropped, and
+                # cancel_and_wait repeats it.
                 closing = asyncio.ensure_future(pubsub.aclose())  # type: ignore[no-untyped-call]
                 while not closing.done():
                     with contextlib.suppress(asyncio.CancelledError):
