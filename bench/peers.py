@@ -53,7 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -430,34 +430,43 @@ def latency(args: argparse.Namespace, name: str, url: str, proxy: Proc | None) -
     return out
 
 
+@contextlib.contextmanager
+def sampled(fleet: Fleet, args: argparse.Namespace, proxy: Proc, out: Path, name: str, *more: str) -> Iterator[int]:
+    """py-spy --native recording ``proxy`` into ``out`` (``more``: further py-spy options)
+    while the block runs; yields the seconds it samples for, and returns once the profile
+    is written."""
+    exe = venv_tool(args.cache, f"py-spy-{PYSPY_VERSION}", f"py-spy=={PYSPY_VERSION}", "py-spy")
+    seconds = max(int(args.profile), 1)
+    argv = [str(exe), "record", "--pid", str(proxy.pid), "--duration", str(seconds), "--rate", str(args.profile_rate)]
+    argv += ["--native", *more, "--format", "raw", "--output", str(out)]
+    spy = fleet.start(name, argv, cpus=args.load_cpu)
+    deadline = time.monotonic() + 20
+    while "Sampling process" not in spy.stdout.read_text(errors="replace") + spy.stderr.read_text(errors="replace"):
+        if not spy.alive() or time.monotonic() > deadline:
+            raise BenchError(f"{name} did not start sampling (it needs ptrace: root or CAP_SYS_PTRACE):\n{spy.tail()}")
+        time.sleep(0.05)
+    yield seconds
+    try:
+        spy.popen.wait(30)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{name} still running 30 s after its duration:\n{spy.tail()}") from None
+    fleet.stop(spy)
+    if not out.exists():
+        raise BenchError(f"{name} wrote no profile:\n{spy.tail()}")
+
+
 def profile(
     fleet: Fleet, args: argparse.Namespace, proxy: Proc, target: str, load_side: list[Proc], cpu_us: float | None
 ) -> dict[str, Any]:
     """py-spy (native frames too) on quota-proxy under the rounds' load; the samples sorted
     into parts (bench/_profile.py) and priced at the rounds' median CPU per request."""
-    exe = venv_tool(args.cache, f"py-spy-{PYSPY_VERSION}", f"py-spy=={PYSPY_VERSION}", "py-spy")
     out = Path(args.profile_out) if args.profile_out else fleet.workdir / "profile.txt"
-    seconds = max(int(args.profile), 1)
-    argv = [str(exe), "record", "--pid", str(proxy.pid), "--duration", str(seconds), "--rate", str(args.profile_rate)]
-    argv += ["--native", "--format", "raw", "--output", str(out)]
-    spy = fleet.start("py-spy", argv, cpus=args.load_cpu)
-    deadline = time.monotonic() + 20
-    while "Sampling process" not in spy.stdout.read_text(errors="replace") + spy.stderr.read_text(errors="replace"):
-        if not spy.alive() or time.monotonic() > deadline:
-            raise BenchError(f"py-spy did not start sampling (it needs ptrace: root or CAP_SYS_PTRACE):\n{spy.tail()}")
-        time.sleep(0.05)
-    with Window(proxy, load_side, cpu_names(args.proxy_cpu)) as w:
-        load, gen_cpu = generate(
-            fleet, args.generator, proxy.url, args.connections, seconds + 1.0, args.load_cpu, target
-        )
-    done = check_load("profile", load)
-    try:
-        spy.popen.wait(30)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"py-spy still running 30 s after its duration:\n{spy.tail()}") from None
-    fleet.stop(spy)
-    if not out.exists():
-        raise BenchError(f"py-spy wrote no profile:\n{spy.tail()}")
+    with sampled(fleet, args, proxy, out, "py-spy") as seconds:
+        with Window(proxy, load_side, cpu_names(args.proxy_cpu)) as w:
+            load, gen_cpu = generate(
+                fleet, args.generator, proxy.url, args.connections, seconds + 1.0, args.load_cpu, target
+            )
+        done = check_load("profile", load)
     under = w.figures(done, gen_cpu)["cpu_us_per_request"]
     print(
         f"\n4. profile: quota-proxy (Redis) under the same load, py-spy --native at {args.profile_rate} Hz for "
@@ -477,29 +486,13 @@ def profile(
     }
 
 
-def spy(fleet: Fleet, args: argparse.Namespace, proxy: Proc, target: str, load_side: list[Proc], name: str) -> float:
+def spy(fleet: Fleet, args: argparse.Namespace, proxy: Proc, target: str, name: str) -> float:
     """The share of ``proxy``'s samples (its worker processes too) in socket and polling
     system calls under the rounds' load (``syscall_share``)."""
-    exe = venv_tool(args.cache, f"py-spy-{PYSPY_VERSION}", f"py-spy=={PYSPY_VERSION}", "py-spy")
     out = fleet.workdir / f"profile-{name}.txt"
-    seconds = max(int(args.profile), 1)
-    argv = [str(exe), "record", "--pid", str(proxy.pid), "--duration", str(seconds), "--rate", str(args.profile_rate)]
-    argv += ["--native", "--subprocesses", "--format", "raw", "--output", str(out)]
-    proc = fleet.start(f"py-spy-{name}", argv, cpus=args.load_cpu)
-    deadline = time.monotonic() + 20
-    while "Sampling process" not in proc.stdout.read_text(errors="replace") + proc.stderr.read_text(errors="replace"):
-        if not proc.alive() or time.monotonic() > deadline:
-            raise BenchError(f"py-spy did not start sampling {name}:\n{proc.tail()}")
-        time.sleep(0.05)
-    load, _ = generate(fleet, args.generator, proxy.url, args.connections, seconds + 1.0, args.load_cpu, target)
-    check_load(f"profile {name}", load)
-    try:
-        proc.popen.wait(30)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"py-spy still running 30 s after its duration:\n{proc.tail()}") from None
-    fleet.stop(proc)
-    if not out.exists():
-        raise BenchError(f"py-spy wrote no profile of {name}:\n{proc.tail()}")
+    with sampled(fleet, args, proxy, out, f"py-spy-{name}", "--subprocesses") as seconds:
+        load, _ = generate(fleet, args.generator, proxy.url, args.connections, seconds + 1.0, args.load_cpu, target)
+        check_load(f"profile {name}", load)
     with open(out) as f:
         return syscall_share(read_collapsed(f))
 
@@ -683,7 +676,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         result["profile"] = profile(fleet, args, procs["redis"], TARGET_URL, load_side, cpu_us)
         peer_us = result["saturation"].get("proxypy", {}).get("cpu_us_per_request")
         if "proxypy" in procs and cpu_us and peer_us:
-            peer_share = spy(fleet, args, procs["proxypy"], targets["proxypy"], load_side, "proxypy")
+            peer_share = spy(fleet, args, procs["proxypy"], targets["proxypy"], "proxypy")
             result["floor"] = print_floor(result["profile"]["syscall_share"], cpu_us, peer_share, peer_us)
     dump_json(args.json, result)
     return 2 if args.strict and result["missed"] else 0

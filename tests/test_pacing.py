@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import Any
 
 import pytest
 
@@ -188,6 +189,20 @@ async def test_a_stalled_event_loop_does_not_release_the_held_requests_together(
     assert min(gaps) >= 0.04, [round(g, 3) for g in gaps]
 
 
+async def paced_on_a_pooled_connection(
+    raw_vendor: Any, serve: Any
+) -> tuple[Any, Pool, Any, ManualClock, asyncio.Future[Any]]:
+    """A vendor running ``serve``, a pooled connection to it, and a write waiting 0.5 s of a
+    manual clock for the pacer on it (forward._paced)."""
+    raw = await raw_vendor(serve)
+    origin = forward.origin_of(raw.url)
+    pool = Pool(False)
+    conn = await pool.open(origin, 1.0)
+    clock = ManualClock()
+    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
+    return raw, pool, conn, clock, waiting
+
+
 async def test_a_paced_write_given_up_puts_its_connection_back_unused(raw_vendor) -> None:
     """A worker that goes away while its request waits for the pacer: nothing was written
     on the pooled connection it held, so the connection goes back to the pool."""
@@ -196,36 +211,28 @@ async def test_a_paced_write_given_up_puts_its_connection_back_unused(raw_vendor
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         received.append(await reader.read(100))
 
-    raw = await raw_vendor(serve)
-    origin = forward.origin_of(raw.url)
-    pool = Pool(False)
-    conn = await pool.open(origin, 1.0)
-    clock = ManualClock()
-    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
+    _, pool, conn, _, waiting = await paced_on_a_pooled_connection(raw_vendor, serve)
     await asyncio.sleep(0)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert pool.idle(origin) is conn
+    assert pool.idle(conn.origin) is conn
     assert received == []
     await pool.close()
 
 
 async def test_a_connection_the_vendor_closed_during_the_wait_is_replaced(raw_vendor) -> None:
     closing = asyncio.Event()
+    served: list[int] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if raw.connections == 1:
+        served.append(1)
+        if len(served) == 1:
             await closing.wait()
             return  # the vendor drops its idle connection (its keep-alive timeout)
         await reader.read(100)
 
-    raw = await raw_vendor(serve)
-    origin = forward.origin_of(raw.url)
-    pool = Pool(False)
-    conn = await pool.open(origin, 1.0)
-    clock = ManualClock()
-    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
+    raw, pool, conn, clock, waiting = await paced_on_a_pooled_connection(raw_vendor, serve)
     closing.set()
     await eventually(lambda: conn.closed, "the vendor's close seen")
     await clock.advance(0.5)
