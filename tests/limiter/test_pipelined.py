@@ -23,6 +23,31 @@ async def test_concurrent_callers_get_their_own_replies_in_order(redis_url: str)
         conn.close()
 
 
+async def test_the_commands_of_one_loop_turn_leave_in_one_write(redis_url: str) -> None:
+    # One system call for every acquire a turn of the loop serves, not one per request.
+    conn = PipelinedConnection(redis_url, connect_timeout=1.0)
+    echo = PipelinedScript(conn, ECHO)
+    try:
+        await echo([], ["warm"])
+        proto = await conn._connection()
+        assert proto.transport is not None
+        writes: list[bytes] = []
+        real_write = proto.transport.write
+
+        def counted(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            real_write(data)
+
+        proto.transport.write = counted  # type: ignore[method-assign]
+        replies = await asyncio.gather(*(echo([], [str(i)], reply_within=1.0) for i in range(50)))
+        assert replies == [str(i).encode() for i in range(50)]
+        assert len(writes) == 1 and writes[0].count(b"EVALSHA") == 50
+        assert await echo([], ["next turn"], reply_within=1.0) == b"next turn"
+        assert len(writes) == 2
+    finally:
+        conn.close()
+
+
 async def test_a_caller_that_gives_up_does_not_shift_later_replies(redis_url: str) -> None:
     conn = PipelinedConnection(redis_url, connect_timeout=1.0)
     slow = PipelinedScript(
