@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
 
-from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
+from proxy.limiter.pipelined import BATCH_MAX, PipelinedConnection, PipelinedScript, PipelineError
 from tests.conftest import RedisServer
 
 ECHO = "return ARGV[1]"
@@ -23,8 +24,9 @@ async def test_concurrent_callers_get_their_own_replies_in_order(redis_url: str)
         conn.close()
 
 
-async def test_the_commands_of_one_loop_turn_leave_in_one_write(redis_url: str) -> None:
-    # One system call for every acquire a turn of the loop serves, not one per request.
+async def test_a_busy_turns_commands_leave_in_batches_and_an_idle_connections_at_once(redis_url: str) -> None:
+    # A system call per batch of the acquires a turn of the loop serves, not one per request;
+    # and no wait for the turn's end when Redis has nothing else to answer (latency).
     conn = PipelinedConnection(redis_url, connect_timeout=1.0)
     echo = PipelinedScript(conn, ECHO)
     try:
@@ -39,11 +41,18 @@ async def test_the_commands_of_one_loop_turn_leave_in_one_write(redis_url: str) 
             real_write(data)
 
         proto.transport.write = counted  # type: ignore[method-assign]
-        replies = await asyncio.gather(*(echo([], [str(i)], reply_within=1.0) for i in range(50)))
-        assert replies == [str(i).encode() for i in range(50)]
-        assert len(writes) == 1 and writes[0].count(b"EVALSHA") == 50
-        assert await echo([], ["next turn"], reply_within=1.0) == b"next turn"
-        assert len(writes) == 2
+        calls = [asyncio.ensure_future(echo([], [str(i)], reply_within=1.0)) for i in range(50)]
+        await asyncio.sleep(0)  # one turn: every call queues its command
+        assert [w.count(b"EVALSHA") for w in writes] == [1] + [BATCH_MAX] * (49 // BATCH_MAX)
+        assert [str(i).encode() for i in range(50)] == await asyncio.gather(*calls)
+        assert sum(w.count(b"EVALSHA") for w in writes) == 50
+        assert len(writes) == 1 + math.ceil(49 / BATCH_MAX)  # the rest left when the turn ended
+
+        writes.clear()
+        alone = asyncio.ensure_future(echo([], ["alone"], reply_within=1.0))
+        await asyncio.sleep(0)  # the call ran: its command is out without another turn
+        assert len(writes) == 1
+        assert await alone == b"alone"
     finally:
         conn.close()
 
