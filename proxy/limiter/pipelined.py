@@ -120,8 +120,8 @@ class _Protocol(asyncio.Protocol):
         turn serves (a write per command was 7 % of the CPU per request in a profile). Their
         deadlines start now, at the write: a command queued before the loop was held up is
         not charged for the hold-up (a busy loop is not a dead store)."""
-        if self.closed or self.transport is None or not self._unsent:
-            return
+        if self.closed or self.transport is None or not self._unsent or self.transport.is_closing():
+            return  # (a closing connection fails every waiter, written or not, when it is lost)
         loop = self._loop
         now = loop.time()
         self.transport.write(self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent))
@@ -266,7 +266,7 @@ class PipelinedConnection:
         """Send one command and wait for its reply; TimeoutError when Redis has not
         answered ``reply_within`` seconds after it was sent (a deadline on the reply, not
         on the caller's wait: see _expire). ``asking``: ASKING goes out right before the
-        command, in the same write (Cluster's ASK redirection during a slot migration)."""
+        command, nothing between them (Cluster's ASK redirection during a slot migration)."""
         return await self.execute_packed(hiredis.pack_command(args), reply_within=reply_within, asking=asking)
 
     async def execute_packed(self, packed: bytes, *, reply_within: float | None = None, asking: bool = False) -> Any:
