@@ -157,7 +157,7 @@ class Runtime:
             if replica != self._replica:
                 self.handler.deps.pacer.adopt([str(i) for i in idents], float(lag))
 
-        await limiter.store.watch_lags(lag_channel(limiter.key_prefix), heard)
+        await limiter.store.watch(lag_channel(limiter.key_prefix), heard)
 
     def _new_leaf_minter(self, policy: Policy) -> LeafMinter | None:
         """The interception CA's leaf factory, when the policy names a CA."""

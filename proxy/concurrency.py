@@ -310,7 +310,9 @@ class Concurrency:
 
     async def watch(self) -> None:
         """Wake waiters on the releases other replicas announce, until cancelled."""
-        await self._store.watch_releases(release_channel_pattern(self._prefix), self.heard_release)
+        await self._store.watch(
+            release_channel_pattern(self._prefix), lambda _channel, data: self.heard_release(tuple(data.split()))
+        )
 
     # -- renewal -------------------------------------------------------------------
 

@@ -101,14 +101,11 @@ class CountingStore:
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         return await self.inner.refund(buckets, cost)
 
-    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
-        await self.inner.watch_blocks(pattern, on_block)
+    async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
+        await self.inner.watch(pattern, on_message)
 
     async def publish(self, channel: str, data: str) -> None:
         await self.inner.publish(channel, data)
-
-    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
-        await self.inner.watch_lags(pattern, on_lag)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         return await self.inner.announce(key, member, stale, leave)

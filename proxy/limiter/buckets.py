@@ -61,6 +61,11 @@ def block_channel(prefix: str, vendor: str, partition: str = "") -> str:
     return f"{channel}:{partition}" if partition else channel
 
 
+def block_seconds(data: str) -> float:
+    """A block announcement's length: feedback.lua publishes milliseconds (ValueError if not a number)."""
+    return float(data) / 1000.0
+
+
 def lag_channel(prefix: str) -> str:
     """Where replicas tell each other their write lags (pacing.py): one channel, rarely used."""
     return f"{prefix}:lag"

@@ -30,6 +30,7 @@ from proxy.limiter.buckets import (
     Buckets,
     block_channel,
     block_channel_pattern,
+    block_seconds,
     buckets_for,
     endpoint_buckets,
     global_buckets,
@@ -540,12 +541,13 @@ class Limiter:
     async def watch_blocks(self) -> None:
         """Follow other replicas' blocks until cancelled."""
 
-        def on_block(channel: str, seconds: float) -> None:
+        def on_block(channel: str, data: str) -> None:
+            seconds = block_seconds(data)
             vendor = vendor_of_channel(channel)
             if vendor is not None:
                 self.note_block(vendor, seconds, partition_of_channel(channel))
 
-        await self.store.watch_blocks(block_channel_pattern(self.key_prefix), on_block)
+        await self.store.watch(block_channel_pattern(self.key_prefix), on_block)
 
     # -- learned limits (SPEC §10) ---------------------------------------------
 

@@ -253,17 +253,11 @@ class MemoryStore:
         now = self._clock.monotonic()
         return tuple(self._level(b, now) for b in buckets)
 
-    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
-        return  # one process: the limiter wakes its own waiters on its own releases
-
-    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
-        return  # one process: the limiter already knows every block it made
-
     async def publish(self, channel: str, data: str) -> None:
         return  # one process: nobody else to tell
 
-    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
-        return
+    async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
+        return  # one process: it knows its own blocks, releases and lags
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         now = self._clock.monotonic()

@@ -350,28 +350,11 @@ class RedisStore:
         for key in probes:
             await self._call(functools.partial(self._probe, keys=[key]))
 
-    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
-        """Follow blocks announced by feedback.lua; reconnects until cancelled."""
-
-        def message(channel: str, data: str) -> None:
-            on_block(channel, float(data) / _MS)
-
-        await self._follow(pattern, message)
-
-    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
-        """Follow lease releases announced by release.lua; reconnects until cancelled."""
-        await self._follow(pattern, lambda _channel, data: on_release(tuple(data.split())))
-
     async def publish(self, channel: str, data: str) -> None:
         await self._call(functools.partial(self._client.publish, channel, data))
 
-    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
-        """Follow the replicas' write lags (pacing.py); reconnects until cancelled."""
-        await self._follow(pattern, on_lag)
-
-    async def _follow(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
-        """Call ``on_message(channel, data)`` for every message on channels matching
-        ``pattern``; reconnects with backoff until cancelled."""
+    async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
+        """A pattern subscription of its own; reconnects with backoff until cancelled."""
         backoff = 0.1
         while True:
             pubsub = self._client.pubsub()

@@ -200,21 +200,15 @@ class BucketStore(Protocol):
     async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
         """Live leases per set now."""
 
-    async def watch_releases(self, pattern: str, on_release: Callable[[tuple[str, ...]], None]) -> None:
-        """Call ``on_release(set keys)`` for every release other processes announce on
-        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
-
-    async def watch_blocks(self, pattern: str, on_block: Callable[[str, float], None]) -> None:
-        """Call ``on_block(channel, seconds)`` for every block other processes announce on
-        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
-
     async def publish(self, channel: str, data: str) -> None:
         """Tell other processes ``data`` on ``channel`` (a replica's write lag, pacing.py);
         best effort. Raises StoreUnavailable. A single-process store does nothing."""
 
-    async def watch_lags(self, pattern: str, on_lag: Callable[[str, str], None]) -> None:
-        """Call ``on_lag(channel, data)`` for every message other processes ``publish`` on
-        channels matching ``pattern``; runs until cancelled. A single-process store returns."""
+    async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
+        """Call ``on_message(channel, data)`` for every message other processes announce on
+        channels matching ``pattern`` (blocks and lease releases from the scripts, write
+        lags from ``publish``); a ValueError it raises marks the message malformed (logged,
+        skipped). Runs until cancelled; a single-process store returns at once."""
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         """Record ``member`` (a replica) alive now in the replica set ``key``, or remove it

@@ -100,7 +100,9 @@ async def test_a_lease_lives_through_its_hold(store: BucketStore, clock: ManualC
 async def test_releases_are_announced_to_other_replicas(redis_url: str) -> None:
     a, b = RedisStore(redis_url, 1.0), RedisStore(redis_url, 1.0)
     heard: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
-    watch = asyncio.ensure_future(b.watch_releases("test:{v}:released*", heard.put_nowait))
+    watch = asyncio.ensure_future(
+        b.watch("test:{v}:released*", lambda _channel, data: heard.put_nowait(tuple(data.split())))
+    )
     try:
         # The subscription is in place once a probe announcement gets through.
         while True:
