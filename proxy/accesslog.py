@@ -42,15 +42,19 @@ class AccessLog:
     process, made by whoever owns the process's streams and handed to the Runtime;
     whether a request is logged is its policy's ``access_log`` switch."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, worker: int | None = None) -> None:
         self._stream = stream
+        # A worker of ``run --workers N`` ends each line with its index (the lines of all
+        # the workers reach the supervisor's stderr together).
+        self._end = "}" if worker is None else f',"worker":{int(worker)}}}'
         self._lines: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
 
     def emit(self, record: AccessRecord) -> None:
         if self._stream is None:
             return
-        self._lines.append(record.line())
+        line = record.line()
+        self._lines.append(line if self._end == "}" else line[:-1] + self._end)
         if len(self._lines) >= _MAX_BUFFERED:
             self.flush()
         elif self._timer is None:

@@ -245,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.worker_admin_socket is not None:  # one of a supervisor's workers (the supervisor watches the file)
         _name_worker(args.worker_index)
-        worker = WorkerSockets(args.worker_admin_socket)
+        worker = WorkerSockets(args.worker_admin_socket, args.worker_index or 0)
         return _asyncio_run(serve(policy, policy.listen, policy.admin_listen, load=reload, worker=worker))
     count = _worker_count(policy)
     if count == 1:

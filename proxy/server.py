@@ -67,9 +67,11 @@ def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
 class WorkerSockets:
     """How a worker of ``run --workers N`` binds (proxy/workers.py): the proxy listener with
     SO_REUSEPORT, so that the kernel spreads connections over the workers' sockets, and its
-    admin endpoints on a Unix socket only the supervisor asks."""
+    admin endpoints on a Unix socket only the supervisor asks. ``index``: which worker
+    (its access-log lines say so)."""
 
     admin_socket: str
+    index: int = 0
 
 
 class ProxyServer:
@@ -212,7 +214,7 @@ async def serve(
     to the file."""
     fd_limit = raise_fd_limit()  # before binding: the listeners' sockets count too
     # The access log is one JSON object per line, nothing around it, for log pipelines.
-    runtime = Runtime(policy, access_log=AccessLog(sys.stderr))
+    runtime = Runtime(policy, access_log=AccessLog(sys.stderr, worker=None if worker is None else worker.index))
     reloader = Reloader(runtime, load) if load is not None else None
     server = ProxyServer(
         runtime,

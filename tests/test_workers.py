@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,9 @@ async def test_two_workers_share_the_port_the_limit_and_the_metrics(
     # The workers' access logs reach the supervisor's stderr whole: one JSON object a line.
     await eventually(lambda: len(access_lines()) == 60, "an access-log line per request")
     assert sorted(line["status"] for line in access_lines()) == [200] * 30 + [429] * 30
+    # Each says which worker served it, as the workers' other log lines do.
+    by_worker = Counter(line["worker"] for line in access_lines())
+    assert by_worker == {w["index"]: w["requests"] for w in status["workers"]}
     assert await asyncio.to_thread(process.terminate_and_wait) == 0
 
 
