@@ -24,7 +24,9 @@ from proxy.policy import (
     load_policy,
     parse_address,
     parse_admin_token,
+    parse_policy,
     parse_store_url,
+    read_policy_text,
     summarize,
 )
 from proxy.policy.model import StoreSettings, Workers
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     # How the supervisor of --workers N starts each worker (proxy/workers.py); not for people.
     run.add_argument("--worker-admin-socket", help=argparse.SUPPRESS)
     run.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    run.add_argument("--worker-policy", help=argparse.SUPPRESS)  # the supervisor's copy of -c's text
     run.add_argument(
         "--log-level",
         default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
@@ -157,12 +160,15 @@ def _config_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(path: str | None) -> Policy | None:
+def _load(path: str | None, copy: str | None = None) -> Policy | None:
+    """The policy file at ``path``, read from ``copy`` when given (a worker of --workers N:
+    the text its supervisor checked, named and resolved as the file); None after printing
+    what is wrong."""
     if not path:
         print("quota-proxy: no policy: give -c FILE or set QUOTA_PROXY_CONFIG", file=sys.stderr)
         return None
     try:
-        return load_policy(path)
+        return load_policy(path) if copy is None else parse_policy(read_policy_text(copy), path)
     except ConfigErrors as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)
@@ -226,7 +232,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    policy = _load(args.config)
+    policy = _load(args.config, args.worker_policy)
     if policy is None:
         return EXIT_CONFIG
     policy = _apply_overrides(policy, args)
@@ -237,9 +243,12 @@ def _run(args: argparse.Namespace) -> int:
     if not policy.tls.upstream_verify:
         log.warning("tls.upstream_verify is false: vendors' certificates are NOT verified")
 
-    def reload() -> Policy:
-        """What SIGHUP, POST /reload and --watch load: the file, then the same overrides."""
-        return _log_warnings(_overridden(load_policy(args.config), args))
+    def reload(text: str | None = None) -> Policy:
+        """What SIGHUP, POST /reload and --watch load: the file (``text``, when the caller
+        read it; a worker's: its supervisor's copy), then the same overrides."""
+        if text is None:
+            text = read_policy_text(args.worker_policy or args.config)
+        return _log_warnings(_overridden(parse_policy(text, args.config), args))
 
     from proxy.server import WorkerSockets, serve
 
@@ -260,7 +269,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.admin_listen is not None:  # the workers' admin is a socket; kept for their policy's checks
         base += ["--admin-listen", args.admin_listen]
     command = WorkerCommand(worker_argv(base))
-    return asyncio.run(run_workers(policy, count, command, reload, args.config if args.watch else None))
+    # The workers run the text the supervisor checked (a copy it keeps), never the file
+    # behind its back: read once more here so that the copy and this policy agree.
+    try:
+        text = read_policy_text(args.config)
+        policy = _overridden(parse_policy(text, args.config), args)
+    except (ConfigErrors, ValueError) as exc:
+        problems = [str(e) for e in exc.errors] if isinstance(exc, ConfigErrors) else str(exc).splitlines()
+        for problem in problems:
+            print(f"quota-proxy: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    return asyncio.run(run_workers(policy, count, command, reload, text, args.watch))
 
 
 def _worker_count(policy: Policy) -> int:

@@ -6,8 +6,12 @@ worker), serves the one admin port (workers_admin.py asks the workers and adds u
 
 - SIGTERM / SIGINT: /readyz turns 503, every worker gets SIGTERM and drains as one process
   does (bounded by ``drain_timeout``), then the supervisor exits 0;
-- SIGHUP, ``POST /reload``, ``--watch``: the supervisor loads the policy first; a bad one is
-  refused there and no worker sees it; a good one is reloaded by every worker;
+- SIGHUP, ``POST /reload``, ``--watch``: the supervisor reads and checks the policy file; a
+  bad one is refused there and no worker sees it; a good one becomes the supervisor's copy
+  (in its private directory) and every worker reloads from that copy, so all load the same
+  text. If one of them fails anyway, the copy goes back and every worker reloads it: the
+  workers never stay on different policies. A worker (re)starts from the copy too: one
+  restarted while the file holds an edit nobody reloaded runs what the others run;
 - a worker that dies is restarted (logged), after a back-off that grows while it keeps
   dying young, so a crash loop does not spin.
 
@@ -44,7 +48,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from proxy.policy import ConfigErrors, Policy, mask_password
+from proxy.policy import ConfigErrors, Policy, mask_password, read_policy_text
 from proxy.policy.model import Address
 from proxy.reload import ReloadResult, refused, watch_file
 from proxy.tasks import spawn
@@ -88,9 +92,9 @@ def next_delay(previous: float, lived: float) -> float:
 @dataclass(frozen=True, slots=True)
 class WorkerCommand:
     """How to start worker ``index``: the command line the supervisor was given, with one
-    worker, the concrete proxy port and a private admin socket."""
+    worker, the concrete proxy port, a private admin socket and the policy's copy."""
 
-    argv: Callable[[int, Address, str], list[str]]
+    argv: Callable[[int, Address, str, str], list[str]]
 
 
 @dataclass(slots=True)
@@ -120,13 +124,16 @@ class Supervisor:
         policy: Policy,
         count: int,
         command: WorkerCommand,
-        load: Callable[[], Policy],
+        load: Callable[[str], Policy],
+        text: str,
     ) -> None:
         self.policy = policy
         self.count = count
         self._command = command
         self._load = load
+        self._text = text  # the policy's text, as the workers run it
         self._dir: str | None = None
+        self._copy = ""  # where the workers read it: policy.yaml in the private directory
         self.workers = [Worker(i, "") for i in range(count)]
         self.stopping = False
         self.draining = False
@@ -171,6 +178,8 @@ class Supervisor:
     async def start(self) -> bool:
         """Start every worker; True once all are ready, False if one failed (stop() then)."""
         self._dir = tempfile.mkdtemp(prefix="quota-proxy-")  # 0700: only we reach the sockets
+        self._copy = os.path.join(self._dir, "policy.yaml")
+        _write_whole(self._copy, self._text)
         for worker in self.workers:
             worker.admin_socket = os.path.join(self._dir, f"w{worker.index}.sock")  # AF_UNIX paths: 107 bytes at most
         self._tasks = [spawn(self._keep(w), name=f"worker-{w.index}") for w in self.workers]
@@ -181,7 +190,7 @@ class Supervisor:
         """Start the slot's process and wait for its ready line; False if it died first."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(worker.admin_socket)
-        argv = self._command.argv(worker.index, self.listen, worker.admin_socket)
+        argv = self._command.argv(worker.index, self.listen, worker.admin_socket, self._copy)
         worker.state = "starting"
         worker.process = process = await asyncio.create_subprocess_exec(
             *argv,
@@ -276,11 +285,14 @@ class Supervisor:
     # ------------------------------------------------------------------ reload
 
     async def reload(self, reason: str) -> ReloadResult:
-        """Load the policy here first: a bad one is refused before any worker sees it; a
-        good one is reloaded by every running worker (each reads the file as we did)."""
+        """Read and check the file here first: a bad policy is refused before any worker sees
+        it; a good one becomes the copy every running worker reloads from. If a worker fails
+        to, the previous copy is put back and every worker reloads that: none is left on
+        the new policy while another runs the old."""
         async with self._reload_lock:
             try:
-                policy = await asyncio.to_thread(self._load)
+                text = await asyncio.to_thread(read_policy_text, self.policy.source)
+                policy = await asyncio.to_thread(self._load, text)
             except ConfigErrors as exc:
                 return self._refused(reason, tuple(str(e) for e in exc.errors))
             except (OSError, ValueError) as exc:
@@ -288,16 +300,27 @@ class Supervisor:
             notes: list[str] = []
             if policy.workers != self.policy.workers:
                 notes.append(f"workers: {policy.workers} takes effect on restart; {self.count} keep serving")
+            await asyncio.to_thread(_write_whole, self._copy, text)
             answers = await asyncio.gather(*(self._ask_reload(w, reason) for w in self.running()))
             errors = [e for ok, errs, _ in answers if not ok for e in errs]
             if errors:
+                await self._roll_back(reason)
                 return self._refused(reason, tuple(dict.fromkeys(errors)))
             for _, _, worker_notes in answers[:1]:
                 notes.extend(worker_notes)
-            self.policy = policy
+            self.policy, self._text = policy, text
         self.reloads["success"] += 1
         log.info("policy reloaded (%s) by %d worker(s): %s", reason, len(answers), policy.source)
         return ReloadResult(True, (), tuple(notes))
+
+    async def _roll_back(self, reason: str) -> None:
+        """A reload some workers took and one did not: every running worker (those that took
+        it, and any started from the new copy meanwhile) reloads the previous copy."""
+        await asyncio.to_thread(_write_whole, self._copy, self._text)
+        answers = await asyncio.gather(*(self._ask_reload(w, f"undoing {reason}") for w in self.running()))
+        for ok, errs, _ in answers:
+            if not ok:  # it may now run the new policy: say so, loudly
+                log.error("rolling back the reload (%s) failed: %s", reason, "; ".join(errs))
 
     async def _ask_reload(self, worker: Worker, reason: str) -> tuple[bool, list[str], list[str]]:
         try:
@@ -329,14 +352,16 @@ async def run_workers(
     policy: Policy,
     count: int,
     command: WorkerCommand,
-    load: Callable[[], Policy],
-    watch: str | None,
+    load: Callable[[str], Policy],
+    text: str,
+    watch: bool,
 ) -> int:
-    """Serve ``policy`` from ``count`` workers until SIGTERM or SIGINT; the exit status."""
+    """Serve ``policy`` (read from ``text``, the file ``policy.source``'s) from ``count``
+    workers until SIGTERM or SIGINT, ``watch``-ing the file if asked; the exit status."""
     from proxy.server import CannotListen
     from proxy.workers_admin import AdminServer
 
-    supervisor = Supervisor(policy, count, command, load)
+    supervisor = Supervisor(policy, count, command, load, text)
     try:
         supervisor.reserve_port()
     except OSError as exc:
@@ -354,7 +379,7 @@ async def run_workers(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: spawn(supervisor.reload("SIGHUP"), name="reload"))
-    watching = supervisor.watch(watch) if watch else None
+    watching = supervisor.watch(policy.source) if watch else None
     starting = asyncio.ensure_future(supervisor.start())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -381,6 +406,13 @@ async def run_workers(
     await admin.stop()
     log.info("stopped")
     return 0
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Replace ``path``'s content at once: a worker starting meanwhile reads the old or the new, never half."""
+    partial = f"{path}.new"
+    Path(partial).write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _die_with_parent() -> None:
@@ -434,11 +466,11 @@ def ready_line(listen: Address, admin: Address, policy: Policy) -> str:
     )
 
 
-def worker_argv(base: Sequence[str]) -> Callable[[int, Address, str], list[str]]:
+def worker_argv(base: Sequence[str]) -> Callable[[int, Address, str, str], list[str]]:
     """Worker ``index``'s command line: ``base`` (the run command's own options) with one
-    worker, the port the supervisor reserved and the worker's admin socket."""
+    worker, the port the supervisor reserved, the worker's admin socket and the policy's copy."""
 
-    def argv(index: int, listen: Address, admin_socket: str) -> list[str]:
+    def argv(index: int, listen: Address, admin_socket: str, policy_copy: str) -> list[str]:
         return [
             sys.executable,
             "-m",
@@ -453,6 +485,8 @@ def worker_argv(base: Sequence[str]) -> Callable[[int, Address, str], list[str]]
             admin_socket,
             "--worker-index",
             str(index),
+            "--worker-policy",
+            policy_copy,
         ]
 
     return argv

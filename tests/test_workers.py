@@ -216,6 +216,77 @@ async def test_sighup_reaches_both_workers_a_killed_worker_comes_back_a_killed_s
     await eventually(lambda: all(gone(pid) for pid in pids), "the workers stop with their supervisor")
 
 
+async def test_a_restarted_worker_runs_the_fleets_policy_not_the_files_unreloaded_edit(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    # Workers load the policy the supervisor checked (its copy), never the file behind its
+    # back: a worker restarted while the file holds an edit nobody reloaded (or a half-written
+    # one) serves what the others serve, and a reload still takes the file's new text.
+    path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
+    _, ready = await start(path)
+
+    async def workers() -> list[dict[str, Any]]:
+        body = await get_json(session, f"{ready.admin_url}/status")
+        return list(body["workers"])
+
+    async def kill_and_wait(index: int) -> dict[str, Any]:
+        victim = (await workers())[index]["pid"]
+        os.kill(victim, signal.SIGKILL)
+
+        async def restarted() -> bool:
+            now = (await workers())[index]
+            return bool(now["pid"] != victim and now["state"] == "ready")
+
+        await eventually(restarted, f"worker {index} is replaced")
+        return (await workers())[index]
+
+    path.write_text(path.read_text().replace("burst: 30", "burst: 0"))  # invalid, not reloaded
+    assert (await kill_and_wait(1))["vendors"] == ["payments"], "it came back, on the running policy"
+    policy_file(path, vendor.url, redis_url, vendors="payments search")  # valid, not reloaded
+    assert (await kill_and_wait(0))["vendors"] == ["payments"]
+    assert [w["vendors"] for w in await workers()] == [["payments"], ["payments"]]
+
+    async with session.post(f"{ready.admin_url}/reload") as response:
+        assert response.status == 200, await response.text()
+    assert [w["vendors"] for w in await workers()] == [["payments", "search"]] * 2
+    assert (await kill_and_wait(1))["vendors"] == ["payments", "search"]
+    assert await send(session, f"{ready.url}/search", 10) == [200] * 10
+
+
+@pytest.mark.slow
+async def test_a_reload_one_worker_fails_is_undone_in_every_worker(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    # Worker 1 is frozen (SIGSTOP): it cannot answer the reload in time. The answer says the
+    # reload failed, and it did, everywhere: worker 0, which took it, goes back, and worker 1
+    # reads the restored copy once it runs again. Nobody is left on the other policy.
+    path = policy_file(tmp_path / "p.yaml", vendor.url, redis_url)
+    process, ready = await start(path)
+
+    async def vendors() -> list[list[str]]:
+        body = await get_json(session, f"{ready.admin_url}/status")
+        return [w.get("vendors") for w in body["workers"]]
+
+    frozen = (await get_json(session, f"{ready.admin_url}/status"))["workers"][1]["pid"]
+    policy_file(path, vendor.url, redis_url, vendors="payments search")
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        async with session.post(f"{ready.admin_url}/reload") as response:
+            assert response.status == 400
+            assert "worker 1: TimeoutError" in "\n".join((await response.json())["errors"])
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+
+    async def both_on_the_old_policy() -> bool:
+        return await vendors() == [["payments"], ["payments"]]
+
+    await eventually(both_on_the_old_policy, "every worker runs the policy the failed reload left")
+    assert "policy reload (POST /reload) refused" in process.stderr()
+    async with session.post(f"{ready.admin_url}/reload") as response:
+        assert response.status == 200, await response.text()
+    assert await vendors() == [["payments", "search"]] * 2
+
+
 async def test_watch_reloads_and_sigterm_drains_every_worker_then_exits_0(
     tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
 ) -> None:

@@ -9,6 +9,7 @@ from proxy.policy.loader import (
     parse_admin_token,
     parse_policy,
     parse_store_url,
+    read_policy_text,
 )
 from proxy.policy.model import (
     ACTIONS,
@@ -63,5 +64,6 @@ __all__ = [
     "parse_duration",
     "parse_policy",
     "parse_store_url",
+    "read_policy_text",
     "summarize",
 ]

@@ -26,7 +26,15 @@ from proxy.policy.sections import build_policy
 from proxy.policy.values import mask_password, parse_address, parse_admin_token, parse_store_url
 from proxy.policy.walker import Walk, compose
 
-__all__ = ["load_policy", "mask_password", "parse_address", "parse_admin_token", "parse_policy", "parse_store_url"]
+__all__ = [
+    "load_policy",
+    "mask_password",
+    "parse_address",
+    "parse_admin_token",
+    "parse_policy",
+    "parse_store_url",
+    "read_policy_text",
+]
 
 
 def load_policy(path: str | os.PathLike[str], *, check_ca: bool = True) -> Policy:
@@ -36,15 +44,20 @@ def load_policy(path: str | os.PathLike[str], *, check_ca: bool = True) -> Polic
     (``quota-proxy ca init -c`` reads the policy to create them).
     """
     source = os.fspath(path)
+    return parse_policy(read_policy_text(source), source, check_ca=check_ca)
+
+
+def read_policy_text(path: str | os.PathLike[str]) -> str:
+    """A policy file's text; ConfigErrors (naming the file) when it cannot be read as UTF-8."""
+    source = os.fspath(path)
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        return Path(source).read_text(encoding="utf-8")
     except OSError as exc:
         message = f"cannot read policy: {exc.strerror or exc}"
         raise ConfigErrors([ConfigError(source, None, "", message)]) from None
     except UnicodeDecodeError as exc:
         message = f"cannot read policy: not UTF-8 ({exc.reason} at byte {exc.start})"
         raise ConfigErrors([ConfigError(source, None, "", message)]) from None
-    return parse_policy(text, source, check_ca=check_ca)
 
 
 def parse_policy(
