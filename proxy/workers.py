@@ -186,10 +186,17 @@ class Supervisor:
         started = await asyncio.gather(*(w.first_start for w in self.workers))
         return all(started)
 
+    def _keep_copy(self) -> None:
+        """The policy's copy, written again if a /tmp cleaner took it (weeks on, a worker restarts)."""
+        if self._dir is not None and not os.path.exists(self._copy):
+            os.makedirs(self._dir, mode=0o700, exist_ok=True)
+            _write_whole(self._copy, self._text)
+
     async def _spawn(self, worker: Worker) -> bool:
         """Start the slot's process and wait for its ready line; False if it died first."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(worker.admin_socket)
+        self._keep_copy()
         argv = self._command.argv(worker.index, self.listen, worker.admin_socket, self._copy)
         worker.state = "starting"
         worker.process = process = await asyncio.create_subprocess_exec(

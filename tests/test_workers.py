@@ -252,6 +252,12 @@ async def test_a_restarted_worker_runs_the_fleets_policy_not_the_files_unreloade
     assert (await kill_and_wait(1))["vendors"] == ["payments", "search"]
     assert await send(session, f"{ready.url}/search", 10) == [200] * 10
 
+    # A /tmp cleaner that took the copy (the supervisor's directory is under TMPDIR) does not
+    # keep a worker from coming back weeks later.
+    (copy,) = tmp_path.glob("quota-proxy-*/policy.yaml")
+    copy.unlink()
+    assert (await kill_and_wait(0))["vendors"] == ["payments", "search"]
+
 
 @pytest.mark.slow
 async def test_a_reload_one_worker_fails_is_undone_in_every_worker(
