@@ -418,7 +418,9 @@ async def run_workers(
 def _write_whole(path: str, text: str) -> None:
     """Replace ``path``'s content at once: a worker starting meanwhile reads the old or the new, never half."""
     partial = f"{path}.new"
-    Path(partial).write_text(text, encoding="utf-8")
+    # 0600: the policy may hold secrets (a store password, the admin token)
+    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
+        f.write(text)
     os.replace(partial, path)
 
 

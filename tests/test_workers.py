@@ -255,8 +255,10 @@ async def test_a_restarted_worker_runs_the_fleets_policy_not_the_files_unreloade
     # A /tmp cleaner that took the copy (the supervisor's directory is under TMPDIR) does not
     # keep a worker from coming back weeks later.
     (copy,) = tmp_path.glob("quota-proxy-*/policy.yaml")
+    assert copy.stat().st_mode & 0o777 == 0o600, "the policy may hold secrets"
     copy.unlink()
     assert (await kill_and_wait(0))["vendors"] == ["payments", "search"]
+    assert copy.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.slow
