@@ -6,11 +6,17 @@ tunnel has no path, so no endpoint class's), taken when it is admitted, renewed 
 is open, given back when it closes (concurrency.py). ``BlindTunnels.dial``
 admits the CONNECT and connects to the vendor; once the front door has answered it
 with 200, ``BlindTunnels.splice`` joins the worker's connection to the vendor's.
+
+A tunnel that carries no byte either way for longer than the vendor's ``timeouts.read``
+(and the ``connections.idle_timeout``) is closed: no exchange inside it can still be
+waiting for an answer, and an idle tunnel would hold its slot and its lease for ever
+(an SDK's pooled connection, or a client that never closes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,6 +27,8 @@ from proxy.deps import Deps
 from proxy.names import default_port, parse_authority
 from proxy.policy.model import Vendor
 from proxy.refusals import Limited, UpstreamFailed
+
+log = logging.getLogger("quota_proxy.tunnel")
 
 Admit = Callable[[Deps, Vendor, str, Wish, AccessRecord, Slot], Awaitable[Admission]]
 """Take a request's tokens and its slot's leases, holding if need be (ProxyHandler.admit)."""
@@ -78,7 +86,8 @@ class BlindTunnels:
         except BaseException:
             self._closed(deps, vendor.name, slot)
             raise
-        return Dialled(deps, vendor.name, up_transport, up_pipe, slot)
+        idle_after = max(vendor.timeouts.read, deps.policy.connections.idle_timeout)
+        return Dialled(deps, vendor.name, up_transport, up_pipe, slot, idle_after)
 
     def abandon(self, tunnel: Dialled) -> None:
         """The worker went away before the tunnel opened: close the vendor's side, free the slot."""
@@ -92,13 +101,15 @@ class BlindTunnels:
         deps.metrics.connects.labels(vendor, "tunnel", "established").inc()
         deps.metrics.count_mode(vendor, "tunnel")
         down_pipe = _Pipe()
+        idle = _Silence(tunnel.idle_after, down_pipe.close)
 
         def finished() -> None:
+            idle.cancel()
             self._closed(deps, vendor, tunnel.slot)
             self._track(down_pipe, done=True)
 
-        down_pipe.join(transport, tunnel.up_transport, on_closed=finished)
-        tunnel.up_pipe.join(tunnel.up_transport, transport, on_closed=None)
+        down_pipe.join(transport, tunnel.up_transport, on_closed=finished, idle=idle)
+        tunnel.up_pipe.join(tunnel.up_transport, transport, on_closed=None, idle=idle)
         self._track(down_pipe)
         transport.set_protocol(down_pipe)
         if early:
@@ -130,6 +141,8 @@ class Dialled:
     up_pipe: _Pipe
     slot: Slot
     """Its leases (the vendor's concurrency cap), held until it closes."""
+    idle_after: float
+    """Seconds without a byte either way after which the tunnel is closed."""
 
 
 async def _connect(vendor: Vendor, address: tuple[str, int]) -> tuple[asyncio.Transport, _Pipe]:
@@ -153,6 +166,37 @@ def _origin_address(origin: str) -> tuple[str, int]:
     return host, port or default_port(scheme)
 
 
+class _Silence:
+    """When a tunnel last carried a byte (either way); ``close`` once it has been silent
+    ``limit`` seconds. One timer, moved on lazily: not one per chunk."""
+
+    __slots__ = ("_close", "_loop", "_timer", "last", "limit")
+
+    def __init__(self, limit: float, close: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._close = close
+        self.limit = limit
+        self.last = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.last + limit, self._check)
+
+    def touch(self) -> None:
+        self.last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self.last + self.limit
+        if self._loop.time() >= due:
+            self._timer = None
+            log.debug("a blind tunnel silent for %.1fs is closed", self.limit)
+            self._close()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class _Pipe(asyncio.Protocol):
     """One direction of a blind tunnel: what it reads, its peer writes, with backpressure."""
 
@@ -160,15 +204,24 @@ class _Pipe(asyncio.Protocol):
         self._own: asyncio.Transport | None = None
         self._peer: asyncio.Transport | None = None
         self._on_closed: Callable[[], None] | None = None
+        self._idle: _Silence | None = None
         self._done = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._own = transport  # type: ignore[assignment]
 
-    def join(self, own: asyncio.Transport, peer: asyncio.Transport, on_closed: Callable[[], None] | None) -> None:
-        self._own, self._peer, self._on_closed = own, peer, on_closed
+    def join(
+        self,
+        own: asyncio.Transport,
+        peer: asyncio.Transport,
+        on_closed: Callable[[], None] | None,
+        idle: _Silence | None = None,
+    ) -> None:
+        self._own, self._peer, self._on_closed, self._idle = own, peer, on_closed, idle
 
     def data_received(self, data: bytes) -> None:
+        if self._idle is not None:
+            self._idle.touch()
         if self._peer is not None:
             self._peer.write(data)
 
@@ -186,6 +239,8 @@ class _Pipe(asyncio.Protocol):
             self._peer.pause_reading()
 
     def resume_writing(self) -> None:
+        if self._idle is not None:
+            self._idle.touch()  # a slow reader took what was buffered: the tunnel is in use
         if self._peer is not None:
             self._peer.resume_reading()
 

@@ -143,6 +143,46 @@ async def test_concurrent_tunnels_are_capped_per_vendor(https_vendor, start_prox
     assert value(samples, "ratelimit_tunnels_open", limiter="payments") == 0
 
 
+IDLE_TUNNEL_POLICY = """
+    version: 1
+    listen: 127.0.0.1:0
+    admin_listen: 127.0.0.1:0
+    connections: {idle_timeout: 300ms}
+    vendors:
+      - name: payments
+        hosts: [api.payments.example]
+        upstream: $upstream
+        limits: [{rate: 1, per: 1h, burst: 2}]
+        on_limit: {action: defer}
+        timeouts: {connect: 1s, read: 400ms}
+        connect: tunnel
+"""
+
+
+async def test_a_silent_tunnel_is_closed_and_a_busy_one_is_not(https_vendor, start_proxy) -> None:
+    # A blind tunnel holds a tunnel slot and a concurrency lease for as long as it is open:
+    # no bytes either way for longer than the vendor's read timeout (and the connections'
+    # idle_timeout) means no exchange is waiting in it, and it is closed, slot and lease freed.
+    proxy = await start_proxy(make_policy(IDLE_TUNNEL_POLICY, upstream=https_vendor.url))
+    status, _, _, reader, writer = await raw_connect(proxy, "api.payments.example:443")
+    assert status == 200
+    loop = asyncio.get_running_loop()
+    opened = loop.time()
+    assert await asyncio.wait_for(reader.read(), 5) == b"", "the proxy closed the silent tunnel"
+    assert 0.4 <= loop.time() - opened < 3
+    writer.close()
+    await eventually(lambda: proxy.gate.tunnels.count("payments") == 0, "its slot to be freed")
+
+    # The second (and last) token: a tunnel kept busy past the bound stays open, so every
+    # request rides it (a reconnect would be deferred: no token left).
+    async with httpx.AsyncClient(proxy=proxy.url, verify=vendor_trust(https_vendor)) as client:
+        for i in range(8):
+            r = await client.get(f"https://api.payments.example/v1/x?i={i}")
+            assert r.status_code == 200
+            await asyncio.sleep(0.15)  # the pace of the traffic under test, not a synchronisation
+    assert https_vendor.mock.accepted == 8
+
+
 async def test_a_tunnel_to_an_unreachable_vendor_is_502(start_proxy) -> None:
     from tests.conftest import free_port
 
