@@ -49,6 +49,7 @@ METRICS: dict[str, set[str]] = {
     "ratelimit_store_errors_total": set(),
     "ratelimit_breaker_open": set(),
     "ratelimit_fail_open_total": {"limiter"},
+    "ratelimit_degraded_grants_total": {"limiter"},
     "ratelimit_vendor_blocks_total": {"limiter"},
     "ratelimit_low_watermark_drains_total": {"limiter"},
     "ratelimit_max_hold_seconds": {"limiter"},
