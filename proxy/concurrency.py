@@ -48,6 +48,7 @@ log = logging.getLogger("quota_proxy.concurrency")
 LIFE_MARGIN = 0.5
 """Seconds a lease outlives the vendor's connect + read timeouts before its first renewal."""
 _UNKNOWN_LATENCY = 1.0  # seconds: the retry hint of a full cap before any exchange was timed
+_RELEASE_MAX = 256  # lease ids in one store call
 _CLOSE_WAIT = 1.0  # seconds close() waits for the last releases to reach the store
 _CACHE_MAX = 1024  # (vendor, endpoint) lease set tuples kept
 
@@ -135,6 +136,9 @@ class Concurrency:
         self._live: dict[str, dict[str, Slot]] = {}  # vendor -> lease id -> slot, renewed
         self._renewers: dict[str, asyncio.Task[None]] = {}
         self._releasing: set[asyncio.Task[None]] = set()
+        # (vendor, sets) -> the leases given back this loop turn: one store call for them all
+        self._to_release: dict[tuple[str, tuple[LeaseSet, ...]], list[Leases]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- slots -------------------------------------------------------------------
 
@@ -219,29 +223,48 @@ class Concurrency:
             self._renewers[slot.vendor] = spawn(self._renew(slot.vendor), name=f"renew-leases-{slot.vendor}")
 
     def release(self, slot: Slot) -> None:
-        """Give a slot's leases back, in the background (``Slot.close`` calls this)."""
+        """Give a slot's leases back, in the background (``Slot.close`` calls this). The
+        releases of a loop turn on the same sets go to the store together, in one call (one
+        per request was a second EVALSHA per request on a vendor with a cap)."""
         leases = slot.leases
         assert leases is not None
         live = self._live.get(slot.vendor)
         if live is not None:
             live.pop(leases.id, None)
-        task = spawn(self._give_back(slot.vendor, leases), name=f"release-lease-{slot.vendor}")
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        if not self._to_release:
+            loop = self._loop
+            if loop is None or loop.is_closed():  # remembered: get_running_loop() makes a getpid() call
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._give_back_turn)
+        self._to_release.setdefault((slot.vendor, leases.sets), []).append(leases)
 
-    async def _give_back(self, vendor: str, leases: Leases) -> None:
-        local = await self._limiter.release_local(leases)
-        if local is not None:  # granted by a local share while the store was out
-            for ls in leases.sets:
+    def _give_back_turn(self) -> None:
+        batches, self._to_release = self._to_release, {}
+        for (vendor, sets), group in batches.items():
+            for start in range(0, len(group), _RELEASE_MAX):
+                task = spawn(self._give_back(vendor, sets, group[start : start + _RELEASE_MAX]), name="release-leases")
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+
+    async def _give_back(self, vendor: str, sets: tuple[LeaseSet, ...], group: list[Leases]) -> None:
+        ids: list[str] = []
+        for leases in group:
+            local = await self._limiter.release_local(leases)
+            if local is None:
+                ids.append(leases.id)
+                continue
+            # granted by a local share while the store was out
+            for ls in sets:
                 self._releases[ls.key] = self._releases.get(ls.key, 0) + 1
-            self._saw(leases.sets, local)
+            self._saw(sets, local)
+        if not ids:
             return
         try:
-            counts = await self._store.release(leases.sets, leases.id, release_channel(self._prefix, vendor))
-        except StoreUnavailable as exc:  # the lease runs out by itself within its life
-            log.debug("could not release lease %s of %s (%s)", leases.id, vendor, exc)
+            counts = await self._store.release(sets, tuple(ids), release_channel(self._prefix, vendor))
+        except StoreUnavailable as exc:  # the leases run out by themselves within their life
+            log.debug("could not release %d lease(s) of %s (%s)", len(ids), vendor, exc)
             return
-        self._saw(leases.sets, counts)
+        self._saw(sets, counts)
 
     # -- waiting for a slot ----------------------------------------------------------
 
@@ -380,6 +403,8 @@ class Concurrency:
         for live in self._live.values():
             for slot in list(live.values()):
                 slot.close()
+        if self._to_release:
+            self._give_back_turn()
         if self._releasing:
             await asyncio.wait(set(self._releasing), timeout=_CLOSE_WAIT)
         for task in list(self._renewers.values()):

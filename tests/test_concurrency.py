@@ -14,7 +14,7 @@ import json
 import random
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from proxy.limiter import Breaker, Limiter
 from proxy.limiter.buckets import lease_sets
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, LeaseSet
+from proxy.limiter.store import AcquireResult, Leases, LeaseSet
 from proxy.policy.model import Limit, Policy, Vendor
 from proxy.server import ProxyServer
 from proxy.sizing import Sizing
@@ -483,3 +483,44 @@ async def test_a_release_announced_before_the_full_answer_arrived_is_not_slept_t
     assert clock.monotonic() == 1000.0  # no time passed: it never slept
     slot.close()
     await concurrency.close()
+
+
+# -- releases of one loop turn ---------------------------------------------------------------
+
+
+async def test_the_releases_of_one_loop_turn_reach_the_store_in_one_call(redis_url: str) -> None:
+    """A vendor with a cap gives a lease back per request: one store call (one EVALSHA) for
+    all the requests a loop turn finishes, not one each; every lease is given back."""
+    clock = ManualClock()
+    calls: list[tuple[str, ...]] = []
+
+    class Counting(RedisStore):
+        async def release(
+            self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str
+        ) -> tuple[int, ...]:
+            calls.append(lease_ids)
+            return await super().release(sets, lease_ids, channel)
+
+    store = Counting(redis_url, 1.0)
+    limiter = Limiter(store, clock, key_prefix=f"qp-batch-{random.randrange(1 << 30)}", breaker=Breaker(clock, 3, 1.0))
+    concurrency = Concurrency(limiter, clock, Sizing())
+    vendor = Vendor("payments", hosts=("api.payments.example",), limits=(Limit(1000, 1, 1000),), concurrency=10)
+    slots = [concurrency.slot(vendor, None) for _ in range(6)]
+    try:
+        for slot in slots:
+            leases = slot.leases
+
+            def attempt(left: float, leases: Leases | None = leases) -> Awaitable[AcquireResult]:
+                return limiter.acquire(vendor, "default", left, leases=leases)
+
+            assert (await concurrency.acquire(slot, Wish("defer", 0.0), attempt)).granted
+        sets = slots[0].leases.sets if slots[0].leases is not None else ()
+        assert await store.inflight(sets) == (6,)
+        for slot in slots:
+            slot.close()
+        assert calls == []  # given back when the turn ends, in the background
+        await inflight_is(store, sets, 0, "every lease given back")
+        assert calls == [tuple(s.leases.id for s in slots if s.leases is not None)]
+    finally:
+        await concurrency.close()
+        await store.close()

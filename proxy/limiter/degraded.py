@@ -275,7 +275,7 @@ class LocalShares:
         if leases.id not in self._leased:
             return None
         self._leased.discard(leases.id)
-        return await self._store.release(leases.sets, leases.id, "")
+        return await self._store.release(leases.sets, (leases.id,), "")
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> None:
         """Keep the local leases among ``leases`` alive (a long download while the store is out)."""

@@ -134,12 +134,13 @@ class MemoryStore:
             del held[lease_id]
         return held
 
-    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
+    async def release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str) -> tuple[int, ...]:
         now = self._clock.monotonic()
         counts = []
         for ls in sets:
             held = self._live(ls.key, now)
-            held.pop(lease_id, None)
+            for lease_id in lease_ids:
+                held.pop(lease_id, None)
             counts.append(len(held))
         self._forget_empty()
         return tuple(counts)

@@ -263,9 +263,9 @@ class RedisStore:
         )
         return shape
 
-    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
+    async def release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str) -> tuple[int, ...]:
         keys = [ls.key for ls in sets]
-        args: list[float | str] = [lease_id, channel, *(ls.cap for ls in sets)]
+        args: list[float | str] = [channel, *(ls.cap for ls in sets), *lease_ids]
         if self._release_fast is not None:  # once per request with a cap: pipelined like acquire
             out = await self._call_fast(self._release_fast, keys, args)
         else:

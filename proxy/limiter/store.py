@@ -190,9 +190,9 @@ class BucketStore(Protocol):
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""
 
-    async def release(self, sets: tuple[LeaseSet, ...], lease_id: str, channel: str) -> tuple[int, ...]:
-        """Give lease ``lease_id`` back in every set and announce it on ``channel`` (if the
-        store can); live leases per set after."""
+    async def release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str) -> tuple[int, ...]:
+        """Give the leases ``lease_ids`` (one or more) back in every set and announce it on
+        ``channel`` (if the store can); live leases per set after."""
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
         """Extend each (set, lease id) to ``life`` seconds from now; how many were still live."""

@@ -246,7 +246,7 @@ async def test_leases_are_taken_and_given_back_on_the_vendors_node(
         ran_before = redis_cluster.stat(node, "evalsha")
         first = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r1", 30.0, (cap,)))
         full = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r2", 30.0, (cap,)))
-        released = await store.release((cap,), "r1", "")
+        released = await store.release((cap,), ("r1",), "")
         again = await store.acquire(buckets("leased"), 1, 0, leases=Leases("r3", 30.0, (cap,)))
         ran = redis_cluster.stat(node, "evalsha") - ran_before
     finally:

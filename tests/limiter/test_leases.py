@@ -53,10 +53,14 @@ async def test_a_release_frees_the_slot(store: BucketStore) -> None:
     b = (bucket("lr"),)
     for i in range(2):
         assert (await store.acquire(b, 1, 0, leases=leases(f"r{i}", VENDOR))).granted
-    assert await store.release((VENDOR,), "r0", "") == (1,)
+    assert await store.release((VENDOR,), ("r0",), "") == (1,)
     assert (await store.acquire(b, 1, 0, leases=leases("r2", VENDOR))).granted
     assert await store.inflight((VENDOR,)) == (2,)
-    assert await store.release((VENDOR,), "nobody", "") == (2,)  # unknown ids change nothing
+    assert await store.release((VENDOR,), ("nobody",), "") == (2,)  # unknown ids change nothing
+    # Several at once (a loop turn's releases on one set): each given back, once.
+    assert await store.release((VENDOR,), ("r1", "nobody", "r2"), "") == (0,)
+    assert (await store.acquire(b, 1, 0, leases=leases("r3", VENDOR))).granted
+    assert (await store.acquire(b, 1, 0, leases=leases("r4", VENDOR))).granted
 
 
 async def test_every_set_must_have_room(store: BucketStore) -> None:
@@ -115,18 +119,18 @@ async def test_releases_are_announced_to_other_replicas(redis_url: str) -> None:
         # Only a set that was full can have requests waiting for it: the class (cap 1) is
         # announced, the vendor's set (1 of 2) is not.
         assert (await a.acquire((bucket("la"),), 1, 0, leases=leases("r", VENDOR, SEARCH))).granted
-        await a.release((VENDOR, SEARCH), "r", "test:{v}:released")
+        await a.release((VENDOR, SEARCH), ("r",), "test:{v}:released")
         assert await asyncio.wait_for(heard.get(), 5.0) == (SEARCH.key,)
         # A release that leaves no set with room it lacked says nothing at all: the next
         # message heard is the probe published after it.
         assert (await a.acquire((bucket("la"),), 1, 0, leases=leases("s", VENDOR))).granted
-        await a.release((VENDOR,), "s", "test:{v}:released")
+        await a.release((VENDOR,), ("s",), "test:{v}:released")
         await a.client.publish("test:{v}:released", "after")
         assert await asyncio.wait_for(heard.get(), 5.0) == ("after",)
         # Both of the vendor's slots taken, one given back: announced.
         for lease in ("t1", "t2"):
             assert (await a.acquire((bucket("la"),), 1, 0, leases=leases(lease, VENDOR))).granted
-        await a.release((VENDOR,), "t1", "test:{v}:released")
+        await a.release((VENDOR,), ("t1",), "test:{v}:released")
         assert await asyncio.wait_for(heard.get(), 5.0) == (VENDOR.key,)
     finally:
         watch.cancel()
