@@ -177,9 +177,13 @@ class Supervisor:
 
     async def start(self) -> bool:
         """Start every worker; True once all are ready, False if one failed (stop() then)."""
-        self._dir = tempfile.mkdtemp(prefix="quota-proxy-")  # 0700: only we reach the sockets
-        self._copy = os.path.join(self._dir, "policy.yaml")
-        _write_whole(self._copy, self._text)
+        try:
+            self._dir = tempfile.mkdtemp(prefix="quota-proxy-")  # 0700: only we reach the sockets
+            self._copy = os.path.join(self._dir, "policy.yaml")
+            _write_whole(self._copy, self._text)
+        except OSError as exc:
+            log.error("cannot prepare the workers' directory in %s: %s", tempfile.gettempdir(), exc)
+            return False
         for worker in self.workers:
             worker.admin_socket = os.path.join(self._dir, f"w{worker.index}.sock")  # AF_UNIX paths: 107 bytes at most
         self._tasks = [spawn(self._keep(w), name=f"worker-{w.index}") for w in self.workers]
@@ -189,8 +193,11 @@ class Supervisor:
     def _keep_copy(self) -> None:
         """The policy's copy, written again if a /tmp cleaner took it (weeks on, a worker restarts)."""
         if self._dir is not None and not os.path.exists(self._copy):
-            os.makedirs(self._dir, mode=0o700, exist_ok=True)
-            _write_whole(self._copy, self._text)
+            try:
+                os.makedirs(self._dir, mode=0o700, exist_ok=True)
+                _write_whole(self._copy, self._text)
+            except OSError as exc:  # the worker fails to start, says why, and is retried
+                log.error("cannot write the workers' copy of the policy %s: %s", self._copy, exc)
 
     async def _spawn(self, worker: Worker) -> bool:
         """Start the slot's process and wait for its ready line; False if it died first."""
@@ -307,7 +314,10 @@ class Supervisor:
             notes: list[str] = []
             if policy.workers != self.policy.workers:
                 notes.append(f"workers: {policy.workers} takes effect on restart; {self.count} keep serving")
-            await asyncio.to_thread(_write_whole, self._copy, text)
+            try:
+                await asyncio.to_thread(_write_whole, self._copy, text)
+            except OSError as exc:
+                return self._refused(reason, (f"cannot write the workers' copy of the policy: {exc}",))
             answers = await asyncio.gather(*(self._ask_reload(w, reason) for w in self.running()))
             errors = [e for ok, errs, _ in answers if not ok for e in errs]
             if errors:
@@ -323,7 +333,11 @@ class Supervisor:
     async def _roll_back(self, reason: str) -> None:
         """A reload some workers took and one did not: every running worker (those that took
         it, and any started from the new copy meanwhile) reloads the previous copy."""
-        await asyncio.to_thread(_write_whole, self._copy, self._text)
+        try:
+            await asyncio.to_thread(_write_whole, self._copy, self._text)
+        except OSError as exc:  # asking them now would load the new policy again
+            log.error("rolling back the reload (%s) failed: cannot write the copy: %s", reason, exc)
+            return
         answers = await asyncio.gather(*(self._ask_reload(w, f"undoing {reason}") for w in self.running()))
         for ok, errs, _ in answers:
             if not ok:  # it may now run the new policy: say so, loudly
