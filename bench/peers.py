@@ -13,6 +13,8 @@ Systems (access log and metrics on in ours; no limit ever binds):
   redis    quota-proxy, Redis store (a tenant bucket and per-second and per-minute global
            buckets: one EVALSHA per request over three keys)
   memory   the same policy on memory://
+  shapes   (not by default) Redis, throughput.py's ``shapes`` policy: endpoint classes, a
+           concurrency cap (a lease taken and given back per request) and a partition
   proxypy  proxy.py forwarding the same requests, no limiter (--num-workers 1
            --num-acceptors 1, otherwise its defaults; one process does the work)
   minimal  bench/_minimal_proxy.py, a bare aiohttp forwarder (optional, for reference)
@@ -88,7 +90,7 @@ BENCH = Path(__file__).resolve().parent
 PROXYPY_VERSION = "2.4.10"
 PYSPY_VERSION = "0.4.3"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quota-proxy-bench"
-SYSTEMS = ("redis", "memory", "proxypy", "minimal")
+SYSTEMS = ("redis", "memory", "shapes", "proxypy", "minimal")
 PATH = "/v1/ping"
 # Longer than throughput.py's 50 ms: on two shared cores another tenant can stall Redis or
 # the proxy that long, the breaker opens and the round is lost. The timeout costs nothing
@@ -270,7 +272,7 @@ def start_proxypy(fleet: Fleet, exe: Path, cpus: str | None) -> Proc:
 
 
 def start_ours(fleet: Fleet, mode: str, upstream: Proc, redis: Proc, cpus: str | None) -> Proc:
-    """quota-proxy in throughput.py's ``redis``, ``memory`` or ``minimal`` mode."""
+    """quota-proxy in throughput.py's ``redis``, ``memory``, ``shapes`` or ``minimal`` mode."""
     if mode == "minimal":
         return start_proxy(fleet, mode, upstream, redis, cpus)
     yaml = product_policy(mode, upstream.url, redis.url, store_timeout=STORE_TIMEOUT)
@@ -537,7 +539,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--systems", default="redis,memory,proxypy", help=f"of {', '.join(SYSTEMS)} (default: all but minimal)"
+        "--systems", default="redis,memory,proxypy", help=f"of {', '.join(SYSTEMS)} (default: redis,memory,proxypy)"
     )
     p.add_argument("--also", action="append", default=[], metavar="NAME=COMMAND", help="another proxy to compare")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
