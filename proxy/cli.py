@@ -160,15 +160,21 @@ def _config_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(path: str | None, copy: str | None = None) -> Policy | None:
-    """The policy file at ``path``, read from ``copy`` when given (a worker of --workers N:
-    the text its supervisor checked, named and resolved as the file); None after printing
-    what is wrong."""
+def _load(path: str | None) -> Policy | None:
+    loaded = _load_text(path)
+    return None if loaded is None else loaded[1]
+
+
+def _load_text(path: str | None, copy: str | None = None) -> tuple[str, Policy] | None:
+    """The policy file at ``path`` and its text, read from ``copy`` when given (a worker of
+    --workers N: the text its supervisor checked, named and resolved as the file); None
+    after printing what is wrong."""
     if not path:
         print("quota-proxy: no policy: give -c FILE or set QUOTA_PROXY_CONFIG", file=sys.stderr)
         return None
     try:
-        return load_policy(path) if copy is None else parse_policy(read_policy_text(copy), path)
+        text = read_policy_text(copy or path)
+        return text, parse_policy(text, path)
     except ConfigErrors as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)
@@ -232,12 +238,16 @@ def _setup_logging(level: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    policy = _load(args.config, args.worker_policy)
-    if policy is None:
+    loaded = _load_text(args.config, args.worker_policy)
+    if loaded is None:
         return EXIT_CONFIG
-    policy = _apply_overrides(policy, args)
-    if policy is None:
+    # The supervisor of --workers N keeps this text for its workers: the policy they run is
+    # the one checked here, never the file read again behind its back.
+    text, read = loaded
+    overridden = _apply_overrides(read, args)
+    if overridden is None:
         return EXIT_CONFIG
+    policy = overridden
     _setup_logging(args.log_level)
     _log_warnings(policy)
     if not policy.tls.upstream_verify:
@@ -269,16 +279,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.admin_listen is not None:  # the workers' admin is a socket; kept for their policy's checks
         base += ["--admin-listen", args.admin_listen]
     command = WorkerCommand(worker_argv(base))
-    # The workers run the text the supervisor checked (a copy it keeps), never the file
-    # behind its back: read once more here so that the copy and this policy agree.
-    try:
-        text = read_policy_text(args.config)
-        policy = _overridden(parse_policy(text, args.config), args)
-    except (ConfigErrors, ValueError) as exc:
-        problems = [str(e) for e in exc.errors] if isinstance(exc, ConfigErrors) else str(exc).splitlines()
-        for problem in problems:
-            print(f"quota-proxy: {problem}", file=sys.stderr)
-        return EXIT_CONFIG
     return asyncio.run(run_workers(policy, count, command, reload, text, args.watch))
 
 
