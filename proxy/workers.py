@@ -318,7 +318,7 @@ class Supervisor:
                 await asyncio.to_thread(_write_whole, self._copy, text)
             except OSError as exc:
                 return self._refused(reason, (f"cannot write the workers' copy of the policy: {exc}",))
-            answers = await asyncio.gather(*(self._ask_reload(w, reason) for w in self.running()))
+            answers = await asyncio.gather(*(self._ask_reload(w) for w in self.running()))
             errors = [e for ok, errs, _ in answers if not ok for e in errs]
             if errors:
                 await self._roll_back(reason)
@@ -338,12 +338,12 @@ class Supervisor:
         except OSError as exc:  # asking them now would load the new policy again
             log.error("rolling back the reload (%s) failed: cannot write the copy: %s", reason, exc)
             return
-        answers = await asyncio.gather(*(self._ask_reload(w, f"undoing {reason}") for w in self.running()))
+        answers = await asyncio.gather(*(self._ask_reload(w) for w in self.running()))
         for ok, errs, _ in answers:
             if not ok:  # it may now run the new policy: say so, loudly
                 log.error("rolling back the reload (%s) failed: %s", reason, "; ".join(errs))
 
-    async def _ask_reload(self, worker: Worker, reason: str) -> tuple[bool, list[str], list[str]]:
+    async def _ask_reload(self, worker: Worker) -> tuple[bool, list[str], list[str]]:
         try:
             async with self.ask(worker, "POST", "/reload") as resp:
                 body = await resp.json()
