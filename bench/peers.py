@@ -18,6 +18,10 @@ Systems (access log and metrics on in ours; no limit ever binds):
   proxypy  proxy.py forwarding the same requests, no limiter (--num-workers 1
            --num-acceptors 1, otherwise its defaults; one process does the work)
   minimal  bench/_minimal_proxy.py, a bare aiohttp forwarder (optional, for reference)
+  floor    (not by default) bench/_floor_proxy.py: the least a Python process on uvloop and
+           httptools does per forwarded request (callbacks only, no limiter, metrics or log)
+  floor_redis  the same with one pipelined EVALSHA per request: the floor of a limiting proxy
+  floor_async  floor_redis in the product's shape: a task per connection, a future per step
   --also NAME=COMMAND   any other forward proxy (a prototype kept outside the repo)
 
 Load: ``wrk -t1 -c50`` keep-alive with absolute-form targets, as HTTP_PROXY clients send
@@ -90,7 +94,7 @@ BENCH = Path(__file__).resolve().parent
 PROXYPY_VERSION = "2.4.10"
 PYSPY_VERSION = "0.4.3"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quota-proxy-bench"
-SYSTEMS = ("redis", "memory", "shapes", "proxypy", "minimal")
+SYSTEMS = ("redis", "memory", "shapes", "proxypy", "minimal", "floor", "floor_redis", "floor_async")
 PATH = "/v1/ping"
 # Longer than throughput.py's 50 ms: on two shared cores another tenant can stall Redis or
 # the proxy that long, the breaker opens and the round is lost. The timeout costs nothing
@@ -272,9 +276,14 @@ def start_proxypy(fleet: Fleet, exe: Path, cpus: str | None) -> Proc:
 
 
 def start_ours(fleet: Fleet, mode: str, upstream: Proc, redis: Proc, cpus: str | None) -> Proc:
-    """quota-proxy in throughput.py's ``redis``, ``memory``, ``shapes`` or ``minimal`` mode."""
+    """quota-proxy in throughput.py's ``redis``, ``memory``, ``shapes`` or ``minimal`` mode, or a floor."""
     if mode == "minimal":
         return start_proxy(fleet, mode, upstream, redis, cpus)
+    if mode.startswith("floor"):
+        command = f"{shlex.quote(sys.executable)} {shlex.quote(str(BENCH / '_floor_proxy.py'))} --port {{port}} "
+        command += "--upstream {upstream}" + (" --redis {redis}" if mode != "floor" else "")
+        command += " --coroutines" if mode == "floor_async" else ""
+        return start_also(fleet, mode, command, upstream, redis, cpus)
     yaml = product_policy(mode, upstream.url, redis.url, store_timeout=STORE_TIMEOUT)
     return fleet.proxy(yaml, name=f"proxy-{mode}", cpus=cpus)
 
