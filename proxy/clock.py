@@ -24,8 +24,9 @@ class Clock(Protocol):
 class SystemClock:
     __slots__ = ()
 
-    def monotonic(self) -> float:
-        return time.monotonic()
+    # The builtin itself, no Python frame around it: the request path reads the clock
+    # about ten times per request.
+    monotonic = staticmethod(time.monotonic)
 
     async def sleep(self, seconds: float) -> None:
         if seconds > 0:

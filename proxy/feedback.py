@@ -89,6 +89,13 @@ class Applied:
 NOTHING = Applied()
 
 
+def changes_nothing(vendor: Vendor, status: int, headers: Mapping[str, str]) -> bool:
+    """Would ``apply_feedback`` do nothing with this response (not a 429, quota not low, no
+    quota headers to read)? Most responses: the caller then skips its coroutine."""
+    feedback = vendor.feedback
+    return status != 429 and feedback.headers != "auto" and not remaining_is_low(feedback, headers)
+
+
 async def apply_feedback(
     limiter: Limiter,
     vendor: Vendor,

@@ -20,7 +20,7 @@ from proxy.concurrency import Slot
 from proxy.dataplane.http1 import Request, Responder
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
-from proxy.feedback import apply_feedback
+from proxy.feedback import NOTHING, apply_feedback, changes_nothing
 from proxy.forward import relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
@@ -134,7 +134,8 @@ class ProxyHandler:
         leases, holding if the decision says so; returns the outcome to record once it is
         sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
-        self._seat(deps, vendor, tenant)
+        if deps.policy.tenant.max_active is not None:
+            self._seat(deps, vendor, tenant)
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
 
@@ -151,7 +152,10 @@ class ProxyHandler:
             )
 
         try:
-            result = await deps.concurrency.acquire(slot, wish, attempt)
+            if slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
+                result = await attempt(wish.max_wait)
+            else:
+                result = await deps.concurrency.acquire(slot, wish, attempt)
         except StoreUnavailable as exc:
             if deps.policy.store.on_failure != "open":
                 wait = limiter.breaker.retry_after()
@@ -271,15 +275,18 @@ class ProxyHandler:
         if upstream.status == 429:
             deps.recent.add(vendor.name, "vendor_429")
         try:
-            applied = await apply_feedback(
-                deps.limiter,
-                vendor,
-                upstream.status,
-                upstream.headers,
-                metrics=deps.metrics,
-                partition=match.partition,
-                endpoint=match.endpoint,
-            )
+            if changes_nothing(vendor, upstream.status, upstream.headers):
+                applied = NOTHING
+            else:
+                applied = await apply_feedback(
+                    deps.limiter,
+                    vendor,
+                    upstream.status,
+                    upstream.headers,
+                    metrics=deps.metrics,
+                    partition=match.partition,
+                    endpoint=match.endpoint,
+                )
         except BaseException:
             upstream.close()
             raise

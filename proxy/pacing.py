@@ -111,12 +111,16 @@ class Pacer:
         now = self.clock.monotonic()
         lags = self._lag
         at = now
+        roomy = len(room)
+        # ``k < roomy and room[k] >= spec.rate * lag + cost``: did the bucket have room, at
+        # the grant, for every request the lag's end makes early besides this one? Inline
+        # (no function): it is asked twice per bucket of every request.
         for k, spec in enumerate(specs):
             last = lags.get(spec.ident)
             if last is None or now - last[1] >= window:
                 continue
             lag = last[0]
-            if _absorbs(room, k, spec, lag, cost):
+            if k < roomy and room[k] >= spec.rate * lag + cost:
                 continue
             earliest = granted + lag
             if earliest > at:
@@ -130,7 +134,7 @@ class Pacer:
         grown: list[str] | None = None
         for k, spec in enumerate(specs):
             ident = spec.ident
-            if _absorbs(room, k, spec, lag, cost):
+            if k < roomy and room[k] >= spec.rate * lag + cost:
                 # Room for this lag's end too: nothing to keep, nothing to tell (a vendor
                 # whose limit does not bind: every request's own delay would be "growth").
                 lags[ident] = (0.0, at)
@@ -143,9 +147,3 @@ class Pacer:
         if grown is not None and self.on_grown is not None:
             self.on_grown(tuple(grown), lag)
         return at - now
-
-
-def _absorbs(room: Sequence[float], k: int, spec: BucketSpec, lag: float, cost: float) -> bool:
-    """Did ``spec`` have room, at the grant, for every request a lag's end makes early
-    (its rate x ``lag``) besides the request's own ``cost``?"""
-    return k < len(room) and room[k] >= spec.rate * lag + cost

@@ -290,6 +290,11 @@ class PipelinedConnection:
             raise ReplyError(str(reply))
         return reply
 
+    def open_protocol(self) -> _Protocol | None:
+        """The connection's protocol when it is open, else None."""
+        proto = self._proto
+        return None if proto is None or proto.closed else proto
+
     def drop_if_stuck(self, after: float) -> None:
         """After a timeout: a connection on which Redis has said nothing for ``after``
         seconds while commands wait is presumed dead (frozen server, lost peer); drop it
@@ -321,6 +326,22 @@ class PipelinedScript:
         return await self.call_packed(
             keys, hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args)), reply_within
         )
+
+    def send_now(self, packed: bytes, reply_within: float) -> asyncio.Future[Any] | None:
+        """The EVALSHA ``packed`` written (or queued) on the open connection, its reply's
+        future as it comes (a ``hiredis.ReplyError`` is a reply: see ``reply_error``); None
+        when the connection is not open (``call_packed`` connects). Two coroutines fewer
+        per call than ``call_packed``: the request path's acquire takes this way."""
+        proto = self._conn.open_protocol()
+        return None if proto is None else proto.send(packed, reply_within)
+
+    async def reply_error(self, error: hiredis.ReplyError, packed: bytes, reply_within: float | None) -> Any:
+        """What ``send_now``'s caller does with an error reply: NOSCRIPT loads the script
+        and sends ``packed`` again (it did not run); any other is raised (ReplyError)."""
+        if not str(error).startswith("NOSCRIPT"):
+            raise ReplyError(str(error))
+        await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
+        return await self._conn.execute_packed(packed, reply_within=reply_within)
 
     async def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Any:
         """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""

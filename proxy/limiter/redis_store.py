@@ -18,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -208,8 +209,14 @@ class RedisStore:
                     shape.tail,
                 )
             )
-            try:  # _call_packed's, inline: one coroutine fewer per acquire
-                out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
+            try:
+                sent = fast.send_now(packed, self._timeout) if type(fast) is PipelinedScript else None
+                if sent is None:
+                    out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
+                else:
+                    out = await sent
+                    if isinstance(out, hiredis.ReplyError):
+                        out = await fast.reply_error(out, packed, self._timeout)  # type: ignore[union-attr]
             except (PipelineError, OSError, TimeoutError) as exc:
                 raise self._fast_failed(exc) from exc
         else:

@@ -9,6 +9,7 @@ from typing import Any
 import hiredis
 import pytest
 
+from proxy.limiter.pipelined import PipelinedScript
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.resp import bulk, bulks
 from proxy.limiter.store import BucketSpec, Leases, LeaseSet, StateGuard
@@ -101,7 +102,7 @@ CALLS = [
 async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     store = RedisStore(redis_url, timeout=1.0)
     fast = store._acquire_fast
-    assert fast is not None
+    assert isinstance(fast, PipelinedScript)
     sent: list[bytes] = []
     call_packed = fast.call_packed
 
@@ -109,7 +110,14 @@ async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, mo
         sent.append(packed)
         return await call_packed(keys, packed, reply_within)
 
+    send_now = fast.send_now
+
+    def spy_now(packed: bytes, reply_within: float) -> Any:
+        sent.append(packed)
+        return send_now(packed, reply_within)
+
     monkeypatch.setattr(fast, "call_packed", spy)
+    monkeypatch.setattr(fast, "send_now", spy_now)  # the way an acquire takes once connected
     try:
         for buckets, cost, max_wait, queue, guard, leases in CALLS:
             result = await store.acquire(buckets, cost, max_wait, queue, guard, leases)
