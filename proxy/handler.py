@@ -33,7 +33,7 @@ from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
-from proxy.refusals import Denied, InternalError, Limited, StoreDown
+from proxy.refusals import BadRequest, Denied, InternalError, Limited, StoreDown
 from proxy.seats import Seats
 from proxy.target import parse_target, parse_tunneled_target
 from proxy.tasks import spawn
@@ -90,6 +90,12 @@ class ProxyHandler:
             await write_answer(responder, answer)
 
     async def _handle(self, deps: Deps, request: Request, responder: Responder, rec: AccessRecord) -> None:
+        broken = request.body.broken
+        if broken is not None:
+            # Its body's framing broke before it was served (in the packet of its head): the
+            # vendor could never get it whole, so it takes no tokens and is never sent.
+            request.keep_alive = False
+            raise BadRequest(f"the request body broke off: {broken}")
         if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
             rec.host = request.target
             raise Denied(CONNECT_REFUSED, request.target)

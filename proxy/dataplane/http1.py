@@ -109,6 +109,11 @@ class Body(Inbox):
         return self._done
 
     @property
+    def broken(self) -> BaseException | None:
+        """Why the body broke off (its framing, or the worker went away), if it did."""
+        return self._exc
+
+    @property
     def continue_pending(self) -> bool:
         """The worker waits for ``100 Continue``, not sent yet."""
         return self._continue
@@ -362,8 +367,12 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 """Serves one request: must start and finish (or abort) the answer before returning."""
 
 
-class _HeadTooLarge(Exception):
-    pass
+class _HeadRefused(Exception):
+    """A head llhttp accepts and the proxy does not: answered ``status``, then closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _ParseError:
@@ -454,8 +463,8 @@ class Http1Connection(asyncio.Protocol):
             self._upgraded(data[exc.args[0] :])
             return
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _HeadTooLarge):
-                self._parse_failed(431, str(exc.__context__))
+            if isinstance(exc.__context__, _HeadRefused):
+                self._parse_failed(exc.__context__.status, str(exc.__context__))
                 return
             raise
         except httptools.HttpParserError as exc:
@@ -530,11 +539,13 @@ class Http1Connection(asyncio.Protocol):
         if self._skip_message:
             return
         if self._fresh > MAX_HEAD:  # its parts alone are over: the whole head came in one read
-            raise _HeadTooLarge(f"request head larger than {MAX_HEAD} bytes")
+            raise _HeadRefused(431, f"request head larger than {MAX_HEAD} bytes")
         self._in_head = False
         parser = self._parser
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
         version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":  # llhttp takes HTTP/0.9's "GET /path" too
+            raise _HeadRefused(400, f"HTTP/{version} is not supported: the proxy speaks HTTP/1.0 and HTTP/1.1")
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
         method = parser.get_method().decode("latin-1")
         expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
         te = headers.get("Transfer-Encoding", "")

@@ -282,6 +282,8 @@ class UpstreamConnection(asyncio.Protocol):
         except BaseException:
             if writer is not None and not writer.done():
                 writer.cancel()
+            if not self._head.done():
+                self._head.cancel()  # nobody will await it: the close must not fail it unheard
             self.close()
             raise
 

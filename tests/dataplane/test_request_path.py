@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 
@@ -19,10 +20,12 @@ async def test_an_upload_whose_framing_breaks_mid_body_is_a_400_not_a_crash(
     worker is answered 400 (its request was bad), the vendor's half-sent request is
     dropped with its connection, and nothing is logged as the proxy's own error."""
     got_head = asyncio.Event()
+    dropped = asyncio.Event()
 
     async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         got_head.set()
         await reader.read()  # the body never ends well: the proxy drops the connection
+        dropped.set()
 
     raw = await raw_vendor(vendor)
     proxy = await start_proxy(vendor_policy(raw.url))
@@ -36,6 +39,9 @@ async def test_an_upload_whose_framing_breaks_mid_body_is_a_400_not_a_crash(
         with caplog.at_level(logging.ERROR):
             await client.send(b"zz-not-a-chunk\r\n")
             answer = await read_response(client.reader)
+            await asyncio.wait_for(dropped.wait(), 5)
+            await asyncio.sleep(0)  # the proxy's side of the drop (connection_lost) runs
+            gc.collect()  # a future failed and never awaited says so when it is collected
         assert answer.status == 400
         assert json.loads(answer.body)["error"]["type"] == "bad_request"
         assert await client.closed()
@@ -64,5 +70,69 @@ async def test_pipelined_requests_through_the_proxy_come_back_in_order(raw_vendo
         )
         bodies = [(await read_response(client.reader)).body for _ in range(5)]
         assert bodies == [b"/p%d" % i for i in range(5)]
+    finally:
+        await client.close()
+
+
+async def test_a_request_whose_body_is_known_broken_before_it_is_served_never_reaches_the_vendor(
+    raw_vendor, start_proxy
+) -> None:
+    """The chunk-size line after the head does not parse, in the same packet as the head:
+    the request is answered 400 and closed without taking tokens or reaching the vendor
+    (forwarding its head would spend a token on a request the vendor can never get whole)."""
+    heads = 0
+
+    async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal heads
+        head = await reader.readuntil(b"\r\n\r\n")  # counted as soon as a head is in
+        heads += 1
+        start = head.split(b"\r\n", 1)[0]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(start), start))
+        await writer.drain()
+
+    raw = await raw_vendor(vendor)
+    proxy = await start_proxy(vendor_policy(raw.url))
+    client = await Peer.connect(proxy.address.port)
+    try:
+        await client.send(
+            b"POST http://api.payments.example/v1/up HTTP/1.1\r\nHost: api.payments.example\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffffffff\r\nab\r\n"
+        )
+        answer = await read_response(client.reader)
+        assert answer.status == 400
+        assert json.loads(answer.body)["error"]["type"] == "bad_request"
+        assert await client.closed()
+        # The next worker's request is the first the vendor sees.
+        other = await Peer.connect(proxy.address.port)
+        try:
+            await other.send(b"GET http://api.payments.example/v1/ok HTTP/1.1\r\nHost: api.payments.example\r\n\r\n")
+            assert (await read_response(other.reader)).body == b"GET /v1/ok HTTP/1.1"
+        finally:
+            await other.close()
+        assert heads == 1
+    finally:
+        await client.close()
+
+
+async def test_an_http_0_9_request_is_refused_not_forwarded_as_http_1_1(raw_vendor, start_proxy) -> None:
+    """``GET /path`` with no version is HTTP/0.9, which llhttp accepts: the proxy speaks
+    HTTP/1.x only, so it is a 400 and the vendor sees nothing."""
+    seen: list[str] = []
+
+    async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await read_request(reader)
+        seen.append(request.start)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    raw = await raw_vendor(vendor)
+    proxy = await start_proxy(vendor_policy(raw.url))
+    client = await Peer.connect(proxy.address.port)
+    try:
+        await client.send(b"GET /v1/ok\r\nHost: api.payments.example\r\n\r\n")
+        answer = await read_response(client.reader)
+        assert answer.status == 400
+        assert await client.closed()
+        assert seen == []
     finally:
         await client.close()
