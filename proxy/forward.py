@@ -19,14 +19,14 @@ import math
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 
-from proxy.dataplane.http1 import BodyBroken, Request, Responder
+from proxy.dataplane.http1 import BodyBroken, BodyStalled, Request, Responder
 from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
 from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
 from proxy.names import parse_authority
 from proxy.pacing import Paced, Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
-from proxy.refusals import BadRequest, UpstreamFailed
+from proxy.refusals import BadRequest, BodyTimeout, UpstreamFailed
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.forward")
@@ -210,7 +210,11 @@ async def send(
         )
     except Failed as exc:
         raise classify(vendor, request.method, request.headers, exc) from exc
+    except BodyStalled as exc:  # the worker's side: it stopped sending its body
+        request.keep_alive = False  # the rest of the body may still come: the answer closes
+        raise BodyTimeout(str(exc)) from exc
     except BodyBroken as exc:  # the worker's side, not the vendor's: its body's framing broke
+        request.keep_alive = False
         raise BadRequest(f"the request body broke off: {exc}") from exc
     except OSError as exc:
         failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)

@@ -3,6 +3,8 @@
     Refusal             status   outcome          error type       retry?
     ├── BadRequest      400      denied           bad_request      no: malformed target, tenant or X-Quota-* header
     │   └── UnknownTenant                                          no: a tenant the policy does not name (known_only)
+    ├── BodyTimeout     408      error            bad_request      yes: the worker sent no byte of its body for
+    │                                                              connections.idle_timeout (never whole at the vendor)
     ├── ProxyAuthRequired 407    denied           forbidden        no: missing or wrong proxy credentials (proxy_auth)
     ├── Denied          403      denied           forbidden        no: no vendor matches (never an open proxy)
     ├── Limited         429/503  deferred/shed    rate_limited     defer yes, shed no: the buckets are empty
@@ -63,6 +65,19 @@ class BadRequest(Refusal):
     error = "bad_request"
     code = "bad_request"
     retry = False
+
+
+@dataclass
+class BodyTimeout(Refusal):
+    """The worker sent no byte of its request body for ``connections.idle_timeout``: 408.
+    The vendor never got the request whole, so it cannot have acted on it: a retry is safe."""
+
+    detail: str
+    status = 408
+    error = "bad_request"
+    outcome = "error"
+    code = "request_timeout"
+    retry = True
 
 
 @dataclass

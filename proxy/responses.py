@@ -19,6 +19,7 @@ from proxy.answers import Answer, render
 from proxy.policy.model import Vendor
 from proxy.refusals import (
     BadRequest,
+    BodyTimeout,
     Denied,
     InternalError,
     Limited,
@@ -90,6 +91,9 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
             )
         case BadRequest():
             return _plain(refusal, f"bad request: {refusal.detail}", {"detail": refusal.detail}, {})
+        case BodyTimeout():
+            message = f"{refusal.detail}: the vendor never got the request whole; send it again"
+            return _plain(refusal, message, {"detail": refusal.detail}, {h.REASON: "request-timeout"})
         case UpstreamFailed():
             if not refusal.reached:
                 advice = "the request was not sent (safe to retry)"

@@ -91,10 +91,15 @@ class BodyBroken(ConnectionError):
     """The worker's connection ended (or its framing broke) before the body was complete."""
 
 
+class BodyStalled(BodyBroken):
+    """The worker sent no byte of its body for the connection's ``idle_timeout`` while it
+    was being read."""
+
+
 class Body(Inbox):
     """A request body as it arrives: ``read()`` gives the next piece, ``b""`` at its end."""
 
-    __slots__ = ("_conn", "_continue", "_discarding", "_end_waiter")
+    __slots__ = ("_conn", "_continue", "_discarding", "_end_waiter", "_since", "_stall")
 
     def __init__(self, conn: Http1Connection, expect_continue: bool) -> None:
         super().__init__()
@@ -102,6 +107,8 @@ class Body(Inbox):
         self._end_waiter: asyncio.Future[None] | None = None
         self._continue = expect_continue
         self._discarding = False
+        self._since = 0.0  # when the read now waiting began to wait
+        self._stall: asyncio.TimerHandle | None = None
 
     @property
     def done(self) -> bool:
@@ -131,6 +138,26 @@ class Body(Inbox):
         if self._continue:  # the body is wanted now: invite it
             self._continue = False
             self._conn.write_interim(CONTINUE)
+
+    def _waiting(self) -> None:
+        """A read waits for the worker's next bytes: they are owed within ``idle_timeout``
+        from now (time the reader spent elsewhere, or paused, is not the worker's). One
+        timer, moved on lazily: not one per piece."""
+        loop = self._conn.loop
+        self._since = loop.time()
+        if self._stall is None:
+            self._stall = loop.call_at(self._since + self._conn.stall_limit, self._check_stall)
+
+    def _check_stall(self) -> None:
+        self._stall = None
+        if self._done or self._exc is not None or self._waiter is None or self._waiter.done():
+            return  # not waiting now: the next wait sets the timer again
+        limit = self._conn.stall_limit
+        due = self._since + limit
+        if self._conn.loop.time() < due:
+            self._stall = self._conn.loop.call_at(due, self._check_stall)
+            return
+        self._fail(BodyStalled(f"no byte of the request body came for {limit:g}s (connections.idle_timeout)"))
 
     # -- from the connection ---------------------------------------------------------
 
@@ -163,6 +190,9 @@ class Body(Inbox):
         super()._wake()
         if self._end_waiter is not None and not self._end_waiter.done():
             self._end_waiter.set_result(None)
+        if self._stall is not None and (self._done or self._exc is not None):
+            self._stall.cancel()
+            self._stall = None
 
 
 class Request:
@@ -636,16 +666,35 @@ class Http1Connection(asyncio.Protocol):
         """Would ``drain`` wait or raise (the write buffer is full, or the connection closed)?"""
         return self._write_paused or self._closed
 
+    @property
+    def stall_limit(self) -> float:
+        """Seconds the worker may send no byte of a body being read, or take no byte of an
+        answer being written, before the request is cut: the connections' ``idle_timeout``."""
+        return self._guard.idle_timeout
+
     async def drain(self) -> None:
+        """Wait until the worker takes enough of what is written; one that takes nothing for
+        ``stall_limit`` seconds is cut (ConnectionResetError), so that it cannot hold the
+        request's vendor connection and concurrency slot for ever."""
         if self._closed:
             raise ConnectionResetError("the worker's connection closed")
         if not self._write_paused:
             return
-        self._drain_waiter = self._loop.create_future()
+        self._drain_waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(self.stall_limit, self._write_stalled, waiter)
         try:
-            await self._drain_waiter
+            await waiter
         finally:
+            timer.cancel()
             self._drain_waiter = None
+
+    def _write_stalled(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():
+            return
+        limit = self.stall_limit
+        log.info("a worker took no byte of its answer for %gs (connections.idle_timeout): its connection is cut", limit)
+        waiter.set_exception(ConnectionResetError(f"the worker took no byte of its answer for {limit:g}s"))
+        self.abort()
 
     def abort(self) -> None:
         if self.transport is not None:

@@ -297,7 +297,14 @@ class UpstreamConnection(asyncio.Protocol):
             if self._write_paused:
                 self._drain_waiter = self._loop.create_future()
                 try:
-                    await self._drain_waiter
+                    if self.read_timeout is None:
+                        await self._drain_waiter
+                    else:  # a vendor that takes no byte of the upload for its read timeout is silent too
+                        async with asyncio.timeout(self.read_timeout):
+                            await self._drain_waiter
+                except TimeoutError:
+                    silent = f"took no byte of the upload for {self.read_timeout:g}s"
+                    raise UpstreamFailed("timeout", silent, reached=True) from None
                 finally:
                     self._drain_waiter = None
         if chunked:
