@@ -40,7 +40,11 @@ from proxy.tasks import spawn
 log = logging.getLogger("quota_proxy.dataplane")
 
 MAX_HEAD: Final = 64 * 1024
-"""Bytes a request head may take (request line and fields together); more: 431."""
+"""Bytes a request head may take (request line and fields together); more: 431. A chunked
+body's trailer section is held to it too (its fields are dropped, but each is parsed)."""
+MAX_FIELDS: Final = 256
+"""Fields a request head may have; more: 431 (thousands of tiny ones fit in ``MAX_HEAD``
+and cost a callback each, here and at the vendor)."""
 PIPELINE_AHEAD: Final = 4
 """Parsed requests waiting behind the one being served before reading pauses."""
 WRITE_HIGH: Final = 256 * 1024
@@ -457,6 +461,7 @@ class Http1Connection(asyncio.Protocol):
         self._in_head = False
         self._head_seen = 0
         self._fresh = 0
+        self._trailer_seen = 0
         self._began = False
         self._parsing: Request | None = None
         self._skip_message = False
@@ -551,7 +556,7 @@ class Http1Connection(asyncio.Protocol):
             return
         self._in_head = True
         self._began = True
-        self._head_seen = self._fresh = 0
+        self._head_seen = self._fresh = self._trailer_seen = 0
         self._url.clear()
         self._fields = []
 
@@ -562,8 +567,14 @@ class Http1Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._fresh += len(name) + len(value) + 4
         if self._in_head:
-            self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
-        # else a trailer field: dropped (Trailer is hop-by-hop, as aiohttp drops them too)
+            fields = self._fields
+            if len(fields) >= MAX_FIELDS:
+                raise _HeadRefused(431, f"request head with more than {MAX_FIELDS} fields")
+            fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        else:  # a trailer field: dropped (Trailer is hop-by-hop, as aiohttp drops them too)
+            self._trailer_seen += len(name) + len(value) + 4
+            if self._trailer_seen > MAX_HEAD:
+                raise _HeadRefused(431, f"trailer section larger than {MAX_HEAD} bytes")
 
     def on_headers_complete(self) -> None:
         if self._skip_message:

@@ -307,6 +307,33 @@ async def test_an_oversized_head_is_431_and_the_connection_closed(serve, peer, w
     assert server.served == []
 
 
+async def test_a_head_of_too_many_fields_is_431_however_small(serve, peer) -> None:
+    # Thousands of tiny fields fit in MAX_HEAD but cost a callback each, here and at the vendor.
+    server = await serve(echo)
+    client = await peer(server)
+    answer = await client.exchange(request("GET", "/x", [(f"X-{i}", "v") for i in range(http1.MAX_FIELDS + 1)]))
+    assert answer.status == 431
+    assert await client.closed()
+    assert server.served == []
+    ok = await (await peer(server)).exchange(
+        request("GET", "/x", [(f"X-{i}", "v") for i in range(http1.MAX_FIELDS - 1)])
+    )
+    assert ok.status == 200
+
+
+async def test_trailers_are_bounded_like_a_head(serve, peer) -> None:
+    # Trailers are dropped, but each is parsed: an endless trailer section would keep the
+    # request (and the connection) busy for ever.
+    server = await serve(echo)
+    client = await peer(server)
+    trailers = "".join(f"X-T{i}: {'t' * 100}\r\n" for i in range(http1.MAX_HEAD // 100 + 10))
+    await client.send(request("POST", "/v1", [("Transfer-Encoding", "chunked")]) + b"2\r\nab\r\n0\r\n")
+    await client.send(trailers.encode())
+    answer = await read_response(client.reader)
+    assert answer.status in (400, 431)
+    assert await client.closed()
+
+
 async def test_many_heads_together_are_not_taken_for_one_oversized_head(serve, peer) -> None:
     server = await serve(echo)
     client = await peer(server)
