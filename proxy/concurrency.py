@@ -90,6 +90,28 @@ class Slot:
             self.taken = False
             self._owner.release(self)
 
+    def detach(self) -> Callable[[], None]:
+        """Leave the leases taken past the ``with`` block: they are given back when the
+        returned function is called (once), by whoever knows the request has ended (the
+        vendor's connection, hearing out the answer of a worker that went away)."""
+        if not self.taken or self._owner is None:
+            return _nothing
+        self.taken = False
+        owner = self._owner
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                owner.release(self)
+
+        return release
+
+
+def _nothing() -> None:
+    pass
+
 
 UNCAPPED = Slot(None, "", None)
 """What a request of a vendor without caps holds: nothing."""

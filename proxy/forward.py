@@ -125,6 +125,16 @@ async def _keep_warm(pool: Pool, origin: Origin, count: int) -> None:
         await asyncio.sleep(_WARM_EVERY)
 
 
+class Carrier:
+    """Which vendor connection carries a request, once it has one: a request whose worker
+    went away keeps its concurrency slot while the vendor is still working on it."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: UpstreamConnection | None = None
+
+
 class _WorkerBody:
     """The worker's body as the upstream reads it: the first read invites an
     ``Expect: 100-continue`` body (http1.Body), so a refused request never invites one."""
@@ -181,6 +191,7 @@ async def send(
     tenant_header: str,
     pacer: Pacer | None = None,
     pace: Paced | None = None,
+    carrier: Carrier | None = None,
 ) -> Response:
     """Send the worker's request to ``origin`` (``scheme://authority``), ``target`` its path
     and query byte for byte (re-encoding could break a signed URL); return once the vendor's
@@ -200,6 +211,8 @@ async def send(
             wait = pacer.reserve(*pace)
             if wait > 0:
                 conn = await _paced(pool, conn, pacer, wait, timeouts.connect)
+        if carrier is not None:
+            carrier.conn = conn
         return await conn.request(
             request.method,
             target,
@@ -242,9 +255,11 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
 
     If the vendor broke off mid-body, the worker's connection is cut: a truncated body
     must never look complete. If the worker went away, the half-read upstream connection
-    is dropped rather than returned to the pool. Framing is this hop's business: with the
-    vendor's Content-Length the body is sent as is; without one it is chunked for an
-    HTTP/1.1 worker and delimited by the close for an HTTP/1.0 one."""
+    is dropped rather than returned to the pool: the vendor, busy writing the answer, sees
+    the close at once and stops (unlike one still working on it: ``UpstreamConnection.abandon``).
+    Framing is this hop's business: with the vendor's Content-Length the body is sent as is;
+    without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
+    HTTP/1.0 one."""
     headers = downstream_response_headers(upstream.headers)
     if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
         headers.extend(extra_headers.items())
@@ -262,10 +277,10 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
         responder.abort()
         return f"upstream broke off mid-response: {exc}"
     except ConnectionError:  # writing to a worker that went away
-        upstream.close()
+        upstream.close()  # the vendor, writing the answer, sees the close at once and stops
         return "the worker went away mid-response"
     except BaseException:
-        upstream.close()  # cancelled (the worker went away): drop the half-read upstream connection
+        upstream.close()  # cancelled (the worker went away): as above
         raise
     upstream.release()
     return None

@@ -21,7 +21,7 @@ from proxy.dataplane.http1 import Request, Responder
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import NOTHING, apply_feedback, changes_nothing
-from proxy.forward import relay, send
+from proxy.forward import Carrier, relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
@@ -120,7 +120,14 @@ class ProxyHandler:
             admission = await self.admit(
                 deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
             )
-            await self._forward(deps, request, responder, match, rec, admission)
+            carrier = None if slot.leases is None else Carrier()
+            try:
+                await self._forward(deps, request, responder, match, rec, admission, carrier)
+            finally:
+                # A worker gone while the vendor still works on its request (the vendor counts
+                # it in flight until it has answered): the slot is freed when the answer is in.
+                if carrier is not None and carrier.conn is not None and carrier.conn.draining and slot.taken:
+                    carrier.conn.after(slot.detach())
         rec.status = responder.status
 
     async def admit(
@@ -261,7 +268,14 @@ class ProxyHandler:
             raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
 
     async def _forward(
-        self, deps: Deps, request: Request, responder: Responder, match: Match, rec: AccessRecord, admission: Admission
+        self,
+        deps: Deps,
+        request: Request,
+        responder: Responder,
+        match: Match,
+        rec: AccessRecord,
+        admission: Admission,
+        carrier: Carrier | None = None,
     ) -> None:
         vendor = match.vendor
         sent = deps.clock.monotonic()
@@ -274,6 +288,7 @@ class ProxyHandler:
             deps.policy.tenant.header,
             deps.pacer,
             admission.pace,
+            carrier,
         )
         rec.upstream_status = upstream.status
         deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()

@@ -36,6 +36,7 @@ from proxy.policy.model import Limit, Policy, Vendor
 from proxy.server import ProxyServer
 from proxy.sizing import Sizing
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy
+from tests.dataplane.wire import Peer, read_response
 from tests.helpers.cli import ProxyProcess, Ready, cli, write_policy
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
@@ -348,7 +349,7 @@ async def test_a_worker_gone_mid_answer_gives_the_lease_back(
         r = await s.get(f"{URL}/download", proxy=proxy.url)
         assert await r.content.readline() == b"first chunk\n"
         assert await store.inflight(vendor_set(policy)) == (1,)
-        r.close()  # the worker goes away mid-answer
+        r.close()  # the worker goes away mid-answer (the vendor, writing it, sees the close at once)
     await inflight_is(store, vendor_set(policy), 0, "the lease to be given back")
     rest.set()
 
@@ -524,3 +525,51 @@ async def test_the_releases_of_one_loop_turn_reach_the_store_in_one_call(redis_u
     finally:
         await concurrency.close()
         await store.close()
+
+
+async def test_a_worker_that_goes_away_keeps_its_slot_until_the_vendor_is_done_with_its_request(
+    raw_vendor: Any, start_proxy: Any
+) -> None:
+    """A worker that gives up before the answer's head (its client's timeout is shorter than
+    the vendor's latency) does not end the request at the vendor, which goes on working on
+    it, and counting it in flight, until it answers: nothing tells it the worker left. Its
+    slot is kept until the vendor's answer is in (read to its end and dropped), so the next
+    request is not sent over the cap."""
+    now = most = 0
+    answer = asyncio.Event()
+    requests = 0
+
+    async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal now, most, requests
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            requests += 1
+            now += 1
+            most = max(most, now)
+            try:
+                await answer.wait()
+                answer.clear()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+            finally:
+                now -= 1
+
+    raw = await raw_vendor(vendor)
+    proxy = await start_proxy(capped(raw.url, 1, on_limit="{action: hold, max_hold: 10s}"))
+    first = await Peer.connect(proxy.address.port)
+    await first.send(b"GET http://api.payments.example/a HTTP/1.1\r\nHost: api.payments.example\r\n\r\n")
+    await eventually(lambda: requests == 1, "the first request at the vendor")
+    await first.close()  # the worker gives up; the vendor is still working on its request
+    second = await Peer.connect(proxy.address.port)
+    try:
+        await second.send(b"GET http://api.payments.example/b HTTP/1.1\r\nHost: api.payments.example\r\n\r\n")
+        await eventually(lambda: proxy.runtime.deps.concurrency.held_for_slot("payments") == 1, "/b to wait")
+        assert requests == 1
+        answer.set()  # the vendor answers the gone worker's request: only now is the slot free
+        await eventually(lambda: requests == 2, "/b at the vendor")
+        assert most == 1, "the vendor had more requests in flight than the cap"
+        answer.set()
+        reply = await read_response(second.reader)
+        assert reply.status == 200
+    finally:
+        await second.close()

@@ -10,6 +10,14 @@ skipped before anything is written on it, which is not a resend.
 
 Flow control: an answer body holding more than ``BODY_HIGH`` (inbox.py) unread bytes pauses reading
 from the vendor; a request body waits while the transport's write buffer is full.
+
+A worker that goes away once its whole request is written and before the answer's head does
+not end the request at the vendor, which goes on working on it (and counting it in flight):
+nothing tells it the worker left. Its answer is then heard out in the background
+(``abandon``): read to its end and dropped (at most ``HEAR_OUT_MAX`` bytes, each read within
+the read timeout), the connection back in the pool. ``after`` tells when the vendor is done
+with it, for what must wait till then (the request's concurrency slot). Gone mid-answer, the
+connection is closed instead: the vendor, writing, sees it at once.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, cast
 
@@ -29,6 +37,8 @@ from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
 
 WRITE_HIGH: Final = 256 * 1024
+HEAR_OUT_MAX: Final = 1024 * 1024
+"""Bytes of a gone worker's answer read and dropped; a longer rest closes the connection."""
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 """Methods whose request carries ``Content-Length: 0`` when it has no body (as aiohttp did)."""
 
@@ -147,6 +157,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._silent_until = 0.0
         self._host_line = f"Host: {origin.authority}\r\n"
+        self.draining = False
+        """The answer of a worker that went away is being heard out (``abandon``)."""
+        self._after: list[Callable[[], None]] = []
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -279,6 +292,15 @@ class UpstreamConnection(asyncio.Protocol):
                     writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
             self.awaiting()
             return await self._head  # the read timer fails it when the vendor stays silent
+        except asyncio.CancelledError:
+            # The worker went away. With the whole request written the vendor works on it
+            # regardless: hear its answer out; with part of it, the connection is useless.
+            if writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None):
+                self.abandon()
+            else:
+                writer.cancel()
+                self.close()
+            raise
         except BaseException:
             if writer is not None and not writer.done():
                 writer.cancel()
@@ -313,6 +335,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the read timeout -----------------------------------------------------------------
 
+    @property
+    def awaiting_answer(self) -> bool:
+        """A request is written whole and its answer's head not in yet."""
+        return self._in_use and self._written and self._head is not None and not self._head.done()
+
     def awaiting(self) -> None:
         """Someone now waits for the vendor (the answer's head, or more of its body): it has
         ``read_timeout`` from now, or from its last bytes if later, to send something.
@@ -343,6 +370,49 @@ class UpstreamConnection(asyncio.Protocol):
         self.close()
 
     # -- the end of an exchange ----------------------------------------------------------
+
+    def abandon(self) -> None:
+        """The worker went away with its request whole at the vendor: read the vendor's
+        answer (its head, if not in yet, and its body) to its end in the background and
+        drop it; the connection then goes back to the pool if it can. Closed instead when
+        the vendor is silent for the read timeout or the rest is over ``HEAR_OUT_MAX``."""
+        if self.closed or self.draining:
+            return
+        self.draining = True
+        spawn(self._hear_out(), name="upstream-hear-out").add_done_callback(_retrieve)
+
+    def after(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once the vendor is done with this connection's request: at once,
+        unless its answer is being heard out (then when that ends, however it ends)."""
+        if self.draining:
+            self._after.append(done)
+        else:
+            done()
+
+    async def _hear_out(self) -> None:
+        try:
+            response = self._response
+            if response is None:  # the head is not in yet (the worker's wait for it was cancelled)
+                head = self._head = self._loop.create_future()
+                self.awaiting()
+                response = await head
+            heard = 0
+            while chunk := await response.read():
+                heard += len(chunk)
+                if heard > HEAR_OUT_MAX:
+                    self.close()
+                    return
+            self.finished(response)
+        except (UpstreamFailed, UpstreamBroke, OSError):
+            self.close()  # the vendor broke off or went silent: done with the request all the same
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.draining = False
+            after, self._after = self._after, []
+            for done in after:
+                done()
 
     def finished(self, response: Response) -> None:
         if self._response is not response or self.closed:

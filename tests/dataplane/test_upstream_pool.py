@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trustme
 
-from proxy.dataplane import inbox
+from proxy.dataplane import inbox, upstream
 from proxy.dataplane.upstream import Origin, Pool, UpstreamBroke, UpstreamFailed
 from tests.dataplane.wire import Message, read_request, until
 
@@ -437,3 +437,63 @@ async def get_on(conn: Any) -> tuple[int, bytes]:
     body = await resp.read_all()
     resp.release()
     return resp.status, body
+
+
+# -- a worker that went away: its answer is heard out ---------------------------------------
+
+
+async def _cancelled_while_awaiting_the_head(pool: Pool, origin: Origin, timeout: float = 5.0) -> Any:
+    conn = await pool.connection(origin, 5.0)
+    waiting = asyncio.ensure_future(conn.request("GET", "/", [], None, None, timeout))
+    await until(lambda: conn.awaiting_answer, "the request to be written and its answer awaited")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    return conn
+
+
+async def test_an_answer_whose_worker_went_away_is_heard_out_and_its_connection_pooled(vendor, pool) -> None:
+    release = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await release.wait()
+        writer.write(OK)
+        await read_request(reader)  # the next request, on the same connection
+        writer.write(OK)
+        await reader.read()
+
+    v = await vendor(slow)
+    conn = await _cancelled_while_awaiting_the_head(pool, v.origin)
+    done: list[bool] = []
+    conn.after(lambda: done.append(True))
+    assert conn.draining and not conn.closed and done == []  # the vendor still works on it
+    release.set()
+    await until(lambda: done == [True], "the vendor's answer to be heard out")
+    assert not conn.closed and pool.idle_count(v.origin) == 1
+    assert await get(pool, v.origin) == (200, b"ok")
+    assert v.connections == 1
+
+
+@pytest.mark.parametrize("how", ["silent", "too long"])
+async def test_an_answer_heard_out_ends_at_the_read_timeout_or_its_size_bound(vendor, pool, how) -> None:
+    go = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await go.wait()
+        if how == "too long":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (upstream.HEAR_OUT_MAX * 4))
+            for _ in range(4 * upstream.HEAR_OUT_MAX // 65536):
+                writer.write(b"z" * 65536)
+                await writer.drain()
+        await reader.read()
+
+    v = await vendor(answer)
+    conn = await _cancelled_while_awaiting_the_head(pool, v.origin, timeout=0.3)
+    done: list[bool] = []
+    conn.after(lambda: done.append(True))
+    if how == "too long":
+        go.set()
+    await until(lambda: done == [True], "the hearing out to end")
+    assert conn.closed and pool.idle_count(v.origin) == 0
