@@ -10,17 +10,20 @@ granted it, or when the store is down and the policy explicitly fails open.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from proxy.accesslog import AccessRecord
 from proxy.concurrency import Slot
 from proxy.dataplane.http1 import Request, Responder
+from proxy.dataplane.upstream import Response
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
-from proxy.feedback import NOTHING, apply_feedback, changes_nothing
+from proxy.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.forward import Carrier, relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
@@ -120,14 +123,15 @@ class ProxyHandler:
             admission = await self.admit(
                 deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
             )
-            carrier = None if slot.leases is None else Carrier()
+            carrier = Carrier()
             try:
                 await self._forward(deps, request, responder, match, rec, admission, carrier)
             finally:
                 # A worker gone while the vendor still works on its request (the vendor counts
-                # it in flight until it has answered): the slot is freed when the answer is in.
-                if carrier is not None and carrier.conn is not None and carrier.conn.draining and slot.taken:
-                    carrier.conn.after(slot.detach())
+                # it in flight until it has answered): the slot is freed when the answer is
+                # in, and the answer fed back like any other.
+                if carrier.conn is not None and carrier.conn.draining:
+                    carrier.conn.after(functools.partial(self._heard_out, deps, match, slot.detach()))
         rec.status = responder.status
 
     async def admit(
@@ -299,18 +303,34 @@ class ProxyHandler:
             if changes_nothing(vendor, upstream.status, upstream.headers):
                 applied = NOTHING
             else:
-                applied = await apply_feedback(
-                    deps.limiter,
-                    vendor,
-                    upstream.status,
-                    upstream.headers,
-                    metrics=deps.metrics,
-                    partition=match.partition,
-                    endpoint=match.endpoint,
-                )
+                applied = await self._feed_back(deps, match, upstream.status, upstream.headers)
         except BaseException:
             upstream.close()
             raise
+        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
+        if admission.quota is not None:
+            extra.update(fields_for_forwarded(upstream.headers, admission.quota))
+        broken = await relay(upstream, responder, extra)
+        elapsed = deps.clock.monotonic() - sent
+        deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
+        deps.sizing.observe(vendor.name, elapsed)
+        rec.outcome = admission.outcome
+        if broken:
+            rec.outcome, rec.detail = "error", broken
+
+    async def _feed_back(self, deps: Deps, match: Match, status: int, headers: CIMultiDictProxy[str]) -> Applied:
+        """Feed a vendor answer back (``apply_feedback``: a 429 blocks the fleet, low quota
+        drains it, quota headers teach it), counted and logged."""
+        vendor = match.vendor
+        applied = await apply_feedback(
+            deps.limiter,
+            vendor,
+            status,
+            headers,
+            metrics=deps.metrics,
+            partition=match.partition,
+            endpoint=match.endpoint,
+        )
         if applied.blocked_for > 0:
             deps.metrics.vendor_blocks.labels(vendor.name).inc()
             log.warning(
@@ -327,21 +347,38 @@ class ProxyHandler:
                     "feedback.max_retry_after %s",
                     vendor.name,
                     format_duration(applied.capped_from),
-                    upstream.headers.get("Retry-After", "none"),
+                    headers.get("Retry-After", "none"),
                     format_duration(vendor.feedback.max_retry_after),
                 )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
-        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
-        if admission.quota is not None:
-            extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        broken = await relay(upstream, responder, extra)
-        elapsed = deps.clock.monotonic() - sent
-        deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
-        deps.sizing.observe(vendor.name, elapsed)
-        rec.outcome = admission.outcome
-        if broken:
-            rec.outcome, rec.detail = "error", broken
+        return applied
+
+    def _heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
+        """The vendor is done with a request whose worker went away before the answer's head
+        (forward's hearing out): its slot is free again, and its answer, if one came, counts
+        and feeds back like any other (a vendor 429 blocks the fleet)."""
+        release()
+        if response is None:
+            return
+        vendor = match.vendor
+        deps.metrics.responses.labels(vendor.name, str(response.status)).inc()
+        if response.status == 429:
+            deps.recent.add(vendor.name, "vendor_429")
+        if not changes_nothing(vendor, response.status, response.headers):
+            spawn(self._feed_back_heard(deps, match, response), name=f"feedback-{vendor.name}")
+
+    async def _feed_back_heard(self, deps: Deps, match: Match, response: Response) -> None:
+        try:
+            await self._feed_back(deps, match, response.status, response.headers)
+        except Exception as exc:  # nobody waits for it: a store that cannot take it is only logged
+            self._loudly.warn(
+                f"heard-out feedback {match.vendor.name}",
+                60.0,
+                "vendor %s: feeding back the answer of a request whose worker went away failed: %s",
+                match.vendor.name,
+                exc,
+            )
 
     def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
         # Loud, but one line a second, not one per request.

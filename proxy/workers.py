@@ -248,9 +248,11 @@ class Supervisor:
             assert process is not None
             status = await process.wait()
             worker.ready = False
-            if worker.session is not None:
-                await worker.session.close()
-                worker.session = None
+            # Forgotten before it is closed: an admin request gathering the workers' answers
+            # meanwhile must not use a closed session (aiohttp raises RuntimeError: a 500).
+            session, worker.session = worker.session, None
+            if session is not None:
+                await session.close()
             if self.stopping or not worker.first_start.result():
                 worker.state = "stopped"
                 return

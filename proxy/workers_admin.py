@@ -106,8 +106,8 @@ async def _ask_all(supervisor: Supervisor, path: str) -> list[tuple[Worker, int,
 
     async def one(worker: Worker) -> tuple[Worker, int, int, str] | None:
         pid = worker.pid
-        if pid is None:
-            return None
+        if pid is None or worker.session is None or worker.session.closed:
+            return None  # it died since: its session is being closed
         try:
             async with supervisor.ask(worker, "GET", path) as resp:
                 return worker, pid, resp.status, await resp.text()

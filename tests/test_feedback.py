@@ -14,7 +14,8 @@ from proxy.feedback import apply_feedback, block_seconds, parse_retry_after, rem
 from proxy.limiter import Breaker, Limiter
 from proxy.limiter.memory_store import MemoryStore
 from proxy.policy.model import Feedback, Limit, Vendor
-from tests.conftest import vendor_policy
+from tests.conftest import eventually, vendor_policy
+from tests.dataplane.wire import Peer
 
 
 @pytest.mark.parametrize(
@@ -131,3 +132,38 @@ async def test_a_capped_retry_after_is_logged_loudly_once_a_minute(aiohttp_raw_s
             "feedback.max_retry_after 2m",
         )
     ]
+
+
+async def test_a_vendor_429_to_a_worker_that_went_away_still_blocks_the_fleet(raw_vendor, start_proxy) -> None:
+    """The worker gave up before the vendor answered; the answer, heard out, is a 429: the
+    fleet is blocked all the same (before, it was never read)."""
+    answer = asyncio.Event()
+    requests = 0
+
+    async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            requests += 1
+            await answer.wait()
+            writer.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\nContent-Length: 4\r\n\r\nslow")
+            await writer.drain()
+
+    raw = await raw_vendor(vendor)
+    proxy = await start_proxy(vendor_policy(raw.url, on_limit="{action: defer}"))
+    gone = await Peer.connect(proxy.address.port)
+    await gone.send(b"GET http://api.payments.example/a HTTP/1.1\r\nHost: api.payments.example\r\n\r\n")
+    await eventually(lambda: requests == 1, "the request at the vendor")
+    await gone.close()  # the worker gives up
+    blocks = proxy.runtime.deps.metrics.vendor_blocks.labels("payments")
+    answer.set()
+    await eventually(lambda: blocks._value.get() == 1, "the heard-out 429 to block the vendor")
+    later = await Peer.connect(proxy.address.port)
+    try:
+        reply = await later.exchange(
+            b"GET http://api.payments.example/b HTTP/1.1\r\nHost: api.payments.example\r\n\r\n"
+        )
+        assert reply.status == 429 and reply.headers["X-Quota-Action"] == "defer"  # the proxy's, not the vendor's
+        assert requests == 1
+    finally:
+        await later.close()

@@ -159,7 +159,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._host_line = f"Host: {origin.authority}\r\n"
         self.draining = False
         """The answer of a worker that went away is being heard out (``abandon``)."""
-        self._after: list[Callable[[], None]] = []
+        self._after: list[Callable[[Response | None], None]] = []
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -381,17 +381,18 @@ class UpstreamConnection(asyncio.Protocol):
         self.draining = True
         spawn(self._hear_out(), name="upstream-hear-out").add_done_callback(_retrieve)
 
-    def after(self, done: Callable[[], None]) -> None:
+    def after(self, done: Callable[[Response | None], None]) -> None:
         """Call ``done`` once the vendor is done with this connection's request: at once,
-        unless its answer is being heard out (then when that ends, however it ends)."""
+        unless its answer is being heard out (then when that ends, however it ends). It is
+        given the answer heard out (its status and headers: the body is gone), if its head came."""
         if self.draining:
             self._after.append(done)
         else:
-            done()
+            done(None)
 
     async def _hear_out(self) -> None:
+        response = self._response
         try:
-            response = self._response
             if response is None:  # the head is not in yet (the worker's wait for it was cancelled)
                 head = self._head = self._loop.create_future()
                 self.awaiting()
@@ -412,7 +413,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.draining = False
             after, self._after = self._after, []
             for done in after:
-                done()
+                done(response)
 
     def finished(self, response: Response) -> None:
         if self._response is not response or self.closed:

@@ -466,7 +466,7 @@ async def test_an_answer_whose_worker_went_away_is_heard_out_and_its_connection_
     v = await vendor(slow)
     conn = await _cancelled_while_awaiting_the_head(pool, v.origin)
     done: list[bool] = []
-    conn.after(lambda: done.append(True))
+    conn.after(lambda _heard: done.append(True))
     assert conn.draining and not conn.closed and done == []  # the vendor still works on it
     release.set()
     await until(lambda: done == [True], "the vendor's answer to be heard out")
@@ -492,7 +492,7 @@ async def test_an_answer_heard_out_ends_at_the_read_timeout_or_its_size_bound(ve
     v = await vendor(answer)
     conn = await _cancelled_while_awaiting_the_head(pool, v.origin, timeout=0.3)
     done: list[bool] = []
-    conn.after(lambda: done.append(True))
+    conn.after(lambda _heard: done.append(True))
     if how == "too long":
         go.set()
     await until(lambda: done == [True], "the hearing out to end")
