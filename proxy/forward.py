@@ -79,6 +79,10 @@ class Upstreams:
         used = {id(p) for p in new._pools.values()}
         return new, [p.close for p in self._pools.values() if id(p) not in used]
 
+    async def heard_out(self) -> None:
+        """Return once no pool is hearing out an answer (``Pool.heard_out``)."""
+        await asyncio.gather(*(p.heard_out() for p in self._pools.values()))
+
     async def close(self) -> None:
         self._stop_warming()
         await asyncio.gather(*(p.close() for p in self._pools.values()))

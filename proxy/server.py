@@ -188,6 +188,9 @@ class ProxyServer:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(drain):
                     await asyncio.gather(self.gate.served_drained(), self.gate.drained())
+                    # Answers heard out for workers that went away: their requests are still
+                    # at the vendor, their slots taken until the vendor is done.
+                    await self.runtime.handler.deps.upstreams.heard_out()
         finally:
             cut.cancel()
             self._cut_in_flight()

@@ -573,3 +573,34 @@ async def test_a_worker_that_goes_away_keeps_its_slot_until_the_vendor_is_done_w
         assert reply.status == 200
     finally:
         await second.close()
+
+
+async def test_a_drain_waits_for_an_answer_heard_out_for_a_worker_that_went_away(raw_vendor: Any) -> None:
+    """At SIGTERM a gone worker's request is still at the vendor: the drain waits (within
+    drain_timeout) for its answer, which is fed back like any other, before closing."""
+    go = asyncio.Event()
+    requests = 0
+
+    async def vendor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await reader.readuntil(b"\r\n\r\n")
+        requests += 1
+        await go.wait()
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 5\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    raw = await raw_vendor(vendor)
+    policy = capped(raw.url, 1, extra_top="drain_timeout: 10s")
+    proxy = ProxyServer(Runtime(policy), policy.listen, policy.admin_listen)
+    await proxy.start()
+    blocks = proxy.runtime.deps.metrics.vendor_blocks.labels("payments")
+    gone = await Peer.connect(proxy.address.port)
+    await gone.send(b"GET http://api.payments.example/a HTTP/1.1\r\nHost: api.payments.example\r\n\r\n")
+    await eventually(lambda: requests == 1, "the request at the vendor")
+    await gone.close()  # the worker gives up
+    stopping = asyncio.ensure_future(proxy.stop())
+    await eventually(lambda: proxy.admin.draining, "the drain to begin")
+    go.set()  # the vendor answers during the drain
+    await asyncio.wait_for(stopping, 10)
+    assert blocks._value.get() == 1, "the answer was heard out before the drain ended"

@@ -379,7 +379,9 @@ class UpstreamConnection(asyncio.Protocol):
         if self.closed or self.draining:
             return
         self.draining = True
-        spawn(self._hear_out(), name="upstream-hear-out").add_done_callback(_retrieve)
+        task = spawn(self._hear_out(), name="upstream-hear-out")
+        task.add_done_callback(_retrieve)
+        self._pool._hearing(task)
 
     def after(self, done: Callable[[Response | None], None]) -> None:
         """Call ``done`` once the vendor is done with this connection's request: at once,
@@ -478,6 +480,7 @@ class Pool:
         """Idle connections per origin, the longest idle first: requests take the newest, the
         oldest are closed once idle ``keepalive`` seconds (``_sweep``)."""
         self._all: set[UpstreamConnection] = set()
+        self._heard: set[asyncio.Task[None]] = set()  # answers being heard out (abandon)
         self.closed = False
 
     async def connection(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
@@ -571,6 +574,16 @@ class Pool:
         idle = self._idle.get(conn.origin)
         if idle and conn in idle:
             idle.remove(conn)
+
+    def _hearing(self, task: asyncio.Task[None]) -> None:
+        self._heard.add(task)
+        task.add_done_callback(self._heard.discard)
+
+    async def heard_out(self) -> None:
+        """Return once no answer is being heard out (the drain waits for them: their
+        requests are still at the vendor, their concurrency slots still taken)."""
+        while self._heard:
+            await asyncio.wait(list(self._heard))
 
     async def close(self) -> None:
         self.closed = True
