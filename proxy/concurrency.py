@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -92,21 +93,12 @@ class Slot:
 
     def detach(self) -> Callable[[], None]:
         """Leave the leases taken past the ``with`` block: they are given back when the
-        returned function is called (once), by whoever knows the request has ended (the
-        vendor's connection, hearing out the answer of a worker that went away)."""
+        returned function is called, by whoever knows the request has ended (the vendor's
+        connection, hearing out the answer of a worker that went away)."""
         if not self.taken or self._owner is None:
             return _nothing
         self.taken = False
-        owner = self._owner
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                owner.release(self)
-
-        return release
+        return functools.partial(self._owner.release, self)
 
 
 def _nothing() -> None:

@@ -231,11 +231,17 @@ async def send(
         request.keep_alive = False  # the rest of the body may still come: the answer closes
         raise BodyTimeout(str(exc)) from exc
     except BodyBroken as exc:  # the worker's side, not the vendor's: its body's framing broke
-        request.keep_alive = False
-        raise BadRequest(f"the request body broke off: {exc}") from exc
+        raise body_broke(request, exc) from exc
     except OSError as exc:
         failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)
         raise classify(vendor, request.method, request.headers, failure) from exc
+
+
+def body_broke(request: Request, why: BaseException) -> BadRequest:
+    """The refusal of a request whose body broke off (its framing, or the worker's
+    connection); its answer closes the connection, whatever of the body may still come."""
+    request.keep_alive = False
+    return BadRequest(f"the request body broke off: {why}")
 
 
 async def _paced(

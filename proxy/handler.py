@@ -24,7 +24,7 @@ from proxy.dataplane.upstream import Response
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import NOTHING, Applied, apply_feedback, changes_nothing
-from proxy.forward import Carrier, relay, send
+from proxy.forward import Carrier, body_broke, relay, send
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
@@ -36,7 +36,7 @@ from proxy.partitions import shown
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
-from proxy.refusals import BadRequest, Denied, InternalError, Limited, StoreDown
+from proxy.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.seats import Seats
 from proxy.target import parse_target, parse_tunneled_target
 from proxy.tasks import spawn
@@ -72,6 +72,13 @@ def _give_back(
         spawn(refund, name=f"refund-{vendor.name}")
 
 
+def _count_answer(deps: Deps, vendor: Vendor, status: int) -> None:
+    """A vendor answer in the metrics and the live page's recent counts."""
+    deps.metrics.responses.labels(vendor.name, str(status)).inc()
+    if status == 429:
+        deps.recent.add(vendor.name, "vendor_429")
+
+
 class ProxyHandler:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
@@ -97,8 +104,7 @@ class ProxyHandler:
         if broken is not None:
             # Its body's framing broke before it was served (in the packet of its head): the
             # vendor could never get it whole, so it takes no tokens and is never sent.
-            request.keep_alive = False
-            raise BadRequest(f"the request body broke off: {broken}")
+            raise body_broke(request, broken)
         if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
             rec.host = request.target
             raise Denied(CONNECT_REFUSED, request.target)
@@ -151,8 +157,9 @@ class ProxyHandler:
         leases, holding if the decision says so; returns the outcome to record once it is
         sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
-        if deps.policy.tenant.max_active is not None:
-            self._seat(deps, vendor, tenant)
+        seats = deps.policy.tenant.max_active
+        if seats is not None:
+            self._seat(deps, vendor, tenant, seats)
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
 
@@ -212,11 +219,10 @@ class ProxyHandler:
             return Admission("held", quota, pace)
         return Admission("forwarded", quota, pace)
 
-    def _seat(self, deps: Deps, vendor: Vendor, tenant: str) -> None:
+    def _seat(self, deps: Deps, vendor: Vendor, tenant: str, cap: int) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
-        seats before it may create store keys (seats.py); none free: deferred."""
-        cap = deps.policy.tenant.max_active
-        if cap is None or tenant in deps.router.tenancy.named:
+        (``cap``) seats before it may create store keys (seats.py); none free: deferred."""
+        if tenant in deps.router.tenancy.named:
             return
         wait = self._seats.take(vendor, tenant, cap)
         if wait > 0:
@@ -295,10 +301,8 @@ class ProxyHandler:
             carrier,
         )
         rec.upstream_status = upstream.status
-        deps.metrics.responses.labels(vendor.name, str(upstream.status)).inc()
         deps.recent.add(vendor.name, admission.outcome)
-        if upstream.status == 429:
-            deps.recent.add(vendor.name, "vendor_429")
+        _count_answer(deps, vendor, upstream.status)
         try:
             if changes_nothing(vendor, upstream.status, upstream.headers):
                 applied = NOTHING
@@ -362,9 +366,7 @@ class ProxyHandler:
         if response is None:
             return
         vendor = match.vendor
-        deps.metrics.responses.labels(vendor.name, str(response.status)).inc()
-        if response.status == 429:
-            deps.recent.add(vendor.name, "vendor_429")
+        _count_answer(deps, vendor, response.status)
         if not changes_nothing(vendor, response.status, response.headers):
             spawn(self._feed_back_heard(deps, match, response), name=f"feedback-{vendor.name}")
 

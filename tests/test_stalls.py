@@ -19,21 +19,18 @@ from tests.dataplane.wire import Peer, read_response
 IDLE = 0.4  # connections.idle_timeout
 READ = 0.4  # the vendor's timeouts.read
 TARGET = b"http://api.payments.example/v1/x"
+SECOND = b"GET %s HTTP/1.1\r\nHost: api.payments.example\r\n\r\n" % TARGET
 POLICY = dict(
     extra_top=f"connections: {{idle_timeout: {int(IDLE * 1000)}ms}}",
     extra_vendor=f"concurrency: 1\n            timeouts: {{read: {int(READ * 1000)}ms}}",
 )
 
 
-def _second_request() -> bytes:
-    return b"GET %s HTTP/1.1\r\nHost: api.payments.example\r\n\r\n" % TARGET
-
-
 async def _answered_200(port: int) -> None:
     """The vendor's one concurrency slot is free again: a new request goes through."""
     other = await Peer.connect(port)
     try:
-        answer = await other.exchange(_second_request())
+        answer = await other.exchange(SECOND)
         assert answer.status == 200, answer
     finally:
         await other.close()

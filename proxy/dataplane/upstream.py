@@ -292,16 +292,13 @@ class UpstreamConnection(asyncio.Protocol):
                     writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
             self.awaiting()
             return await self._head  # the read timer fails it when the vendor stays silent
-        except asyncio.CancelledError:
-            # The worker went away. With the whole request written the vendor works on it
-            # regardless: hear its answer out; with part of it, the connection is useless.
-            if writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None):
+        except BaseException as exc:
+            # Cancelled (the worker went away) with the whole request written: the vendor works
+            # on it regardless, so its answer is heard out. Otherwise the connection is useless.
+            whole = writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None)
+            if isinstance(exc, asyncio.CancelledError) and whole:
                 self.abandon()
-            else:
-                writer.cancel()
-                self.close()
-            raise
-        except BaseException:
+                raise
             if writer is not None and not writer.done():
                 writer.cancel()
             if not self._head.done():
@@ -318,12 +315,9 @@ class UpstreamConnection(asyncio.Protocol):
             transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
             if self._write_paused:
                 self._drain_waiter = self._loop.create_future()
-                try:
-                    if self.read_timeout is None:
+                try:  # a vendor that takes no byte of the upload for its read timeout is silent too
+                    async with asyncio.timeout(self.read_timeout):
                         await self._drain_waiter
-                    else:  # a vendor that takes no byte of the upload for its read timeout is silent too
-                        async with asyncio.timeout(self.read_timeout):
-                            await self._drain_waiter
                 except TimeoutError:
                     silent = f"took no byte of the upload for {self.read_timeout:g}s"
                     raise UpstreamFailed("timeout", silent, reached=True) from None

@@ -335,11 +335,11 @@ class PipelinedScript:
         proto = self._conn.open_protocol()
         return None if proto is None else proto.send(packed, reply_within)
 
-    async def reply_error(self, error: hiredis.ReplyError, packed: bytes, reply_within: float | None) -> Any:
-        """What ``send_now``'s caller does with an error reply: NOSCRIPT loads the script
-        and sends ``packed`` again (it did not run); any other is raised (ReplyError)."""
-        if not str(error).startswith("NOSCRIPT"):
-            raise ReplyError(str(error))
+    async def reply_error(self, error: str, packed: bytes, reply_within: float | None) -> Any:
+        """What an error reply to ``packed`` leads to: NOSCRIPT loads the script and sends
+        ``packed`` again (it did not run); any other is raised (ReplyError)."""
+        if not error.startswith("NOSCRIPT"):
+            raise ReplyError(error)
         await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
         return await self._conn.execute_packed(packed, reply_within=reply_within)
 
@@ -348,7 +348,4 @@ class PipelinedScript:
         try:
             return await self._conn.execute_packed(packed, reply_within=reply_within)
         except ReplyError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-        await self._conn.execute("SCRIPT", "LOAD", self._source, reply_within=reply_within)
-        return await self._conn.execute_packed(packed, reply_within=reply_within)
+            return await self.reply_error(str(exc), packed, reply_within)

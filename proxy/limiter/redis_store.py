@@ -210,13 +210,12 @@ class RedisStore:
                 )
             )
             try:
-                sent = fast.send_now(packed, self._timeout) if type(fast) is PipelinedScript else None
-                if sent is None:
-                    out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
-                else:
+                if isinstance(fast, PipelinedScript) and (sent := fast.send_now(packed, self._timeout)) is not None:
                     out = await sent
                     if isinstance(out, hiredis.ReplyError):
-                        out = await fast.reply_error(out, packed, self._timeout)  # type: ignore[union-attr]
+                        out = await fast.reply_error(str(out), packed, self._timeout)
+                else:
+                    out = await fast.call_packed(shape.keys, packed, reply_within=self._timeout)
             except (PipelineError, OSError, TimeoutError) as exc:
                 raise self._fast_failed(exc) from exc
         else:
