@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from proxy.dataplane.http1 import BodyBroken, BodyStalled, Request, Responder
 from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
-from proxy.headers import downstream_response_headers, idempotent, upstream_request_headers
+from proxy.headers import downstream_response_headers, downstream_response_lines, idempotent, upstream_request_lines
 from proxy.names import parse_authority
 from proxy.pacing import Paced, Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
@@ -206,7 +206,7 @@ async def send(
     window, unless they had the room for it: at the last moment, its connection in hand, so
     that whatever delayed one request (a connection opening, a busy loop) cannot bunch it
     with the ones granted after it (pacing.py)."""
-    headers = upstream_request_headers(request.headers, tenant_header)
+    lines = upstream_request_lines(request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
@@ -220,10 +220,11 @@ async def send(
         return await conn.request(
             request.method,
             target,
-            headers,
+            (),
             _WorkerBody(request) if request.has_body else None,
             _content_length(request) if request.has_body else None,
             timeouts.read,
+            lines=lines,
         )
     except Failed as exc:
         raise classify(vendor, request.method, request.headers, exc) from exc
@@ -270,11 +271,17 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     Framing is this hop's business: with the vendor's Content-Length the body is sent as is;
     without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
     HTTP/1.0 one."""
-    headers = downstream_response_headers(upstream.headers)
-    if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
-        headers.extend(extra_headers.items())
     try:
-        responder.start(upstream.status, upstream.reason, headers)
+        if "Connection" in upstream.headers:  # the fields it names are dropped too: the general filter
+            headers = downstream_response_headers(upstream.headers)
+            if extra_headers:
+                headers.extend(extra_headers.items())
+            responder.start(upstream.status, upstream.reason, headers)
+        else:  # the usual answer: its head written in one pass over its fields
+            lines, length, date = downstream_response_lines(upstream.fields)
+            if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
+                lines.extend(f"{name}: {value}\r\n" for name, value in extra_headers.items())
+            responder.start_lines(upstream.status, upstream.reason, lines, length, date)
         whole = upstream.whole(_WHOLE_MAX)
         if whole is not None:  # all in already (a small answer): one write, no read per piece
             await responder.complete(whole)

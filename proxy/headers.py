@@ -70,6 +70,28 @@ def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str)
     return _without(headers, _request_drop(tenant_header))
 
 
+def upstream_request_lines(headers: CIMultiDictProxy[str], tenant_header: str) -> list[str]:
+    """``upstream_request_headers`` as the lines the data plane writes (``"Name: value\\r\\n"``),
+    without ``Content-Length`` either (the data plane frames the body itself): one pass."""
+    drop = _request_line_drop(tenant_header)
+    if "Connection" in headers:
+        return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
+    kept = _memo(drop)
+    out = []
+    for name, value in headers.items():
+        keep = kept.get(name)
+        if keep is None:
+            keep = _learn(kept, drop, name)
+        if keep:
+            out.append(f"{name}: {value}\r\n")
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _request_line_drop(tenant_header: str) -> frozenset[str]:
+    return _request_drop(tenant_header) | {"content-length"}
+
+
 def downstream_response_headers(headers: CIMultiDictProxy[str]) -> Fields:
     """The vendor's headers minus hop-by-hop ones and any ``X-Quota-*`` header, for the worker.
 
@@ -94,21 +116,75 @@ def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> Fields:
             for name, value in headers.items()
             if not ((low := name.lower()) in dropped or low.startswith(QUOTA_PREFIX))
         ]
-    kept = _KEPT.get(drop)
-    if kept is None:
-        kept = _KEPT[drop] = {}
+    kept = _memo(drop)
     out = []
     for name, value in headers.items():
         keep = kept.get(name)
         if keep is None:
-            low = name.lower()
-            keep = not (low in drop or low.startswith(QUOTA_PREFIX))
-            if len(kept) >= _KEPT_MAX:
-                kept.clear()
-            kept[name] = keep
+            keep = _learn(kept, drop, name)
         if keep:
             out.append((name, value))
     return out
+
+
+def _memo(drop: frozenset[str]) -> dict[str, bool]:
+    kept = _KEPT.get(drop)
+    if kept is None:
+        kept = _KEPT[drop] = {}
+    return kept
+
+
+def _learn(kept: dict[str, bool], drop: frozenset[str], name: str) -> bool:
+    low = name.lower()
+    keep = not (low in drop or low.startswith(QUOTA_PREFIX))
+    if len(kept) >= _KEPT_MAX:
+        kept.clear()
+    kept[name] = keep
+    return keep
+
+
+# What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
+KEEP, DROP, LENGTH, DATE = 0, 1, 2, 3
+_RESPONSE_KIND: dict[str, int] = {}
+
+
+def downstream_response_lines(fields: Fields) -> tuple[list[str], int, bool]:
+    """``downstream_response_headers`` of a vendor answer's ``fields`` (in their order, with no
+    ``Connection`` field) as the lines the data plane writes, in one pass: the kept fields but
+    ``Content-Length``, whose value is returned (-1: none), and whether a ``Date`` is among them."""
+    kinds = _RESPONSE_KIND
+    lines = []
+    length = -1
+    date = False
+    for name, value in fields:
+        kind = kinds.get(name)
+        if kind is None:
+            kind = _response_kind(name)
+        if kind == KEEP:
+            lines.append(f"{name}: {value}\r\n")
+        elif kind == LENGTH:
+            if value.strip().isdigit():
+                length = int(value)
+        elif kind == DATE:
+            date = True
+            lines.append(f"{name}: {value}\r\n")
+    return lines, length, date
+
+
+def _response_kind(name: str) -> int:
+    low = name.lower()
+    if low == "content-length":
+        kind = LENGTH
+    elif low == "date":
+        kind = DATE
+    elif low in HOP_BY_HOP or low.startswith(QUOTA_PREFIX):
+        kind = DROP
+    else:
+        kind = KEEP
+    if len(_RESPONSE_KIND) >= _KEPT_MAX:
+        _RESPONSE_KIND.clear()
+    _RESPONSE_KIND[name] = kind
+    return kind
 
 
 def idempotent(method: str, headers: Mapping[str, str]) -> bool:

@@ -39,7 +39,7 @@ class FailingPool:
             raise self.exc
         return self
 
-    async def request(self, *args: Any) -> Any:
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
         raise self.exc
 
 

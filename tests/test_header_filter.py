@@ -39,6 +39,33 @@ def test_the_memo_keeps_and_drops_what_the_plain_filter_does(case: int) -> None:
         assert h.downstream_response_headers(headers) == plain(headers, h.HOP_BY_HOP)
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_one_pass_lines_are_the_filtered_fields_as_written(case: int) -> None:
+    """The data plane's one-pass forms: the same fields in the same order, as lines; the
+    request's without Content-Length (the data plane frames the body), the answer's with its
+    Content-Length taken out as the length and a Date noted."""
+    headers = CASES[case]
+    for _ in range(2):
+        want = [f"{n}: {v}\r\n" for n, v in plain(headers, h._request_drop("X-Tenant")) if n.lower() != "content-length"]
+        assert h.upstream_request_lines(headers, "X-Tenant") == want
+        if "Connection" in headers:
+            continue  # the relay takes the general filter for those
+        kept = plain(headers, h.HOP_BY_HOP)
+        lines, length, date = h.downstream_response_lines(list(headers.items()))
+        assert lines == [f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length"]
+        lengths = [int(v) for n, v in kept if n.lower() == "content-length"]
+        assert length == (lengths[-1] if lengths else -1)
+        assert date is any(n.lower() == "date" for n, _ in kept)
+
+
+def test_the_answers_length_and_date_are_read_whatever_their_spelling() -> None:
+    fields = [("date", "Tue, 01 Dec 2026 16:00:00 GMT"), ("CONTENT-LENGTH", " 12 "), ("X-Quota-Action", "x")]
+    for _ in range(2):
+        lines, length, date = h.downstream_response_lines(fields)
+        assert (lines, length, date) == (["date: Tue, 01 Dec 2026 16:00:00 GMT\r\n"], 12, True)
+    assert h.downstream_response_lines([("Content-Length", "12x")]) == ([], -1, False)
+
+
 def test_a_name_named_in_connection_once_is_not_dropped_for_ever() -> None:
     h.downstream_response_headers(fields(("Connection", "X-Secret"), ("X-Secret", "s")))
     assert h.downstream_response_headers(fields(("X-Secret", "s"))) == [("X-Secret", "s")]
@@ -49,4 +76,6 @@ def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(100):
         headers = fields((f"X-Field-{i}", "v"), ("X-Quota-Action", "defer"))
         assert h.downstream_response_headers(headers) == [(f"X-Field-{i}", "v")]
+        assert h.downstream_response_lines(list(headers.items()))[0] == [f"X-Field-{i}: v\r\n"]
         assert all(len(kept) <= 16 for kept in h._KEPT.values())
+        assert len(h._RESPONSE_KIND) <= 16

@@ -277,31 +277,34 @@ class Responder:
         """The answer's status and end-to-end headers (hop-by-hop ones are this hop's: any
         given are dropped). A ``Content-Length`` among them frames the body (``length``, when
         given, instead of theirs); else chunks."""
+        found = -1
+        date = False
+        lines = []
+        for name, value in headers:
+            low = name.lower()
+            if low in _OURS:
+                if low == "content-length" and value.strip().isdigit():
+                    found = int(value)
+                continue
+            if low == "date":
+                date = True
+            lines.append(f"{name}: {value}\r\n")
+        self.start_lines(status, reason, lines, length if length >= 0 else found, date)
+
+    def start_lines(self, status: int, reason: str, lines: list[str], length: int, date: bool) -> None:
+        """``start`` with the end-to-end fields already as lines (``"Name: value\\r\\n"``, none
+        of this hop's framing: ``Content-Length`` is ``length``, -1 for none), ``date``: one
+        of them is ``Date``. ``lines`` is the responder's from now on."""
         assert not self.started, "answer already started"
-        given = length
-        length = -1
         req = self._request
         self.status = status
         if not reason:
             reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
-        lines = [f"HTTP/1.1 {status} {reason}\r\n"]
-        date = False
-        for name, value in headers:
-            low = name.lower()
-            if low in _OURS:
-                if low == "content-length" and value.strip().isdigit():
-                    length = int(value)
-                continue
-            if low == "date":
-                date = True
-            lines.append(f"{name}: {value}\r\n")
         if not date:
             lines.append(_date())
         # A body the worker waits to be invited for and that was not: it may or may not come.
         keep = req.keep_alive and self._conn.keep_alive and not req.body.continue_pending
-        if given >= 0:
-            length = given
         if length >= 0:
             lines.append(f"Content-Length: {length}\r\n")
             if not self._no_body:
@@ -319,7 +322,7 @@ class Responder:
             lines.append("Connection: keep-alive\r\n\r\n")
         else:
             lines.append("\r\n")
-        self._head = "".join(lines).encode("latin-1")
+        self._head = (f"HTTP/1.1 {status} {reason}\r\n" + "".join(lines)).encode("latin-1")
 
     async def write(self, data: bytes) -> None:
         assert self.started and not self._finished

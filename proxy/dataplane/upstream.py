@@ -86,14 +86,23 @@ class BodySource(Protocol):
 class Response(Inbox):
     """The vendor's answer: status and headers once in, the body as it arrives."""
 
-    __slots__ = ("_conn", "headers", "reason", "status")
+    __slots__ = ("_conn", "fields", "headers", "reason", "status")
 
-    def __init__(self, conn: UpstreamConnection, status: int, reason: str, headers: CIMultiDictProxy[str]) -> None:
+    def __init__(
+        self,
+        conn: UpstreamConnection,
+        status: int,
+        reason: str,
+        headers: CIMultiDictProxy[str],
+        fields: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__()
         self._conn = conn
         self.status = status
         self.reason = reason
         self.headers = headers
+        self.fields: list[tuple[str, str]] = list(headers.items()) if fields is None else fields
+        """The fields as the vendor sent them, in their order (what ``headers`` holds)."""
 
     @property
     def done(self) -> bool:
@@ -222,15 +231,15 @@ class UpstreamConnection(asyncio.Protocol):
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # an interim answer (103 Early Hints...): the real one follows
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
-        response = Response(self, status, self._reason.decode("latin-1"), headers)
+        fields = self._fields
+        response = Response(self, status, self._reason.decode("latin-1"), CIMultiDictProxy(CIMultiDict(fields)), fields)
         self._response = response
         self._keep_alive = self._parser.should_keep_alive()
         if self._method == "HEAD":
             # llhttp does not know the request was a HEAD: the answer ends with its head. A
             # parser that still waits for the body it announced is not reused.
             self._complete = True
-            if "Content-Length" in headers or "Transfer-Encoding" in headers:
+            if "Content-Length" in response.headers or "Transfer-Encoding" in response.headers:
                 self._keep_alive = False
             response._end()
         if self._head is not None and not self._head.done():
@@ -257,10 +266,13 @@ class UpstreamConnection(asyncio.Protocol):
         body: BodySource | None,
         content_length: int | None,
         read_timeout: float | None,
+        *,
+        lines: list[str] | None = None,
     ) -> Response:
         """Send one request, return once the answer's head is in. ``body``: streamed with
         ``content_length`` as its framing, or chunked when that is None; ``headers`` are the
-        end-to-end ones (any framing among them is dropped)."""
+        end-to-end ones (any framing among them is dropped), or ``lines`` instead: the same
+        already written (``"Name: value\\r\\n"``, none of this hop's framing nor ``Host``)."""
         assert self.transport is not None and not self._in_use
         self._in_use = True
         self._method = method
@@ -269,8 +281,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._silent_until = 0.0
         self._head = self._loop.create_future()
-        lines = [f"{method} {target} HTTP/1.1\r\n", self._host_line]
-        lines += [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
+        if lines is None:
+            lines = [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
         if body is not None:
             lines.append(
                 "Transfer-Encoding: chunked\r\n" if content_length is None else f"Content-Length: {content_length}\r\n"
@@ -278,7 +290,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif method in _EMPTY_BODY_METHODS:
             lines.append("Content-Length: 0\r\n")
         lines.append("\r\n")
-        self.transport.write("".join(lines).encode("latin-1"))
+        self.transport.write(f"{method} {target} HTTP/1.1\r\n{self._host_line}{''.join(lines)}".encode("latin-1"))
         writer: asyncio.Task[None] | None = None
         if body is not None:
             self._written = False
