@@ -46,7 +46,8 @@ def test_the_one_pass_lines_are_the_filtered_fields_as_written(case: int) -> Non
     Content-Length taken out as the length and a Date noted."""
     headers = CASES[case]
     for _ in range(2):
-        want = [f"{n}: {v}\r\n" for n, v in plain(headers, h._request_drop("X-Tenant")) if n.lower() != "content-length"]
+        kept = plain(headers, h._request_drop("X-Tenant"))
+        want = [f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length"]
         assert h.upstream_request_lines(headers, "X-Tenant") == want
         if "Connection" in headers:
             continue  # the relay takes the general filter for those

@@ -37,6 +37,9 @@ from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
 
 WRITE_HIGH: Final = 256 * 1024
+HEAD_MAX: Final = 1024 * 1024
+"""Bytes that may come before an answer's head is whole (interim answers' included); more:
+the vendor broke off."""
 HEAR_OUT_MAX: Final = 1024 * 1024
 """Bytes of a gone worker's answer read and dropped; a longer rest closes the connection."""
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
@@ -154,6 +157,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._method = ""
         self._fields: list[tuple[str, str]] = []
         self._reason = b""
+        self._head_size = 0
         self._head: asyncio.Future[Response] | None = None
         self._response: Response | None = None
         self._complete = False
@@ -182,12 +186,21 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if self.read_timeout is not None:
             self._silent_until = self._loop.time() + self.read_timeout
+        if self._response is None:  # the head is not all in (per read, not per field: one read, usually)
+            self._head_size += len(data)
+            if self._head_size > HEAD_MAX:
+                self._broke(f"the answer's head is larger than {HEAD_MAX} bytes")
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broke("the vendor switched protocols, which the proxy never asked for")
         except httptools.HttpParserError as exc:
-            self._broke(f"malformed answer: {exc}")
+            if self._complete:  # bytes after a whole answer: it stands, the connection cannot be trusted
+                self.close()
+                return
+            known = exc.__context__ if isinstance(exc.__context__, UpstreamBroke) else None  # one of ours, below
+            self._broke(str(known) if known is not None else f"malformed answer: {exc}")
 
     def eof_received(self) -> bool:
         return False
@@ -218,6 +231,8 @@ class UpstreamConnection(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self._response is not None:  # bytes after the answer: one nobody asked for
+            raise UpstreamBroke("a second answer to one request")
         self._fields = []
         self._reason = b""
 
@@ -280,6 +295,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._response = None
         self._complete = False
         self._silent_until = 0.0
+        self._head_size = 0
         self._head = self._loop.create_future()
         if lines is None:
             lines = [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]

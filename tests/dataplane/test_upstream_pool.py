@@ -195,6 +195,95 @@ async def test_interim_answers_are_skipped(vendor, pool) -> None:
     assert await get(pool, v.origin) == (200, b"ok")
 
 
+HEAD_WITH_EVERYTHING = (
+    b"HTTP/1.1 200 All Fine Here\r\nContent-Type: a/b\r\nX-Url: http://x:1/a:b\r\nX-Empty:\r\nX-Blank: \r\n"
+    b"X-Spaced:  \t v a l  \t\r\nX-Latin: \xe9\xff\r\nX-Multi: 1\r\nx-multi: 2\r\nContent-Length: 2\r\n\r\nok"
+)
+HEAD_FIELDS = [
+    ("Content-Type", "a/b"),
+    ("X-Url", "http://x:1/a:b"),
+    ("X-Empty", ""),
+    ("X-Blank", ""),
+    ("X-Spaced", "v a l  \t"),  # the whitespace before a value is not its, after it is (as llhttp has it)
+    ("X-Latin", "\xe9\xff"),
+    ("X-Multi", "1"),
+    ("x-multi", "2"),
+    ("Content-Length", "2"),
+]
+
+
+async def dripping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: bytes, step: int) -> None:
+    """Write ``answer`` ``step`` bytes at a time, each piece its own read at the proxy."""
+    for i in range(0, len(answer), step):
+        writer.write(answer[i : i + step])
+        await writer.drain()
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000], ids=["byte by byte", "in pieces", "whole"])
+async def test_an_answer_head_is_read_field_for_field_however_it_arrives(vendor, pool, step) -> None:
+    """The head is split once llhttp has checked it (not field by field through callbacks):
+    the same fields, spelling, order and values, and the reason phrase, in one read or many,
+    after interim answers."""
+    answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + HEAD_WITH_EVERYTHING
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            await dripping(reader, writer, answer, step)
+        await reader.read()
+
+    v = await vendor(handler)
+    for _ in range(2):  # and again on the same connection
+        conn = await pool.connection(v.origin, 5.0)
+        resp = await conn.request("GET", "/", [], None, None, 5.0)
+        assert (resp.status, resp.reason) == (200, "All Fine Here")
+        assert resp.fields == HEAD_FIELDS
+        assert list(resp.headers.items()) == HEAD_FIELDS
+        assert await resp.read_all() == b"ok"
+        resp.release()
+    assert v.connections == 1
+
+
+async def test_an_answer_without_a_reason_phrase(vendor, pool) -> None:
+    v = await start_answering(vendor, b"HTTP/1.1 201\r\nContent-Length: 0\r\n\r\n")
+    conn = await pool.connection(v.origin, 5.0)
+    resp = await conn.request("GET", "/", [], None, None, 5.0)
+    assert (resp.status, resp.reason, resp.fields) == (201, "", [("Content-Length", "0")])
+
+
+async def test_an_endless_answer_head_breaks_off_at_its_bound(vendor, pool, monkeypatch) -> None:
+    monkeypatch.setattr(upstream, "HEAD_MAX", 4096)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(10_000):  # never the empty line
+            writer.write(b"X-Field-%d: %s\r\n" % (i, b"v" * 100))
+            await writer.drain()
+        await reader.read()
+
+    v = await vendor(handler)
+    with pytest.raises(UpstreamFailed) as failed:
+        await get(pool, v.origin)
+    assert failed.value.kind == "broken" and "4096" in str(failed.value)
+
+
+@pytest.mark.parametrize("junk", [OK, b"garbage\r\n\r\n"], ids=["a second answer", "garbage"])
+async def test_bytes_after_a_whole_answer_close_the_connection_and_leave_the_answer(vendor, pool, junk) -> None:
+    """Bytes after the answer in its last read (a second answer nobody asked for, garbage):
+    the answer stands, whole; the connection cannot be trusted after it and is closed,
+    never pooled (before, a second answer left it open and in use for ever)."""
+    v = await start_answering(vendor, OK + junk, OK)
+    conn = await pool.connection(v.origin, 5.0)
+    resp = await conn.request("GET", "/", [], None, None, 5.0)
+    assert await resp.read_all() == b"ok"
+    resp.release()
+    assert conn.closed
+    assert await get(pool, v.origin) == (200, b"ok")
+    assert v.connections == 2
+
+
 async def test_head_answers_end_with_their_head(vendor, pool) -> None:
     v = await start_answering(vendor, b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", OK)
     status, body = await get(pool, v.origin, method="HEAD")
