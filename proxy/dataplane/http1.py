@@ -736,18 +736,6 @@ class Http1Connection(asyncio.Protocol):
 
     # -- serving -----------------------------------------------------------------------
 
-    async def _next(self) -> Request | _ParseError:
-        while not self._queue:
-            self._queue_waiter = self._loop.create_future()
-            try:
-                await self._queue_waiter
-            finally:
-                self._queue_waiter = None
-        item = self._queue.popleft()
-        if len(self._queue) <= PIPELINE_AHEAD:
-            self.resume("pipeline")
-        return item
-
     def _wake_queue(self) -> None:
         if self._queue_waiter is not None and not self._queue_waiter.done():
             self._queue_waiter.set_result(None)
@@ -756,7 +744,16 @@ class Http1Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         while True:
-            item = await self._next()
+            queue = self._queue
+            while not queue:  # (inline, not a coroutine of its own: once per request)
+                self._queue_waiter = self._loop.create_future()
+                try:
+                    await self._queue_waiter
+                finally:
+                    self._queue_waiter = None
+            item = queue.popleft()
+            if len(queue) <= PIPELINE_AHEAD and self._pauses:
+                self.resume("pipeline")
             if isinstance(item, _ParseError):
                 if item.status:
                     self.write(self._refuse(item.status, item.message))

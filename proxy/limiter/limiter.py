@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from proxy.clock import Clock
 from proxy.limiter.breaker import Breaker
@@ -144,7 +144,7 @@ class Limiter:
 
     # -- store calls -----------------------------------------------------------
 
-    async def acquire(
+    def acquire(
         self,
         vendor: Vendor,
         tenant: str,
@@ -155,7 +155,7 @@ class Limiter:
         endpoint: Endpoint | None = None,
         partition: str = "",
         leases: Leases | None = None,
-    ) -> AcquireResult:
+    ) -> Coroutine[Any, Any, AcquireResult]:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
 
@@ -171,16 +171,30 @@ class Limiter:
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
-        local = self.local
-        mode = "shared" if local is None else local.current()
+        if self.local is None:  # the store alone: its call itself, not one more coroutine around it
+            return self._acquire_shared(vendor, b, cost, max_wait, queue, leases)
+        return self._acquire_sharing(self.local, vendor, tenant, b, cost, max_wait, queue, leases)
+
+    async def _acquire_sharing(
+        self,
+        local: LocalShares,
+        vendor: Vendor,
+        tenant: str,
+        b: Buckets,
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        leases: Leases | None,
+    ) -> AcquireResult:
+        """``acquire`` with local shares to fall back on (``store.on_failure: local``)."""
+        mode = local.current()
         if mode == "shared":
             try:
                 return await self._acquire_shared(vendor, b, cost, max_wait, queue, leases)
             except StoreUnavailable as exc:
-                if local is None or not local.engage(exc):
+                if not local.engage(exc):
                     raise
                 return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
-        assert local is not None
         if mode == "local" and not await self._come_back(local, vendor):
             return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
         return await self._acquire_both(local, vendor, tenant, b, cost, queue, leases)
