@@ -445,7 +445,8 @@ class UpstreamConnection(asyncio.Protocol):
         if self._complete and response.done and self._keep_alive and self._written:
             self._in_use = False
             self._response = None
-            self._parser = httptools.HttpResponseParser(self)
+            if self._method == "HEAD":  # llhttp, not told, may still wait for the body the head announced
+                self._parser = httptools.HttpResponseParser(self)
             self._pool.give_back(self)
         else:
             self.close()

@@ -284,6 +284,28 @@ async def test_bytes_after_a_whole_answer_close_the_connection_and_leave_the_ans
     assert v.connections == 2
 
 
+async def test_one_connection_carries_answers_of_every_framing_in_turn(vendor, pool) -> None:
+    """The connection's parser is kept from one answer to the next (a new one only after a
+    HEAD's, which llhttp, not told of the HEAD, may still take for unfinished): each framing
+    leaves it ready for the next answer."""
+    v = await start_answering(
+        vendor,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=1\r\nab\r\n0\r\nX-Trailer: t\r\n\r\n",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 204 No Content\r\n\r\n",  # to a HEAD
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK,
+        b"HTTP/1.1 304 Not Modified\r\nETag: x\r\n\r\n",
+        OK,
+    )
+    assert await get(pool, v.origin) == (200, b"ab")
+    assert await get(pool, v.origin) == (204, b"")
+    assert await get(pool, v.origin, method="HEAD") == (204, b"")
+    assert await get(pool, v.origin) == (200, b"ok")
+    assert await get(pool, v.origin) == (304, b"")
+    assert await get(pool, v.origin) == (200, b"ok")
+    assert v.connections == 1
+
+
 async def test_head_answers_end_with_their_head(vendor, pool) -> None:
     v = await start_answering(vendor, b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", OK)
     status, body = await get(pool, v.origin, method="HEAD")
