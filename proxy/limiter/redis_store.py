@@ -70,6 +70,7 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 
 _SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter keeps as many)
+_AROUND_MAX = 64  # (cost, max_wait, debt) triples packed per bucket set
 _EMPTY = bulk("")
 _ZERO = bulk(0.0)
 
@@ -79,7 +80,7 @@ class _AcquireShape:
     state and lease sets) sends in every call; ``head`` and ``tail`` as RESP, the
     arguments between them (cost, max_wait...) packed per call."""
 
-    __slots__ = ("args", "buckets", "count", "head", "keys", "n", "queued", "sets", "state", "tail")
+    __slots__ = ("_around_seen", "args", "buckets", "count", "head", "keys", "n", "queued", "sets", "state", "tail")
 
     def __init__(
         self,
@@ -107,6 +108,22 @@ class _AcquireShape:
         self.queued = bulk("q" if queue is not None else "")
         self.count = bulk(self.n)
         self.tail = bulks(args)
+        # Per (cost, max_wait, debt), for a call with a state guard and no leases (the usual):
+        # the whole command but the guard's ``seen``, before and after it.
+        self._around_seen: dict[tuple[float, float, float], tuple[bytes, bytes]] = {}
+
+    def around_seen(self, cost: float, max_wait: float, debt: float) -> tuple[bytes, bytes]:
+        """The command of a call with a state guard and no leases, packed but for the
+        guard's ``seen`` (a counter, new in every call), which goes between the two."""
+        key = (cost, max_wait, debt)
+        parts = self._around_seen.get(key)
+        if parts is None:
+            if len(self._around_seen) >= _AROUND_MAX:  # max_wait comes from a request header too
+                self._around_seen.clear()
+            before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
+            after = b"".join((bulk(debt * _MS), self.count, _EMPTY, _ZERO, self.tail))
+            parts = self._around_seen[key] = (before, after)
+        return parts
 
 
 class RedisStore:
@@ -195,20 +212,24 @@ class RedisStore:
         if fast is not None:
             # The command's fixed parts were packed once (_AcquireShape): only what changes
             # per call is packed here, the bytes being those of the whole command packed.
-            packed = b"".join(
-                (
-                    shape.head,
-                    bulk(cost),
-                    bulk(max_wait * _MS),
-                    shape.queued,
-                    _EMPTY if guard is None else bulk(guard.seen),
-                    _ZERO if guard is None else bulk(guard.debt * _MS),
-                    shape.count,
-                    _EMPTY if leases is None else bulk(leases.id),
-                    _ZERO if leases is None else bulk(leases.life * _MS),
-                    shape.tail,
+            if guard is not None and leases is None:
+                before, after = shape.around_seen(cost, max_wait, guard.debt)
+                packed = before + bulk(guard.seen) + after
+            else:
+                packed = b"".join(
+                    (
+                        shape.head,
+                        bulk(cost),
+                        bulk(max_wait * _MS),
+                        shape.queued,
+                        _EMPTY if guard is None else bulk(guard.seen),
+                        _ZERO if guard is None else bulk(guard.debt * _MS),
+                        shape.count,
+                        _EMPTY if leases is None else bulk(leases.id),
+                        _ZERO if leases is None else bulk(leases.life * _MS),
+                        shape.tail,
+                    )
                 )
-            )
             try:
                 if isinstance(fast, PipelinedScript) and (sent := fast.send_now(packed, self._timeout)) is not None:
                     out = await sent

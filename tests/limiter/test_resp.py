@@ -9,6 +9,7 @@ from typing import Any
 import hiredis
 import pytest
 
+from proxy.limiter import redis_store
 from proxy.limiter.pipelined import PipelinedScript
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.resp import bulk, bulks
@@ -96,6 +97,7 @@ CALLS = [
     (BUCKETS[:1], 0.5, 0.0, None, StateGuard("resp:{v}:state", 2, 0.0), Leases("r1:8", 5.0, SETS[1:])),
     (BUCKETS, 1.0, 0.0, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 3, 0.5), None),  # the same set, again
     (BUCKETS, 1.0, 0.0, None, StateGuard("resp:{v}:state", 4, 0.5), None),  # ... without its queue
+    (BUCKETS, 1.0, 0.0, None, StateGuard("resp:{v}:state", 5, 0.5), None),  # its packed parts again
 ]
 
 
@@ -123,5 +125,32 @@ async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, mo
             result = await store.acquire(buckets, cost, max_wait, queue, guard, leases)
             assert result.granted, result
             assert sent[-1] == reference(fast.sha, buckets, cost, max_wait, queue, guard, leases)
+    finally:
+        await store.close()
+
+
+async def test_the_parts_packed_per_cost_and_wait_are_bounded(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_wait comes from a request header (X-Quota-Max-Hold) too: a worker spraying values
+    cannot grow what is kept packed; each command is still the one it always was."""
+    monkeypatch.setattr(redis_store, "_AROUND_MAX", 3)
+    store = RedisStore(redis_url, timeout=1.0)
+    fast = store._acquire_fast
+    assert isinstance(fast, PipelinedScript)
+    sent: list[bytes] = []
+    send_now = fast.send_now
+
+    def spy_now(packed: bytes, reply_within: float) -> Any:
+        sent.append(packed)
+        return send_now(packed, reply_within)
+
+    monkeypatch.setattr(fast, "send_now", spy_now)
+    try:
+        await store.acquire(BUCKETS, 1.0, 0.0, None, StateGuard("resp:{v}:state", 0, 0.5))  # connects
+        for i in range(10):
+            guard = StateGuard("resp:{v}:state", 0, 0.5)
+            await store.acquire(BUCKETS, 1.0, i / 100, None, guard)
+            assert sent[-1] == reference(fast.sha, BUCKETS, 1.0, i / 100, None, guard, None)
+        shape = next(iter(store._shapes.values()))
+        assert 0 < len(shape._around_seen) <= 3
     finally:
         await store.close()
