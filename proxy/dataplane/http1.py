@@ -202,7 +202,7 @@ class Body(Inbox):
 class Request:
     """One request head as the worker sent it, and its body."""
 
-    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "tag", "target", "version")
+    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "raw_path", "tag", "target", "version")
 
     def __init__(
         self,
@@ -216,8 +216,9 @@ class Request:
         tag: object = None,
     ) -> None:
         self.method = method
-        self.target = target
-        """The request target byte for byte (latin-1): absolute form, a path, an authority."""
+        self.target = self.raw_path = target
+        """The request target byte for byte (latin-1): absolute form, a path, an authority
+        (``raw_path`` too, as aiohttp's requests name it)."""
         self.version = version
         """``"1.1"`` or ``"1.0"``."""
         self.headers = headers
@@ -227,10 +228,6 @@ class Request:
         """The head announced a body (a Content-Length above 0, or chunked)."""
         self.tag = tag
         """What the connection was tagged with (an interception: where its tunnel leads)."""
-
-    @property
-    def raw_path(self) -> str:
-        return self.target
 
 
 _date_cache: tuple[int, str] = (0, "")
@@ -295,7 +292,7 @@ class Responder:
         """``start`` with the end-to-end fields already as lines (``"Name: value\\r\\n"``, none
         of this hop's framing: ``Content-Length`` is ``length``, -1 for none), ``date``: one
         of them is ``Date``. ``lines`` is the responder's from now on."""
-        assert not self.started, "answer already started"
+        assert self.status == 0, "answer already started"
         req = self._request
         self.status = status
         if not reason:
@@ -304,7 +301,7 @@ class Responder:
         if not date:
             lines.append(_date())
         # A body the worker waits to be invited for and that was not: it may or may not come.
-        keep = req.keep_alive and self._conn.keep_alive and not req.body.continue_pending
+        keep = req.keep_alive and self._conn.keep_alive and not req.body._continue
         if length >= 0:
             lines.append(f"Content-Length: {length}\r\n")
             if not self._no_body:
@@ -325,7 +322,7 @@ class Responder:
         self._head = (f"HTTP/1.1 {status} {reason}\r\n" + "".join(lines)).encode("latin-1")
 
     async def write(self, data: bytes) -> None:
-        assert self.started and not self._finished
+        assert self.status and not self._finished
         if self._no_body or not data:
             return
         if self._left is not None:
@@ -335,13 +332,13 @@ class Responder:
         if self._chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self._emit(data)
-        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+        if self._conn._write_paused or self._conn._closed:  # would drain wait or raise? rarely: no coroutine
             await self._conn.drain()
 
     async def finish(self) -> None:
         """The answer is complete. A body shorter than its Content-Length cannot be, so the
         connection is cut instead (a truncated body must never look complete)."""
-        assert self.started
+        assert self.status
         if self._finished:
             return
         if self._left:
@@ -349,13 +346,13 @@ class Responder:
             return
         self._finished = True
         self._emit(b"0\r\n\r\n" if self._chunked else b"")
-        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+        if self._conn._write_paused or self._conn._closed:  # would drain wait or raise? rarely: no coroutine
             await self._conn.drain()
 
     async def complete(self, data: bytes) -> None:
         """``write(data)`` then ``finish()``, the head, ``data`` and the end of the body in one
         write to the socket (a small answer that is all in)."""
-        assert self.started and not self._finished
+        assert self.status and not self._finished
         if self._no_body or not data:
             data = b""
         elif self._left is not None:
@@ -369,7 +366,7 @@ class Responder:
         if self._chunked:
             data = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         self._emit(data)
-        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+        if self._conn._write_paused or self._conn._closed:  # would drain wait or raise? rarely: no coroutine
             await self._conn.drain()
         self._finished = True
 
@@ -381,7 +378,7 @@ class Responder:
             self._emit(body)
         self._finished = True
         self._emit(b"")
-        if self._conn.must_drain:  # rarely: no coroutine for a buffer with room
+        if self._conn._write_paused or self._conn._closed:  # would drain wait or raise? rarely: no coroutine
             await self._conn.drain()
 
     def abort(self) -> None:
@@ -676,11 +673,6 @@ class Http1Connection(asyncio.Protocol):
         self.write(data)
 
     @property
-    def must_drain(self) -> bool:
-        """Would ``drain`` wait or raise (the write buffer is full, or the connection closed)?"""
-        return self._write_paused or self._closed
-
-    @property
     def stall_limit(self) -> float:
         """Seconds the worker may send no byte of a body being read, or take no byte of an
         answer being written, before the request is cut: the connections' ``idle_timeout``."""
@@ -782,13 +774,13 @@ class Http1Connection(asyncio.Protocol):
                     self.write(self._refuse(500, "internal error"))
                     transport.close()
                 return
-            if not responder.finished:
+            if not responder._finished:
                 log.error("handler returned without finishing the answer to %s %s", item.method, item.target[:200])
                 transport.abort()
                 return
             body = item.body
-            if item.keep_alive and not body.done:
-                if body.continue_pending:
+            if item.keep_alive and not body._done:
+                if body._continue:
                     item.keep_alive = False  # the body was never invited: the worker may not send it
                 else:
                     body._discard()
