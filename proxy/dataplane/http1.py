@@ -468,7 +468,7 @@ class Http1Connection(asyncio.Protocol):
         self._broken = False
         # timers
         self._timer: asyncio.TimerHandle | None = None
-        self._idle_until = 0.0
+        self._idle_since = 0.0
         self._head_bytes = False
 
     # -- asyncio.Protocol ------------------------------------------------------------
@@ -813,10 +813,10 @@ class Http1Connection(asyncio.Protocol):
     def _arm_idle(self) -> None:
         """Idle from now. Lazily: a timer already set for an earlier idle period is left to
         fire and moves itself to this one's end (one timer per idle_timeout, not per request)."""
-        self._idle_until = self._loop.time() + self._guard.idle_timeout
+        self._idle_since = self._loop.time()
         if self._timer is None:
             self._timer_kind = "idle"
-            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
+            self._timer = self._loop.call_at(self._idle_since + self._guard.idle_timeout, self._idle_timed_out)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -859,9 +859,10 @@ class Http1Connection(asyncio.Protocol):
         self._timer_kind = ""
         if self.transport is None or not self.idle or self._in_head or self._head_bytes:
             return  # busy again: its next idle period sets a timer of its own
-        if self._loop.time() < self._idle_until:  # idle again since, later: wait for that period's end
+        due = self._idle_since + self._guard.idle_timeout  # (the setting read here, not per request)
+        if self._loop.time() < due:  # idle again since, later: wait for that period's end
             self._timer_kind = "idle"
-            self._timer = self._loop.call_at(self._idle_until, self._idle_timed_out)
+            self._timer = self._loop.call_at(due, self._idle_timed_out)
             return
         self.transport.close()
 
