@@ -158,7 +158,7 @@ class ProxyHandler:
         sent (forwarded or held), or raises the refusal."""
         limiter = deps.limiter
         seats = deps.policy.tenant.max_active
-        if seats is not None:
+        if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
             self._seat(deps, vendor, tenant, seats)
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
@@ -222,8 +222,6 @@ class ProxyHandler:
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str, cap: int) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
         (``cap``) seats before it may create store keys (seats.py); none free: deferred."""
-        if tenant in deps.router.tenancy.named:
-            return
         wait = self._seats.take(vendor, tenant, cap)
         if wait > 0:
             self._loudly.warn(
