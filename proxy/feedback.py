@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from proxy.limiter import Limiter
 from proxy.metrics import Metrics
@@ -61,10 +62,16 @@ def block_seconds(feedback: Feedback, headers: Mapping[str, str]) -> float:
     return min(asked_block(feedback, headers), feedback.max_retry_after)
 
 
+def watches_remaining(feedback: Feedback) -> bool:
+    """Does the vendor's remaining quota, as its answers say it, ever drain the buckets?"""
+    return feedback.low_watermark > 0 and feedback.remaining_header is not None
+
+
 def remaining_is_low(feedback: Feedback, headers: Mapping[str, str]) -> bool:
-    if feedback.low_watermark <= 0 or feedback.remaining_header is None:
+    name = feedback.remaining_header
+    if not watches_remaining(feedback) or name is None:
         return False
-    raw = headers.get(feedback.remaining_header)
+    raw = headers.get(name)
     if raw is None:
         return False
     try:
@@ -89,11 +96,24 @@ class Applied:
 NOTHING = Applied()
 
 
-def changes_nothing(vendor: Vendor, status: int, headers: Mapping[str, str]) -> bool:
-    """Would ``apply_feedback`` do nothing with this response (not a 429, quota not low, no
-    quota headers to read)? Most responses: the caller then skips its coroutine."""
+class Answer(Protocol):
+    """A vendor answer as feedback reads it (the data plane's ``Response``)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+def changes_nothing(vendor: Vendor, answer: Answer) -> bool:
+    """Would ``apply_feedback`` do nothing with this answer (not a 429, quota not low, no
+    quota headers to read)? Most answers: the caller then skips its coroutine, and the
+    answer's fields are not looked up by name at all unless the quota left is watched."""
     feedback = vendor.feedback
-    return status != 429 and feedback.headers != "auto" and not remaining_is_low(feedback, headers)
+    if answer.status == 429 or feedback.headers == "auto":
+        return False
+    return not watches_remaining(feedback) or not remaining_is_low(feedback, answer.headers)
 
 
 async def apply_feedback(

@@ -302,7 +302,7 @@ class ProxyHandler:
         deps.recent.add(vendor.name, admission.outcome)
         _count_answer(deps, vendor, upstream.status)
         try:
-            if changes_nothing(vendor, upstream.status, upstream.headers):
+            if changes_nothing(vendor, upstream):
                 applied = NOTHING
             else:
                 applied = await self._feed_back(deps, match, upstream.status, upstream.headers)
@@ -365,7 +365,7 @@ class ProxyHandler:
             return
         vendor = match.vendor
         _count_answer(deps, vendor, response.status)
-        if not changes_nothing(vendor, response.status, response.headers):
+        if not changes_nothing(vendor, response):
             spawn(self._feed_back_heard(deps, match, response), name=f"feedback-{vendor.name}")
 
     async def _feed_back_heard(self, deps: Deps, match: Match, response: Response) -> None:

@@ -144,14 +144,15 @@ def _learn(kept: dict[str, bool], drop: frozenset[str], name: str) -> bool:
 
 
 # What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
-KEEP, DROP, LENGTH, DATE = 0, 1, 2, 3
+KEEP, DROP, LENGTH, DATE, CONNECTION = 0, 1, 2, 3, 4
 _RESPONSE_KIND: dict[str, int] = {}
 
 
-def downstream_response_lines(fields: Fields) -> tuple[list[str], int, bool]:
-    """``downstream_response_headers`` of a vendor answer's ``fields`` (in their order, with no
-    ``Connection`` field) as the lines the data plane writes, in one pass: the kept fields but
-    ``Content-Length``, whose value is returned (-1: none), and whether a ``Date`` is among them."""
+def downstream_response_lines(fields: Fields) -> tuple[list[str], int, bool] | None:
+    """``downstream_response_headers`` of a vendor answer's ``fields`` (in their order) as the
+    lines the data plane writes, in one pass: the kept fields but ``Content-Length``, whose
+    value is returned (-1: none), and whether a ``Date`` is among them. None when a
+    ``Connection`` field names more fields to drop: ``downstream_response_headers`` then."""
     kinds = _RESPONSE_KIND
     lines = []
     length = -1
@@ -168,6 +169,8 @@ def downstream_response_lines(fields: Fields) -> tuple[list[str], int, bool]:
         elif kind == DATE:
             date = True
             lines.append(f"{name}: {value}\r\n")
+        elif kind == CONNECTION:
+            return None
     return lines, length, date
 
 
@@ -177,6 +180,8 @@ def _response_kind(name: str) -> int:
         kind = LENGTH
     elif low == "date":
         kind = DATE
+    elif low == "connection":
+        kind = CONNECTION
     elif low in HOP_BY_HOP or low.startswith(QUOTA_PREFIX):
         kind = DROP
     else:

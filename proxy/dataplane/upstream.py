@@ -87,25 +87,27 @@ class BodySource(Protocol):
 
 
 class Response(Inbox):
-    """The vendor's answer: status and headers once in, the body as it arrives."""
+    """The vendor's answer: status and fields once in, the body as it arrives."""
 
-    __slots__ = ("_conn", "fields", "headers", "reason", "status")
+    __slots__ = ("_conn", "_headers", "fields", "reason", "status")
 
-    def __init__(
-        self,
-        conn: UpstreamConnection,
-        status: int,
-        reason: str,
-        headers: CIMultiDictProxy[str],
-        fields: list[tuple[str, str]] | None = None,
-    ) -> None:
+    def __init__(self, conn: UpstreamConnection, status: int, reason: str, fields: list[tuple[str, str]]) -> None:
         super().__init__()
         self._conn = conn
         self.status = status
         self.reason = reason
-        self.headers = headers
-        self.fields: list[tuple[str, str]] = list(headers.items()) if fields is None else fields
-        """The fields as the vendor sent them, in their order (what ``headers`` holds)."""
+        self.fields = fields
+        """The fields as the vendor sent them, in their order."""
+        self._headers: CIMultiDictProxy[str] | None = None
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """The fields by name, made when first asked for: the usual answer is relayed from
+        ``fields`` and never asks (a dict of them was 2 % of a request's instructions)."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
+        return headers
 
     @property
     def done(self) -> bool:
@@ -246,8 +248,7 @@ class UpstreamConnection(asyncio.Protocol):
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # an interim answer (103 Early Hints...): the real one follows
-        fields = self._fields
-        response = Response(self, status, self._reason.decode("latin-1"), CIMultiDictProxy(CIMultiDict(fields)), fields)
+        response = Response(self, status, self._reason.decode("latin-1"), self._fields)
         self._response = response
         self._keep_alive = self._parser.should_keep_alive()
         if self._method == "HEAD":
