@@ -206,7 +206,7 @@ async def send(
     window, unless they had the room for it: at the last moment, its connection in hand, so
     that whatever delayed one request (a connection opening, a busy loop) cannot bunch it
     with the ones granted after it (pacing.py)."""
-    lines = upstream_request_lines(request.headers, tenant_header)
+    lines = upstream_request_lines(request.fields, request.headers, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)

@@ -57,6 +57,9 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
 Fields = list[tuple[str, str]]
 """Header fields in their order, as the data plane writes them."""
 
+# What the one-pass writers do with a field (``upstream_request_lines``, ``downstream_response_lines``).
+KEEP, DROP, LENGTH, DATE, CONNECTION = 0, 1, 2, 3, 4
+
 
 @functools.lru_cache(maxsize=64)
 def _request_drop(tenant_header: str) -> frozenset[str]:
@@ -70,21 +73,37 @@ def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str)
     return _without(headers, _request_drop(tenant_header))
 
 
-def upstream_request_lines(headers: CIMultiDictProxy[str], tenant_header: str) -> list[str]:
+def upstream_request_lines(fields: Fields, headers: CIMultiDictProxy[str], tenant_header: str) -> list[str]:
     """``upstream_request_headers`` as the lines the data plane writes (``"Name: value\\r\\n"``),
-    without ``Content-Length`` either (the data plane frames the body itself): one pass."""
+    without ``Content-Length`` either (the data plane frames the body itself), in one pass
+    over the request's ``fields`` (``headers``, in their order, as the worker sent them)."""
     drop = _request_line_drop(tenant_header)
-    if "Connection" in headers:
-        return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
-    kept = _memo(drop)
+    kinds = _LINE_KINDS.get(drop)
+    if kinds is None:
+        kinds = _LINE_KINDS[drop] = {}
     out = []
-    for name, value in headers.items():
-        keep = kept.get(name)
-        if keep is None:
-            keep = _learn(kept, drop, name)
-        if keep:
+    for name, value in fields:
+        kind = kinds.get(name)
+        if kind is None:
+            kind = _line_kind(kinds, drop, name)
+        if kind == KEEP:
             out.append(f"{name}: {value}\r\n")
+        elif kind == CONNECTION:  # the fields it names are dropped too: the general filter
+            return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
     return out
+
+
+_LINE_KINDS: dict[frozenset[str], dict[str, int]] = {}
+"""Per drop set, what ``upstream_request_lines`` does with a field name (as spelled)."""
+
+
+def _line_kind(kinds: dict[str, int], drop: frozenset[str], name: str) -> int:
+    low = name.lower()
+    kind = CONNECTION if low == "connection" else DROP if low in drop or low.startswith(QUOTA_PREFIX) else KEEP
+    if len(kinds) >= _KEPT_MAX:
+        kinds.clear()
+    kinds[name] = kind
+    return kind
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,7 +163,6 @@ def _learn(kept: dict[str, bool], drop: frozenset[str], name: str) -> bool:
 
 
 # What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
-KEEP, DROP, LENGTH, DATE, CONNECTION = 0, 1, 2, 3, 4
 _RESPONSE_KIND: dict[str, int] = {}
 
 

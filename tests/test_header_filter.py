@@ -48,7 +48,7 @@ def test_the_one_pass_lines_are_the_filtered_fields_as_written(case: int) -> Non
     for _ in range(2):
         kept = plain(headers, h._request_drop("X-Tenant"))
         want = [f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length"]
-        assert h.upstream_request_lines(headers, "X-Tenant") == want
+        assert h.upstream_request_lines(list(headers.items()), headers, "X-Tenant") == want
         written = h.downstream_response_lines(list(headers.items()))
         if "Connection" in headers:  # it may name fields to drop: the relay takes the general filter
             assert written is None
@@ -82,3 +82,5 @@ def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         assert h.downstream_response_lines(list(headers.items())) == ([f"X-Field-{i}: v\r\n"], -1, False)
         assert all(len(kept) <= 16 for kept in h._KEPT.values())
         assert len(h._RESPONSE_KIND) <= 16
+        assert h.upstream_request_lines(list(headers.items()), headers, "X-Tenant") == [f"X-Field-{i}: v\r\n"]
+        assert all(len(kinds) <= 16 for kinds in h._LINE_KINDS.values())

@@ -202,7 +202,18 @@ class Body(Inbox):
 class Request:
     """One request head as the worker sent it, and its body."""
 
-    __slots__ = ("body", "has_body", "headers", "keep_alive", "method", "raw_path", "tag", "target", "version")
+    __slots__ = (
+        "body",
+        "fields",
+        "has_body",
+        "headers",
+        "keep_alive",
+        "method",
+        "raw_path",
+        "tag",
+        "target",
+        "version",
+    )
 
     def __init__(
         self,
@@ -214,6 +225,7 @@ class Request:
         keep_alive: bool,
         has_body: bool,
         tag: object = None,
+        fields: list[tuple[str, str]] | None = None,
     ) -> None:
         self.method = method
         self.target = self.raw_path = target
@@ -222,6 +234,8 @@ class Request:
         self.version = version
         """``"1.1"`` or ``"1.0"``."""
         self.headers = headers
+        self.fields: list[tuple[str, str]] = list(headers.items()) if fields is None else fields
+        """The fields as the worker sent them, in their order (what ``headers`` holds)."""
         self.body = body
         self.keep_alive = keep_alive
         self.has_body = has_body
@@ -586,7 +600,8 @@ class Http1Connection(asyncio.Protocol):
         version = parser.get_http_version()
         if version != "1.1" and version != "1.0":  # llhttp takes HTTP/0.9's "GET /path" too
             raise _HeadRefused(400, f"HTTP/{version} is not supported: the proxy speaks HTTP/1.0 and HTTP/1.1")
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        fields = self._fields
+        headers = CIMultiDictProxy(CIMultiDict(fields))
         method = parser.get_method().decode("latin-1")
         expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
         te = headers.get("Transfer-Encoding", "")
@@ -594,7 +609,7 @@ class Http1Connection(asyncio.Protocol):
         has_body = "chunked" in te.lower() or (length.strip().isdigit() and int(length) > 0)
         keep = parser.should_keep_alive() and method != "CONNECT"
         body = Body(self, expect and has_body)
-        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body, self.tag)
+        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body, self.tag, fields)
         self._parsing = req
         self._queue.append(req)
         if len(self._queue) > PIPELINE_AHEAD:
