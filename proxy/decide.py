@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from multidict import istr
+
 from proxy import headers as h
 from proxy.limiter.store import AcquireResult
 from proxy.pacing import Paced
@@ -72,13 +74,14 @@ class Admission:
 FORWARD = Forward()
 
 _DEFAULT_WISHES: dict[OnLimit, Wish] = {}
+_ON_LIMIT, _MAX_HOLD = istr(h.ON_LIMIT), istr(h.MAX_HOLD)  # asked in every request: case-folded once
 
 
 def request_wish(on_limit: OnLimit, headers: Mapping[str, str]) -> Wish:
     """The vendor's on_limit, overridden per request by X-Quota-On-Limit and
     X-Quota-Max-Hold (the latter capped by the vendor's max_hold)."""
-    action_text = headers.get(h.ON_LIMIT)
-    hold_text = headers.get(h.MAX_HOLD)
+    action_text = headers.get(_ON_LIMIT)
+    hold_text = headers.get(_MAX_HOLD)
     if action_text is None and hold_text is None:
         wish = _DEFAULT_WISHES.get(on_limit)
         if wish is None:

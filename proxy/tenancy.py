@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from multidict import istr
+
 from proxy.headers import PROXY_AUTHORIZATION
 from proxy.names import is_tenant_name
 from proxy.policy.model import Policy
@@ -56,6 +58,7 @@ class Tenancy:
     def __init__(self, policy: Policy) -> None:
         settings = policy.tenant
         self.header = settings.header
+        self._key = istr(settings.header)  # looked up in every request: a key that is case-folded once
         self.default = settings.default
         self.authenticates = settings.from_ == "proxy_auth"
         self.known_only = settings.known_only
@@ -73,7 +76,7 @@ class Tenancy:
                     return tunnel.tenant
                 raise ProxyAuthRequired(f"the credentials of this tunnel's tenant {tunnel.tenant} changed")
             return self._authenticated(headers)[0]
-        value = headers.get(self.header)
+        value = headers.get(self._key)
         if value is None:
             if tunnel.tenant is not None:
                 return tunnel.tenant
@@ -90,7 +93,7 @@ class Tenancy:
         if self.authenticates:
             tenant, proof = self._authenticated(headers)
             return Claim(tenant, proof)
-        value = headers.get(self.header)
+        value = headers.get(self._key)
         return NO_CLAIM if value is None else Claim(self._named(value))
 
     # -- the two sources ------------------------------------------------------------

@@ -32,7 +32,7 @@ from http import HTTPStatus
 from typing import Final, Protocol, cast
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
@@ -54,6 +54,8 @@ connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
 DISCARD_WAIT: Final = 5.0
 CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_BODY_STATUS: Final = frozenset({204, 304})
+# Looked up in every request head: keys case-folded once (a str key is folded on each lookup).
+_EXPECT, _TRANSFER_ENCODING, _CONTENT_LENGTH = istr("Expect"), istr("Transfer-Encoding"), istr("Content-Length")
 _REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 
 
@@ -603,9 +605,9 @@ class Http1Connection(asyncio.Protocol):
         fields = self._fields
         headers = CIMultiDictProxy(CIMultiDict(fields))
         method = parser.get_method().decode("latin-1")
-        expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
-        te = headers.get("Transfer-Encoding", "")
-        length = headers.get("Content-Length", "")
+        expect = version == "1.1" and headers.get(_EXPECT, "").lower() == "100-continue"
+        te = headers.get(_TRANSFER_ENCODING, "")
+        length = headers.get(_CONTENT_LENGTH, "")
         has_body = "chunked" in te.lower() or (length.strip().isdigit() and int(length) > 0)
         keep = parser.should_keep_alive() and method != "CONNECT"
         body = Body(self, expect and has_body)
