@@ -78,7 +78,9 @@ class Inbox:
         """Forget what is held unread (and stop pausing the socket for it)."""
         self._chunks.clear()
         self._size = 0
-        self._resume_below_low()
+        if self._paused:
+            self._paused = False
+            self._resume()
 
     def _resume_below_low(self) -> None:
         if self._paused and self._size <= BODY_LOW:

@@ -587,12 +587,13 @@ class Pool:
         if self.closed or conn.closed:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now = time.monotonic()
         idle = self._idle.get(conn.origin)
         if idle is None:
             idle = self._idle[conn.origin] = deque()
         idle.append(conn)
-        self._sweep(idle)
+        if idle[0].idle_since <= now - self._keepalive:  # (the test before the call: once per request)
+            self._sweep(idle)
 
     def _forget(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)
