@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from multidict import istr
 
@@ -57,9 +57,9 @@ class Shed:
 Decision = Forward | Hold | Defer | Shed
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """A request that took its tokens and may go."""
+class Admission(NamedTuple):
+    """A request that took its tokens and may go. (A tuple: one is made per request, at a
+    third of a frozen dataclass's cost.)"""
 
     outcome: Literal["forwarded", "held"]
     """How it is counted once sent."""
