@@ -162,6 +162,7 @@ class ProxyHandler:
             self._seat(deps, vendor, tenant, seats)
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
+        b = limiter.buckets(vendor, tenant, endpoint, partition)
 
         def attempt(max_wait: float) -> Awaitable[AcquireResult]:
             return limiter.acquire(
@@ -173,11 +174,21 @@ class ProxyHandler:
                 endpoint=endpoint,
                 partition=partition,
                 leases=slot.leases,
+                buckets=b,
             )
 
         try:
             if slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
-                result = await attempt(wish.max_wait)
+                result = await limiter.acquire(
+                    vendor,
+                    tenant,
+                    wish.max_wait,
+                    cost,
+                    enqueue=enqueue,
+                    endpoint=endpoint,
+                    partition=partition,
+                    buckets=b,
+                )
             else:
                 result = await deps.concurrency.acquire(slot, wish, attempt)
         except StoreUnavailable as exc:
@@ -190,7 +201,7 @@ class ProxyHandler:
             return Admission("forwarded")
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
-            bucket = limiter.buckets(vendor, tenant, endpoint, partition).all[result.binding]
+            bucket = b.all[result.binding]
             hint = decision.hint if isinstance(decision, Defer) else None
             raise Limited(
                 "shed" if isinstance(decision, Shed) else "defer",
@@ -201,7 +212,6 @@ class ProxyHandler:
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
-        b = limiter.buckets(vendor, tenant, endpoint, partition)
         wait = result.wait
         # The room each vendor-side bucket had at the grant (a hold's refills while it waits).
         room = result.levels[b.tenant_count :]

@@ -155,6 +155,7 @@ class Limiter:
         endpoint: Endpoint | None = None,
         partition: str = "",
         leases: Leases | None = None,
+        buckets: Buckets | None = None,
     ) -> Coroutine[Any, Any, AcquireResult]:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
@@ -166,8 +167,9 @@ class Limiter:
         the breaker is open and there is no share to decide on.
         With ``leases``, the store also takes a lease in each of its sets (concurrency caps),
         or nothing (``full``); a local share alone takes none (concurrency.py).
+        ``buckets``: the request's (``Limiter.buckets``), when the caller has them already.
         """
-        b = self.buckets(vendor, tenant, endpoint, partition)
+        b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
