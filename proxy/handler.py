@@ -125,7 +125,8 @@ class ProxyHandler:
         wish = request_wish(match.vendor.on_limit, request.headers)
         # The request's leases (concurrency caps) are given back however it ends, once
         # the vendor's answer is relayed (concurrency.py).
-        with deps.concurrency.slot(match.vendor, match.endpoint) as slot:
+        slot = deps.concurrency.slot(match.vendor, match.endpoint)
+        try:
             admission = await self.admit(
                 deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
             )
@@ -138,6 +139,8 @@ class ProxyHandler:
                 # in, and the answer fed back like any other.
                 if carrier.conn is not None and carrier.conn.draining:
                     carrier.conn.after(functools.partial(self._heard_out, deps, match, slot.detach()))
+        finally:
+            slot.close()  # (not ``with``: two calls fewer per request)
         rec.status = responder.status
 
     async def admit(
