@@ -62,14 +62,14 @@ def block_seconds(feedback: Feedback, headers: Mapping[str, str]) -> float:
     return min(asked_block(feedback, headers), feedback.max_retry_after)
 
 
-def watches_remaining(feedback: Feedback) -> bool:
-    """Does the vendor's remaining quota, as its answers say it, ever drain the buckets?"""
-    return feedback.low_watermark > 0 and feedback.remaining_header is not None
+def remaining_watched(feedback: Feedback) -> str | None:
+    """The field that says the vendor's remaining quota, when a low one drains the buckets."""
+    return feedback.remaining_header if feedback.low_watermark > 0 else None
 
 
 def remaining_is_low(feedback: Feedback, headers: Mapping[str, str]) -> bool:
-    name = feedback.remaining_header
-    if not watches_remaining(feedback) or name is None:
+    name = remaining_watched(feedback)
+    if name is None:
         return False
     raw = headers.get(name)
     if raw is None:
@@ -113,7 +113,7 @@ def changes_nothing(vendor: Vendor, answer: Answer) -> bool:
     feedback = vendor.feedback
     if answer.status == 429 or feedback.headers == "auto":
         return False
-    return not watches_remaining(feedback) or not remaining_is_low(feedback, answer.headers)
+    return remaining_watched(feedback) is None or not remaining_is_low(feedback, answer.headers)
 
 
 async def apply_feedback(

@@ -182,16 +182,7 @@ class ProxyHandler:
 
         try:
             if slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
-                result = await limiter.acquire(
-                    vendor,
-                    tenant,
-                    wish.max_wait,
-                    cost,
-                    enqueue=enqueue,
-                    endpoint=endpoint,
-                    partition=partition,
-                    buckets=b,
-                )
+                result = await attempt(wish.max_wait)
             else:
                 result = await deps.concurrency.acquire(slot, wish, attempt)
         except StoreUnavailable as exc:
