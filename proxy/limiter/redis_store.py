@@ -70,6 +70,7 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 
 _SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter keeps as many)
+_tuple_new = tuple.__new__
 _AROUND_MAX = 64  # (cost, max_wait, debt) triples packed per bucket set
 _EMPTY = bulk("")
 _ZERO = bulk(0.0)
@@ -255,17 +256,22 @@ class RedisStore:
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
         wait = out[1]
         waited = float(wait) / _MS
-        return AcquireResult(
-            out[0] == b"1",
-            waited,
-            int(out[2]) - 1,
-            tuple(map(float, out[8 : 8 + n])),
-            waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
-            int(out[4]),
-            out[5] == b"1",
-            int(out[6]) - 1,
-            tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
-            int(out[7]) / _MS,
+        # Every field given, in order: the tuple made directly, without the NamedTuple's
+        # Python-level __new__ binding ten arguments (once per request).
+        return _tuple_new(
+            AcquireResult,
+            (
+                out[0] == b"1",
+                waited,
+                int(out[2]) - 1,
+                tuple(map(float, out[8 : 8 + n])),
+                waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
+                int(out[4]),
+                out[5] == b"1",
+                int(out[6]) - 1,
+                tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
+                int(out[7]) / _MS,
+            ),
         )
 
     def _shape(

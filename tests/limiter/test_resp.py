@@ -13,7 +13,7 @@ from proxy.limiter import redis_store
 from proxy.limiter.pipelined import PipelinedScript
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.resp import bulk, bulks
-from proxy.limiter.store import BucketSpec, Leases, LeaseSet, StateGuard
+from proxy.limiter.store import AcquireResult, BucketSpec, Leases, LeaseSet, StateGuard
 
 VALUES: list[Any] = [
     0.0,
@@ -124,6 +124,9 @@ async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, mo
         for buckets, cost, max_wait, queue, guard, leases in CALLS:
             result = await store.acquire(buckets, cost, max_wait, queue, guard, leases)
             assert result.granted, result
+            # made as a plain tuple (no NamedTuple __new__): every field there, each of its type
+            assert type(result) is AcquireResult and len(result) == len(AcquireResult._fields)
+            assert [type(v) for v in result] == [bool, float, int, tuple, float, int, bool, int, tuple, float]
             assert sent[-1] == reference(fast.sha, buckets, cost, max_wait, queue, guard, leases)
     finally:
         await store.close()
