@@ -272,17 +272,17 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
     HTTP/1.0 one."""
     try:
-        written = downstream_response_lines(upstream.fields)  # the usual answer: one pass over its fields
+        written = downstream_response_lines(upstream.raw)  # the usual answer: one pass over its fields
         if written is None:  # a Connection field: the fields it names are dropped too, the general filter
             headers = downstream_response_headers(upstream.headers)
             if extra_headers:
                 headers.extend(extra_headers.items())
             responder.start(upstream.status, upstream.reason, headers)
         else:
-            lines, length, date = written
+            head, length, date = written
             if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
-                lines.extend(f"{name}: {value}\r\n" for name, value in extra_headers.items())
-            responder.start_lines(upstream.status, upstream.reason, lines, length, date)
+                head.append("".join(f"{name}: {value}\r\n" for name, value in extra_headers.items()).encode("latin-1"))
+            responder.start_lines(upstream.status, upstream.reason, head, length, date)
         whole = upstream.whole(_WHOLE_MAX)
         if whole is not None:  # all in already (a small answer): one write, no read per piece
             await responder.complete(whole)

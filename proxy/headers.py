@@ -163,37 +163,38 @@ def _learn(kept: dict[str, bool], drop: frozenset[str], name: str) -> bool:
 
 
 # What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
-_RESPONSE_KIND: dict[str, int] = {}
+_RESPONSE_KIND: dict[bytes, int] = {}
 
 
-def downstream_response_lines(fields: Fields) -> tuple[list[str], int, bool] | None:
-    """``downstream_response_headers`` of a vendor answer's ``fields`` (in their order) as the
-    lines the data plane writes, in one pass: the kept fields but ``Content-Length``, whose
-    value is returned (-1: none), and whether a ``Date`` is among them. None when a
-    ``Connection`` field names more fields to drop: ``downstream_response_headers`` then."""
+def downstream_response_lines(raw: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int, bool] | None:
+    """``downstream_response_headers`` of a vendor answer's ``raw`` fields (in their order, as
+    bytes) as the pieces of the head the data plane writes, in one pass and never decoded: the
+    kept fields but ``Content-Length``, whose value is returned (-1: none), and whether a
+    ``Date`` is among them. None when a ``Connection`` field names more fields to drop:
+    ``downstream_response_headers`` then."""
     kinds = _RESPONSE_KIND
-    lines = []
+    pieces: list[bytes] = []
     length = -1
     date = False
-    for name, value in fields:
+    for name, value in raw:
         kind = kinds.get(name)
         if kind is None:
             kind = _response_kind(name)
         if kind == KEEP:
-            lines.append(f"{name}: {value}\r\n")
+            pieces += (name, b": ", value, b"\r\n")
         elif kind == LENGTH:
             if value.strip().isdigit():
                 length = int(value)
         elif kind == DATE:
             date = True
-            lines.append(f"{name}: {value}\r\n")
+            pieces += (name, b": ", value, b"\r\n")
         elif kind == CONNECTION:
             return None
-    return lines, length, date
+    return pieces, length, date
 
 
-def _response_kind(name: str) -> int:
-    low = name.lower()
+def _response_kind(name: bytes) -> int:
+    low = name.decode("latin-1").lower()
     if low == "content-length":
         kind = LENGTH
     elif low == "date":

@@ -246,17 +246,17 @@ class Request:
         """What the connection was tagged with (an interception: where its tunnel leads)."""
 
 
-_date_cache: tuple[int, str] = (0, "")
+_date_cache: tuple[int, bytes] = (0, b"")
 _OURS: Final = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 """Fields of this hop's framing, written by the responder whatever the handler gave."""
 
 
-def _date() -> str:
+def _date() -> bytes:
     """The ``Date`` field line, made once a second."""
     global _date_cache
     now = int(time.time())
     if _date_cache[0] != now:
-        _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n")
+        _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n".encode("latin-1"))
     return _date_cache[1]
 
 
@@ -302,12 +302,14 @@ class Responder:
             if low == "date":
                 date = True
             lines.append(f"{name}: {value}\r\n")
-        self.start_lines(status, reason, lines, length if length >= 0 else found, date)
+        head = ["".join(lines).encode("latin-1")] if lines else []
+        self.start_lines(status, reason, head, length if length >= 0 else found, date)
 
-    def start_lines(self, status: int, reason: str, lines: list[str], length: int, date: bool) -> None:
-        """``start`` with the end-to-end fields already as lines (``"Name: value\\r\\n"``, none
-        of this hop's framing: ``Content-Length`` is ``length``, -1 for none), ``date``: one
-        of them is ``Date``. ``lines`` is the responder's from now on."""
+    def start_lines(self, status: int, reason: str, head: list[bytes], length: int, date: bool) -> None:
+        """``start`` with the end-to-end fields already written: ``head``, pieces of
+        ``Name: value\\r\\n`` lines as bytes, none of this hop's framing (``Content-Length``
+        is ``length``, -1 for none); ``date``: a ``Date`` is among them. ``head`` is the
+        responder's from now on."""
         assert self.status == 0, "answer already started"
         req = self._request
         self.status = status
@@ -315,27 +317,27 @@ class Responder:
             reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
         if not date:
-            lines.append(_date())
+            head.append(_date())
         # A body the worker waits to be invited for and that was not: it may or may not come.
         keep = req.keep_alive and self._conn.keep_alive and not req.body._continue
         if length >= 0:
-            lines.append(f"Content-Length: {length}\r\n")
+            head.append(b"Content-Length: %d\r\n" % length)
             if not self._no_body:
                 self._left = length
         elif not self._no_body:
             if req.version == "1.1":
                 self._chunked = True
-                lines.append("Transfer-Encoding: chunked\r\n")
+                head.append(b"Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # an HTTP/1.0 worker takes no chunks: the close delimits the body
         if not keep:
             req.keep_alive = False
-            lines.append("Connection: close\r\n\r\n")
+            head.append(b"Connection: close\r\n\r\n")
         elif req.version == "1.0":
-            lines.append("Connection: keep-alive\r\n\r\n")
+            head.append(b"Connection: keep-alive\r\n\r\n")
         else:
-            lines.append("\r\n")
-        self._head = (f"HTTP/1.1 {status} {reason}\r\n" + "".join(lines)).encode("latin-1")
+            head.append(b"\r\n")
+        self._head = f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1") + b"".join(head)
 
     async def write(self, data: bytes) -> None:
         assert self.status and not self._finished

@@ -90,21 +90,31 @@ class BodySource(Protocol):
 class Response(Inbox):
     """The vendor's answer: status and fields once in, the body as it arrives."""
 
-    __slots__ = ("_conn", "_headers", "fields", "reason", "status")
+    __slots__ = ("_conn", "_fields", "_headers", "raw", "reason", "status")
 
-    def __init__(self, conn: UpstreamConnection, status: int, reason: str, fields: list[tuple[str, str]]) -> None:
+    def __init__(self, conn: UpstreamConnection, status: int, reason: str, raw: list[tuple[bytes, bytes]]) -> None:
         super().__init__()
         self._conn = conn
         self.status = status
         self.reason = reason
-        self.fields = fields
-        """The fields as the vendor sent them, in their order."""
+        self.raw = raw
+        """The fields as the vendor sent them, in their order, as bytes: the usual answer is
+        relayed from these, never decoded (decoding and re-encoding them was 2 % of a
+        request's instructions)."""
+        self._fields: list[tuple[str, str]] | None = None
         self._headers: CIMultiDictProxy[str] | None = None
 
     @property
+    def fields(self) -> list[tuple[str, str]]:
+        """``raw`` decoded (latin-1), made when first asked for."""
+        fields = self._fields
+        if fields is None:
+            fields = self._fields = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self.raw]
+        return fields
+
+    @property
     def headers(self) -> CIMultiDictProxy[str]:
-        """The fields by name, made when first asked for: the usual answer is relayed from
-        ``fields`` and never asks (a dict of them was 2 % of a request's instructions)."""
+        """The fields by name, made when first asked for: the usual answer never asks."""
         headers = self._headers
         if headers is None:
             headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
@@ -158,7 +168,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._method = ""
-        self._fields: list[tuple[str, str]] = []
+        self._raw: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._head_size = 0
         self._head: asyncio.Future[Response] | None = None
@@ -236,20 +246,20 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._response is not None:  # bytes after the answer: one nobody asked for
             raise UpstreamBroke("a second answer to one request")
-        self._fields = []
+        self._raw = []
         self._reason = b""
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._raw.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # an interim answer (103 Early Hints...): the real one follows
-        response = Response(self, status, self._reason.decode("latin-1"), self._fields)
+        response = Response(self, status, self._reason.decode("latin-1"), self._raw)
         self._response = response
         self._keep_alive = self._parser.should_keep_alive()
         if self._method == "HEAD":
