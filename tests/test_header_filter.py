@@ -90,4 +90,5 @@ def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         assert all(len(kept) <= 16 for kept in h._KEPT.values())
         assert len(h._RESPONSE_KIND) <= 16
         assert h.upstream_request_lines(list(headers.items()), headers, "X-Tenant") == [f"X-Field-{i}: v\r\n"]
-        assert all(len(kinds) <= 16 for kinds in h._LINE_KINDS.values())
+        # (the memo this test fills: others, filled by earlier tests under the real bound, stay as they are)
+        assert len(h._LINE_KINDS[h._request_line_drop("X-Tenant")]) <= 16
