@@ -57,7 +57,7 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
 Fields = list[tuple[str, str]]
 """Header fields in their order, as the data plane writes them."""
 
-# What the one-pass writers do with a field (``upstream_request_lines``, ``downstream_response_lines``).
+# What the filters do with a field (``_kind``; ``LENGTH`` and ``DATE``: the answer's writer only).
 KEEP, DROP, LENGTH, DATE, CONNECTION = 0, 1, 2, 3, 4
 
 
@@ -78,32 +78,17 @@ def upstream_request_lines(fields: Fields, headers: CIMultiDictProxy[str], tenan
     without ``Content-Length`` either (the data plane frames the body itself), in one pass
     over the request's ``fields`` (``headers``, in their order, as the worker sent them)."""
     drop = _request_line_drop(tenant_header)
-    kinds = _LINE_KINDS.get(drop)
-    if kinds is None:
-        kinds = _LINE_KINDS[drop] = {}
+    kinds = _kinds(drop)
     out = []
     for name, value in fields:
         kind = kinds.get(name)
         if kind is None:
-            kind = _line_kind(kinds, drop, name)
+            kind = _learn(kinds, drop, name)
         if kind == KEEP:
             out.append(f"{name}: {value}\r\n")
         elif kind == CONNECTION:  # the fields it names are dropped too: the general filter
             return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
     return out
-
-
-_LINE_KINDS: dict[frozenset[str], dict[str, int]] = {}
-"""Per drop set, what ``upstream_request_lines`` does with a field name (as spelled)."""
-
-
-def _line_kind(kinds: dict[str, int], drop: frozenset[str], name: str) -> int:
-    low = name.lower()
-    kind = CONNECTION if low == "connection" else DROP if low in drop or low.startswith(QUOTA_PREFIX) else KEEP
-    if len(kinds) >= _KEPT_MAX:
-        kinds.clear()
-    kinds[name] = kind
-    return kind
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,9 +104,9 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> Fields:
     return _without(headers, HOP_BY_HOP)
 
 
-_KEPT: dict[frozenset[str], dict[str, bool]] = {}
-"""Per drop set, whether a field name (as spelled) is kept: the same few names come in
-every message, and lower-casing and testing each cost 2 µs a request."""
+_KINDS: dict[frozenset[str], dict[str, int]] = {}
+"""Per drop set, what the filters do with a field name (as spelled): the same few names come
+in every message, and lower-casing and testing each cost 2 µs a request."""
 _KEPT_MAX = 4096  # names remembered per drop set; past that it starts over
 
 
@@ -135,31 +120,38 @@ def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> Fields:
             for name, value in headers.items()
             if not ((low := name.lower()) in dropped or low.startswith(QUOTA_PREFIX))
         ]
-    kept = _memo(drop)
+    kinds = _kinds(drop)
     out = []
     for name, value in headers.items():
-        keep = kept.get(name)
-        if keep is None:
-            keep = _learn(kept, drop, name)
-        if keep:
+        kind = kinds.get(name)
+        if kind is None:
+            kind = _learn(kinds, drop, name)
+        if kind == KEEP:
             out.append((name, value))
     return out
 
 
-def _memo(drop: frozenset[str]) -> dict[str, bool]:
-    kept = _KEPT.get(drop)
-    if kept is None:
-        kept = _KEPT[drop] = {}
-    return kept
+def _kinds(drop: frozenset[str]) -> dict[str, int]:
+    kinds = _KINDS.get(drop)
+    if kinds is None:
+        kinds = _KINDS[drop] = {}
+    return kinds
 
 
-def _learn(kept: dict[str, bool], drop: frozenset[str], name: str) -> bool:
-    low = name.lower()
-    keep = not (low in drop or low.startswith(QUOTA_PREFIX))
-    if len(kept) >= _KEPT_MAX:
-        kept.clear()
-    kept[name] = keep
-    return keep
+def _learn(kinds: dict[str, int], drop: frozenset[str], name: str) -> int:
+    kind = _kind(name.lower(), drop)
+    if len(kinds) >= _KEPT_MAX:
+        kinds.clear()
+    kinds[name] = kind
+    return kind
+
+
+def _kind(low: str, drop: frozenset[str]) -> int:
+    """What a filter dropping ``drop`` does with a field named ``low`` (lower case): the
+    ``Connection`` field (never kept, and it may name more), dropped, or kept."""
+    if low == "connection":
+        return CONNECTION
+    return DROP if low in drop or low.startswith(QUOTA_PREFIX) else KEEP
 
 
 # What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
@@ -199,12 +191,8 @@ def _response_kind(name: bytes) -> int:
         kind = LENGTH
     elif low == "date":
         kind = DATE
-    elif low == "connection":
-        kind = CONNECTION
-    elif low in HOP_BY_HOP or low.startswith(QUOTA_PREFIX):
-        kind = DROP
     else:
-        kind = KEEP
+        kind = _kind(low, HOP_BY_HOP)
     if len(_RESPONSE_KIND) >= _KEPT_MAX:
         _RESPONSE_KIND.clear()
     _RESPONSE_KIND[name] = kind
