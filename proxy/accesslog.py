@@ -150,15 +150,14 @@ class AccessRecord:
         return fields
 
     def _direct(self, now: float) -> str:
-        vendor, tenant, hold, status, upstream = self.vendor, self.tenant, self.hold, self.status, self.upstream_status
+        vendor, tenant, hold = self.vendor, self.tenant, self.hold
         text = (
             f'{{"ts":{_rounded(now, ".3f", 1e9, 1e11)},"method":{_quoted(self.method)},'
             f'"host":{_quoted(self.host)},"path":{_quoted(self.path.split("?", 1)[0][:256])},'
             f'"vendor":{"null" if vendor is None else _quoted(vendor)},'
             f'"tenant":{"null" if tenant is None else _quoted(tenant)},'
-            f'"outcome":{_quoted(self.outcome)},'
-            f'"status":{int.__repr__(status) if type(status) is int else _integer(status)},'
-            f'"upstream_status":{int.__repr__(upstream) if type(upstream) is int else _integer(upstream)},'
+            f'"outcome":{_quoted(self.outcome)},"status":{_integer(self.status)},'
+            f'"upstream_status":{_integer(self.upstream_status)},'
             f'"hold_ms":{"0.0" if hold is _NOT_HELD else _rounded(hold * 1000, ".1f", 0.0, 1e9)},'
             f'"duration_ms":{_rounded(self.duration * 1000, ".2f", 0.0, 1e9)}'
         )

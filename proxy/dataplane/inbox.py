@@ -78,9 +78,7 @@ class Inbox:
         """Forget what is held unread (and stop pausing the socket for it)."""
         self._chunks.clear()
         self._size = 0
-        if self._paused:
-            self._paused = False
-            self._resume()
+        self._resume_below_low()
 
     def _resume_below_low(self) -> None:
         if self._paused and self._size <= BODY_LOW:
