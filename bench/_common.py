@@ -57,10 +57,16 @@ def free_port() -> int:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` (all its threads), seconds."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """utime and stime of ``pid`` (all its threads), seconds: user space and the kernel."""
     with open(f"/proc/{pid}/stat") as f:
         raw = f.read()
     fields = raw[raw.rindex(")") + 2 :].split()  # fields[0] is field 3 (state)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 def fd_count(pid: int) -> int:

@@ -71,6 +71,7 @@ from _common import (
     commandstats,
     cpu_busy,
     cpu_seconds,
+    cpu_split,
     dump_json,
     fetch_metrics,
     free_port,
@@ -330,6 +331,15 @@ def tree_cpu(pids: list[int]) -> float:
     return total
 
 
+def tree_sys(pids: list[int]) -> float:
+    """The kernel's share of ``tree_cpu`` (stime): the system calls' side of the cost."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_split(pid)[1]
+    return total
+
+
 # -- one measurement -------------------------------------------------------------------------------
 
 
@@ -344,11 +354,13 @@ class Window:
     def __enter__(self) -> Window:
         self.busy0 = cpu_busy()
         self.load0 = sum(cpu_seconds(p.pid) for p in self.load_side)
+        self.sys0 = tree_sys(self.pids)
         self.cpu0, self.t0 = tree_cpu(self.pids), time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu1, self.t1 = tree_cpu(self.pids), time.monotonic()
+        self.sys1 = tree_sys(self.pids)
         self.busy1 = cpu_busy()
         self.load1 = sum(cpu_seconds(p.pid) for p in self.load_side)
 
@@ -358,6 +370,7 @@ class Window:
         core = sum(self.busy1[c] - self.busy0[c] for c in self.proxy_cpus) if self.proxy_cpus else None
         return {
             "cpu_us_per_request": cpu / done * 1e6,
+            "sys_us_per_request": (self.sys1 - self.sys0) / done * 1e6,
             "proxy_core": cpu / window,
             "others_there": None if core is None else max(core - cpu, 0.0) / window,
             "load_core": (generator_cpu + self.load1 - self.load0) / window,
@@ -701,7 +714,8 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
         mine = [s[name] for s in sat]
         cpus = [m["cpu_us_per_request"] for m in mine]
         summary[name] = {
-            k: med(mine, k) for k in ("rps", "cpu_us_per_request", "proxy_core", "others_there", "load_core")
+            k: med(mine, k)
+            for k in ("rps", "cpu_us_per_request", "sys_us_per_request", "proxy_core", "others_there", "load_core")
         }
         evalsha = med(mine, "evalsha_per_request") if name == "redis" else None
         rows.append(
@@ -710,6 +724,7 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
                 f"{summary[name]['rps']:.0f}",
                 f"{summary[name]['cpu_us_per_request']:.0f}",
                 f"{min(cpus):.0f}-{max(cpus):.0f}",
+                f"{summary[name]['sys_us_per_request']:.0f}",
                 f"{summary[name]['proxy_core'] * 100:.0f}%",
                 "-" if math.isnan(summary[name]["others_there"]) else f"{summary[name]['others_there'] * 100:.0f}%",
                 f"{summary[name]['load_core'] * 100:.0f}%",
@@ -717,11 +732,8 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
             ]
         )
     print(f"\n1. saturation, plain HTTP, medians of {len(rounds)} rounds")
-    print(
-        table(
-            rows, ["system", "req/s", "CPU µs/req", "range", "proxy core", "others there", "load core", "evalsha/req"]
-        )
-    )
+    columns = ["system", "req/s", "CPU µs/req", "range", "of it sys", "proxy core", "others there", "load core"]
+    print(table(rows, [*columns, "evalsha/req"]))
     missed: list[str] = []
     ratios: dict[str, Any] = {}
     if "proxypy" in names:

@@ -50,11 +50,19 @@ class AccessLog:
         self._lines: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
 
+    @property
+    def writes(self) -> bool:
+        """Do lines go anywhere?"""
+        return self._stream is not None
+
     def emit(self, record: AccessRecord) -> None:
-        if self._stream is None:
-            return
-        line = record.line()
-        self._lines.append(line if self._end == "}" else line[:-1] + self._end)
+        if self._stream is not None:
+            self.add(record.line()[:-1])
+
+    def add(self, opened: str) -> None:
+        """One line, as ``AccessRecord.line`` writes it but for its closing brace (this log
+        ends it: a worker of ``run --workers N`` adds its index first)."""
+        self._lines.append(opened + self._end)
         if len(self._lines) >= _MAX_BUFFERED:
             self.flush()
         elif self._timer is None:

@@ -206,8 +206,10 @@ class Runtime:
                 self._retire(_as_async(previous.close), policy)
         for vendor in policy.vendors:
             self.metrics.declare_vendor(vendor.name)
-        self.handler.deps = dataclasses.replace(
-            old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams, concurrency=concurrency
+        self.handler.swap(
+            dataclasses.replace(
+                old, policy=policy, router=Router(policy), limiter=limiter, upstreams=upstreams, concurrency=concurrency
+            )
         )
         return notes
 

@@ -26,7 +26,7 @@ from proxy.headers import downstream_response_headers, downstream_response_lines
 from proxy.names import parse_authority
 from proxy.pacing import Paced, Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
-from proxy.refusals import BadRequest, BodyTimeout, UpstreamFailed
+from proxy.refusals import BadRequest, BodyTimeout, Refusal, UpstreamFailed
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.forward")
@@ -214,7 +214,7 @@ async def send(
         if pacer is not None and pace is not None:
             wait = pacer.reserve(*pace)
             if wait > 0:
-                conn = await _paced(pool, conn, pacer, wait, timeouts.connect)
+                conn = await paced(pool, conn, pacer, wait, timeouts.connect)
         if carrier is not None:
             carrier.conn = conn
         return await conn.request(
@@ -226,16 +226,21 @@ async def send(
             timeouts.read,
             lines=lines,
         )
-    except Failed as exc:
-        raise classify(vendor, request.method, request.headers, exc) from exc
-    except BodyStalled as exc:  # the worker's side: it stopped sending its body
+    except (Failed, BodyBroken, OSError) as exc:
+        raise send_failed(vendor, request, exc) from exc
+
+
+def send_failed(vendor: Vendor, request: Request, exc: Failed | BodyBroken | OSError) -> Refusal:
+    """The refusal of a request whose exchange with the vendor failed with ``exc``."""
+    if isinstance(exc, Failed):
+        return classify(vendor, request.method, request.headers, exc)
+    if isinstance(exc, BodyStalled):  # the worker's side: it stopped sending its body
         request.keep_alive = False  # the rest of the body may still come: the answer closes
-        raise BodyTimeout(str(exc)) from exc
-    except BodyBroken as exc:  # the worker's side, not the vendor's: its body's framing broke
-        raise body_broke(request, exc) from exc
-    except OSError as exc:
-        failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)
-        raise classify(vendor, request.method, request.headers, failure) from exc
+        return BodyTimeout(str(exc))
+    if isinstance(exc, BodyBroken):  # the worker's side, not the vendor's: its body's framing broke
+        return body_broke(request, exc)
+    failure = Failed("broken", f"{type(exc).__name__}: {exc}", reached=True)
+    return classify(vendor, request.method, request.headers, failure)
 
 
 def body_broke(request: Request, why: BaseException) -> BadRequest:
@@ -245,7 +250,7 @@ def body_broke(request: Request, why: BaseException) -> BadRequest:
     return BadRequest(f"the request body broke off: {why}")
 
 
-async def _paced(
+async def paced(
     pool: Pool, conn: UpstreamConnection, pacer: Pacer, wait: float, connect: float | None
 ) -> UpstreamConnection:
     """Hold ``conn`` for the ``wait`` seconds the pacer asked; the connection to write on

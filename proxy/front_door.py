@@ -114,6 +114,7 @@ class ConnectGate:
             deadline=head_deadline,
             registry=self._served_changed,
             keep_alive=self._keep_alive,
+            lane=self.handler.lane,
         )
 
     def _served_changed(self, conn: Http1Connection, is_open: bool) -> None:

@@ -18,17 +18,19 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from proxy.accesslog import AccessRecord
-from proxy.concurrency import Slot
+from proxy.concurrency import UNCAPPED, Slot
 from proxy.dataplane.http1 import Request, Responder
 from proxy.dataplane.upstream import Response
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import NOTHING, Applied, apply_feedback, changes_nothing
-from proxy.forward import Carrier, body_broke, relay, send
+from proxy.forward import Carrier, body_broke, relay, send, send_failed
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
+from proxy.lane import Carried, Lane
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
+from proxy.limiter.buckets import Buckets
 from proxy.loudly import Loudly
 from proxy.match import Match
 from proxy.pacing import Paced, longest_window
@@ -37,6 +39,7 @@ from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
 from proxy.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.refusals import Denied, InternalError, Limited, StoreDown
+from proxy.responses import write_answer
 from proxy.seats import Seats
 from proxy.target import parse_target, parse_tunneled_target
 from proxy.tasks import spawn
@@ -48,12 +51,6 @@ CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the 
 
 def _as_is(answer: web.Response) -> web.Response | None:
     return answer
-
-
-async def write_answer(responder: Responder, answer: web.Response) -> None:
-    """One of the proxy's own answers (answers.render), written whole."""
-    body = answer.body if isinstance(answer.body, bytes) else b""
-    await responder.send(answer.status, answer.reason, answer.headers.items(), body)
 
 
 def _give_back(
@@ -84,10 +81,27 @@ class ProxyHandler:
         self.deps = deps
         self._loudly = Loudly(log, deps.clock)
         self._seats = Seats(deps.clock)
+        self.lane = Lane(self)
+        """The usual request's straight way through (lane.py), handing the rest to this handler."""
 
-    async def __call__(self, request: Request, responder: Responder) -> None:
-        deps = self.deps  # one policy generation for the whole request
-        ledger = Ledger(deps, request.method, request.target)
+    def swap(self, deps: Deps) -> None:
+        """Serve ``deps`` (a reloaded policy) from the next request on."""
+        self.deps = deps
+        self.lane.reset(deps)
+
+    async def __call__(
+        self,
+        request: Request,
+        responder: Responder,
+        deps: Deps | None = None,
+        started: float | None = None,
+        carried: Carried | None = None,
+    ) -> None:
+        """Serve ``request``; or (from the straight path) go on with one it began at
+        ``started`` under ``deps``, as far as ``carried`` says."""
+        if deps is None:
+            deps = self.deps  # one policy generation for the whole request
+        ledger = Ledger(deps, request.method, request.target, started)
 
         def crashed(exc: Exception) -> web.Response | None:
             log.exception("internal error on %s %s", request.method, request.target[:200])
@@ -95,12 +109,15 @@ class ProxyHandler:
                 raise exc  # the answer had begun: the connection is cut, never a spliced body
             return ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
 
-        answer = await accounted(ledger, self._handle(deps, request, responder, ledger.rec), _as_is, crashed)
+        work = self._handle(deps, request, responder, ledger.rec, carried)
+        answer = await accounted(ledger, work, _as_is, crashed)
         if answer is not None:
             await write_answer(responder, answer)
 
-    async def _handle(self, deps: Deps, request: Request, responder: Responder, rec: AccessRecord) -> None:
-        broken = request.body.broken
+    async def _handle(
+        self, deps: Deps, request: Request, responder: Responder, rec: AccessRecord, carried: Carried | None
+    ) -> None:
+        broken = request.body_broken
         if broken is not None:
             # Its body's framing broke before it was served (in the packet of its head): the
             # vendor could never get it whole, so it takes no tokens and is never sent.
@@ -111,10 +128,15 @@ class ProxyHandler:
         tunnel = interception_of(request)
         if tunnel is None:
             target = parse_target(request)
-            match = deps.router.match(target, request.headers, method=request.method)
+            match = (
+                deps.router.match(target, request.headers, method=request.method) if carried is None else carried.match
+            )
         else:
             target = parse_tunneled_target(request, tunnel.host, tunnel.port)
-            match = deps.router.match(target, request.headers, tunnel.claim, request.method)
+            if carried is None:
+                match = deps.router.match(target, request.headers, tunnel.claim, request.method)
+            else:
+                match = carried.match
         rec.host, rec.path = target.host, target.path_qs
         rec.vendor, rec.tenant = match.vendor.name, match.tenant
         if match.endpoint is not None:
@@ -122,25 +144,52 @@ class ProxyHandler:
         if match.partition:
             rec.partition = shown(match.partition)
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
+        if carried is not None and carried.admission is not None:  # granted and sent already
+            await self._go(deps, request, responder, match, rec, carried.admission, UNCAPPED, carried)
+            return
         wish = request_wish(match.vendor.on_limit, request.headers)
         # The request's leases (concurrency caps) are given back however it ends, once
         # the vendor's answer is relayed (concurrency.py).
         slot = deps.concurrency.slot(match.vendor, match.endpoint)
         try:
             admission = await self.admit(
-                deps, match.vendor, match.tenant, wish, rec, slot, endpoint=match.endpoint, partition=match.partition
+                deps,
+                match.vendor,
+                match.tenant,
+                wish,
+                rec,
+                slot,
+                endpoint=match.endpoint,
+                partition=match.partition,
+                taken=None if carried is None else carried.taken,
             )
-            carrier = Carrier()
-            try:
-                await self._forward(deps, request, responder, match, rec, admission, carrier)
-            finally:
-                # A worker gone while the vendor still works on its request (the vendor counts
-                # it in flight until it has answered): the slot is freed when the answer is
-                # in, and the answer fed back like any other.
-                if carrier.conn is not None and carrier.conn.draining:
-                    carrier.conn.after(functools.partial(self._heard_out, deps, match, slot.detach()))
+            await self._go(deps, request, responder, match, rec, admission, slot)
         finally:
             slot.close()  # (not ``with``: two calls fewer per request)
+
+    async def _go(
+        self,
+        deps: Deps,
+        request: Request,
+        responder: Responder,
+        match: Match,
+        rec: AccessRecord,
+        admission: Admission,
+        slot: Slot,
+        carried: Carried | None = None,
+    ) -> None:
+        """Send an admitted request (or go on with the exchange ``carried`` began) and relay the answer."""
+        carrier = Carrier()
+        if carried is not None:
+            carrier.conn = carried.conn
+        try:
+            await self._forward(deps, request, responder, match, rec, admission, carrier, carried)
+        finally:
+            # A worker gone while the vendor still works on its request (the vendor counts
+            # it in flight until it has answered): the slot is freed when the answer is
+            # in, and the answer fed back like any other.
+            if carrier.conn is not None and carrier.conn.draining:
+                carrier.conn.after(functools.partial(self.heard_out, deps, match, slot.detach()))
         rec.status = responder.status
 
     async def admit(
@@ -154,11 +203,13 @@ class ProxyHandler:
         *,
         endpoint: Endpoint | None = None,
         partition: str = "",
+        taken: AcquireResult | StoreUnavailable | None = None,
     ) -> Admission:
         """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
         touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
         leases, holding if the decision says so; returns the outcome to record once it is
-        sent (forwarded or held), or raises the refusal."""
+        sent (forwarded or held), or raises the refusal. ``taken``: the store's answer
+        already had (or why there was none), from the straight path."""
         limiter = deps.limiter
         seats = deps.policy.tenant.max_active
         if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
@@ -181,7 +232,11 @@ class ProxyHandler:
             )
 
         try:
-            if slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
+            if isinstance(taken, StoreUnavailable):
+                raise taken
+            if taken is not None:
+                result = taken
+            elif slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
                 result = await attempt(wish.max_wait)
             else:
                 result = await deps.concurrency.acquire(slot, wish, attempt)
@@ -193,6 +248,23 @@ class ProxyHandler:
             deps.metrics.fail_open.labels(vendor.name).inc()
             rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
             return Admission("forwarded")
+        return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition)
+
+    async def _admitted(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wish: Wish,
+        rec: AccessRecord,
+        slot: Slot,
+        b: Buckets,
+        result: AcquireResult,
+        cost: float,
+        endpoint: Endpoint | None,
+        partition: str,
+    ) -> Admission:
+        """What the store's ``result`` makes of the request: refused (raised), held, or let go."""
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = b.all[result.binding]
@@ -288,20 +360,28 @@ class ProxyHandler:
         rec: AccessRecord,
         admission: Admission,
         carrier: Carrier | None = None,
+        carried: Carried | None = None,
     ) -> None:
         vendor = match.vendor
-        sent = deps.clock.monotonic()
-        upstream = await send(
-            deps.upstreams.pool(vendor),
-            vendor,
-            request,
-            match.origin,
-            match.path_qs,
-            deps.policy.tenant.header,
-            deps.pacer,
-            admission.pace,
-            carrier,
-        )
+        if carried is None:
+            sent = deps.clock.monotonic()
+            upstream = await send(
+                deps.upstreams.pool(vendor),
+                vendor,
+                request,
+                match.origin,
+                match.path_qs,
+                deps.policy.tenant.header,
+                deps.pacer,
+                admission.pace,
+                carrier,
+            )
+        else:  # the straight path sent it
+            sent = carried.sent
+            if carried.failure is not None:
+                raise send_failed(vendor, request, carried.failure) from carried.failure
+            assert carried.upstream is not None
+            upstream = carried.upstream
         rec.upstream_status = upstream.status
         deps.recent.add(vendor.name, admission.outcome)
         _count_answer(deps, vendor, upstream.status)
@@ -360,7 +440,7 @@ class ProxyHandler:
             deps.metrics.drains.labels(vendor.name).inc()
         return applied
 
-    def _heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
+    def heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
         """The vendor is done with a request whose worker went away before the answer's head
         (forward's hearing out): its slot is free again, and its answer, if one came, counts
         and feeds back like any other (a vendor 429 blocks the fleet)."""

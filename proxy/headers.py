@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Final
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -86,7 +87,8 @@ def upstream_request_lines(fields: Fields, headers: CIMultiDictProxy[str], tenan
             kind = _learn(kinds, drop, name)
         if kind == KEEP:
             out.append(f"{name}: {value}\r\n")
-        elif kind == CONNECTION:  # the fields it names are dropped too: the general filter
+        elif kind == CONNECTION and not only_this_hop(value.encode("latin-1")):
+            # The fields it names are dropped too: the general filter.
             return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
     return out
 
@@ -156,14 +158,31 @@ def _kind(low: str, drop: frozenset[str]) -> int:
 
 # What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
 _RESPONSE_KIND: dict[bytes, int] = {}
+_FRAMING_KIND = 5  # Transfer-Encoding: dropped, like any hop-by-hop field, but the straight relay cannot
 
 
 def downstream_response_lines(raw: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int, bool] | None:
     """``downstream_response_headers`` of a vendor answer's ``raw`` fields (in their order, as
     bytes) as the pieces of the head the data plane writes, in one pass and never decoded: the
     kept fields but ``Content-Length``, whose value is returned (-1: none), and whether a
-    ``Date`` is among them. None when a ``Connection`` field names more fields to drop:
-    ``downstream_response_headers`` then."""
+    ``Date`` is among them. None when a ``Connection`` field names more fields to drop than
+    this hop's own options: ``downstream_response_headers`` then."""
+    return _answer_lines(raw, None, False)
+
+
+def straight_answer_lines(
+    raw: list[tuple[bytes, bytes]], watched: bytes | None
+) -> tuple[list[bytes], int, bool] | None:
+    """``downstream_response_lines`` of an answer the straight path (lane.py) relays as it
+    came, its body of the length it says; None when it cannot: no ``Content-Length`` (or one
+    that is not a number), a ``Transfer-Encoding``, or the field ``watched`` (lower case,
+    the vendor's remaining quota when a low one drains: feedback reads it)."""
+    return _answer_lines(raw, watched, True)
+
+
+def _answer_lines(
+    raw: list[tuple[bytes, bytes]], watched: bytes | None, straight: bool
+) -> tuple[list[bytes], int, bool] | None:
     kinds = _RESPONSE_KIND
     pieces: list[bytes] = []
     length = -1
@@ -173,15 +192,24 @@ def downstream_response_lines(raw: list[tuple[bytes, bytes]]) -> tuple[list[byte
         if kind is None:
             kind = _response_kind(name)
         if kind == KEEP:
+            if watched is not None and name.lower() == watched:
+                return None
             pieces += (name, b": ", value, b"\r\n")
         elif kind == LENGTH:
             if value.strip().isdigit():
                 length = int(value)
+            elif straight:
+                return None
         elif kind == DATE:
             date = True
             pieces += (name, b": ", value, b"\r\n")
         elif kind == CONNECTION:
+            if value not in THIS_HOP_VALUES and not only_this_hop(value):
+                return None
+        elif kind == _FRAMING_KIND and straight:
             return None
+    if straight and length < 0:
+        return None
     return pieces, length, date
 
 
@@ -191,12 +219,76 @@ def _response_kind(name: bytes) -> int:
         kind = LENGTH
     elif low == "date":
         kind = DATE
+    elif low == "transfer-encoding":
+        kind = _FRAMING_KIND
     else:
         kind = _kind(low, HOP_BY_HOP)
     if len(_RESPONSE_KIND) >= _KEPT_MAX:
         _RESPONSE_KIND.clear()
     _RESPONSE_KIND[name] = kind
     return kind
+
+
+# What the worker's parser notes of each request field (``request_kinds``): most are
+# ``PLAIN`` (forwarded as they came); the others the proxy reads, or drops, or both.
+PLAIN, HOST, LENGTH_FIELD, TRANSFER, EXPECT, CONNECTION_FIELD, HOP, QUOTA, TENANT = 0, 1, 2, 3, 4, 5, 6, 7, 8
+
+_REQUEST_KINDS: dict[str, dict[bytes, int]] = {}
+"""Per tenant header (lower case), what each request field name (as spelled) is."""
+
+
+def request_kinds(tenant_header: str) -> dict[bytes, int]:
+    """The memo the worker-facing parser classifies request fields with (``learn_request_kind``
+    fills it): one dict lookup per field, the same few names in every request."""
+    low = tenant_header.lower()
+    kinds = _REQUEST_KINDS.get(low)
+    if kinds is None:
+        if len(_REQUEST_KINDS) >= 64:  # reloads that rename the tenant header
+            _REQUEST_KINDS.clear()
+        kinds = _REQUEST_KINDS[low] = {}
+    return kinds
+
+
+def learn_request_kind(kinds: dict[bytes, int], name: bytes, tenant_header: str) -> int:
+    """What request field ``name`` is, remembered in ``kinds`` (bounded: names are the
+    workers' to choose)."""
+    low = name.decode("latin-1").lower()
+    if low == "host":
+        kind = HOST
+    elif low == "content-length":
+        kind = LENGTH_FIELD
+    elif low == "transfer-encoding":
+        kind = TRANSFER
+    elif low == "expect":
+        kind = EXPECT
+    elif low == "connection":
+        kind = CONNECTION_FIELD
+    elif low.startswith(QUOTA_PREFIX):
+        kind = QUOTA
+    elif low == tenant_header.lower():
+        kind = TENANT
+    elif low in HOP_BY_HOP:
+        kind = HOP
+    else:
+        kind = PLAIN
+    if len(kinds) >= _KEPT_MAX:
+        kinds.clear()
+    kinds[name] = kind
+    return kind
+
+
+_THIS_HOP: Final = frozenset({b"keep-alive", b"close"})
+THIS_HOP_VALUES: Final = frozenset({b"keep-alive", b"Keep-Alive", b"close", b"Close"})
+"""``Connection`` values naming only this hop's options, as they are usually spelled."""
+
+
+def only_this_hop(connection: bytes) -> bool:
+    """Does a ``Connection`` field's value name nothing but this hop's own options
+    (``keep-alive``, ``close``)? Then dropping the field drops all it names."""
+    low = connection.lower()
+    if low in _THIS_HOP:
+        return True
+    return all(token.strip() in _THIS_HOP for token in low.split(b",") if token.strip())
 
 
 def idempotent(method: str, headers: Mapping[str, str]) -> bool:

@@ -32,12 +32,12 @@ class Ledger:
 
     __slots__ = ("_started", "counted", "deps", "rec")
 
-    def __init__(self, deps: Deps, method: str, path: str) -> None:
+    def __init__(self, deps: Deps, method: str, path: str, started: float | None = None) -> None:
         self.deps = deps
         self.rec = AccessRecord(method, "", path)
         self.counted = True
         """False once a CONNECT became an interception: not a request, the requests inside it are counted."""
-        self._started = deps.clock.monotonic()
+        self._started = deps.clock.monotonic() if started is None else started
 
     def refuse(self, refusal: Refusal) -> web.Response:
         """Account for a refusal (outcome, counters, log detail, status) and build its answer."""

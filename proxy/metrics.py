@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as _Counter
@@ -103,6 +103,30 @@ class _Value:
 
     def get_exemplar(self) -> Any:
         return self._exemplar
+
+
+Value = _Value
+"""A series' value as the straight path (lane.py) adds to it: ``cell._value += 1``, its own
+event loop's thread being the only one that changes it (the cells come from ``Metrics``)."""
+
+
+class HistogramCells(NamedTuple):
+    """A histogram series' values as the straight path observes into them:
+    ``sum._value += x; buckets[bisect_left(bounds, x)]._value += 1`` (``Histogram.observe``)."""
+
+    sum: _Value
+    buckets: list[_Value]
+    bounds: list[float]
+
+
+def _cell(child: Any) -> _Value:
+    return _cell_of(child._value)
+
+
+def _cell_of(value: Any) -> _Value:
+    if type(value) is not _Value:  # prometheus-client's multiprocess mode: Metrics.cells_available is False
+        raise TypeError(f"not a plain metric value: {type(value).__name__}")
+    return value
 
 
 def _unlocked(value: Any) -> Any:
@@ -337,6 +361,39 @@ class Metrics:
             child = self._modes[key] = self.by_mode.labels(limiter, mode)
         child.inc()
         self.mode_totals[key] = self.mode_totals.get(key, 0) + 1
+
+    # -- the straight path's cells (lane.py, routes.py) --------------------------------
+
+    @property
+    def cells_available(self) -> bool:
+        """Are this registry's values plain ones the straight path may add to (not
+        prometheus-client's multiprocess mode, where every change is its own)?"""
+        return not getattr(prometheus_values.ValueClass, "_multiprocess", False)
+
+    def request_cell(self, limiter: str, tenant: str, outcome: str) -> _Value:
+        """What ``count_request(limiter, tenant, outcome)`` adds one to."""
+        key = (limiter, tenant, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
+        return _cell(child)
+
+    def mode_cell(self, limiter: str, mode: str) -> _Value:
+        """What ``count_mode(limiter, mode)`` adds one to (besides ``mode_totals``)."""
+        key = (limiter, mode)
+        child = self._modes.get(key)
+        if child is None:
+            child = self._modes[key] = self.by_mode.labels(limiter, mode)
+        return _cell(child)
+
+    def response_cell(self, limiter: str, status: int) -> _Value:
+        """``http_client_responses_total{limiter, code}``."""
+        return _cell(self.responses.labels(limiter, str(status)))
+
+    def upstream_cells(self, limiter: str) -> HistogramCells:
+        """``http_client_request_duration_seconds{limiter}``."""
+        child = self.upstream_seconds.labels(limiter)
+        return HistogramCells(_cell_of(child._sum), [_cell_of(b) for b in child._buckets], list(child._upper_bounds))
 
     def _tenant_label(self, tenant: str) -> str:
         # Tenants come from workers' headers: bound the label's cardinality.

@@ -10,29 +10,38 @@ from proxy.clock import Clock
 _SLOTS = 60
 
 
-class _Ring:
+class Ring:
+    """One (vendor, event)'s counts, a slot per second of the last minute."""
+
     __slots__ = ("counts", "stamps")
 
     def __init__(self) -> None:
         self.counts = [0] * _SLOTS
         self.stamps = [-1] * _SLOTS
 
+    def add(self, second: int) -> None:
+        """One event in ``second`` (the clock's, whole)."""
+        slot = second % _SLOTS
+        if self.stamps[slot] != second:
+            self.stamps[slot] = second
+            self.counts[slot] = 0
+        self.counts[slot] += 1
+
 
 class Recent:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._rings: dict[tuple[str, str], _Ring] = {}
+        self._rings: dict[tuple[str, str], Ring] = {}
 
     def add(self, vendor: str, event: str) -> None:
+        self.ring(vendor, event).add(int(self._clock.monotonic()))
+
+    def ring(self, vendor: str, event: str) -> Ring:
+        """The counts of ``event`` for ``vendor`` (made at its first event)."""
         ring = self._rings.get((vendor, event))
         if ring is None:
-            ring = self._rings[(vendor, event)] = _Ring()
-        second = int(self._clock.monotonic())
-        slot = second % _SLOTS
-        if ring.stamps[slot] != second:
-            ring.stamps[slot] = second
-            ring.counts[slot] = 0
-        ring.counts[slot] += 1
+            ring = self._rings[(vendor, event)] = Ring()
+        return ring
 
     def total(self, vendor: str, event: str, window: int = 60) -> int:
         """Events in the last ``window`` whole seconds (the current partial second included)."""

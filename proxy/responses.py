@@ -10,7 +10,7 @@ the two apart.
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
@@ -28,6 +28,9 @@ from proxy.refusals import (
     StoreDown,
     UpstreamFailed,
 )
+
+if TYPE_CHECKING:
+    from proxy.dataplane.http1 import Responder
 
 _NO_VENDOR: Final = Vendor(name="")
 PROXY_CHALLENGE: Final = 'Basic realm="quota-proxy"'
@@ -163,3 +166,9 @@ def _defer(
             **quota,
         },
     )
+
+
+async def write_answer(responder: Responder, answer: web.Response) -> None:
+    """One of the proxy's own answers (``refusal_response``), written whole."""
+    body = answer.body if isinstance(answer.body, bytes) else b""
+    await responder.send(answer.status, answer.reason, answer.headers.items(), body)

@@ -32,6 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.handler import ProxyHandler
+from proxy.limiter import Limiter
 from proxy.server import ProxyServer
 from proxy.sizing import Sizing
 from tests.conftest import free_port, metric_samples, value, vendor_policy
@@ -907,14 +908,26 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
             assert r.status == 502  # and again: nothing broke
 
 
-async def test_a_bug_in_the_proxy_is_a_500_counted_as_an_error(vendor, start_proxy, monkeypatch, caplog) -> None:
-    async def bug(*args: object) -> str:
+@pytest.mark.parametrize(
+    ("where", "path_headers"),
+    [
+        # The general request path (an X-Quota-* header takes a request there), and the
+        # straight one (lane.py), each with a bug in a step it takes before the vendor.
+        ((ProxyHandler, "admit"), {"X-Quota-On-Limit": "hold"}),
+        ((Limiter, "acquire"), {}),
+    ],
+    ids=["general", "straight"],
+)
+async def test_a_bug_in_the_proxy_is_a_500_counted_as_an_error(
+    vendor, start_proxy, monkeypatch, caplog, where, path_headers
+) -> None:
+    async def bug(*args: object, **kwargs: object) -> str:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(ProxyHandler, "admit", bug)
+    monkeypatch.setattr(*where, bug)
     proxy = await start_proxy(vendor_policy(vendor.url))
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url) as r:
+        async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url, headers=path_headers) as r:
             assert r.status == 500
             assert r.headers["X-Quota-Error"] == "proxy-error"
             body = await r.json()

@@ -193,13 +193,13 @@ async def paced_on_a_pooled_connection(
     raw_vendor: Any, serve: Any
 ) -> tuple[Any, Pool, Any, ManualClock, asyncio.Future[Any]]:
     """A vendor running ``serve``, a pooled connection to it, and a write waiting 0.5 s of a
-    manual clock for the pacer on it (forward._paced)."""
+    manual clock for the pacer on it (forward.paced)."""
     raw = await raw_vendor(serve)
     origin = forward.origin_of(raw.url)
     pool = Pool(False)
     conn = await pool.open(origin, 1.0)
     clock = ManualClock()
-    waiting = asyncio.ensure_future(forward._paced(pool, conn, Pacer(clock), 0.5, 1.0))
+    waiting = asyncio.ensure_future(forward.paced(pool, conn, Pacer(clock), 0.5, 1.0))
     return raw, pool, conn, clock, waiting
 
 

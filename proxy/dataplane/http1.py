@@ -32,9 +32,22 @@ from http import HTTPStatus
 from typing import Final, Protocol, cast
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy, istr
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.dataplane.inbox import Inbox
+from proxy.headers import (
+    CONNECTION_FIELD,
+    EXPECT,
+    HOST,
+    LENGTH_FIELD,
+    QUOTA,
+    TENANT,
+    THIS_HOP_VALUES,
+    TRANSFER,
+    learn_request_kind,
+    only_this_hop,
+    request_kinds,
+)
 from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.dataplane")
@@ -54,9 +67,9 @@ connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
 DISCARD_WAIT: Final = 5.0
 CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_BODY_STATUS: Final = frozenset({204, 304})
-# Looked up in every request head: keys case-folded once (a str key is folded on each lookup).
-_EXPECT, _TRANSFER_ENCODING, _CONTENT_LENGTH = istr("Expect"), istr("Transfer-Encoding"), istr("Content-Length")
 _REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
+_KINDS: Final = request_kinds("")
+"""The field classifier of a connection served without a lane (no tenant header)."""
 
 
 class ConnectionGuard(Protocol):
@@ -202,18 +215,32 @@ class Body(Inbox):
 
 
 class Request:
-    """One request head as the worker sent it, and its body."""
+    """One request head as the worker sent it, and its body.
+
+    Made from the parser's pieces (``parsed``) without decoding them: the fields stay the
+    bytes they came as (``raw``), decoded to ``fields`` and looked up by name (``headers``)
+    only when something asks, and a request without a body gets its (ended) ``body`` only
+    if something reads it. What the straight path (lane.py) needs of the usual request was
+    noted while its head was parsed (``lean`` and what follows it)."""
 
     __slots__ = (
-        "body",
-        "fields",
+        "_body",
+        "_conn",
+        "_fields",
+        "_headers",
         "has_body",
-        "headers",
+        "host",
         "keep_alive",
+        "kinds",
+        "lean",
+        "lines",
         "method",
+        "raw",
         "raw_path",
         "tag",
         "target",
+        "tenant",
+        "url",
         "version",
     )
 
@@ -233,17 +260,104 @@ class Request:
         self.target = self.raw_path = target
         """The request target byte for byte (latin-1): absolute form, a path, an authority
         (``raw_path`` too, as aiohttp's requests name it)."""
+        self.url = target.encode("latin-1")
+        """The same, as the bytes it came as."""
         self.version = version
         """``"1.1"`` or ``"1.0"``."""
-        self.headers = headers
-        self.fields: list[tuple[str, str]] = list(headers.items()) if fields is None else fields
-        """The fields as the worker sent them, in their order (what ``headers`` holds)."""
-        self.body = body
+        self._headers: CIMultiDictProxy[str] | None = headers
+        self._fields: list[tuple[str, str]] | None = list(headers.items()) if fields is None else fields
+        self.raw: list[tuple[bytes, bytes]] = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in self._fields]
+        """The fields as the worker sent them, in their order, as bytes."""
+        self._body: Body | None = body
+        self._conn: Http1Connection | None = None
         self.keep_alive = keep_alive
         self.has_body = has_body
         """The head announced a body (a Content-Length above 0, or chunked)."""
         self.tag = tag
         """What the connection was tagged with (an interception: where its tunnel leads)."""
+        self.lean = False
+        """Nothing in the head needs the general request path (lane.py): no body, no
+        ``X-Quota-*``, ``Expect`` or other hop's ``Connection`` options, HTTP/1.1."""
+        self.kinds: dict[bytes, int] | None = None
+        """The field classifier the head was read with (headers.request_kinds)."""
+        self.host: bytes | None = None
+        """The first ``Host`` field's value."""
+        self.tenant: bytes | None = None
+        """The first tenant header field's value (the classifier's tenant header)."""
+        self.lines = b""
+        """The ``PLAIN`` fields as ``Name: value\r\n`` lines: what a vendor is sent of them."""
+
+    @property
+    def fields(self) -> list[tuple[str, str]]:
+        """The fields as the worker sent them, in their order (what ``headers`` holds)."""
+        fields = self._fields
+        if fields is None:
+            fields = self._fields = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw]
+        return fields
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """The fields by name, made when first asked for."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
+        return headers
+
+    @property
+    def body(self) -> Body:
+        body = self._body
+        if body is None:  # none was announced: an ended body, made when first asked for
+            assert self._conn is not None
+            body = self._body = Body(self._conn, False)
+            body._done = True
+        return body
+
+    @property
+    def body_broken(self) -> BaseException | None:
+        """Why the body broke off, if it did (a request without one: never)."""
+        body = self._body
+        return None if body is None else body._exc
+
+    @property
+    def waits_to_send(self) -> bool:
+        """The worker waits for ``100 Continue`` before sending its body, not sent yet."""
+        body = self._body
+        return body is not None and body._continue
+
+
+_new_request = object.__new__
+
+
+def parsed_request(
+    conn: Http1Connection,
+    method: str,
+    url: bytes,
+    version: str,
+    raw: list[tuple[bytes, bytes]],
+    keep_alive: bool,
+    has_body: bool,
+    expect_continue: bool,
+    tag: object,
+) -> Request:
+    """A request from the parser's pieces, made without ``Request.__init__``'s decoding."""
+    req: Request = _new_request(Request)
+    req.method = method
+    req.target = req.raw_path = url.decode("latin-1")
+    req.url = url
+    req.version = version
+    req._headers = None
+    req._fields = None
+    req.raw = raw
+    req._body = Body(conn, expect_continue) if has_body else None
+    req._conn = conn
+    req.keep_alive = keep_alive
+    req.has_body = has_body
+    req.tag = tag
+    req.lean = False
+    req.kinds = None
+    req.host = req.tenant = None
+    req.lines = b""
+    return req
 
 
 _date_cache: tuple[int, bytes] = (0, b"")
@@ -251,13 +365,29 @@ _OURS: Final = frozenset({"content-length", "transfer-encoding", "connection", "
 """Fields of this hop's framing, written by the responder whatever the handler gave."""
 
 
-def _date() -> bytes:
+def date_line() -> bytes:
     """The ``Date`` field line, made once a second."""
     global _date_cache
     now = int(time.time())
     if _date_cache[0] != now:
         _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n".encode("latin-1"))
     return _date_cache[1]
+
+
+_STATUS_LINES: dict[tuple[int, str], bytes] = {}
+
+
+def status_line(status: int, reason: str) -> bytes:
+    """``HTTP/1.1 <status> <reason>\r\n`` (the status's own phrase when ``reason`` is empty),
+    made once per (status, reason): vendors answer with the same few."""
+    line = _STATUS_LINES.get((status, reason))
+    if line is None:
+        if len(_STATUS_LINES) >= 1024:  # reasons are the vendors' to choose
+            _STATUS_LINES.clear()
+        line = _STATUS_LINES[(status, reason)] = f"HTTP/1.1 {status} {reason or _REASONS.get(status, '')}\r\n".encode(
+            "latin-1"
+        )
+    return line
 
 
 class Responder:
@@ -317,9 +447,9 @@ class Responder:
             reason = _REASONS.get(status, "")
         self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
         if not date:
-            head.append(_date())
+            head.append(date_line())
         # A body the worker waits to be invited for and that was not: it may or may not come.
-        keep = req.keep_alive and self._conn.keep_alive and not req.body._continue
+        keep = self.keeps
         if length >= 0:
             head.append(b"Content-Length: %d\r\n" % length)
             if not self._no_body:
@@ -337,7 +467,7 @@ class Responder:
             head.append(b"Connection: keep-alive\r\n\r\n")
         else:
             head.append(b"\r\n")
-        self._head = f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1") + b"".join(head)
+        self._head = status_line(status, reason) + b"".join(head)
 
     async def write(self, data: bytes) -> None:
         assert self.status and not self._finished
@@ -388,6 +518,27 @@ class Responder:
             await self._conn.drain()
         self._finished = True
 
+    @property
+    def keeps(self) -> bool:
+        """Will the connection stay open after this answer (as the answer's head must say)?"""
+        req = self._request
+        return req.keep_alive and self._conn.keep_alive and not req.waits_to_send
+
+    async def send_whole(self, status: int, data: bytes, keep: bool) -> None:
+        """An answer written out by its caller, head and body (the straight path's, lane.py):
+        ``keep`` is ``keeps`` as it was when the head was written (``Connection: close`` in
+        it when False)."""
+        assert self.status == 0, "answer already started"
+        self.status = status
+        if not keep:
+            self._request.keep_alive = False
+        self.begun = True
+        conn = self._conn
+        conn.write(data)
+        if conn._write_paused or conn._closed:  # would drain wait or raise? rarely: no coroutine
+            await conn.drain()
+        self._finished = True
+
     async def send(self, status: int, reason: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> None:
         """A whole answer at once, ``Content-Length`` set from ``body``."""
         self.start(status, reason, headers, length=len(body))
@@ -417,6 +568,19 @@ class Responder:
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
 """Serves one request: must start and finish (or abort) the answer before returning."""
+
+
+class Lane(Protocol):
+    """The usual request's way through (proxy/lane.py): it names the classifier the parser
+    notes each field's kind with, and serves a ``lean`` request as a Handler does."""
+
+    @property
+    def kinds(self) -> dict[bytes, int]: ...
+
+    @property
+    def tenant_header(self) -> str: ...
+
+    async def serve(self, request: Request, responder: Responder) -> None: ...
 
 
 class _HeadRefused(Exception):
@@ -452,6 +616,7 @@ class Http1Connection(asyncio.Protocol):
         deadline: float | None = None,
         registry: Callable[[Http1Connection, bool], None] | None = None,
         keep_alive: bool = True,
+        lane: Lane | None = None,
     ) -> None:
         self._handler = handler
         self._registry = registry
@@ -474,8 +639,12 @@ class Http1Connection(asyncio.Protocol):
         """False once the server stops: each connection closes after its current answer."""
         self._serving = False
         # the message being parsed
-        self._url = bytearray()
-        self._fields: list[tuple[str, str]] = []
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._marks: list[tuple[int, bytes]] = []  # the fields of the head the proxy reads or drops
+        self._lines: list[bytes] = []  # the PLAIN ones, as the pieces of their lines
+        self._lane = lane
+        self._kinds: dict[bytes, int] = _KINDS
         self._in_head = False
         self._head_seen = 0
         self._fresh = 0
@@ -549,11 +718,11 @@ class Http1Connection(asyncio.Protocol):
             if self._registry is not None:
                 self._registry(self, False)
         broken = BodyBroken("the worker's connection closed")
-        if self._parsing is not None:
-            self._parsing.body._fail(broken)
+        if self._parsing is not None and self._parsing._body is not None:
+            self._parsing._body._fail(broken)
         for item in self._queue:
-            if isinstance(item, Request):
-                item.body._fail(broken)
+            if isinstance(item, Request) and item._body is not None:
+                item._body._fail(broken)
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("the worker's connection closed"))
         if self._task is not None and not self._task.done():
@@ -575,8 +744,11 @@ class Http1Connection(asyncio.Protocol):
         self._in_head = True
         self._began = True
         self._head_seen = self._fresh = self._trailer_seen = 0
-        self._url.clear()
+        self._url = b""
         self._fields = []
+        self._marks = []
+        self._lines = []
+        self._kinds = self._lane.kinds if self._lane is not None else _KINDS
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -588,7 +760,14 @@ class Http1Connection(asyncio.Protocol):
             fields = self._fields
             if len(fields) >= MAX_FIELDS:
                 raise _HeadRefused(431, f"request head with more than {MAX_FIELDS} fields")
-            fields.append((name.decode("latin-1"), value.decode("latin-1")))
+            fields.append((name, value))
+            kind = self._kinds.get(name)
+            if kind is None:
+                kind = learn_request_kind(self._kinds, name, self._lane.tenant_header if self._lane is not None else "")
+            if kind:  # one the proxy reads or drops: looked at once the head is whole
+                self._marks.append((kind, value))
+            else:
+                self._lines += (name, b": ", value, b"\r\n")
         else:  # a trailer field: dropped (Trailer is hop-by-hop, as aiohttp drops them too)
             self._trailer_seen += len(name) + len(value) + 4
             if self._trailer_seen > MAX_HEAD:
@@ -604,16 +783,45 @@ class Http1Connection(asyncio.Protocol):
         version = parser.get_http_version()
         if version != "1.1" and version != "1.0":  # llhttp takes HTTP/0.9's "GET /path" too
             raise _HeadRefused(400, f"HTTP/{version} is not supported: the proxy speaks HTTP/1.0 and HTTP/1.1")
-        fields = self._fields
-        headers = CIMultiDictProxy(CIMultiDict(fields))
         method = parser.get_method().decode("latin-1")
-        expect = version == "1.1" and headers.get(_EXPECT, "").lower() == "100-continue"
-        te = headers.get(_TRANSFER_ENCODING, "")
-        length = headers.get(_CONTENT_LENGTH, "")
-        has_body = "chunked" in te.lower() or (length.strip().isdigit() and int(length) > 0)
+        # The fields the proxy reads (the first of each name counts, as a lookup by name
+        # finds it) and whether any of them needs the general request path.
+        host = tenant = length = te = expect = None
+        lean = version == "1.1"
+        for kind, value in self._marks:
+            if kind == HOST:
+                if host is None:
+                    host = value
+            elif kind == TENANT:
+                if tenant is None:
+                    tenant = value
+            elif kind == CONNECTION_FIELD:
+                if value not in THIS_HOP_VALUES and not only_this_hop(value):
+                    lean = False  # it names fields to drop too: the general filter
+            elif kind == LENGTH_FIELD:
+                if length is None:
+                    length = value
+            elif kind == TRANSFER:
+                if te is None:
+                    te = value
+            elif kind == EXPECT:
+                if expect is None:
+                    expect = value
+                lean = False
+            elif kind == QUOTA:
+                lean = False
+        has_body = (te is not None and b"chunked" in te.lower()) or (
+            length is not None and length.strip().isdigit() and int(length) > 0
+        )
+        continues = has_body and version == "1.1" and expect is not None and expect.lower() == b"100-continue"
         keep = parser.should_keep_alive() and method != "CONNECT"
-        body = Body(self, expect and has_body)
-        req = Request(method, self._url.decode("latin-1"), version, headers, body, keep, has_body, self.tag, fields)
+        req = parsed_request(self, method, self._url, version, self._fields, keep, has_body, continues, self.tag)
+        if lean and not has_body and te is None and method != "CONNECT":
+            req.lean = True
+            req.kinds = self._kinds
+            req.host = host
+            req.tenant = tenant
+            req.lines = b"".join(self._lines)
         self._parsing = req
         self._queue.append(req)
         if len(self._queue) > PIPELINE_AHEAD:
@@ -622,14 +830,16 @@ class Http1Connection(asyncio.Protocol):
         self._wake_queue()
 
     def on_body(self, body: bytes) -> None:
-        if self._parsing is not None:
-            self._parsing.body._feed(body)
+        if self._parsing is not None and self._parsing._body is not None:
+            self._parsing._body._feed(body)
 
     def on_message_complete(self) -> None:
         if self._skip_message:
             self._skip_message = False
-        if self._parsing is not None:
-            self._parsing.body._end()
+        parsing = self._parsing
+        if parsing is not None:
+            if parsing._body is not None:
+                parsing._body._end()
             self._parsing = None
 
     # -- parsing edge cases ------------------------------------------------------------
@@ -664,7 +874,8 @@ class Http1Connection(asyncio.Protocol):
         self._in_head = False
         self._head_arrived()
         if self._parsing is not None:
-            self._parsing.body._fail(BodyBroken(message))
+            if self._parsing._body is not None:
+                self._parsing._body._fail(BodyBroken(message))
             self._parsing = None
         self._queue.append(_ParseError(status, message))
         self.pause("broken")
@@ -773,7 +984,10 @@ class Http1Connection(asyncio.Protocol):
             self._serving = True
             responder = Responder(self, item)
             try:
-                await self._handler(item, responder)
+                if item.lean and self._lane is not None:
+                    await self._lane.serve(item, responder)
+                else:
+                    await self._handler(item, responder)
             except asyncio.CancelledError:
                 transport.abort()
                 raise
@@ -797,8 +1011,8 @@ class Http1Connection(asyncio.Protocol):
                 log.error("handler returned without finishing the answer to %s %s", item.method, item.target[:200])
                 transport.abort()
                 return
-            body = item.body
-            if item.keep_alive and not body._done:
+            body = item._body
+            if item.keep_alive and body is not None and not body._done:
                 if body._continue:
                     item.keep_alive = False  # the body was never invited: the worker may not send it
                 else:

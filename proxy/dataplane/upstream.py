@@ -146,6 +146,21 @@ class Response(Inbox):
         self._drop_unread()
         return data
 
+    def whole_exactly(self, length: int) -> bytes | None:
+        """The body at once when it is all in and exactly ``length`` bytes, else None (and
+        nothing taken: the answer can still be read piece by piece)."""
+        if not self._done or self._exc is not None or self._size != length:
+            return None
+        chunks = self._chunks
+        if len(chunks) == 1:
+            data = chunks[0]
+        elif chunks:
+            data = b"".join(chunks)
+        else:
+            return b""
+        self._drop_unread()
+        return data
+
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if it can be reused."""
         self._conn.finished(self)
@@ -300,15 +315,6 @@ class UpstreamConnection(asyncio.Protocol):
         ``content_length`` as its framing, or chunked when that is None; ``headers`` are the
         end-to-end ones (any framing among them is dropped), or ``lines`` instead: the same
         already written (``"Name: value\\r\\n"``, none of this hop's framing nor ``Host``)."""
-        assert self.transport is not None and not self._in_use
-        self._in_use = True
-        self._method = method
-        self.read_timeout = read_timeout
-        self._response = None
-        self._complete = False
-        self._silent_until = 0.0
-        self._head_size = 0
-        self._head = self._loop.create_future()
         if lines is None:
             lines = [f"{name}: {value}\r\n" for name, value in headers if name.lower() not in _FRAMING]
         if body is not None:
@@ -318,33 +324,66 @@ class UpstreamConnection(asyncio.Protocol):
         elif method in _EMPTY_BODY_METHODS:
             lines.append("Content-Length: 0\r\n")
         lines.append("\r\n")
-        self.transport.write(f"{method} {target} HTTP/1.1\r\n{self._host_line}{''.join(lines)}".encode("latin-1"))
-        writer: asyncio.Task[None] | None = None
-        if body is not None:
-            self._written = False
-            writer = self._writer = spawn(self._send_body(body, content_length is None), name="upstream-upload")
-            writer.add_done_callback(_retrieve)
+        head = f"{method} {target} HTTP/1.1\r\n{self._host_line}{''.join(lines)}".encode("latin-1")
+        if body is None:
+            answer = self.send_head(head, method, read_timeout)
+            try:
+                return await answer
+            except BaseException as exc:
+                self.unanswered(exc)
+                raise
+        self._begin(method, read_timeout)
+        self._written = False
+        assert self.transport is not None and self._head is not None
+        self.transport.write(head)
+        writer = self._writer = spawn(self._send_body(body, content_length is None), name="upstream-upload")
+        writer.add_done_callback(_retrieve)
         try:
-            if writer is not None:
-                # The read timeout runs from the end of the upload: a slow worker's upload is not the vendor's silence.
-                await asyncio.wait((writer, self._head), return_when=asyncio.FIRST_COMPLETED)
-                if writer.done() and not self._head.done():
-                    writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
+            # The read timeout runs from the end of the upload: a slow worker's upload is not the vendor's silence.
+            await asyncio.wait((writer, self._head), return_when=asyncio.FIRST_COMPLETED)
+            if writer.done() and not self._head.done():
+                writer.result()  # the upload failed: the worker's body broke, or the vendor's connection
             self.awaiting()
             return await self._head  # the read timer fails it when the vendor stays silent
         except BaseException as exc:
-            # Cancelled (the worker went away) with the whole request written: the vendor works
-            # on it regardless, so its answer is heard out. Otherwise the connection is useless.
-            whole = writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None)
-            if isinstance(exc, asyncio.CancelledError) and whole:
-                self.abandon()
-                raise
-            if writer is not None and not writer.done():
-                writer.cancel()
-            if not self._head.done():
-                self._head.cancel()  # nobody will await it: the close must not fail it unheard
-            self.close()
+            self.unanswered(exc, writer)
             raise
+
+    def _begin(self, method: str, read_timeout: float | None) -> None:
+        assert self.transport is not None and not self._in_use
+        self._in_use = True
+        self._method = method
+        self.read_timeout = read_timeout
+        self._response = None
+        self._complete = False
+        self._silent_until = 0.0
+        self._head_size = 0
+        self._head = self._loop.create_future()
+
+    def send_head(self, head: bytes, method: str, read_timeout: float | None) -> asyncio.Future[Response]:
+        """Write a request without a body, ``head`` whole (this hop's framing and ``Host``
+        in it), and return the future of its answer's head: the read timer fails it when the
+        vendor stays silent. A wait for it that ends in an exception goes to ``unanswered``."""
+        self._begin(method, read_timeout)
+        self._written = True
+        assert self.transport is not None and self._head is not None
+        self.transport.write(head)
+        self.awaiting()
+        return self._head
+
+    def unanswered(self, exc: BaseException, writer: asyncio.Task[None] | None = None) -> None:
+        """The wait for the answer's head ended in ``exc``. Cancelled (the worker went away)
+        with the whole request written: the vendor works on it regardless, so its answer is
+        heard out. Otherwise the connection is useless. ``writer``: the upload, if any."""
+        whole = writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None)
+        if isinstance(exc, asyncio.CancelledError) and whole:
+            self.abandon()
+            return
+        if writer is not None and not writer.done():
+            writer.cancel()
+        if self._head is not None and not self._head.done():
+            self._head.cancel()  # nobody will await it: the close must not fail it unheard
+        self.close()
 
     async def _send_body(self, body: BodySource, chunked: bool) -> None:
         transport = self.transport

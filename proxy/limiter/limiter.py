@@ -209,7 +209,7 @@ class Limiter:
         try:
             result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key), leases)
         except StoreUnavailable as exc:
-            self._store_failed(exc)
+            self.store_failed(exc)
             raise
         except BaseException:
             self.breaker.release()
@@ -242,23 +242,39 @@ class Limiter:
         self._observed_parts[key] = obs
 
     def _guard(self, vendor: Vendor, key: str) -> StateGuard:
-        return StateGuard(key, self._seen_seq(key), vendor.on_limit.max_hold)
+        return StateGuard(key, self.seen_seq(key), vendor.on_limit.max_hold)
 
     def _answered(self, vendor: Vendor, key: str, result: AcquireResult, now: float | None = None) -> None:
         """What every acquire the store answered tells: the state's counter, a loss
         (``now``: the clock's, when not given)."""
-        self._note_state(vendor, key, result, self.clock.monotonic() if now is None else now)
+        self._note_state(
+            vendor, key, result.seq, result.ttl, result.lost, self.clock.monotonic() if now is None else now
+        )
         if result.lost:
-            part = self._partition_of(vendor, key)
-            log.error(
-                "the store lost %s's bucket state%s (restarted empty, flushed, evicted or failed over to a "
-                "lagging replica): its buckets restart owing up to %.3fs of reservations, never full",
-                vendor.name,
-                f" (partition {shown(part)})" if part else "",
-                vendor.on_limit.max_hold,
-            )
-            if self._on_state_lost is not None:
-                self._on_state_lost(vendor.name)
+            self._state_lost(vendor, key)
+
+    def answered_straight(
+        self, vendor: Vendor, b: Buckets, seq: int, ttl: float, lost: bool, levels: tuple[float, ...], now: float
+    ) -> None:
+        """``_answered`` and ``_observe`` of an acquire the straight path (lane.py) sent
+        itself (``RedisStore.straight``), from its reply's fields; the store answered."""
+        self.breaker.success()
+        self._note_state(vendor, b.state_key, seq, ttl, lost, now)
+        if lost:
+            self._state_lost(vendor, b.state_key)
+        self._observe(vendor, b, levels, now)
+
+    def _state_lost(self, vendor: Vendor, key: str) -> None:
+        part = self._partition_of(vendor, key)
+        log.error(
+            "the store lost %s's bucket state%s (restarted empty, flushed, evicted or failed over to a "
+            "lagging replica): its buckets restart owing up to %.3fs of reservations, never full",
+            vendor.name,
+            f" (partition {shown(part)})" if part else "",
+            vendor.on_limit.max_hold,
+        )
+        if self._on_state_lost is not None:
+            self._on_state_lost(vendor.name)
 
     def _partition_of(self, vendor: Vendor, key: str) -> str:
         """The partition of one of the vendor's state keys ("" = the default one)."""
@@ -303,7 +319,7 @@ class Limiter:
             for owing, partition in local.owing() or [(vendor, "")]:
                 await self._charge(local, owing, partition)
         except StoreUnavailable as exc:
-            self._store_failed(exc)
+            self.store_failed(exc)
             return False
         except BaseException:
             self.breaker.release()
@@ -380,23 +396,22 @@ class Limiter:
         """Whether this replica can still grant with the store out (it knows its share)."""
         return self.local is not None and (self.local.active or self.local.presence.replicas() > 0)
 
-    def _seen_seq(self, key: str) -> int:
+    def seen_seq(self, key: str) -> int:
         """The counter to check state ``key`` against: 0 once the state may have
         expired of itself (idle: every bucket full, no reservation outstanding)."""
         seq, matters_until = self._seen.get(key, (0, 0.0))
         return seq if self.clock.monotonic() < matters_until else 0
 
-    def _note_state(self, vendor: Vendor, key: str, result: AcquireResult, now: float) -> None:
+    def _note_state(self, vendor: Vendor, key: str, seq: int, ttl: float, lost: bool, now: float) -> None:
         seen = self._seen.get(key)
-        seq = 0 if seen is None else seen[0]
-        if result.seq >= seq or result.lost:
+        if seen is None or seq >= seen[0] or lost:
             # The state lives ``debt`` + 1 s past its buckets' refill (the ttl the store
             # reports, whoever extended it last): only until then can a missing state be
             # a loss that matters (acquire.lua, "Lost state").
             if seen is None:
-                # Many partitions: entries past their time say nothing any more (_seen_seq).
+                # Many partitions: entries past their time say nothing any more (seen_seq).
                 _bounded(self._seen, lambda s: s[1] <= now)
-            self._seen[key] = (result.seq, now + result.ttl - vendor.on_limit.max_hold - 1.0)
+            self._seen[key] = (seq, now + ttl - vendor.on_limit.max_hold - 1.0)
 
     async def block(self, vendor: Vendor, seconds: float, *, partition: str = "") -> float:
         """A vendor 429: block the global buckets of the vendor's partition that got it
@@ -484,12 +499,12 @@ class Limiter:
         try:
             result = await call
         except StoreUnavailable as exc:
-            self._store_failed(exc)
+            self.store_failed(exc)
             raise
         self.breaker.success()
         return result
 
-    def _store_failed(self, exc: StoreUnavailable) -> None:
+    def store_failed(self, exc: StoreUnavailable) -> None:
         self.breaker.failure()
         if self._on_store_error is not None:
             self._on_store_error(exc)

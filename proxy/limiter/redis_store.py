@@ -127,6 +127,67 @@ class _AcquireShape:
         return parts
 
 
+def acquire_result(out: list[Any], n: int) -> AcquireResult:
+    """acquire.lua's reply to an acquire of ``n`` buckets (its fields in order, as strings)."""
+    wait = out[1]
+    waited = float(wait) / _MS
+    # Every field given, in order: the tuple made directly, without the NamedTuple's
+    # Python-level __new__ binding ten arguments (once per request).
+    return _tuple_new(
+        AcquireResult,
+        (
+            out[0] == b"1",
+            waited,
+            int(out[2]) - 1,
+            tuple(map(float, out[8 : 8 + n])),
+            waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
+            int(out[4]),
+            out[5] == b"1",
+            int(out[6]) - 1,
+            tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
+            int(out[7]) / _MS,
+        ),
+    )
+
+
+class StraightAcquire:
+    """One bucket set's acquire as the straight path (lane.py) sends it: written on the
+    pipelined connection, packed once but for the state's counter ``seen`` (the bytes
+    ``RedisStore.acquire`` sends for the same call, with a state guard and no leases)."""
+
+    __slots__ = ("_after", "_before", "_script", "_store", "n")
+
+    def __init__(self, store: RedisStore, script: PipelinedScript, before: bytes, after: bytes, n: int) -> None:
+        self._store = store
+        self._script = script
+        self._before = before
+        self._after = after
+        self.n = n
+        """The buckets: the reply's levels are ``out[8 : 8 + n]``."""
+
+    def packed(self, seen: int) -> bytes:
+        digits = b"%d" % seen
+        return b"%s$%d\r\n%s\r\n%s" % (self._before, len(digits), digits, self._after)
+
+    def send(self, seen: int) -> asyncio.Future[Any] | None:
+        """Write (or queue) the acquire; its reply's future (a ``hiredis.ReplyError`` is a
+        reply: ``reply_error``), None when the connection is not open."""
+        return self._script.send_now(self.packed(seen), self._store._timeout)
+
+    async def reply_error(self, error: hiredis.ReplyError, seen: int) -> Any:
+        """The reply after an error reply (NOSCRIPT: the script loaded, the acquire sent again)."""
+        try:
+            return await self._script.reply_error(str(error), self.packed(seen), self._store._timeout)
+        except (PipelineError, OSError, TimeoutError) as exc:
+            raise self._store._fast_failed(exc) from exc
+
+    def failed(self, exc: BaseException) -> StoreUnavailable | None:
+        """What an exception awaiting the reply means: the store unavailable, or (None) not the store's."""
+        if isinstance(exc, (PipelineError, OSError, TimeoutError)):
+            return self._store._fast_failed(exc)
+        return None
+
+
 class RedisStore:
     def __init__(self, url: str, timeout: float, *, pipelined: bool = True) -> None:
         """``pipelined=False`` sends acquire, release and presence through redis-py, like every
@@ -254,25 +315,20 @@ class RedisStore:
             ]
             keys = shape.keys
             out = await self._call(lambda: self._acquire(keys=keys, args=args))
-        wait = out[1]
-        waited = float(wait) / _MS
-        # Every field given, in order: the tuple made directly, without the NamedTuple's
-        # Python-level __new__ binding ten arguments (once per request).
-        return _tuple_new(
-            AcquireResult,
-            (
-                out[0] == b"1",
-                waited,
-                int(out[2]) - 1,
-                tuple(map(float, out[8 : 8 + n])),
-                waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
-                int(out[4]),
-                out[5] == b"1",
-                int(out[6]) - 1,
-                tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
-                int(out[7]) / _MS,
-            ),
-        )
+        return acquire_result(out, n)
+
+    def straight(
+        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None, guard: StateGuard
+    ) -> StraightAcquire | None:
+        """How the straight path (lane.py) sends this bucket set's acquire itself, guarded by
+        ``guard``'s state (its ``seen`` aside: each call's own), no leases; None when the
+        acquire does not go over one pipelined connection (Redis Cluster, redis-py)."""
+        fast = self._acquire_fast
+        if not isinstance(fast, PipelinedScript):
+            return None
+        shape = self._shape(buckets, queue, guard, ())
+        before, after = shape.around_seen(cost, max_wait, guard.debt)
+        return StraightAcquire(self, fast, before, after, shape.n)
 
     def _shape(
         self, buckets: tuple[BucketSpec, ...], queue: str | None, guard: StateGuard | None, sets: tuple[LeaseSet, ...]
