@@ -315,7 +315,10 @@ class Fleet:
         name: str = "proxy",
         cpus: str | None = None,
         nofile: int | None = None,
+        tree: Path | None = None,
     ) -> Proc:
+        """``tree``: run quota-proxy from that checkout instead of this one (an older commit's
+        ``git worktree``, to compare versions in one run)."""
         cfg = self.workdir / f"{name}.yaml"
         cfg.write_text(policy_yaml)
         argv = [
@@ -334,7 +337,10 @@ class Fleet:
         ]
         if store is not None:
             argv += ["--store", store]
-        proc = self.start(name, argv, cpus=cpus, nofile=nofile)
+        if tree is None:
+            proc = self.start(name, argv, cpus=cpus, nofile=nofile)
+        else:
+            proc = self.start(name, argv, cpus=cpus, nofile=nofile, cwd=tree, env={"PYTHONPATH": str(tree)})
         m = self.wait_line(proc, _PROXY_READY)
         proc.url, proc.admin_url = f"http://{m.group(1)}", f"http://{m.group(2)}"
         return proc

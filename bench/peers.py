@@ -23,6 +23,8 @@ Systems (access log and metrics on in ours; no limit ever binds):
   floor_redis  the same with one pipelined EVALSHA per request: the floor of a limiting proxy
   floor_async  floor_redis in the product's shape: a task per connection, a future per step
   --also NAME=COMMAND   any other forward proxy (a prototype kept outside the repo)
+  --tree NAME=PATH      quota-proxy (the ``redis`` system) from another checkout, e.g. a
+                        ``git worktree`` of an older commit: versions compared in one run
 
 Load: ``wrk -t1 -c50`` keep-alive with absolute-form targets, as HTTP_PROXY clients send
 (``GET http://api.bench.example/v1/ping``; for proxy.py, which resolves the target's
@@ -564,6 +566,9 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         "--systems", default="redis,memory,proxypy", help=f"of {', '.join(SYSTEMS)} (default: redis,memory,proxypy)"
     )
     p.add_argument("--also", action="append", default=[], metavar="NAME=COMMAND", help="another proxy to compare")
+    p.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH", help="quota-proxy from another checkout (redis)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per system per round (default 10)")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured load per system before round 1 (default 3)")
@@ -593,6 +598,14 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         if not sep or not name or not command or name in SYSTEMS:
             p.error(f"--also takes NAME=COMMAND with a new NAME, not {spec!r}")
         also[name] = command
+    trees: dict[str, Path] = {}
+    for spec in args.tree:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in SYSTEMS or name in also or name in trees:
+            p.error(f"--tree takes NAME=PATH with a new NAME, not {spec!r}")
+        if not (Path(path) / "proxy" / "__main__.py").exists():
+            p.error(f"--tree {spec!r}: {path} is not a quota-proxy checkout")
+        trees[name] = Path(path)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if not skip <= {"https", "latency"}:
         p.error("--skip takes https and/or latency")
@@ -606,7 +619,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         args.proxy_cpu = args.load_cpu = None
     else:
         require_pinning()
-    names = systems + list(also)
+    names = systems + list(also) + list(trees)
     per_round = len(names) * (args.duration + 5)
     per_round += 0 if "https" in skip else 3 * (args.duration + 8)
     per_round += 0 if "latency" in skip else (len(names) + 1) * (args.latency_duration + 6)
@@ -637,6 +650,10 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             targets[name] = TARGET_URL
     for name, command in also.items():
         procs[name] = start_also(fleet, name, command, upstream, redis, args.proxy_cpu)
+        targets[name] = TARGET_URL
+    for name, tree in trees.items():
+        yaml = product_policy("redis", upstream.url, redis.url, store_timeout=STORE_TIMEOUT)
+        procs[name] = fleet.proxy(yaml, name=f"proxy-{name}", cpus=args.proxy_cpu, tree=tree)
         targets[name] = TARGET_URL
 
     for name in names:  # connections, pools, the Lua script, first-call allocations

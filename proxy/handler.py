@@ -80,7 +80,8 @@ class ProxyHandler:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self._loudly = Loudly(log, deps.clock)
-        self._seats = Seats(deps.clock)
+        self.seats = Seats(deps.clock)
+        """The tenant seats of vendors (``tenant.max_active``): the straight path takes them too."""
         self.lane = Lane(self)
         """The usual request's straight way through (lane.py), handing the rest to this handler."""
 
@@ -298,7 +299,7 @@ class ProxyHandler:
     def _seat(self, deps: Deps, vendor: Vendor, tenant: str, cap: int) -> None:
         """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
         (``cap``) seats before it may create store keys (seats.py); none free: deferred."""
-        wait = self._seats.take(vendor, tenant, cap)
+        wait = self.seats.take(vendor, tenant, cap)
         if wait > 0:
             self._loudly.warn(
                 f"max_active {vendor.name}",

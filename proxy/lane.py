@@ -154,6 +154,9 @@ class Lane:
         vendor = route.vendor
         limiter = deps.limiter
         target = request.target
+        seats = route.seats
+        if seats is not None and self._handler.seats.take(vendor, route.tenant, seats) > 0:
+            raise _HandOver(Carried(route.match_for(target)))  # no seat free: the general path defers it
         # -- its tokens: one store call -------------------------------------------------
         plan = route.plan
         if plan is not None:

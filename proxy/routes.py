@@ -14,9 +14,10 @@ header's value; inside an intercepted tunnel, where the tunnel leads; for an ori
 target (a vendor ``route`` or a ``Host``), the whole target and ``Host``.
 
 A route is *straight* when nothing about its requests needs the general path: no
-concurrency cap, partition, endpoint classes, RateLimit fields, learned limits, tenant
-seats, proxy credentials or local shares, and a method whose answer has a body (not
-HEAD). Requests of any other route take the general path whole.
+concurrency cap, partition, endpoint classes, RateLimit fields, learned limits, proxy
+credentials or local shares, and a method whose answer has a body (not
+HEAD). Requests of any other route take the general path whole. (A tenant the policy does
+not name takes its seat here as it would there: ``seats``.)
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Route:
         "plan",
         "pool",
         "recent",
+        "seats",
         "state_key",
         "straight",
         "target_path",
@@ -128,6 +130,9 @@ class Route:
         self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
         self.enqueue = on_limit.action != "shed"
         self.state_key = self.b.state_key
+        cap = deps.policy.tenant.max_active
+        self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
+        """The vendor's ``tenant.max_active`` when the tenant needs one of its seats (seats.py)."""
         straight_of = getattr(limiter.store, "straight", None)
         self.plan: StraightAcquire | None = None
         if straight_of is not None and self.state_key:
@@ -185,14 +190,11 @@ class Route:
 def straight(deps: Deps, match: Match) -> bool:
     """May the requests of ``match`` take the straight path (see the module's docstring)?"""
     vendor = match.vendor
-    policy = deps.policy
     tenancy = deps.router.tenancy
     if vendor.partition is not None or vendor.endpoints or vendor.ratelimit_headers:
         return False
     if vendor.feedback.headers == "auto" or deps.limiter.local is not None or tenancy.authenticates:
         return False
-    if policy.tenant.max_active is not None and match.tenant not in tenancy.named:
-        return False  # a seat to take per request (seats.py)
     if deps.concurrency.sets(vendor, None):
         return False
     return deps.metrics.cells_available

@@ -259,13 +259,14 @@ def vendor_policy(
     extra_top: str = "",
     tenant_limits: str = "",
     on_limit: str = "{action: hold, max_hold: 500ms}",
+    store_timeout: str = "250ms",
 ) -> Policy:
     """One vendor ``payments`` on hosts api.payments.example, route /payments, at ``upstream``."""
     text = f"""
         version: 1
         listen: 127.0.0.1:0
         admin_listen: 127.0.0.1:0
-        store: {{url: "{store}", timeout: 250ms}}
+        store: {{url: "{store}", timeout: {store_timeout}}}
         {extra_top}
         vendors:
           - name: payments

@@ -1,0 +1,399 @@
+"""The straight path (proxy/lane.py) against the general one: the same bytes to the vendor,
+the same bytes to the worker, the same access-log line and the same metrics, request for
+request; and the usual request never enters the general path.
+
+Every case is sent twice to one proxy: once as it comes (the straight path takes it, or
+hands it over where it stops being usual), once with the lane switched off (``Lane.serve``
+handing every request to the general path), and the two runs compared. The vendor is a
+raw TCP server answering each case's exact bytes and recording the exact bytes it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.accesslog import AccessLog
+from proxy.dataplane.http1 import Request, Responder
+from proxy.handler import ProxyHandler
+from proxy.lane import Lane
+from tests.conftest import eventually, metric_samples, value, vendor_policy
+from tests.helpers.intercept import ProxyCA, intercept_policy, new_proxy_ca
+
+WAIT = 10.0
+HOST = "api.payments.example"
+
+OK_BODY = b'{"ok":true}'
+OK = b"".join(
+    (
+        b"HTTP/1.1 200 OK\r\n",
+        b"Content-Type: application/json\r\n",
+        b"Date: Tue, 01 Dec 2026 12:00:00 GMT\r\n",
+        b"Content-Length: 11\r\n\r\n",
+        OK_BODY,
+    )
+)
+
+
+@dataclass
+class ScriptedVendor:
+    """A raw vendor: every request head it reads is recorded as bytes and answered ``answer``."""
+
+    answer: bytes = OK
+    got: list[bytes] = field(default_factory=list)
+    url: str = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.got.append(head)
+                writer.write(self.answer)
+                await writer.drain()
+                if b"Connection: close" in self.answer:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[ScriptedVendor]:
+    vendor = ScriptedVendor()
+    server = await asyncio.start_server(vendor.serve, "127.0.0.1", 0)
+    vendor.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield vendor
+    server.close()
+    await server.wait_closed()
+
+
+async def _exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a new connection, read one answer whole (by its framing, or to the close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        low = head.lower()
+        found = re.search(rb"\r\ncontent-length: *(\d+)", low)
+        if data.startswith(b"HEAD ") or head[9:12] in (b"204", b"304"):
+            body = b""
+        elif found is not None:
+            body = await asyncio.wait_for(reader.readexactly(int(found.group(1))), WAIT)
+        elif b"transfer-encoding: chunked" in low:
+            body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), WAIT)
+        else:
+            body = await asyncio.wait_for(reader.read(), WAIT)
+        return head + body
+    finally:
+        writer.close()
+
+
+_DATE = re.compile(rb"\r\nDate: [^\r]*")
+
+
+def _comparable(answer: bytes, vendor_answer: bytes) -> bytes:
+    """The worker's answer with a ``Date`` the proxy added (the vendor sent none) blanked."""
+    return answer if b"\r\nDate:" in vendor_answer else _DATE.sub(b"\r\nDate: -", answer)
+
+
+def _log_fields(line: str) -> dict[str, Any]:
+    fields = json.loads(line)
+    assert isinstance(fields.pop("ts"), float) and isinstance(fields.pop("duration_ms"), float)
+    return fields
+
+
+FAMILIES = (
+    "ratelimit_requests_total",
+    "ratelimit_requests_by_mode_total",
+    "http_client_responses_total",
+    "http_client_request_duration_seconds_count",
+    "ratelimit_deferred_total",
+)
+
+
+def _counts(text: str) -> dict[Any, float]:
+    return {key: sample for key, sample in metric_samples(text).items() if key[0] in FAMILIES}
+
+
+async def _general_only(self: Lane, request: Request, responder: Responder) -> None:
+    await self._handler(request, responder)
+
+
+@dataclass
+class Run:
+    vendor_got: bytes
+    answer: bytes
+    log: dict[str, Any]
+    metrics: dict[Any, float]
+
+
+async def _run(proxy: Any, vendor: ScriptedVendor, stream: io.StringIO, data: bytes) -> Run:
+    async def metrics() -> dict[Any, float]:
+        async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+            return _counts(await r.text())
+
+    before = await metrics()
+    seen = len(vendor.got)
+    stream.seek(0)
+    stream.truncate()
+    answer = await _exchange(proxy.address.port, data)
+    proxy.runtime.deps.access_log.flush()
+    after = await metrics()
+    lines = [line for line in stream.getvalue().splitlines() if line]
+    assert len(lines) == 1, lines
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    return Run(b"".join(vendor.got[seen:]), answer, _log_fields(lines[0]), delta)
+
+
+def _request(method: str, target: str, *fields: str, host: str | None = HOST) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", *([f"Host: {host}"] if host else []), *fields]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+ABSOLUTE = f"http://{HOST}/v1/charges?limit=3"
+REQUESTS = {
+    "plain GET": _request("GET", ABSOLUTE, "User-Agent: t/1", "Accept: */*"),
+    "hop-by-hop fields": _request(
+        "GET", ABSOLUTE, "Connection: keep-alive", "Proxy-Connection: Keep-Alive", "Keep-Alive: 300", "TE: trailers"
+    ),
+    "tenant and credential": _request("GET", ABSOLUTE, "X-Tenant-Id: acme", "Authorization: Bearer sk_test"),
+    "odd spelling": _request("GET", ABSOLUTE, "accept:   */*", "X-Dup: 1", "x-dup: 2", "X-Latin: caf\xe9"),
+    "DELETE": _request("DELETE", f"http://{HOST}/v1/charges/ch_1"),
+    "POST without a body": _request("POST", f"http://{HOST}/v1/charges", "Content-Length: 0"),
+    "OPTIONS": _request("OPTIONS", f"http://{HOST}/v1/charges"),
+    "worker closes": _request("GET", ABSOLUTE, "Connection: close"),
+    "route (origin form)": _request("GET", "/payments/v1/charges", host="127.0.0.1"),
+    "Host names the vendor": _request("GET", "/v1/charges"),
+    "no Host, absolute form": _request("GET", ABSOLUTE, host=None),
+    "fragment": _request("GET", f"http://{HOST}/v1/charges#top"),
+    # Not usual: the general path from the start.
+    "X-Quota-On-Limit": _request("GET", ABSOLUTE, "X-Quota-On-Limit: hold"),
+    "Connection names a field": _request("GET", ABSOLUTE, "Connection: X-Private", "X-Private: 1"),
+    "HEAD": _request("HEAD", ABSOLUTE),
+}
+ANSWERS = {
+    "plain": OK,
+    "no Date": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n" + OK_BODY,
+    "hop-by-hop fields": b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n"
+    b"Proxy-Authenticate: Basic\r\nX-Quota-Action: fake\r\nContent-Length: 11\r\n\r\n" + OK_BODY,
+    "own reason phrase": b"HTTP/1.1 201 Made It\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok",
+    "HTTP/1.0 keep-alive": b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 11\r\n\r\n" + OK_BODY,
+    "empty body": b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+    "vendor closes": b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 11\r\n\r\n" + OK_BODY,
+    # Handed over with the answer: the general path relays (and feeds back) these.
+    "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    "204": b"HTTP/1.1 204 No Content\r\nDate: Tue, 01 Dec 2026 12:00:00 GMT\r\n\r\n",
+    "vendor 429": b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 2\r\n\r\n{}",
+    "large body": b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100_000,
+    "Connection names a field": b"HTTP/1.1 200 OK\r\nConnection: X-Trace\r\nX-Trace: 1\r\nContent-Length: 2\r\n\r\nok",
+    "watched remaining quota": b"HTTP/1.1 200 OK\r\nX-RateLimit-Remaining: 5\r\nContent-Length: 2\r\n\r\nok",
+    "no length, closed": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the close",
+}
+CASES = [(r, "plain") for r in REQUESTS] + [("plain GET", a) for a in ANSWERS if a != "plain"]
+GENERAL_REQUESTS = {"fragment", "X-Quota-On-Limit", "Connection names a field", "HEAD"}
+"""Requests that are not usual: the general path serves them from the start."""
+HANDED_OVER = {"chunked", "204", "vendor 429", "large body", "Connection names a field", "watched remaining quota"}
+HANDED_OVER |= {"no length, closed"}
+"""Answers the straight path hands to the general path's relay."""
+
+
+@pytest.mark.parametrize(("request_case", "answer_case"), CASES, ids=[f"{r} / {a}" for r, a in CASES])
+async def test_the_straight_path_writes_what_the_general_path_writes(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+    request_case: str,
+    answer_case: str,
+) -> None:
+    policy = vendor_policy(
+        scripted.url,
+        limits="[{rate: 1000, per: 1s}, {rate: 60000, per: 1m}]",
+        tenant_limits="tenant_limits: {default: [{rate: 500, per: 1s}]}",
+        extra_vendor="feedback: {remaining_header: X-RateLimit-Remaining, low_watermark: 1}",
+    )
+    scripted.answer = ANSWERS[answer_case]
+    data = REQUESTS[request_case]
+    runs = []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "serve", _general_only)
+        stream = io.StringIO()
+        proxy = await start_proxy(policy, access_log=AccessLog(stream))  # each its own buckets
+        runs.append(await _run(proxy, scripted, stream, data))
+        if lane == "straight":
+            took = len(general_calls)
+            usual = request_case not in GENERAL_REQUESTS and answer_case not in HANDED_OVER
+            assert took == (0 if usual else 1), f"the general path served {took} of 1"
+    straight, general = runs
+    assert straight.vendor_got == general.vendor_got
+    assert _comparable(straight.answer, scripted.answer) == _comparable(general.answer, scripted.answer)
+    assert straight.log == general.log
+    assert straight.metrics == general.metrics
+    assert straight.log["outcome"] == "forwarded" and straight.metrics  # something was counted
+
+
+async def _exchange_intercepted(port: int, ca: ProxyCA, data: bytes, connect_headers: str = "") -> bytes:
+    """``data`` inside an intercepted tunnel (CONNECT, then TLS with the proxy's leaf): one answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"CONNECT {HOST}:443 HTTP/1.1\r\nHost: {HOST}:443\r\n{connect_headers}\r\n".encode())
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(writer.start_tls(ca.trust(), server_hostname=HOST), WAIT)
+        writer.write(data)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        found = re.search(rb"\r\ncontent-length: *(\d+)", head.lower())
+        assert found is not None, head
+        return head + await asyncio.wait_for(reader.readexactly(int(found.group(1))), WAIT)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("connect_headers", ["", "X-Tenant-Id: acme\r\n"], ids=["no tenant", "tenant on CONNECT"])
+async def test_inside_an_intercepted_tunnel_the_straight_path_writes_what_the_general_path_writes(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+    tmp_path: Any,
+    connect_headers: str,
+) -> None:
+    ca = new_proxy_ca(tmp_path)
+    policy = intercept_policy(ca, upstream=scripted.url, vendor_ca=None)
+    data = _request("GET", "/v1/charges?limit=3", "User-Agent: t/1", "Connection: keep-alive")
+    runs = []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "serve", _general_only)
+        stream = io.StringIO()
+        proxy = await start_proxy(policy, access_log=AccessLog(stream))
+        seen = len(scripted.got)
+        answer = await _exchange_intercepted(proxy.address.port, ca, data, connect_headers)
+        if lane == "straight":
+            assert general_calls == []
+        proxy.runtime.deps.access_log.flush()
+        lines = [_log_fields(line) for line in stream.getvalue().splitlines()]
+        async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+            counts = _counts(await r.text())
+        runs.append((b"".join(scripted.got[seen:]), answer, lines, counts))
+    assert runs[0] == runs[1]
+    assert runs[0][2][-1]["tenant"] == ("acme" if connect_headers else "default")
+    assert runs[0][2][-1]["outcome"] == "forwarded"
+
+
+@pytest.fixture
+def general_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The targets of the requests the general path was asked to serve."""
+    calls: list[str] = []
+    serve = ProxyHandler.__call__
+
+    async def counted(self: ProxyHandler, request: Request, responder: Responder, *args: Any, **kwargs: Any) -> None:
+        calls.append(request.target)
+        await serve(self, request, responder, *args, **kwargs)
+
+    monkeypatch.setattr(ProxyHandler, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_the_usual_request_never_enters_the_general_path(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], redis_url: str, store: str
+) -> None:
+    policy = vendor_policy(scripted.url, store=redis_url if store == "redis" else "memory://")
+    proxy = await start_proxy(policy)
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])  # the first opens the store's connection
+    general_calls.clear()
+    for case in ("plain GET", "hop-by-hop fields", "tenant and credential", "DELETE", "route (origin form)"):
+        answer = await _exchange(proxy.address.port, REQUESTS[case])
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert general_calls == []
+    # ...and what is not usual does.
+    answer = await _exchange(proxy.address.port, REQUESTS["X-Quota-On-Limit"])
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and general_calls == [ABSOLUTE]
+
+
+async def test_a_held_request_is_handed_over_with_the_stores_answer(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], redis_url: str
+) -> None:
+    """The store says "wait": the general path holds it, with the reservation the straight
+    path's call made (one store call, no second acquire)."""
+    stream = io.StringIO()
+    policy = vendor_policy(
+        scripted.url, store=redis_url, limits="[{rate: 1, per: 1s, burst: 2}]", on_limit="{action: hold, max_hold: 2s}"
+    )
+    proxy = await start_proxy(policy, access_log=AccessLog(stream))
+    # The first opens the store's connection and takes a token: one is left (and less
+    # than a second's refill, 1/s) when the two below come.
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])
+    proxy.runtime.deps.access_log.flush()
+    stream.seek(0)
+    stream.truncate()
+    general_calls.clear()
+    scripted.got.clear()
+    first, second = await asyncio.gather(
+        _exchange(proxy.address.port, REQUESTS["plain GET"]), _exchange(proxy.address.port, REQUESTS["plain GET"])
+    )
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200")
+    proxy.runtime.deps.access_log.flush()
+    outcomes = sorted(json.loads(line)["outcome"] for line in stream.getvalue().splitlines())
+    assert outcomes == ["forwarded", "held"]
+    assert len(general_calls) == 1  # the held one, handed over
+    assert len(scripted.got) == 2
+
+
+async def test_a_reload_that_renames_the_tenant_header_is_followed(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str]
+) -> None:
+    proxy = await start_proxy(vendor_policy(scripted.url))
+    await _exchange(proxy.address.port, _request("GET", ABSOLUTE, "X-Tenant-Id: acme"))
+    renamed = vendor_policy(scripted.url, extra_top="tenant: {header: X-Customer}")
+    proxy.runtime.apply(renamed)
+    answer = await _exchange(proxy.address.port, _request("GET", ABSOLUTE, "X-Customer: globex", "X-Tenant-Id: acme"))
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    got = scripted.got[-1].lower()
+    assert b"x-customer" not in got and b"x-tenant-id: acme" in got  # the new header stripped, the old one forwarded
+
+    async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+        samples = metric_samples(await r.text())
+    assert value(samples, "ratelimit_requests_total", limiter="payments", tenant="globex", outcome="forwarded") == 1
+    assert general_calls == []
+
+
+async def test_a_worker_gone_while_the_store_answers_is_counted_once_as_gone(
+    scripted: ScriptedVendor, start_proxy: Any, own_redis: Any
+) -> None:
+    """The worker hangs up while the straight path waits for Redis (paused): one error
+    outcome, one log line, nothing sent to the vendor, the breaker not left probing."""
+    stream = io.StringIO()
+    policy = vendor_policy(scripted.url, store=own_redis.url, store_timeout="10s")  # gone long before it times out
+    proxy = await start_proxy(policy, access_log=AccessLog(stream))
+    assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200")  # connected
+    own_redis.pause()
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+        writer.write(REQUESTS["plain GET"])
+        await writer.drain()
+        pipe = proxy.runtime.limiter.store._pipe._proto  # its acquire waits for Redis's answer
+        await eventually(lambda: len(pipe._waiters) == 1, "the acquire sent")
+        writer.close()
+    finally:
+        own_redis.resume()
+
+    def logged() -> list[str]:
+        proxy.runtime.deps.access_log.flush()
+        return stream.getvalue().splitlines()
+
+    await eventually(lambda: len(logged()) == 2, "the gone request's log line")
+    gone = json.loads(logged()[1])
+    assert gone["outcome"] == "error" and gone["detail"] == "the worker went away"
+    assert len(scripted.got) == 1
+    assert proxy.runtime.limiter.breaker.allow()
