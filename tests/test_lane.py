@@ -377,6 +377,11 @@ async def test_a_worker_gone_while_the_store_answers_is_counted_once_as_gone(
     policy = vendor_policy(scripted.url, store=own_redis.url, store_timeout="10s")  # gone long before it times out
     proxy = await start_proxy(policy, access_log=AccessLog(stream))
     assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200")  # connected
+
+    def logged() -> list[str]:
+        proxy.runtime.deps.access_log.flush()
+        return stream.getvalue().splitlines()
+
     own_redis.pause()
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
@@ -385,15 +390,11 @@ async def test_a_worker_gone_while_the_store_answers_is_counted_once_as_gone(
         pipe = proxy.runtime.limiter.store._pipe._proto  # its acquire waits for Redis's answer
         await eventually(lambda: len(pipe._waiters) == 1, "the acquire sent")
         writer.close()
+        await eventually(lambda: len(logged()) == 2, "the gone request's log line")
     finally:
         own_redis.resume()
-
-    def logged() -> list[str]:
-        proxy.runtime.deps.access_log.flush()
-        return stream.getvalue().splitlines()
-
-    await eventually(lambda: len(logged()) == 2, "the gone request's log line")
     gone = json.loads(logged()[1])
     assert gone["outcome"] == "error" and gone["detail"] == "the worker went away"
-    assert len(scripted.got) == 1
+    assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200")  # and on
+    assert len(scripted.got) == 2  # the first and the last: never the one whose worker went away
     assert proxy.runtime.limiter.breaker.allow()
