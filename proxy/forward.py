@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from proxy.dataplane.http1 import BodyBroken, BodyStalled, Request, Responder
 from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
-from proxy.headers import downstream_response_headers, downstream_response_lines, idempotent, upstream_request_lines
+from proxy.headers import answer_fields, answer_lines, downstream_response_headers, idempotent, upstream_request_lines
 from proxy.names import parse_authority
 from proxy.pacing import Paced, Pacer
 from proxy.policy.model import Policy, TlsSettings, Vendor
@@ -277,14 +277,15 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
     HTTP/1.0 one."""
     try:
-        written = downstream_response_lines(upstream.raw)  # the usual answer: one pass over its fields
+        written = answer_lines(upstream.block, answer_fields(), False)  # the usual answer: its lines copied
         if written is None:  # a Connection field: the fields it names are dropped too, the general filter
             headers = downstream_response_headers(upstream.headers)
             if extra_headers:
                 headers.extend(extra_headers.items())
             responder.start(upstream.status, upstream.reason, headers)
         else:
-            head, length, date = written
+            lines, length, date = written
+            head = [lines]
             if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
                 head.append("".join(f"{name}: {value}\r\n" for name, value in extra_headers.items()).encode("latin-1"))
             responder.start_lines(upstream.status, upstream.reason, head, length, date)

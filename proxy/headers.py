@@ -4,6 +4,7 @@ whether a request is safe to send twice."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -156,77 +157,75 @@ def _kind(low: str, drop: frozenset[str]) -> int:
     return DROP if low in drop or low.startswith(QUOTA_PREFIX) else KEEP
 
 
-# What the relay does with each of a vendor answer's fields (``downstream_response_lines``).
-_RESPONSE_KIND: dict[bytes, int] = {}
-_FRAMING_KIND = 5  # Transfer-Encoding: dropped, like any hop-by-hop field, but the straight relay cannot
+# The fields of a vendor answer the relay does not simply copy (``answer_lines``): this hop's
+# framing and options, the proxy's own namespace, and those it reads.
+_ANSWER_READ: Final = ("content-length", "date")
 
 
-def downstream_response_lines(raw: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int, bool] | None:
-    """``downstream_response_headers`` of a vendor answer's ``raw`` fields (in their order, as
-    bytes) as the pieces of the head the data plane writes, in one pass and never decoded: the
-    kept fields but ``Content-Length``, whose value is returned (-1: none), and whether a
-    ``Date`` is among them. None when a ``Connection`` field names more fields to drop than
-    this hop's own options: ``downstream_response_headers`` then."""
-    return _answer_lines(raw, None, False)
+@functools.lru_cache(maxsize=64)
+def answer_fields(watched: str | None = None) -> re.Pattern[bytes]:
+    """The lines of an answer head's field block (``Response.block``) that ``answer_lines``
+    looks at: ``Content-Length``, ``Date``, the hop-by-hop fields, ``X-Quota-*`` and
+    ``watched`` (lower case: a field whose presence needs feedback), name and value. It
+    runs over the block lowered with a CRLF in front, so that it starts with a literal
+    (the regex engine skips to each line's start) and needs no case folding."""
+    names = sorted({*_ANSWER_READ, *HOP_BY_HOP, *([watched] if watched else [])}, key=len, reverse=True)
+    alternatives = b"|".join(re.escape(name.encode("latin-1")) for name in names)
+    return re.compile(rb"\r\n(" + alternatives + rb"|x-quota-[^:\r\n]*):[ \t]*([^\r]*)")
 
 
-def straight_answer_lines(
-    raw: list[tuple[bytes, bytes]], watched: bytes | None
-) -> tuple[list[bytes], int, bool] | None:
-    """``downstream_response_lines`` of an answer the straight path (lane.py) relays as it
-    came, its body of the length it says; None when it cannot: no ``Content-Length`` (or one
-    that is not a number), a ``Transfer-Encoding``, or the field ``watched`` (lower case,
-    the vendor's remaining quota when a low one drains: feedback reads it)."""
-    return _answer_lines(raw, watched, True)
-
-
-def _answer_lines(
-    raw: list[tuple[bytes, bytes]], watched: bytes | None, straight: bool
-) -> tuple[list[bytes], int, bool] | None:
-    kinds = _RESPONSE_KIND
-    pieces: list[bytes] = []
+def answer_lines(block: bytes, fields: re.Pattern[bytes], straight: bool) -> tuple[bytes, int, bool] | None:
+    """What the worker is sent of a vendor answer's fields (``block``, the head's lines):
+    every line but this hop's framing and options and any ``X-Quota-*`` (the proxy's
+    namespace: a worker must be able to trust that ``X-Quota-Action`` came from the proxy,
+    so a vendor's 429 never carries it, SPEC §5), as the vendor wrote them; with the
+    ``Content-Length`` value (-1: none) and whether a ``Date`` is among them. ``fields``:
+    ``answer_fields``. None when the lines cannot be copied so: a ``Connection`` field that
+    names more fields to drop than this hop's own options (``downstream_response_headers``
+    then); and, ``straight`` (the straight path's relay, lane.py, which sends the body it
+    got with the length it says), no number for a ``Content-Length``, a
+    ``Transfer-Encoding``, or the watched field."""
     length = -1
     date = False
-    for name, value in raw:
-        kind = kinds.get(name)
-        if kind is None:
-            kind = _response_kind(name)
-        if kind == KEEP:
-            if watched is not None and name.lower() == watched:
-                return None
-            pieces += (name, b": ", value, b"\r\n")
-        elif kind == LENGTH:
-            if value.strip().isdigit():
+    kept: list[bytes] | None = None
+    at = 0
+    # A line at offset p of the block is matched at p of ``low`` (the CRLF before it), and
+    # the match ends where the line's own CRLF does.
+    for line in fields.finditer(b"\r\n" + block.lower()):
+        name = line.group(1)
+        if name == b"date":
+            date = True
+            continue  # copied
+        if name == b"content-length":  # dropped: the relay writes the framing
+            value = line.group(2).strip()
+            if value.isdigit():
                 length = int(value)
             elif straight:
                 return None
-        elif kind == DATE:
-            date = True
-            pieces += (name, b": ", value, b"\r\n")
-        elif kind == CONNECTION:
+        elif name == b"connection":
+            value = line.group(2)
             if value not in THIS_HOP_VALUES and not only_this_hop(value):
                 return None
-        elif kind == _FRAMING_KIND and straight:
-            return None
+        elif name in _HOP_BYTES or name.startswith(b"x-quota-"):
+            if straight and name == b"transfer-encoding":
+                return None
+        elif straight:
+            return None  # the watched field: feedback reads it
+        else:
+            continue
+        if kept is None:
+            kept = []
+        kept.append(block[at : line.start()])  # the lines before this one, copied; this one dropped
+        at = line.end()
     if straight and length < 0:
         return None
-    return pieces, length, date
+    if kept is None:
+        return block, length, date
+    kept.append(block[at:])
+    return b"".join(kept), length, date
 
 
-def _response_kind(name: bytes) -> int:
-    low = name.decode("latin-1").lower()
-    if low == "content-length":
-        kind = LENGTH
-    elif low == "date":
-        kind = DATE
-    elif low == "transfer-encoding":
-        kind = _FRAMING_KIND
-    else:
-        kind = _kind(low, HOP_BY_HOP)
-    if len(_RESPONSE_KIND) >= _KEPT_MAX:
-        _RESPONSE_KIND.clear()
-    _RESPONSE_KIND[name] = kind
-    return kind
+_HOP_BYTES: Final = frozenset(name.encode("latin-1") for name in HOP_BY_HOP)
 
 
 # What the worker's parser notes of each request field (``request_kinds``): most are

@@ -42,7 +42,7 @@ from proxy.dataplane.http1 import Request, Responder, date_line, status_line
 from proxy.dataplane.upstream import Response, UpstreamConnection, UpstreamFailed
 from proxy.decide import Admission
 from proxy.forward import paced
-from proxy.headers import idempotent, request_kinds, straight_answer_lines
+from proxy.headers import answer_lines, idempotent, request_kinds
 from proxy.intercept import Interception
 from proxy.ledger import INTERNAL_ERROR, Ledger
 from proxy.limiter import AcquireResult, StoreUnavailable
@@ -238,7 +238,7 @@ class Lane:
         lines = None
         body = None
         if status != 429 and status >= 200 and status != 204 and status != 304:
-            lines = straight_answer_lines(response.raw, route.watched)
+            lines = answer_lines(response.block, route.answer_fields, True)
             if lines is not None and lines[1] <= WHOLE_MAX:
                 body = response.whole_exactly(lines[1])
         if lines is None or body is None:  # one for the general path's relay (and feedback)
@@ -247,18 +247,14 @@ class Lane:
                 route.match_for(target), None, Admission("forwarded", None, pace), response, None, conn, sent
             )
             raise _HandOver(carried)
-        pieces, length, date = lines
+        kept, length, date = lines
         route.recent.add(int(clock.monotonic()))
         route.answer_cell(status)._value += 1
-        if not date:
-            pieces.append(date_line())
         keep = responder.keeps
-        pieces.append(
-            b"Content-Length: %d\r\n\r\n" % length
-            if keep
-            else b"Content-Length: %d\r\nConnection: close\r\n\r\n" % length
+        framing = b"Content-Length: %d\r\n\r\n" if keep else b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+        data = b"".join(
+            (status_line(status, response.reason), kept, b"" if date else date_line(), framing % length, body)
         )
-        data = b"".join((status_line(status, response.reason), b"".join(pieces), body))
         broken = None
         try:
             await responder.send_whole(status, data, keep)

@@ -27,7 +27,9 @@ from collections.abc import Hashable
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Final
 
+from proxy.feedback import remaining_watched
 from proxy.forward import origin_of
+from proxy.headers import answer_fields
 from proxy.intercept import interception_of
 from proxy.limiter.store import StateGuard
 from proxy.match import Match
@@ -59,6 +61,7 @@ class Route:
 
     __slots__ = (
         "_deps",
+        "answer_fields",
         "answers",
         "b",
         "buckets",
@@ -95,7 +98,6 @@ class Route:
         "timeouts",
         "vendor",
         "vendor_side",
-        "watched",
         "window",
     )
 
@@ -147,10 +149,10 @@ class Route:
         self.head_start = f"{method} ".encode("latin-1")
         self.head_end = f" HTTP/1.1\r\nHost: {self.origin.authority}\r\n".encode("latin-1")
         self.head_tail = b"Content-Length: 0\r\n\r\n" if method in _EMPTY_BODY_METHODS else b"\r\n"
-        self.watched: bytes | None = None
-        feedback = vendor.feedback
-        if feedback.low_watermark > 0 and feedback.remaining_header is not None:
-            self.watched = feedback.remaining_header.lower().encode("latin-1")
+        watched = remaining_watched(vendor.feedback)
+        self.answer_fields = answer_fields(None if watched is None else watched.lower())
+        """What the relay looks at in the vendor's answer head (headers.answer_lines): with
+        the field whose low value drains the buckets, which feedback must read."""
         # The metric series and counts its requests add to (metrics.py, recent.py).
         metrics = deps.metrics
         self.forwarded: Value = metrics.request_cell(vendor.name, match.tenant, "forwarded")

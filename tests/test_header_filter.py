@@ -49,30 +49,55 @@ def test_the_one_pass_lines_are_the_filtered_fields_as_written(case: int) -> Non
         kept = plain(headers, h._request_drop("X-Tenant"))
         want = [f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length"]
         assert h.upstream_request_lines(list(headers.items()), headers, "X-Tenant") == want
-        written = h.downstream_response_lines(raw(headers))
-        if "Connection" in headers:  # it may name fields to drop: the relay takes the general filter
+        written = h.answer_lines(block(headers), h.answer_fields(), False)
+        if "Connection" in headers:  # it names a field to drop: the relay takes the general filter
             assert written is None
             continue
         kept = plain(headers, h.HOP_BY_HOP)
         assert written is not None
-        pieces, length, date = written
-        assert b"".join(pieces) == "".join(f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length").encode()
+        lines, length, date = written
+        assert lines == "".join(f"{n}: {v}\r\n" for n, v in kept if n.lower() != "content-length").encode()
         lengths = [int(v) for n, v in kept if n.lower() == "content-length"]
         assert length == (lengths[-1] if lengths else -1)
         assert date is any(n.lower() == "date" for n, _ in kept)
 
 
-def raw(headers: CIMultiDictProxy[str]) -> list[tuple[bytes, bytes]]:
-    """The fields as the vendor's bytes, as the data plane keeps an answer's."""
-    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers.items()]
+def block(headers: CIMultiDictProxy[str], spacing: str = " ") -> bytes:
+    """The fields as the lines of a vendor's answer head (``Response.block``)."""
+    return "".join(f"{n}:{spacing}{v}\r\n" for n, v in headers.items()).encode("latin-1")
+
+
+def test_the_answers_lines_are_copied_as_the_vendor_wrote_them() -> None:
+    """Kept lines are the vendor's bytes (its spacing, trailing whitespace, case); only the
+    dropped ones are taken out, wherever they are."""
+    head = b"A:b\r\nConnection: keep-alive\r\nB:  c  \r\nkeep-alive: 5\r\nx-quota-action: fake\r\nC: d\r\n"
+    assert h.answer_lines(head, h.answer_fields(), False) == (b"A:b\r\nB:  c  \r\nC: d\r\n", -1, False)
+    assert h.answer_lines(b"Connection: close\r\n", h.answer_fields(), False) == (b"", -1, False)
+    assert h.answer_lines(b"Connection: Keep-Alive, TE\r\n", h.answer_fields(), False) is None
 
 
 def test_the_answers_length_and_date_are_read_whatever_their_spelling() -> None:
-    fields = [(b"date", b"Tue, 01 Dec 2026 16:00:00 GMT"), (b"CONTENT-LENGTH", b" 12 "), (b"X-Quota-Action", b"x")]
+    head = b"date: Tue, 01 Dec 2026 16:00:00 GMT\r\nCONTENT-LENGTH:  12 \r\nX-Quota-Action: x\r\n"
     for _ in range(2):
-        pieces, length, date = h.downstream_response_lines(fields) or ([], 0, False)
-        assert (b"".join(pieces), length, date) == (b"date: Tue, 01 Dec 2026 16:00:00 GMT\r\n", 12, True)
-    assert h.downstream_response_lines([(b"Content-Length", b"12x")]) == ([], -1, False)
+        assert h.answer_lines(head, h.answer_fields(), False) == (b"date: Tue, 01 Dec 2026 16:00:00 GMT\r\n", 12, True)
+    assert h.answer_lines(b"Content-Length: 12x\r\n", h.answer_fields(), False) == (b"", -1, False)
+
+
+def test_the_straight_relay_takes_only_an_answer_it_can_copy_with_its_length() -> None:
+    """lane.py relays an answer's body with the length it says: not without one, not a
+    chunked one, not one whose remaining quota feedback must read."""
+    watched = h.answer_fields("x-ratelimit-remaining")
+    assert h.answer_lines(b"Content-Length: 2\r\nA: b\r\n", watched, True) == (b"A: b\r\n", 2, False)
+    assert h.answer_lines(b"A: b\r\n", watched, True) is None
+    assert h.answer_lines(b"Content-Length: x\r\n", watched, True) is None
+    assert h.answer_lines(b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n", watched, True) is None
+    assert h.answer_lines(b"X-RateLimit-Remaining: 3\r\nContent-Length: 2\r\n", watched, True) is None
+    # The general relay copies the watched field (feedback has read it already).
+    assert h.answer_lines(b"X-RateLimit-Remaining: 3\r\n", watched, False) == (
+        b"X-RateLimit-Remaining: 3\r\n",
+        -1,
+        False,
+    )
 
 
 def test_a_name_named_in_connection_once_is_not_dropped_for_ever() -> None:
@@ -85,10 +110,9 @@ def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(100):
         headers = fields((f"X-Field-{i}", "v"), ("X-Quota-Action", "defer"))
         assert h.downstream_response_headers(headers) == [(f"X-Field-{i}", "v")]
-        pieces, _, _ = h.downstream_response_lines(raw(headers)) or ([], 0, False)
-        assert b"".join(pieces) == f"X-Field-{i}: v\r\n".encode()
+        lines, _, _ = h.answer_lines(block(headers), h.answer_fields(), False) or (b"", 0, False)
+        assert lines == f"X-Field-{i}: v\r\n".encode()
         assert h.upstream_request_lines(list(headers.items()), headers, "X-Tenant") == [f"X-Field-{i}: v\r\n"]
         # The memos this test fills (others, filled by earlier tests under the real bound, stay as they are).
         assert len(h._KINDS[h.HOP_BY_HOP]) <= 16
         assert len(h._KINDS[h._request_line_drop("X-Tenant")]) <= 16
-        assert len(h._RESPONSE_KIND) <= 16

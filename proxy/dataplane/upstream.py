@@ -90,19 +90,34 @@ class BodySource(Protocol):
 class Response(Inbox):
     """The vendor's answer: status and fields once in, the body as it arrives."""
 
-    __slots__ = ("_conn", "_fields", "_headers", "raw", "reason", "status")
+    __slots__ = ("_conn", "_fields", "_headers", "_raw", "block", "reason", "status")
 
-    def __init__(self, conn: UpstreamConnection, status: int, reason: str, raw: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, conn: UpstreamConnection, status: int, reason: str, block: bytes) -> None:
         super().__init__()
         self._conn = conn
         self.status = status
         self.reason = reason
-        self.raw = raw
-        """The fields as the vendor sent them, in their order, as bytes: the usual answer is
-        relayed from these, never decoded (decoding and re-encoding them was 2 % of a
-        request's instructions)."""
+        self.block = block
+        """The answer's fields as the vendor sent them: its head's lines after the status
+        line, each with its CRLF (b"" for none). llhttp has checked them (CRLF line ends,
+        no folding, no space before a colon, no control characters), so a line splits into
+        its field at its first colon. The usual answer is relayed from these bytes (the
+        kept lines as they came), never split into fields (headers.answer_lines)."""
+        self._raw: list[tuple[bytes, bytes]] | None = None
         self._fields: list[tuple[str, str]] | None = None
         self._headers: CIMultiDictProxy[str] | None = None
+
+    @property
+    def raw(self) -> list[tuple[bytes, bytes]]:
+        """The fields, in their order, as llhttp reads them (name, and the value without its
+        leading whitespace), made from ``block`` when first asked for."""
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = [
+                (name, value.lstrip(b" \t"))
+                for name, _, value in (line.partition(b":") for line in self.block.split(b"\r\n")[:-1])
+            ]
+        return raw
 
     @property
     def fields(self) -> list[tuple[str, str]]:
@@ -183,8 +198,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._method = ""
-        self._raw: list[tuple[bytes, bytes]] = []
-        self._reason = b""
+        self._heard: list[bytes] = []  # what came of the answer until its head was whole
+        self._head_from = 0  # where in it the head now being parsed begins (after interim answers')
         self._head_size = 0
         self._head: asyncio.Future[Response] | None = None
         self._response: Response | None = None
@@ -219,6 +234,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_size > HEAD_MAX:
                 self._broke(f"the answer's head is larger than {HEAD_MAX} bytes")
                 return
+            self._heard.append(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -261,20 +277,28 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._response is not None:  # bytes after the answer: one nobody asked for
             raise UpstreamBroke("a second answer to one request")
-        self._raw = []
-        self._reason = b""
-
-    def on_status(self, status: bytes) -> None:
-        self._reason += status
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw.append((name, value))
 
     def on_headers_complete(self) -> None:
+        # No per-field callbacks: the head is found in the bytes heard (llhttp has just
+        # checked it whole, CRLF-delimited), its fields split only if something asks.
+        heard = self._heard
+        data = heard[0] if len(heard) == 1 else b"".join(heard)
+        if len(heard) > 1:
+            heard[:] = [data]
+        start = self._head_from
+        found = data.find(b"\r\n\r\n", start)
+        if found < 0:  # cannot be: llhttp found the head whole in these bytes
+            raise UpstreamBroke("the answer's head is not where the parser ended it")
+        end = found + 2  # past the last line's CRLF
+        self._head_from = end + 2
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # an interim answer (103 Early Hints...): the real one follows
-        response = Response(self, status, self._reason.decode("latin-1"), self._raw)
+        line_end = data.find(b"\r\n", start)
+        # "HTTP/1.1 200 OK": the reason phrase after the version, the code and a space.
+        reason = data[start + 13 : line_end].decode("latin-1") if line_end > start + 13 else ""
+        response = Response(self, status, reason, data[line_end + 2 : end] if line_end + 2 < end else b"")
+        self._heard = []
         self._response = response
         self._keep_alive = self._parser.should_keep_alive()
         if self._method == "HEAD":
@@ -358,6 +382,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._silent_until = 0.0
         self._head_size = 0
+        self._heard = []
+        self._head_from = 0
         self._head = self._loop.create_future()
 
     def send_head(self, head: bytes, method: str, read_timeout: float | None) -> asyncio.Future[Response]:
