@@ -210,11 +210,11 @@ async def send(
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)
-        conn = pool.idle(where) or await pool.open(where, timeouts.connect)
+        conn = pool.idle(where)
         if pacer is not None and pace is not None:
-            wait = pacer.reserve(*pace)
-            if wait > 0:
-                conn = await paced(pool, conn, pacer, wait, timeouts.connect)
+            conn = await ready(pool, where, timeouts.connect, pacer, pace, conn)
+        elif conn is None:
+            conn = await pool.open(where, timeouts.connect)
         if carrier is not None:
             carrier.conn = conn
         return await conn.request(
@@ -248,6 +248,34 @@ def body_broke(request: Request, why: BaseException) -> BadRequest:
     connection); its answer closes the connection, whatever of the body may still come."""
     request.keep_alive = False
     return BadRequest(f"the request body broke off: {why}")
+
+
+async def ready(
+    pool: Pool, where: Origin, connect: float | None, pacer: Pacer, pace: Paced, conn: UpstreamConnection | None
+) -> UpstreamConnection:
+    """The connection a granted request is written on, when the pacer lets it go (pacing.py):
+    ``conn`` (an idle one the caller found) or a new one; after any request granted before
+    it that is still connecting (whose lag is not known yet: it must not be overtaken);
+    then held as long as the lag of its buckets' last writes says."""
+    ticket = pacer.connecting(pace.specs, pace.granted) if conn is None else None
+    try:
+        if conn is None:
+            conn = await pool.open(where, connect)
+        if pacer.still_connecting and pacer.earlier(pace.specs, pace.granted, pace.room, pace.cost):
+            try:
+                await pacer.after_earlier(pace.specs, pace.granted, pace.room, pace.cost)
+            except BaseException:
+                pool.give_back(conn)  # nothing was written on it
+                raise
+            if conn.closed:  # the vendor closed it meanwhile
+                conn = pool.idle(where) or await pool.open(where, connect)
+        wait = pacer.reserve(*pace)
+    finally:
+        if ticket is not None:
+            pacer.written(ticket)
+    if wait > 0:
+        conn = await paced(pool, conn, pacer, wait, connect)
+    return conn
 
 
 async def paced(

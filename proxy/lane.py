@@ -41,7 +41,7 @@ import hiredis
 from proxy.dataplane.http1 import Request, Responder, date_line, status_line
 from proxy.dataplane.upstream import Response, UpstreamConnection, UpstreamFailed
 from proxy.decide import Admission
-from proxy.forward import paced
+from proxy.forward import paced, ready
 from proxy.headers import answer_lines, idempotent, request_kinds
 from proxy.intercept import Interception
 from proxy.ledger import INTERNAL_ERROR, Ledger
@@ -210,14 +210,16 @@ class Lane:
         pool = route.pool
         timeouts = route.timeouts
         conn = pool.idle(route.origin)
-        pace = None
+        pacer = deps.pacer
         try:
-            if conn is None:
-                conn = await pool.open(route.origin, timeouts.connect)
             room = levels[route.tenant_count :]
-            wait = deps.pacer.reserve(route.vendor_side, now, route.window, room, route.cost)
-            if wait > 0:
-                conn = await paced(pool, conn, deps.pacer, wait, timeouts.connect)
+            if conn is None or pacer.still_connecting:  # a connection to open, or others' to wait for
+                pace = Paced(route.vendor_side, now, route.window, room, route.cost)
+                conn = await ready(pool, route.origin, timeouts.connect, pacer, pace, conn)
+            else:
+                wait = pacer.reserve(route.vendor_side, now, route.window, room, route.cost)
+                if wait > 0:
+                    conn = await paced(pool, conn, pacer, wait, timeouts.connect)
             path = request.url[cut:] if cut >= 0 else route.path
             head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
             asked_vendor = conn.send_head(head, request.method, timeouts.read)

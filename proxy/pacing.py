@@ -34,10 +34,24 @@ stall more per window: one window of 101 in five 60-s runs of hold/40/2/busy bef
 A wait of more than ``MAX_WAIT`` is not a stall to carry on (no request was held that
 long by one) but a ledger out of step (a clock jump, a lag from before the store lost
 its state): the store granted the request, so it goes, and the lag restarts from it.
+
+All of this holds if a bucket's requests are written in the order they were granted,
+which is not a given: a request that must open its connection first (a cold start, a
+TLS handshake) is overtaken by one granted after it that finds an idle one, and its own
+lag is not known yet when the later one is written. At a cold start the burst waited
+for its handshakes while the next grants went out on connections opened meanwhile, 7
+requests in the vendor's first 10 ms where the bucket had granted 6, and a window of
+101. So a request that has to connect first says so (``connecting``) until it is
+written, and a request granted after it, on a bucket it shares without room to spare
+for what it may be early by, waits for it to be written first (``after_earlier``; at
+most ``MAX_WAIT``). Requests that find a connection and no earlier one still
+connecting (nearly all) pay one attribute test.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -89,6 +103,63 @@ class Pacer:
         self._lag: dict[str, tuple[float, float]] = {}
         self.on_grown: Callable[[tuple[str, ...], float], None] | None = None
         """Told the buckets whose lag a write made grow by ``GROWN`` or more, and the lag."""
+        self._connecting: dict[int, tuple[frozenset[str], float]] = {}
+        self._tickets = itertools.count()
+        self._written: asyncio.Future[None] | None = None  # set when one of them is written
+        self.still_connecting = 0
+        """Requests granted and connecting before they are written (``connecting``)."""
+
+    # -- the order of writes ------------------------------------------------------------
+
+    def connecting(self, specs: Sequence[BucketSpec], granted: float) -> int:
+        """A request granted at ``granted`` must open its connection before it is written:
+        requests granted after it on these buckets wait for it (``after_earlier``) until
+        ``written`` is called with the returned ticket (written, or given up)."""
+        ticket = next(self._tickets)
+        self._connecting[ticket] = (frozenset(spec.ident for spec in specs), granted)
+        self.still_connecting = len(self._connecting)
+        return ticket
+
+    def written(self, ticket: int) -> None:
+        if self._connecting.pop(ticket, None) is None:
+            return
+        self.still_connecting = len(self._connecting)
+        written, self._written = self._written, None
+        if written is not None and not written.done():
+            written.set_result(None)
+
+    def earlier(
+        self, specs: Sequence[BucketSpec], granted: float, room: Sequence[float] = (), cost: float = 1.0
+    ) -> bool:
+        """Is a request granted before ``granted`` on one of these buckets still connecting,
+        on a bucket without room (``room``) for this one to be early by as much as a
+        write may be held (``MAX_WAIT``)?"""
+        if not self._connecting:
+            return False
+        roomy = len(room)
+        tight = {
+            spec.ident for k, spec in enumerate(specs) if not (k < roomy and room[k] >= spec.rate * MAX_WAIT + cost)
+        }
+        return any(when < granted and not idents.isdisjoint(tight) for idents, when in self._connecting.values())
+
+    async def after_earlier(
+        self, specs: Sequence[BucketSpec], granted: float, room: Sequence[float] = (), cost: float = 1.0
+    ) -> None:
+        """Return once no request granted before this one (``earlier``) is still
+        connecting, or after ``MAX_WAIT`` (one that never connects does not hold the rest
+        up for ever)."""
+        deadline = self.clock.monotonic() + MAX_WAIT
+        while self.earlier(specs, granted, room, cost):
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                return
+            if self._written is None:
+                self._written = asyncio.get_running_loop().create_future()
+            timer = asyncio.ensure_future(self.clock.sleep(left))
+            try:
+                await asyncio.wait((timer, self._written), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                timer.cancel()
 
     def adopt(self, idents: Sequence[str], lag: float) -> None:
         """Another replica's lag for these buckets: this one's writes keep it too, from now

@@ -13,7 +13,7 @@ from proxy import forward
 from proxy.clock import ManualClock
 from proxy.dataplane.upstream import Pool
 from proxy.limiter.store import BucketSpec
-from proxy.pacing import _MAX_TRACKED, MAX_WAIT, Pacer
+from proxy.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer
 from tests.conftest import client_session, eventually, vendor_policy
 
 
@@ -266,3 +266,81 @@ async def test_a_stall_on_one_replica_shifts_the_other_replicas_writes(vendor, s
         async with s.get("http://api.payments.example/late", proxy=b.url) as r:
             assert r.status == 200
     assert vendor.mock.arrivals[-1] - started >= 0.28, vendor.mock.arrivals[-1] - started
+
+
+async def test_a_request_granted_later_waits_for_an_earlier_one_still_connecting() -> None:
+    """The burst that must connect first is written before the grants after it that found
+    an idle connection (whose lag they could not know yet: they went first and bunched
+    with it at the vendor); one granted with room to be early by MAX_WAIT does not wait."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    ticket = pacer.connecting(BUCKET, start)
+    assert pacer.still_connecting == 1
+    assert not pacer.earlier(BUCKET, start)  # itself
+    assert pacer.earlier(BUCKET, start + 0.1, [0.0])
+    assert not pacer.earlier(BUCKET, start + 0.1, [10 * MAX_WAIT + 1.0])  # room for it
+    assert not pacer.earlier([spec(10, 5, key="other")], start + 0.1)  # another bucket
+    later = asyncio.ensure_future(pacer.after_earlier(BUCKET, start + 0.1, [0.0]))
+    await asyncio.sleep(0)
+    assert not later.done()
+    pacer.written(ticket)
+    await asyncio.wait_for(later, 1.0)
+    assert pacer.still_connecting == 0 and not pacer.earlier(BUCKET, start + 0.1)
+
+
+async def test_an_earlier_request_that_never_connects_holds_the_later_ones_up_max_wait_at_most() -> None:
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    pacer.connecting(BUCKET, clock.monotonic())
+    later = asyncio.ensure_future(pacer.after_earlier(BUCKET, clock.monotonic() + 0.1))
+    await eventually(lambda: bool(clock._sleepers), "the wait begun")
+    await clock.advance(MAX_WAIT / 2)
+    assert not later.done()
+    await clock.advance(MAX_WAIT / 2)
+    await asyncio.wait_for(later, 1.0)
+
+
+async def test_a_connection_found_idle_is_not_written_on_before_an_earlier_grant_connects(raw_vendor) -> None:
+    """forward.ready: A (granted first) opens its connection, slowly; B (granted after)
+    finds one idle. B is let go only once A is (its lag then known: B's wait follows it)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+
+    raw = await raw_vendor(serve)
+    pool = Pool(keepalive=30.0)
+    origin = forward.origin_of(raw.url)
+    idle = await pool.open(origin, 1.0)
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    opening = asyncio.Event()
+    real_open = Pool.open
+
+    async def slow_open(self: Pool, where: Any, timeout: float | None) -> Any:
+        await opening.wait()
+        return await real_open(self, where, timeout)
+
+    granted = clock.monotonic()
+    a_pace = Paced(tuple(BUCKET), granted, W, (0.0,), 1.0)
+    b_pace = Paced(tuple(BUCKET), granted + 0.1, W, (0.0,), 1.0)
+    order: list[str] = []
+
+    async def go(name: str, pace: Paced, conn: Any) -> None:
+        await forward.ready(pool, origin, 1.0, pacer, pace, conn)
+        order.append(name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Pool, "open", slow_open)
+        a = asyncio.ensure_future(go("a", a_pace, None))
+        await eventually(lambda: pacer.still_connecting == 1, "A connecting")
+        b = asyncio.ensure_future(go("b", b_pace, idle))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order == [] and not b.done()
+        opening.set()
+        await asyncio.wait_for(a, 2.0)
+        await clock.advance(0.2)  # B's wait: the lag A was written with
+        await asyncio.wait_for(b, 2.0)
+    assert order == ["a", "b"]
+    await pool.close()

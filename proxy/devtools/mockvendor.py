@@ -76,6 +76,7 @@ import hashlib
 import json
 import math
 import signal
+import ssl
 import sys
 import time
 from collections import deque
@@ -802,7 +803,13 @@ async def _limits_at(vendor: MockVendor, schedule: tuple[tuple[float, float], ..
         print(f"mock-vendor: limit now {_format_number(rate)}/s", flush=True)
 
 
-async def _serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple[float, float], ...] = ()) -> int:
+async def _serve(
+    vendor: MockVendor,
+    host: str,
+    port: int,
+    schedule: tuple[tuple[float, float], ...] = (),
+    tls: ssl.SSLContext | None = None,
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -811,7 +818,7 @@ async def _serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple
     runner = web.ServerRunner(web.Server(vendor.handle, access_log=None), shutdown_timeout=5.0)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024)
+        site = web.TCPSite(runner, host, port, backlog=1024, ssl_context=tls)
         try:
             await site.start()
         except OSError as exc:
@@ -828,7 +835,8 @@ async def _serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple
         else:
             assert vendor.burst is not None
             quota = f"rate {_format_number(vendor.rate)}/s, burst {_format_number(vendor.burst)}"
-        print(f"mock-vendor listening on http://{format_authority(host, bound_port)} ({quota})", flush=True)
+        scheme = "http" if tls is None else "https"
+        print(f"mock-vendor listening on {scheme}://{format_authority(host, bound_port)} ({quota})", flush=True)
         changes = asyncio.ensure_future(_limits_at(vendor, schedule))
         try:
             await stop.wait()
@@ -841,10 +849,17 @@ async def _serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple
             loop.remove_signal_handler(sig)
 
 
-def serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple[float, float], ...] = ()) -> int:
+def serve(
+    vendor: MockVendor,
+    host: str,
+    port: int,
+    schedule: tuple[tuple[float, float], ...] = (),
+    tls: ssl.SSLContext | None = None,
+) -> int:
     """Serve ``vendor`` on ``host:port`` until SIGTERM or SIGINT, then return 0 (1 if it cannot listen).
 
-    ``schedule``: (seconds after start, rate) pairs at which the limit changes (``set_limit``).
+    ``schedule``: (seconds after start, rate) pairs at which the limit changes (``set_limit``);
+    ``tls``: serve HTTPS with this context (``https://`` in the line below).
 
     Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound
     (``(rate R/s, sliding window Ws: at most N requests in any window)`` with a window).
@@ -857,4 +872,4 @@ def serve(vendor: MockVendor, host: str, port: int, schedule: tuple[tuple[float,
     else:
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(vendor, host, port, schedule))
+        return runner.run(_serve(vendor, host, port, schedule, tls))

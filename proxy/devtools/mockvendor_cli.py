@@ -94,6 +94,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="change the limit to RATE requests/s DURATION after start, keeping what the quota counted "
         '(repeatable; e.g. --limit-at 20s=70 --limit-at 40s=100); also POST /__mock/limit {"rate": r}',
     )
+    parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve HTTPS with this certificate chain (PEM); --tls-key names its key",
+    )
+    parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
     parser.set_defaults(handler=functools.partial(run, parser=parser))
 
 
@@ -119,5 +125,16 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
 
     if args.limit_at and rate == 0:
         parser.error("--limit-at needs a --rate (an unlimited vendor has no limit to change)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert is not None:
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            parser.error(f"--tls-cert/--tls-key: {exc}")
     vendor = MockVendor(None if rate == 0 else rate, burst, window=window, quota_headers=args.quota_headers)
-    return serve(vendor, host, port, tuple(args.limit_at))
+    return serve(vendor, host, port, tuple(args.limit_at), tls)
