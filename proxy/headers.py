@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -162,19 +162,35 @@ def _kind(low: str, drop: frozenset[str]) -> int:
 _ANSWER_READ: Final = ("content-length", "date")
 
 
+class AnswerFields(NamedTuple):
+    """``answer_fields``: the two patterns ``answer_lines`` runs over an answer's lines."""
+
+    read: re.Pattern[bytes]
+    """The lines it looks at: ``Content-Length``, ``Date``, the hop-by-hop fields,
+    ``X-Quota-*`` and the watched field, name and value."""
+    others: re.Pattern[bytes]
+    """The same but ``Content-Length`` and ``Date``: none of them (the usual answer), and
+    two searches for those two do."""
+
+
 @functools.lru_cache(maxsize=64)
-def answer_fields(watched: str | None = None) -> re.Pattern[bytes]:
-    """The lines of an answer head's field block (``Response.block``) that ``answer_lines``
-    looks at: ``Content-Length``, ``Date``, the hop-by-hop fields, ``X-Quota-*`` and
-    ``watched`` (lower case: a field whose presence needs feedback), name and value. It
-    runs over the block lowered with a CRLF in front, so that it starts with a literal
-    (the regex engine skips to each line's start) and needs no case folding."""
-    names = sorted({*_ANSWER_READ, *HOP_BY_HOP, *([watched] if watched else [])}, key=len, reverse=True)
-    alternatives = b"|".join(re.escape(name.encode("latin-1")) for name in names)
-    return re.compile(rb"\r\n(" + alternatives + rb"|x-quota-[^:\r\n]*):[ \t]*([^\r]*)")
+def answer_fields(watched: str | None = None) -> AnswerFields:
+    """What ``answer_lines`` looks for in the lines of an answer head's field block
+    (``Response.block``), ``watched`` (lower case) being a field whose presence needs
+    feedback. The patterns run over the block lowered with a CRLF in front, so that they
+    start with a literal (the regex engine skips to each line's start) and need no case
+    folding."""
+
+    def pattern(names: set[str]) -> re.Pattern[bytes]:
+        ordered = sorted(names, key=len, reverse=True)
+        alternatives = b"|".join(re.escape(name.encode("latin-1")) for name in ordered)
+        return re.compile(rb"\r\n(" + alternatives + rb"|x-quota-[^:\r\n]*):[ \t]*([^\r]*)")
+
+    others = {*HOP_BY_HOP, *([watched] if watched else [])}
+    return AnswerFields(pattern({*_ANSWER_READ, *others}), pattern(others))
 
 
-def answer_lines(block: bytes, fields: re.Pattern[bytes], straight: bool) -> tuple[bytes, int, bool] | None:
+def answer_lines(block: bytes, fields: AnswerFields, straight: bool) -> tuple[bytes, int, bool] | None:
     """What the worker is sent of a vendor answer's fields (``block``, the head's lines):
     every line but this hop's framing and options and any ``X-Quota-*`` (the proxy's
     namespace: a worker must be able to trust that ``X-Quota-Action`` came from the proxy,
@@ -185,13 +201,33 @@ def answer_lines(block: bytes, fields: re.Pattern[bytes], straight: bool) -> tup
     then); and, ``straight`` (the straight path's relay, lane.py, which sends the body it
     got with the length it says), no number for a ``Content-Length``, a
     ``Transfer-Encoding``, or the watched field."""
+    # A line at offset p of the block is at p of ``low`` (the CRLF before it), and its own
+    # CRLF ends at the end of its match there (where the next line's CRLF is in ``low``).
+    low = b"\r\n" + block.lower()
+    if fields.others.search(low) is None:  # the usual answer: its length's line out, the rest copied
+        date = b"\r\ndate:" in low
+        at = low.find(b"\r\ncontent-length:")
+        if at < 0:
+            return None if straight else (block, -1, date)
+        end = low.find(b"\r", at + 2)
+        if low.find(b"\r\ncontent-length:", end) < 0:  # (two of them: as the general loop reads them)
+            value = low[at + 17 : end].strip()
+            if value.isdigit():
+                return block[:at] + block[end:], int(value), date
+            if straight:
+                return None
+            return block[:at] + block[end:], -1, date
+    return _answer_lines(block, low, fields.read, straight)
+
+
+def _answer_lines(
+    block: bytes, low: bytes, fields: re.Pattern[bytes], straight: bool
+) -> tuple[bytes, int, bool] | None:
     length = -1
     date = False
     kept: list[bytes] | None = None
     at = 0
-    # A line at offset p of the block is matched at p of ``low`` (the CRLF before it), and
-    # the match ends where the line's own CRLF does.
-    for line in fields.finditer(b"\r\n" + block.lower()):
+    for line in fields.finditer(low):
         name = line.group(1)
         if name == b"date":
             date = True

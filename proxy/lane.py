@@ -1,29 +1,32 @@
-"""The straight path: the usual request, from its head to its answer, in one coroutine.
+"""The straight path: the usual request, from its head to its answer, driven by the sockets.
 
 Most requests are alike: no body, a vendor whose limits are token buckets that grant at
 once, an answer of known length that is all in when its head is. The general request
 path (handler.py) serves every request, and pays for it on every one: a parse into
-objects, a route through the router, the limiter and the forwarder's layers, a multidict
-per message. This path serves the usual request directly. What a request's destination,
-method and tenant decide (its route: vendor, buckets, store command, vendor connection
-pool, metric series, access-log text) is worked out once per policy (routes.py), and per
-request it does what is left:
+objects, a route through the router, the limiter and the forwarder's layers, a task
+that wakes at each step. This path serves the usual request directly. What a request's
+destination, method and tenant decide (its route: vendor, buckets, store command, vendor
+connection pool, metric series, access-log text) is worked out once per policy
+(routes.py), and per request a ``Flight`` does what is left, each step run by the
+callback of the one before, no task and no coroutine:
 
-    route ← the head's target, method and tenant (the parser noted the fields it needs)
-    one store call (the acquire packed but for the state's counter) → granted now?
-    an idle vendor connection (or a new one) → paced → the head written whole
-    the vendor's answer → its fields filtered in one pass → one write to the worker
+    the worker's head parsed → its route (the parser noted the fields it needs)
+    one store call (the acquire packed but for the state's counter)   → _stored
+    granted now → an idle vendor connection → paced → the head written → _answered
+    the vendor's answer → its lines copied in one pass → one write to the worker
     metrics, the recent counts and the access-log line, from the route's cells and text
 
 At the first thing that is not usual it hands the request to the general path, which
-goes on from there (``Carried``): before the store call, nothing done (the route is not
-straight, the breaker is not closed, the store's connection is not open); with the
-store's answer when it is not "go now" (a hold, a refusal) or why there was none (the
-store unavailable); with the vendor's answer when it is not one this path relays (a 429,
-no length, a watched field, a large or unfinished body) or why there was none (a vendor
-that cannot be reached, a timeout). Every request is served, counted and logged as the
-general path would have: the two share the answers, refusals, feedback, pacing, pools,
-metric series and log format, and tests/test_lane.py checks that they write the same.
+goes on from there in the connection's serving task (``Carried``): before the store
+call, nothing done (the route is not straight, the breaker is not closed, the store's
+connection is not open); with the store's answer when it is not "go now" (a hold, a
+refusal) or why there was none (the store unavailable); with the vendor's answer when it
+is not one this path relays (a 429, no length, a watched field, a large or unfinished
+body) or why there was none (a vendor that cannot be reached, a timeout). Every request
+is served, counted and logged as the general path would have: the two share the answers,
+refusals, feedback, pacing, pools, metric series and log format, and tests/test_lane.py
+checks that they write the same. A worker that goes away mid-flight is accounted as the
+general path's cancelled request is (``Flight.gone``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import functools
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Awaitable, Callable
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import hiredis
 
@@ -52,9 +56,10 @@ from proxy.pacing import Paced
 from proxy.refusals import InternalError
 from proxy.responses import write_answer
 from proxy.routes import KEY_MAX, Route, Routes
+from proxy.tasks import spawn
 
 if TYPE_CHECKING:
-    from proxy.dataplane.http1 import BodyBroken
+    from proxy.dataplane.http1 import BodyBroken, Http1Connection
     from proxy.deps import Deps
     from proxy.handler import ProxyHandler
 
@@ -64,6 +69,8 @@ WHOLE_MAX: Final = 64 * 1024
 """The largest answer body relayed here (all in with its head, one write); larger ones the general path streams."""
 _ReplyError = hiredis.ReplyError
 _quoted = encode_basestring_ascii
+# What a flight waits for (``Flight.gone`` undoes it).
+_STORE, _ACQUIRING, _CONNECTING, _VENDOR = 1, 2, 3, 4
 
 
 class Carried(NamedTuple):
@@ -82,22 +89,15 @@ class Carried(NamedTuple):
     sent: float = 0.0
 
 
-class _HandOver(Exception):
-    """The straight path stops here: the general path goes on with ``carried``."""
-
-    def __init__(self, carried: Carried) -> None:
-        self.carried = carried
-
-
 def _nothing() -> None:
     pass
 
 
 class Lane:
-    """The straight path of one handler (``serve``: http1.Lane), its routes per policy generation."""
+    """The straight path of one handler, its routes per policy generation (http1.Lane)."""
 
     def __init__(self, handler: ProxyHandler) -> None:
-        self._handler = handler
+        self.handler = handler
         self.reset(handler.deps)
 
     def reset(self, deps: Deps) -> None:
@@ -108,225 +108,42 @@ class Lane:
         self.kinds = request_kinds(self.tenant_header)
         """The classifier the worker-facing parser notes fields with (headers.request_kinds)."""
 
-    async def serve(self, request: Request, responder: Responder) -> None:
-        deps = self.deps  # one policy generation for the whole request
-        clock = deps.clock
-        started = clock.monotonic()
+    def flight(self, conn: Http1Connection, request: Request) -> Flight | None:
+        """The straight path for a ``lean`` request, when its route is straight (else None:
+        the general path serves it); ``Flight.take`` then starts it."""
+        if request.kinds is not self.kinds:  # its head was read under another policy's tenant header
+            return None
         method = request.method
         target = request.target
         tag = request.tag
         route: Route | bool | None = None
         cut = -1
-        if request.kinds is self.kinds:  # its head was read with this policy's tenant header
-            if tag is None:
-                if target[:1] == "/":  # origin form: a vendor route, or Host
-                    if len(target) <= KEY_MAX:
-                        key: object = (target, request.host, method, request.tenant)
-                        route = self.routes.get(key)
-                else:
-                    cut = target.find("/", 8)  # past "http://x" or "https://": where the path starts
-                    if 0 < cut <= KEY_MAX and "#" not in target:
-                        key = (target[:cut], method, request.tenant)
-                        route = self.routes.get(key)
-            elif type(tag) is Interception and target[:1] == "/":
-                cut = 0
-                key = (tag.host, tag.port, tag.claim.tenant, tag.claim.proof, method, request.tenant)
-                route = self.routes.get(key)
-            if route is False:
-                route = self.routes.learn(key, request, method, cut)
-        if route is None or route is False or route is True:
-            await self._handler(request, responder, deps, started)
-            return
-        try:
-            await self._straight(deps, request, responder, route, started, cut)
-            return
-        except _HandOver as over:
-            carried = over.carried
-        except Exception as exc:  # a bug: accounted and answered as the general path's are
-            await self._crashed(deps, request, responder, route, started, exc)
-            return
-        await self._handler(request, responder, deps, started, carried)
-
-    async def _straight(
-        self, deps: Deps, request: Request, responder: Responder, route: Route, started: float, cut: int
-    ) -> None:
-        clock = deps.clock
-        vendor = route.vendor
-        limiter = deps.limiter
-        target = request.target
-        seats = route.seats
-        if seats is not None and self._handler.seats.take(vendor, route.tenant, seats) > 0:
-            raise _HandOver(Carried(route.match_for(target)))  # no seat free: the general path defers it
-        # -- its tokens: one store call -------------------------------------------------
-        plan = route.plan
-        if plan is not None:
-            breaker = limiter.breaker
-            if not breaker.allow():  # open: the general path refuses it as the breaker says
-                raise _HandOver(Carried(route.match_for(target)))
-            seen = limiter.seen_seq(route.state_key)
-            asked = plan.send(seen)
-            if asked is None:  # the store's connection is not open: the general path opens it
-                breaker.release()
-                raise _HandOver(Carried(route.match_for(target)))
-            try:
-                out = await asked
-                if type(out) is _ReplyError:
-                    out = await plan.reply_error(out, seen)
-            except StoreUnavailable as down:
-                limiter.store_failed(down)
-                raise _HandOver(Carried(route.match_for(target), down)) from None
-            except asyncio.CancelledError:
-                breaker.release()
-                self._gone(deps, request, route, started, None)
-                raise
-            except Exception as exc:
-                failure = plan.failed(exc)
-                if failure is None:
-                    breaker.release()
-                    raise
-                limiter.store_failed(failure)
-                raise _HandOver(Carried(route.match_for(target), failure)) from None
-            now = clock.monotonic()
-            levels = tuple(map(float, out[8 : 8 + plan.n]))
-            limiter.answered_straight(vendor, route.b, int(out[4]), int(out[7]) / 1000.0, out[5] == b"1", levels, now)
-            if out[0] != b"1" or (out[1] != b"0.000" and float(out[1]) > 0):
-                raise _HandOver(Carried(route.match_for(target), acquire_result(out, plan.n)))
-        else:  # a store without a straight command (memory://, Redis Cluster): its own acquire
-            try:
-                result = await limiter.acquire(
-                    vendor, route.tenant, route.max_wait, route.cost, enqueue=route.enqueue, buckets=route.b
-                )
-            except StoreUnavailable as down:
-                raise _HandOver(Carried(route.match_for(target), down)) from None
-            except asyncio.CancelledError:
-                self._gone(deps, request, route, started, None)
-                raise
-            now = clock.monotonic()
-            if not result.granted or result.wait > 0:
-                raise _HandOver(Carried(route.match_for(target), result))
-            levels = result.levels
-        # -- to the vendor ----------------------------------------------------------------
-        sent = clock.monotonic()
-        pool = route.pool
-        timeouts = route.timeouts
-        conn = pool.idle(route.origin)
-        pacer = deps.pacer
-        try:
-            room = levels[route.tenant_count :]
-            if conn is None or pacer.still_connecting:  # a connection to open, or others' to wait for
-                pace = Paced(route.vendor_side, now, route.window, room, route.cost)
-                conn = await ready(pool, route.origin, timeouts.connect, pacer, pace, conn)
+        if tag is None:
+            if target[:1] == "/":  # origin form: a vendor route, or Host
+                if len(target) <= KEY_MAX:
+                    key: object = (target, request.host, method, request.tenant)
+                    route = self.routes.get(key)
             else:
-                wait = pacer.reserve(route.vendor_side, now, route.window, room, route.cost)
-                if wait > 0:
-                    conn = await paced(pool, conn, pacer, wait, timeouts.connect)
-            path = request.url[cut:] if cut >= 0 else route.path
-            head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
-            asked_vendor = conn.send_head(head, request.method, timeouts.read)
-            try:
-                response = await asked_vendor
-            except BaseException as exc:
-                conn.unanswered(exc)
-                raise
-        except (UpstreamFailed, OSError) as exc:
-            pace = Paced(route.vendor_side, now, route.window, levels[route.tenant_count :], route.cost)
-            carried = Carried(route.match_for(target), None, Admission("forwarded", None, pace), None, exc, conn, sent)
-            raise _HandOver(carried) from None
-        except asyncio.CancelledError:
-            self._gone(deps, request, route, started, conn)
-            raise
-        # -- the answer -------------------------------------------------------------------
-        status = response.status
-        lines = None
-        body = None
-        if status != 429 and status >= 200 and status != 204 and status != 304:
-            lines = answer_lines(response.block, route.answer_fields, True)
-            if lines is not None and lines[1] <= WHOLE_MAX:
-                body = response.whole_exactly(lines[1])
-        if lines is None or body is None:  # one for the general path's relay (and feedback)
-            pace = Paced(route.vendor_side, now, route.window, levels[route.tenant_count :], route.cost)
-            carried = Carried(
-                route.match_for(target), None, Admission("forwarded", None, pace), response, None, conn, sent
-            )
-            raise _HandOver(carried)
-        kept, length, date = lines
-        route.recent.add(int(clock.monotonic()))
-        route.answer_cell(status)._value += 1
-        keep = responder.keeps
-        framing = b"Content-Length: %d\r\n\r\n" if keep else b"Content-Length: %d\r\nConnection: close\r\n\r\n"
-        data = b"".join(
-            (status_line(status, response.reason), kept, b"" if date else date_line(), framing % length, body)
-        )
-        broken = None
-        try:
-            await responder.send_whole(status, data, keep)
-        except ConnectionError:  # the worker went away
-            response.close()
-            broken = "the worker went away mid-response"
-        else:
-            response.release()
-        done = clock.monotonic()
-        elapsed = done - sent
-        latency = route.latency
-        latency.sum._value += elapsed
-        latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
-        deps.sizing.observe(vendor.name, elapsed)
-        route.mode_cell._value += 1
-        totals = deps.metrics.mode_totals
-        totals[route.mode_key] = totals.get(route.mode_key, 0) + 1
-        if broken is not None:
-            self._account(deps, request, route, started, "error", broken, status, status)
-            return
-        route.forwarded._value += 1
-        if route.log:
-            logged_path = route.log_path if cut < 0 else _quoted(target[cut:].split("?", 1)[0][:256])
-            ts = round(time.time(), 3)
-            ms = round((clock.monotonic() - started) * 1000, 2)
-            # AccessRecord.line's text, json's own for each value (float repr, the quoting).
-            deps.access_log.add(
-                f'{{"ts":{ts!r}{route.log_head}{logged_path}{route.log_mid}{status},"upstream_status":{status}'
-                f"{route.log_tail}{ms!r}"
-            )
+                cut = target.find("/", 8)  # past "http://x" or "https://": where the path starts
+                if 0 < cut <= KEY_MAX and "#" not in target:
+                    key = (target[:cut], method, request.tenant)
+                    route = self.routes.get(key)
+        elif type(tag) is Interception and target[:1] == "/":
+            cut = 0
+            key = (tag.host, tag.port, tag.claim.tenant, tag.claim.proof, method, request.tenant)
+            route = self.routes.get(key)
+        if route is False:
+            route = self.routes.learn(key, request, method, cut)
+        if not isinstance(route, Route):
+            return None
+        return Flight(self, conn, request, route, cut)
 
-    # -- the rare ends, accounted as the general path accounts them ------------------------
-
-    def _account(
-        self,
-        deps: Deps,
-        request: Request,
-        route: Route,
-        started: float,
-        outcome: str,
-        detail: str,
-        status: int | None = None,
-        upstream_status: int | None = None,
-    ) -> None:
-        ledger = Ledger(deps, request.method, request.target, started)
-        rec = ledger.rec
-        rec.host, rec.path = route.host, route.path_of(request)
-        rec.vendor, rec.tenant = route.vendor.name, route.tenant
-        rec.outcome, rec.detail = outcome, detail
-        rec.status, rec.upstream_status = status, upstream_status
-        ledger.close()
-
-    def _gone(
-        self, deps: Deps, request: Request, route: Route, started: float, conn: UpstreamConnection | None
-    ) -> None:
-        """The worker went away (its request cancelled) while the store or the vendor was
-        asked: counted and logged as the general path does, and a request the vendor still
-        works on is heard out (its answer counted and fed back when it comes)."""
-        deps.metrics.count_mode(route.vendor.name, route.mode)
-        if conn is not None and conn.draining:
-            match = route.match_for(request.target)
-            conn.after(functools.partial(self._handler.heard_out, deps, match, _nothing))
-        self._account(deps, request, route, started, "error", "the worker went away")
-
-    async def _crashed(
+    async def crashed(
         self, deps: Deps, request: Request, responder: Responder, route: Route, started: float, exc: Exception
     ) -> None:
         """A bug: logged, counted (outcome error), answered 500 unless the answer had begun
         (then the connection is cut, never a spliced body)."""
-        log.exception("internal error on %s %s", request.method, request.target[:200])
+        log.error("internal error on %s %s", request.method, request.target[:200], exc_info=exc)
         ledger = Ledger(deps, request.method, request.target, started)
         rec = ledger.rec
         rec.host, rec.path = route.host, route.path_of(request)
@@ -339,3 +156,370 @@ class Lane:
         finally:
             ledger.close()
         await write_answer(responder, answer)
+
+
+class Flight:
+    """One request on the straight path: each step is the callback of the one before.
+    Its connection (http1.Http1Connection) holds it from the head to ``landed`` (the
+    answer written) or ``carry`` (the rest is the general path's, in its serving task)."""
+
+    __slots__ = (
+        "asked",
+        "conn",
+        "cut",
+        "dead",
+        "deps",
+        "lane",
+        "levels",
+        "now",
+        "request",
+        "responder",
+        "route",
+        "seen",
+        "sent",
+        "started",
+        "upstream",
+        "waiting",
+    )
+
+    def __init__(self, lane: Lane, conn: Http1Connection, request: Request, route: Route, cut: int) -> None:
+        self.lane = lane
+        self.deps = deps = lane.deps  # one policy generation for the whole request
+        self.started = deps.clock.monotonic()
+        self.conn = conn
+        self.request = request
+        self.responder = Responder(conn, request)
+        self.route = route
+        self.cut = cut
+        self.dead = False
+        self.waiting = 0  # what it waits for: _STORE, _ACQUIRING, _CONNECTING, _VENDOR (0: nothing)
+        self.asked: asyncio.Future[Any] | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.seen = 0
+        self.now = self.sent = 0.0
+        self.levels: tuple[float, ...] = ()
+
+    # -- its tokens: one store call --------------------------------------------------------
+
+    def take(self) -> bool:
+        """Ask for the request's tokens; False when the general path had better serve it
+        from the start (nothing was done: the breaker is not closed, the store's
+        connection not open, no tenant seat free)."""
+        try:
+            return self._take()
+        except Exception as exc:  # (called from the parser's callback: nothing may escape)
+            self._crash(exc)
+            return True
+
+    def _take(self) -> bool:
+        route = self.route
+        limiter = self.deps.limiter
+        seats = route.seats
+        if seats is not None and self.lane.handler.seats.take(route.vendor, route.tenant, seats) > 0:
+            return False  # no seat free: the general path defers it
+        plan = route.plan
+        if plan is not None:
+            breaker = limiter.breaker
+            if not breaker.allow():  # open: the general path refuses it as the breaker says
+                return False
+            seen = limiter.seen_seq(route.state_key)
+            asked = plan.send(seen)
+            if asked is None:  # the store's connection is not open: the general path opens it
+                breaker.release()
+                return False
+            self.seen = seen
+            self._wait(_STORE, asked, self._stored)
+            return True
+        queue = route.b.queue if route.enqueue else None
+        try:
+            result = limiter.take_now(route.vendor, route.b, route.cost, route.max_wait, queue)
+        except StoreUnavailable as down:
+            self._carry(Carried(route.match_for(self.request.target), down))
+            return True
+        if result is None:  # a store without a straight command (Redis Cluster, redis-py): its own acquire
+            call = limiter.acquire(
+                route.vendor, route.tenant, route.max_wait, route.cost, enqueue=route.enqueue, buckets=route.b
+            )
+            self._wait(_ACQUIRING, spawn(call, name="straight-acquire"), self._acquired)
+            return True
+        self._decided(result)
+        return True
+
+    def _wait(self, what: int, asked: asyncio.Future[Any], then: Callable[[asyncio.Future[Any]], None]) -> None:
+        self.waiting = what
+        self.asked = asked
+        asked.add_done_callback(then)
+
+    def _stored(self, asked: asyncio.Future[Any]) -> None:
+        """The store's reply (the pipelined connection's future)."""
+        if self.dead:
+            return
+        self.waiting = 0
+        self.asked = None
+        plan = self.route.plan
+        assert plan is not None
+        try:
+            exc = asked.exception()
+            if exc is not None:
+                down = plan.failed(exc)
+                if down is None:
+                    self.deps.limiter.breaker.release()
+                    raise exc
+                self._store_down(down)
+                return
+            out = asked.result()
+            if type(out) is _ReplyError:  # NOSCRIPT (Redis restarted, flushed): loaded, and asked again
+                self._wait(_ACQUIRING, spawn(plan.reply_error(out, self.seen), name="straight-acquire"), self._stored)
+                return
+            self._granted(out)
+        except Exception as exc:
+            self._crash(exc)
+
+    def _store_down(self, down: StoreUnavailable) -> None:
+        self.deps.limiter.store_failed(down)
+        self._carry(Carried(self.route.match_for(self.request.target), down))
+
+    def _granted(self, out: list[Any]) -> None:
+        deps = self.deps
+        route = self.route
+        plan = route.plan
+        assert plan is not None
+        now = deps.clock.monotonic()
+        levels = tuple(map(float, out[8 : 8 + plan.n]))
+        deps.limiter.answered_straight(
+            route.vendor, route.b, int(out[4]), int(out[7]) / 1000.0, out[5] == b"1", levels, now
+        )
+        if out[0] != b"1" or (out[1] != b"0.000" and float(out[1]) > 0):  # a hold, or a refusal
+            self._carry(Carried(route.match_for(self.request.target), acquire_result(out, plan.n)))
+            return
+        self._go(now, levels)
+
+    def _acquired(self, asked: asyncio.Future[Any]) -> None:
+        """The answer of a store without a straight command (its own acquire, a task)."""
+        if self.dead:
+            return
+        self.waiting = 0
+        self.asked = None
+        try:
+            exc = asked.exception()
+            if isinstance(exc, StoreUnavailable):  # (the limiter has told the breaker)
+                self._carry(Carried(self.route.match_for(self.request.target), exc))
+                return
+            if exc is not None:
+                raise exc
+            self._decided(asked.result())
+        except Exception as exc:
+            self._crash(exc)
+
+    def _decided(self, result: AcquireResult) -> None:
+        now = self.deps.clock.monotonic()
+        if not result.granted or result.wait > 0:  # a hold, or a refusal
+            self._carry(Carried(self.route.match_for(self.request.target), result))
+            return
+        self._go(now, result.levels)
+
+    # -- to the vendor ---------------------------------------------------------------------
+
+    def _go(self, now: float, levels: tuple[float, ...]) -> None:
+        """Granted at ``now``: a connection, paced, and the request written."""
+        deps = self.deps
+        route = self.route
+        self.now = now
+        self.levels = levels
+        self.sent = deps.clock.monotonic()
+        pool = route.pool
+        conn = pool.idle(route.origin)
+        pacer = deps.pacer
+        connect = route.timeouts.connect
+        room = levels[route.tenant_count :]
+        if conn is None or pacer.still_connecting:  # a connection to open, or others' to wait for
+            pace = Paced(route.vendor_side, now, route.window, room, route.cost)
+            opened = spawn(ready(pool, route.origin, connect, pacer, pace, conn), name="straight-connect")
+            self._wait(_CONNECTING, opened, self._connected)
+            return
+        wait = pacer.reserve(route.vendor_side, now, route.window, room, route.cost)
+        if wait > 0:
+            self._wait(
+                _CONNECTING, spawn(paced(pool, conn, pacer, wait, connect), name="straight-paced"), self._connected
+            )
+            return
+        self._send(conn)
+
+    def _connected(self, asked: asyncio.Future[Any]) -> None:
+        """A connection opened, or held by the pacer: write on it."""
+        if self.dead:  # (cancelled: the connection, if any, went back to the pool)
+            if not asked.cancelled() and asked.exception() is None:
+                self.route.pool.give_back(asked.result())
+            return
+        self.waiting = 0
+        self.asked = None
+        try:
+            exc = asked.exception()
+            if isinstance(exc, UpstreamFailed | OSError):
+                self._carry(self._sent(failure=exc))
+                return
+            if exc is not None:
+                raise exc
+            self._send(asked.result())
+        except Exception as exc:
+            self._crash(exc)
+
+    def _send(self, conn: UpstreamConnection) -> None:
+        route = self.route
+        request = self.request
+        cut = self.cut
+        path = request.url[cut:] if cut >= 0 else route.path
+        head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
+        self.upstream = conn
+        self._wait(_VENDOR, conn.send_head(head, request.method, route.timeouts.read), self._answered)
+
+    def _sent(self, upstream: Response | None = None, failure: UpstreamFailed | OSError | None = None) -> Carried:
+        """What the general path goes on with once the request was granted and sent."""
+        route = self.route
+        pace = Paced(route.vendor_side, self.now, route.window, self.levels[route.tenant_count :], route.cost)
+        match = route.match_for(self.request.target)
+        admission = Admission("forwarded", None, pace)
+        return Carried(match, None, admission, upstream, failure, self.upstream, self.sent)
+
+    # -- the answer ------------------------------------------------------------------------
+
+    def _answered(self, asked: asyncio.Future[Any]) -> None:
+        """The vendor's answer's head (and, a small one, its body) is in."""
+        if self.dead:
+            return
+        self.waiting = 0
+        self.asked = None
+        upstream = self.upstream
+        assert upstream is not None
+        try:
+            exc = asked.exception()
+            if exc is not None:
+                upstream.unanswered(exc)
+                if isinstance(exc, UpstreamFailed | OSError):
+                    self._carry(self._sent(failure=exc))
+                    return
+                raise exc
+            response: Response = asked.result()
+            status = response.status
+            lines = None
+            body = None
+            route = self.route
+            if status != 429 and status >= 200 and status != 204 and status != 304:
+                lines = answer_lines(response.block, route.answer_fields, True)
+                if lines is not None and lines[1] <= WHOLE_MAX:
+                    body = response.whole_exactly(lines[1])
+            if lines is None or body is None:  # one for the general path's relay (and feedback)
+                self._carry(self._sent(upstream=response))
+                return
+            kept, length, date = lines
+            route.recent.add(int(self.deps.clock.monotonic()))
+            route.answer_cell(status)._value += 1
+            responder = self.responder
+            keep = responder.keeps
+            framing = b"Content-Length: %d\r\n\r\n" if keep else b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+            data = b"".join(
+                (status_line(status, response.reason), kept, b"" if date else date_line(), framing % length, body)
+            )
+            if not responder.write_whole(status, data, keep):  # a slow worker: its drain, in the serving task
+                self.conn.carry(self.request, responder, functools.partial(self._drained, response))
+                return
+            response.release()
+            self._landed(status)
+        except Exception as exc:
+            self._crash(exc)
+
+    async def _drained(self, response: Response) -> None:
+        try:
+            await self.responder.drained()
+        except ConnectionError:  # the worker went away
+            response.close()
+            self._landed(response.status, "the worker went away mid-response")
+            return
+        response.release()
+        self._landed(response.status)
+
+    def _landed(self, status: int, broken: str | None = None) -> None:
+        """The answer is written (or, ``broken``, could not be): counted and logged as the
+        general path counts and logs a forwarded request."""
+        deps = self.deps
+        route = self.route
+        clock = deps.clock
+        elapsed = clock.monotonic() - self.sent
+        latency = route.latency
+        latency.sum._value += elapsed
+        latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
+        deps.sizing.observe(route.vendor.name, elapsed)
+        route.mode_cell._value += 1
+        totals = deps.metrics.mode_totals
+        totals[route.mode_key] = totals.get(route.mode_key, 0) + 1
+        if broken is not None:
+            self._account("error", broken, status)
+        else:
+            route.forwarded._value += 1
+            if route.log:
+                cut = self.cut
+                target = self.request.target
+                logged_path = route.log_path if cut < 0 else _quoted(target[cut:].split("?", 1)[0][:256])
+                ts = round(time.time(), 3)
+                ms = round((clock.monotonic() - self.started) * 1000, 2)
+                # AccessRecord.line's text, json's own for each value (float repr, the quoting).
+                deps.access_log.add(
+                    f'{{"ts":{ts!r}{route.log_head}{logged_path}{route.log_mid}{status},"upstream_status":{status}'
+                    f"{route.log_tail}{ms!r}"
+                )
+        self.conn.landed(self.request)
+
+    # -- the rare ends, accounted as the general path accounts them -------------------------
+
+    def _carry(self, carried: Carried) -> None:
+        """The general path goes on with the request, in its connection's serving task."""
+        work = functools.partial(self.lane.handler, self.request, self.responder, self.deps, self.started, carried)
+        self.conn.carry(self.request, self.responder, work)
+
+    def _crash(self, exc: Exception) -> None:
+        if self.upstream is not None and self.waiting == 0:
+            self.upstream.close()  # whatever state it was left in, it is not reused
+        work = functools.partial(
+            self.lane.crashed, self.deps, self.request, self.responder, self.route, self.started, exc
+        )
+        self.conn.carry(self.request, self.responder, work)
+
+    def gone(self) -> None:
+        """The worker went away: what the flight waits for is given up (a store call, with
+        the breaker's probe released; a connection being opened or paced, back to the pool;
+        a request the vendor has whole, heard out: it keeps working on it), and the
+        request counted and logged as the general path's cancelled one."""
+        self.dead = True
+        waiting, asked = self.waiting, self.asked
+        self.waiting = 0
+        self.asked = None
+        if waiting == _STORE:
+            assert asked is not None
+            asked.cancel()  # its reply, when it comes, is dropped
+            self.deps.limiter.breaker.release()
+        elif waiting == _VENDOR:
+            upstream = self.upstream
+            assert upstream is not None
+            upstream.unanswered(asyncio.CancelledError())
+            if upstream.draining:
+                match = self.route.match_for(self.request.target)
+                upstream.after(functools.partial(self.lane.handler.heard_out, self.deps, match, _nothing))
+        elif asked is not None:  # _ACQUIRING, _CONNECTING: a task, which undoes its own
+            asked.cancel()
+        self.deps.metrics.count_mode(self.route.vendor.name, self.route.mode)
+        self._account("error", "the worker went away")
+
+    def _account(self, outcome: str, detail: str, status: int | None = None) -> None:
+        request = self.request
+        route = self.route
+        ledger = Ledger(self.deps, request.method, request.target, self.started)
+        rec = ledger.rec
+        rec.host, rec.path = route.host, route.path_of(request)
+        rec.vendor, rec.tenant = route.vendor.name, route.tenant
+        rec.outcome, rec.detail = outcome, detail
+        rec.status = rec.upstream_status = status
+        ledger.close()
+
+
+Work = Callable[[], Awaitable[None]]
+"""What a connection's serving task goes on with for a request a flight handed over."""

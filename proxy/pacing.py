@@ -202,13 +202,14 @@ class Pacer:
             lags.clear()  # forgotten: on time, as at start
         lag = at - granted
         entry = (lag, at)
+        kept = (0.0, at)
         grown: list[str] | None = None
         for k, spec in enumerate(specs):
             ident = spec.ident
             if k < roomy and room[k] >= spec.rate * lag + cost:
                 # Room for this lag's end too: nothing to keep, nothing to tell (a vendor
                 # whose limit does not bind: every request's own delay would be "growth").
-                lags[ident] = (0.0, at)
+                lags[ident] = kept
                 continue
             if lag >= GROWN and self.on_grown is not None:
                 last = lags.get(ident)

@@ -914,7 +914,7 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
         # The general request path (an X-Quota-* header takes a request there), and the
         # straight one (lane.py), each with a bug in a step it takes before the vendor.
         ((ProxyHandler, "admit"), {"X-Quota-On-Limit": "hold"}),
-        ((Limiter, "acquire"), {}),
+        ((Limiter, "take_now"), {}),
     ],
     ids=["general", "straight"],
 )
@@ -924,7 +924,10 @@ async def test_a_bug_in_the_proxy_is_a_500_counted_as_an_error(
     async def bug(*args: object, **kwargs: object) -> str:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(*where, bug)
+    def sync_bug(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(*where, bug if where[1] == "admit" else sync_bug)
     proxy = await start_proxy(vendor_policy(vendor.url))
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{VENDOR_URL}/v1", proxy=proxy.url, headers=path_headers) as r:

@@ -116,3 +116,26 @@ def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         # The memos this test fills (others, filled by earlier tests under the real bound, stay as they are).
         assert len(h._KINDS[h.HOP_BY_HOP]) <= 16
         assert len(h._KINDS[h._request_line_drop("X-Tenant")]) <= 16
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Content-Type: a\r\nDate: d\r\nContent-Length: 2\r\n",
+        b"Content-Length: 2\r\nContent-Type: a\r\n",
+        b"content-length:2\r\n",
+        b"X-A: content-length: 3\r\nContent-Length:  2 \r\nDate: d\r\n",
+        b"Content-Length: 2\r\nContent-Length: 2\r\n",
+        b"Content-Type: a\r\n",
+        b"Content-Length: 2x\r\nA: b\r\n",
+        b"",
+    ],
+)
+def test_the_usual_answers_short_cut_reads_what_the_general_loop_reads(head: bytes) -> None:
+    """answer_lines's short cut (no line but Content-Length and Date to look at) against the
+    loop over every line it looks at, for the straight relay and the general one."""
+    fields = h.answer_fields("x-ratelimit-remaining")
+    for straight in (False, True):
+        assert h.answer_lines(head, fields, straight) == h._answer_lines(
+            head, b"\r\n" + head.lower(), fields.read, straight
+        )

@@ -22,6 +22,7 @@ idle_timeout between requests).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -524,10 +525,11 @@ class Responder:
         req = self._request
         return req.keep_alive and self._conn.keep_alive and not req.waits_to_send
 
-    async def send_whole(self, status: int, data: bytes, keep: bool) -> None:
+    def write_whole(self, status: int, data: bytes, keep: bool) -> bool:
         """An answer written out by its caller, head and body (the straight path's, lane.py):
         ``keep`` is ``keeps`` as it was when the head was written (``Connection: close`` in
-        it when False)."""
+        it when False). False when the worker has not taken it yet and the transport's
+        buffer is full (or it went away): ``drained`` then finishes it."""
         assert self.status == 0, "answer already started"
         self.status = status
         if not keep:
@@ -535,8 +537,14 @@ class Responder:
         self.begun = True
         conn = self._conn
         conn.write(data)
-        if conn._write_paused or conn._closed:  # would drain wait or raise? rarely: no coroutine
-            await conn.drain()
+        if conn._write_paused or conn._closed:
+            return False
+        self._finished = True
+        return True
+
+    async def drained(self) -> None:
+        """Finish what ``write_whole`` could not (ConnectionError: the worker went away)."""
+        await self._conn.drain()
         self._finished = True
 
     async def send(self, status: int, reason: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> None:
@@ -570,9 +578,23 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 """Serves one request: must start and finish (or abort) the answer before returning."""
 
 
+class Flight(Protocol):
+    """A request the straight path serves by callbacks (proxy/lane.py): the connection holds
+    it from its head until it calls ``landed`` or ``carry``."""
+
+    @property
+    def responder(self) -> Responder: ...
+
+    def take(self) -> bool:
+        """Start; False when nothing was done and the request is the handler's after all."""
+
+    def gone(self) -> None:
+        """The worker went away: give up what the flight waits for, account for it."""
+
+
 class Lane(Protocol):
     """The usual request's way through (proxy/lane.py): it names the classifier the parser
-    notes each field's kind with, and serves a ``lean`` request as a Handler does."""
+    notes each field's kind with, and takes ``lean`` requests it can serve straight."""
 
     @property
     def kinds(self) -> dict[bytes, int]: ...
@@ -580,7 +602,18 @@ class Lane(Protocol):
     @property
     def tenant_header(self) -> str: ...
 
-    async def serve(self, request: Request, responder: Responder) -> None: ...
+    def flight(self, conn: Http1Connection, request: Request) -> Flight | None: ...
+
+
+class _Work:
+    """What the serving task goes on with for a request a flight handed over (``carry``)."""
+
+    __slots__ = ("request", "responder", "work")
+
+    def __init__(self, request: Request, responder: Responder, work: Callable[[], Awaitable[None]]) -> None:
+        self.request = request
+        self.responder = responder
+        self.work = work
 
 
 class _HeadRefused(Exception):
@@ -627,7 +660,7 @@ class Http1Connection(asyncio.Protocol):
         self.loop = self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser: httptools.HttpRequestParser = httptools.HttpRequestParser(self)
-        self._queue: deque[Request | _ParseError] = deque()
+        self._queue: deque[Request | _ParseError | _Work] = deque()
         self._queue_waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pauses: set[str] = set()
@@ -645,6 +678,7 @@ class Http1Connection(asyncio.Protocol):
         self._lines: list[bytes] = []  # the PLAIN ones, as the pieces of their lines
         self._lane = lane
         self._kinds: dict[bytes, int] = _KINDS
+        self._flight: Flight | None = None  # the straight path's request in flight (lane.py)
         self._in_head = False
         self._head_seen = 0
         self._fresh = 0
@@ -725,6 +759,9 @@ class Http1Connection(asyncio.Protocol):
                 item._body._fail(broken)
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("the worker's connection closed"))
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            flight.gone()  # as a cancelled request: what it waits for given up, accounted
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the request being served is cancelled, as aiohttp's handler_cancellation does
 
@@ -816,13 +853,25 @@ class Http1Connection(asyncio.Protocol):
         continues = has_body and version == "1.1" and expect is not None and expect.lower() == b"100-continue"
         keep = parser.should_keep_alive() and method != "CONNECT"
         req = parsed_request(self, method, self._url, version, self._fields, keep, has_body, continues, self.tag)
+        self._parsing = req
         if lean and not has_body and te is None and method != "CONNECT":
             req.lean = True
             req.kinds = self._kinds
             req.host = host
             req.tenant = tenant
             req.lines = b"".join(self._lines)
-        self._parsing = req
+            if self._lane is not None and not self._serving and not self._queue and self._closed is False:
+                # Nothing before it on this connection: the straight path may take it now,
+                # by callbacks, without the serving task (it hands over what it cannot do).
+                flight = self._lane.flight(self, req)
+                if flight is not None:
+                    self._serving = True
+                    self._flight = flight
+                    self._head_arrived()
+                    if flight.take():
+                        return
+                    self._flight = None
+                    self._serving = False
         self._queue.append(req)
         if len(self._queue) > PIPELINE_AHEAD:
             self.pause("pipeline")
@@ -962,12 +1011,29 @@ class Http1Connection(asyncio.Protocol):
         if self._queue_waiter is not None and not self._queue_waiter.done():
             self._queue_waiter.set_result(None)
 
+    # -- a flight's ends (lane.py) ------------------------------------------------------
+
+    def carry(self, request: Request, responder: Responder, work: Callable[[], Awaitable[None]]) -> None:
+        """The flight of ``request`` stops: the serving task goes on with ``work``, ahead of
+        any request that came after it."""
+        self._flight = None
+        self._serving = False
+        self._queue.appendleft(_Work(request, responder, work))
+        self._wake_queue()
+
+    def landed(self, request: Request) -> None:
+        """The flight of ``request`` wrote its answer whole: the connection takes the next
+        request, or closes (the serving task's end of a request, for one it never saw)."""
+        self._flight = None
+        if self._answered(request) and self._queue:
+            self._wake_queue()  # requests pipelined behind it: the serving task's
+
     async def _serve(self) -> None:
         transport = self.transport
         assert transport is not None
         while True:
             queue = self._queue
-            while not queue:  # (inline, not a coroutine of its own: once per request)
+            while not queue or self._flight is not None:  # (inline, not a coroutine of its own)
                 self._queue_waiter = self._loop.create_future()
                 try:
                     await self._queue_waiter
@@ -982,12 +1048,15 @@ class Http1Connection(asyncio.Protocol):
                 transport.close()
                 return
             self._serving = True
-            responder = Responder(self, item)
+            if isinstance(item, _Work):  # a flight handed its request over: go on from there
+                responder, work = item.responder, item.work
+                request = item.request
+            else:
+                request = item
+                responder = Responder(self, request)
+                work = functools.partial(self._handler, request, responder)
             try:
-                if item.lean and self._lane is not None:
-                    await self._lane.serve(item, responder)
-                else:
-                    await self._handler(item, responder)
+                await work()
             except asyncio.CancelledError:
                 transport.abort()
                 raise
@@ -1000,7 +1069,7 @@ class Http1Connection(asyncio.Protocol):
                     transport.abort()
                 return
             except Exception:
-                log.exception("internal error serving %s %s", item.method, item.target[:200])
+                log.exception("internal error serving %s %s", request.method, request.target[:200])
                 if responder.begun:
                     transport.abort()
                 else:
@@ -1008,30 +1077,39 @@ class Http1Connection(asyncio.Protocol):
                     transport.close()
                 return
             if not responder._finished:
-                log.error("handler returned without finishing the answer to %s %s", item.method, item.target[:200])
+                log.error(
+                    "handler returned without finishing the answer to %s %s", request.method, request.target[:200]
+                )
                 transport.abort()
                 return
-            body = item._body
-            if item.keep_alive and body is not None and not body._done:
+            body = request._body
+            if request.keep_alive and body is not None and not body._done:
                 if body._continue:
-                    item.keep_alive = False  # the body was never invited: the worker may not send it
+                    request.keep_alive = False  # the body was never invited: the worker may not send it
                 else:
                     body._discard()
                     try:
                         async with asyncio.timeout(DISCARD_WAIT):
                             await body._finished()
                     except (TimeoutError, BodyBroken):
-                        item.keep_alive = False
-            self._serving = False
-            if not (item.keep_alive and self.keep_alive):
-                transport.close()
+                        request.keep_alive = False
+            if not self._answered(request):
                 return
-            if not self._queue:
-                self._head_bytes = self._in_head
-                if self._in_head:
-                    self._arm_head(self._loop.time() + self._guard.head_timeout)
-                else:
-                    self._arm_idle()
+
+    def _answered(self, request: Request) -> bool:
+        """``request`` is answered: close the connection (False) or wait for the next (True)."""
+        self._serving = False
+        if not (request.keep_alive and self.keep_alive):
+            if self.transport is not None:
+                self.transport.close()
+            return False
+        if not self._queue:
+            self._head_bytes = self._in_head
+            if self._in_head:
+                self._arm_head(self._loop.time() + self._guard.head_timeout)
+            else:
+                self._arm_idle()
+        return True
 
     # -- timers ------------------------------------------------------------------------
 

@@ -208,12 +208,39 @@ class Limiter:
             raise StoreUnavailable("circuit breaker open")
         try:
             result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key), leases)
-        except StoreUnavailable as exc:
+        except BaseException as exc:
+            self._not_taken(exc)
+            raise
+        return self._took(vendor, b, result)
+
+    def take_now(
+        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None
+    ) -> AcquireResult | None:
+        """``acquire`` (no leases, no local shares, a default partition) answered at once by a
+        store that can (memory://: ``take``), for the straight path; None when the store
+        answers only asynchronously. Raises StoreUnavailable as ``acquire`` does."""
+        take = getattr(self.store, "take", None)
+        if take is None:
+            return None
+        if not self.breaker.allow():
+            raise StoreUnavailable("circuit breaker open")
+        try:
+            result: AcquireResult = take(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key))
+        except BaseException as exc:
+            self._not_taken(exc)
+            raise
+        return self._took(vendor, b, result)
+
+    def _not_taken(self, exc: BaseException) -> None:
+        """A store call the breaker let through ended without an answer: a failure, or
+        (cancelled) no verdict, when another probe may try."""
+        if isinstance(exc, StoreUnavailable):
             self.store_failed(exc)
-            raise
-        except BaseException:
+        else:
             self.breaker.release()
-            raise
+
+    def _took(self, vendor: Vendor, b: Buckets, result: AcquireResult) -> AcquireResult:
+        """What an answered acquire tells (the breaker, the state's counter, the levels)."""
         self.breaker.success()
         now = self.clock.monotonic()
         self._answered(vendor, b.state_key, result, now)

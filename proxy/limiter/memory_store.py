@@ -95,6 +95,19 @@ class MemoryStore:
         guard: StateGuard | None = None,
         leases: Leases | None = None,
     ) -> AcquireResult:
+        return self.take(buckets, cost, max_wait, queue, guard, leases)
+
+    def take(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None = None,
+        guard: StateGuard | None = None,
+        leases: Leases | None = None,
+    ) -> AcquireResult:
+        """``acquire``, answered at once: the state is this process's (the straight path,
+        lane.py, asks without a coroutine)."""
         now = self._clock.monotonic()
         self._tick(now)
         levels = [self._level(b, now) for b in buckets]
