@@ -783,12 +783,14 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
         rows = []
         for label in hs[0]:
             mine = [h[label] for h in hs]
-            https_summary[label] = {k: med(mine, k) for k in ("rps", "cpu_us_per_request", "proxy_core", "load_core")}
+            keys = ("rps", "cpu_us_per_request", "sys_us_per_request", "proxy_core", "load_core")
+            https_summary[label] = {k: med(mine, k) for k in keys}
             rows.append(
                 [
                     label,
                     f"{https_summary[label]['rps']:.0f}",
                     f"{https_summary[label]['cpu_us_per_request']:.0f}",
+                    f"{https_summary[label]['sys_us_per_request']:.0f}",
                     f"{https_summary[label]['proxy_core'] * 100:.0f}%",
                     f"{https_summary[label]['load_core'] * 100:.0f}%",
                 ]
@@ -796,7 +798,7 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
         print(
             f"\n2. intercepted HTTPS, quota-proxy (Redis), bench/https.py's generator, medians of {len(rounds)} rounds"
         )
-        print(table(rows, ["path", "req/s", "CPU µs/req", "proxy core", "load core"]))
+        print(table(rows, ["path", "req/s", "CPU µs/req", "of it sys", "proxy core", "load core"]))
         vs_plain = statistics.median(paired(hs, "intercept", "plain HTTP", "cpu_us_per_request"))
         vs_tls = statistics.median(paired(hs, "intercept", "plain→https", "cpu_us_per_request"))
         ratios["intercept/plain"], ratios["intercept/plain→https"] = vs_plain, vs_tls

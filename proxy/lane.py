@@ -180,6 +180,7 @@ class Flight:
         "started",
         "upstream",
         "waiting",
+        "written",
     )
 
     def __init__(self, lane: Lane, conn: Http1Connection, request: Request, route: Route, cut: int) -> None:
@@ -188,7 +189,8 @@ class Flight:
         self.started = deps.clock.monotonic()
         self.conn = conn
         self.request = request
-        self.responder = Responder(conn, request)
+        self.responder: Responder | None = None
+        self.written = 0  # the status of the answer written to the worker (0: none yet)
         self.route = route
         self.cut = cut
         self.dead = False
@@ -414,14 +416,17 @@ class Flight:
             kept, length, date = lines
             route.recent.add(int(self.deps.clock.monotonic()))
             route.answer_cell(status)._value += 1
-            responder = self.responder
-            keep = responder.keeps
+            conn = self.conn
+            request = self.request
+            keep = request.keep_alive and conn.keep_alive  # (Responder.keeps: no body waits to be invited)
             framing = b"Content-Length: %d\r\n\r\n" if keep else b"Content-Length: %d\r\nConnection: close\r\n\r\n"
-            data = b"".join(
-                (status_line(status, response.reason), kept, b"" if date else date_line(), framing % length, body)
-            )
-            if not responder.write_whole(status, data, keep):  # a slow worker: its drain, in the serving task
-                self.conn.carry(self.request, responder, functools.partial(self._drained, response))
+            if not keep:
+                request.keep_alive = False
+            head = status_line(status, response.reason)
+            conn.write(b"".join((head, kept, b"" if date else date_line(), framing % length, body)))
+            self.written = status
+            if conn._write_paused or conn._closed:  # a slow worker: its drain, in the serving task
+                conn.carry(request, self._responder(), functools.partial(self._drained, response))
                 return
             response.release()
             self._landed(status)
@@ -429,16 +434,23 @@ class Flight:
             self._crash(exc)
 
     async def _drained(self, response: Response) -> None:
+        """The rest of an answer the worker was slow to take, in the serving task (which
+        then takes the connection's next request itself)."""
         try:
-            await self.responder.drained()
-        except ConnectionError:  # the worker went away
+            await self._responder().drained()
+        except (ConnectionError, asyncio.CancelledError):  # the worker went away
             response.close()
-            self._landed(response.status, "the worker went away mid-response")
-            return
+            self._count(response.status, "the worker went away mid-response")
+            raise
         response.release()
-        self._landed(response.status)
+        self._count(response.status)
 
-    def _landed(self, status: int, broken: str | None = None) -> None:
+    def _landed(self, status: int) -> None:
+        """The answer is written: counted and logged, and the connection's next request taken."""
+        self._count(status)
+        self.conn.landed(self.request)
+
+    def _count(self, status: int, broken: str | None = None) -> None:
         """The answer is written (or, ``broken``, could not be): counted and logged as the
         general path counts and logs a forwarded request."""
         deps = self.deps
@@ -467,22 +479,30 @@ class Flight:
                     f'{{"ts":{ts!r}{route.log_head}{logged_path}{route.log_mid}{status},"upstream_status":{status}'
                     f"{route.log_tail}{ms!r}"
                 )
-        self.conn.landed(self.request)
 
     # -- the rare ends, accounted as the general path accounts them -------------------------
 
     def _carry(self, carried: Carried) -> None:
         """The general path goes on with the request, in its connection's serving task."""
-        work = functools.partial(self.lane.handler, self.request, self.responder, self.deps, self.started, carried)
-        self.conn.carry(self.request, self.responder, work)
+        responder = self._responder()
+        work = functools.partial(self.lane.handler, self.request, responder, self.deps, self.started, carried)
+        self.conn.carry(self.request, responder, work)
 
     def _crash(self, exc: Exception) -> None:
         if self.upstream is not None and self.waiting == 0:
             self.upstream.close()  # whatever state it was left in, it is not reused
-        work = functools.partial(
-            self.lane.crashed, self.deps, self.request, self.responder, self.route, self.started, exc
-        )
-        self.conn.carry(self.request, self.responder, work)
+        responder = self._responder()
+        work = functools.partial(self.lane.crashed, self.deps, self.request, responder, self.route, self.started, exc)
+        self.conn.carry(self.request, responder, work)
+
+    def _responder(self) -> Responder:
+        """The request's Responder, made when the general path (or a drain) needs one."""
+        responder = self.responder
+        if responder is None:
+            responder = self.responder = Responder(self.conn, self.request)
+            if self.written:  # the answer went out: what follows never splices another into it
+                responder.wrote(self.written)
+        return responder
 
     def gone(self) -> None:
         """The worker went away: what the flight waits for is given up (a store call, with

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from proxy.accesslog import AccessLog
-from proxy.dataplane.http1 import Request, Responder
+from proxy.dataplane.http1 import Http1Connection, Request, Responder
 from proxy.handler import ProxyHandler
 from proxy.lane import Lane
 from tests.conftest import eventually, metric_samples, value, vendor_policy
@@ -398,3 +398,38 @@ async def test_a_worker_gone_while_the_store_answers_is_counted_once_as_gone(
     assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200")  # and on
     assert len(scripted.got) == 2  # the first and the last: never the one whose worker went away
     assert proxy.runtime.limiter.breaker.allow()
+
+
+async def test_an_answer_the_worker_is_slow_to_take_is_finished_once_it_drains(
+    scripted: ScriptedVendor, start_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transport cannot take a straight answer at once (its buffer over the mark): the
+    serving task waits for the worker to take it, and only then counts and logs it, and
+    the connection goes on to its next request."""
+    paused: list[Http1Connection] = []
+    real_write = Http1Connection.write
+
+    def write(self: Http1Connection, data: bytes) -> None:
+        real_write(self, data)
+        if data.startswith(b"HTTP/1.1 200") and not paused:
+            self.pause_writing()  # as a transport over its high-water mark does
+            paused.append(self)
+
+    monkeypatch.setattr(Http1Connection, "write", write)
+    stream = io.StringIO()
+    proxy = await start_proxy(vendor_policy(scripted.url), access_log=AccessLog(stream))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+    try:
+        writer.write(REQUESTS["plain GET"])
+        await eventually(lambda: bool(paused), "the answer written, the transport over its mark")
+        proxy.runtime.deps.access_log.flush()
+        assert stream.getvalue() == ""  # not counted before the worker has it
+        paused[0].resume_writing()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+        await eventually(lambda: (proxy.runtime.deps.access_log.flush(), stream.getvalue())[1] != "", "the log line")
+        assert json.loads(stream.getvalue())["outcome"] == "forwarded"
+        writer.write(REQUESTS["plain GET"])  # and the connection takes the next one
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)).startswith(b"HTTP/1.1 200 OK")
+    finally:
+        writer.close()

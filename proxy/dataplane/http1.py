@@ -525,25 +525,16 @@ class Responder:
         req = self._request
         return req.keep_alive and self._conn.keep_alive and not req.waits_to_send
 
-    def write_whole(self, status: int, data: bytes, keep: bool) -> bool:
-        """An answer written out by its caller, head and body (the straight path's, lane.py):
-        ``keep`` is ``keeps`` as it was when the head was written (``Connection: close`` in
-        it when False). False when the worker has not taken it yet and the transport's
-        buffer is full (or it went away): ``drained`` then finishes it."""
+    def wrote(self, status: int) -> None:
+        """Its caller wrote the answer (head and body, ``status``) on the connection itself,
+        and the worker has not taken it all yet: ``drained`` finishes it (the straight
+        path's, lane.py, for a slow worker)."""
         assert self.status == 0, "answer already started"
         self.status = status
-        if not keep:
-            self._request.keep_alive = False
         self.begun = True
-        conn = self._conn
-        conn.write(data)
-        if conn._write_paused or conn._closed:
-            return False
-        self._finished = True
-        return True
 
     async def drained(self) -> None:
-        """Finish what ``write_whole`` could not (ConnectionError: the worker went away)."""
+        """Finish what ``wrote`` began (ConnectionError: the worker went away)."""
         await self._conn.drain()
         self._finished = True
 
@@ -581,9 +572,6 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 class Flight(Protocol):
     """A request the straight path serves by callbacks (proxy/lane.py): the connection holds
     it from its head until it calls ``landed`` or ``carry``."""
-
-    @property
-    def responder(self) -> Responder: ...
 
     def take(self) -> bool:
         """Start; False when nothing was done and the request is the handler's after all."""
