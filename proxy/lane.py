@@ -50,6 +50,7 @@ from proxy.headers import answer_lines, idempotent, request_kinds
 from proxy.intercept import Interception
 from proxy.ledger import INTERNAL_ERROR, Ledger
 from proxy.limiter import AcquireResult, StoreUnavailable
+from proxy.limiter.pipelined import Reply
 from proxy.limiter.redis_store import acquire_result
 from proxy.match import Match
 from proxy.pacing import Paced
@@ -195,7 +196,7 @@ class Flight:
         self.cut = cut
         self.dead = False
         self.waiting = 0  # what it waits for: _STORE, _ACQUIRING, _CONNECTING, _VENDOR (0: nothing)
-        self.asked: asyncio.Future[Any] | None = None
+        self.asked: asyncio.Future[Any] | Reply | None = None
         self.upstream: UpstreamConnection | None = None
         self.seen = 0
         self.now = self.sent = 0.0
@@ -225,12 +226,13 @@ class Flight:
             if not breaker.allow():  # open: the general path refuses it as the breaker says
                 return False
             seen = limiter.seen_seq(route.state_key)
-            asked = plan.send(seen)
+            self.seen = seen
+            asked = plan.send(seen, self._stored)
             if asked is None:  # the store's connection is not open: the general path opens it
                 breaker.release()
                 return False
-            self.seen = seen
-            self._wait(_STORE, asked, self._stored)
+            self.waiting = _STORE
+            self.asked = asked
             return True
         queue = route.b.queue if route.enqueue else None
         try:
@@ -252,8 +254,9 @@ class Flight:
         self.asked = asked
         asked.add_done_callback(then)
 
-    def _stored(self, asked: asyncio.Future[Any]) -> None:
-        """The store's reply (the pipelined connection's future)."""
+    def _stored(self, out: Any, exc: BaseException | None) -> None:
+        """The store's reply (``out``), or why none came: from the pipelined connection's
+        reading callback (or its timer), as it comes."""
         if self.dead:
             return
         self.waiting = 0
@@ -261,21 +264,26 @@ class Flight:
         plan = self.route.plan
         assert plan is not None
         try:
-            exc = asked.exception()
             if exc is not None:
-                down = plan.failed(exc)
+                down = exc if isinstance(exc, StoreUnavailable) else plan.failed(exc)
                 if down is None:
                     self.deps.limiter.breaker.release()
                     raise exc
                 self._store_down(down)
                 return
-            out = asked.result()
             if type(out) is _ReplyError:  # NOSCRIPT (Redis restarted, flushed): loaded, and asked again
-                self._wait(_ACQUIRING, spawn(plan.reply_error(out, self.seen), name="straight-acquire"), self._stored)
+                self._wait(_ACQUIRING, spawn(plan.reply_error(out, self.seen), name="straight-acquire"), self._reloaded)
                 return
             self._granted(out)
-        except Exception as exc:
-            self._crash(exc)
+        except Exception as error:
+            self._crash(error)
+
+    def _reloaded(self, asked: asyncio.Future[Any]) -> None:
+        """The reply after a NOSCRIPT (the script loaded, the acquire sent again)."""
+        if asked.cancelled():  # (gone: the flight is dead)
+            return
+        exc = asked.exception()
+        self._stored(None if exc is not None else asked.result(), exc)
 
     def _store_down(self, down: StoreUnavailable) -> None:
         self.deps.limiter.store_failed(down)
@@ -373,7 +381,8 @@ class Flight:
         path = request.url[cut:] if cut >= 0 else route.path
         head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
         self.upstream = conn
-        self._wait(_VENDOR, conn.send_head(head, request.method, route.timeouts.read), self._answered)
+        self.waiting = _VENDOR
+        conn.send_head_to(head, request.method, route.timeouts.read, self._answered)
 
     def _sent(self, upstream: Response | None = None, failure: UpstreamFailed | OSError | None = None) -> Carried:
         """What the general path goes on with once the request was granted and sent."""
@@ -385,23 +394,20 @@ class Flight:
 
     # -- the answer ------------------------------------------------------------------------
 
-    def _answered(self, asked: asyncio.Future[Any]) -> None:
-        """The vendor's answer's head (and, a small one, its body) is in."""
+    def _answered(self, response: Response | None, exc: UpstreamFailed | None) -> None:
+        """The vendor's answer's head is in (and, a small one, its body), or (``exc``) none
+        will come: told by the vendor connection as its read is parsed."""
         if self.dead:
             return
         self.waiting = 0
-        self.asked = None
         upstream = self.upstream
         assert upstream is not None
         try:
-            exc = asked.exception()
-            if exc is not None:
+            if response is None:
+                assert exc is not None
                 upstream.unanswered(exc)
-                if isinstance(exc, UpstreamFailed | OSError):
-                    self._carry(self._sent(failure=exc))
-                    return
-                raise exc
-            response: Response = asked.result()
+                self._carry(self._sent(failure=exc))
+                return
             status = response.status
             lines = None
             body = None

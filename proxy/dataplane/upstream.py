@@ -185,6 +185,11 @@ class Response(Inbox):
         self._conn.close()
 
 
+Landing = Callable[["Response | None", "UpstreamFailed | None"], None]
+"""Told of a request's answer (its head in, with what else its read brought), or of why none
+came (``send_head_to``)."""
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to a vendor, one request at a time."""
 
@@ -202,6 +207,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_from = 0  # where in it the head now being parsed begins (after interim answers')
         self._head_size = 0
         self._head: asyncio.Future[Response] | None = None
+        self._landing: Landing | None = None  # who hears of the answer's head instead of ``_head``
         self._response: Response | None = None
         self._complete = False
         self._keep_alive = False
@@ -242,9 +248,14 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self._complete:  # bytes after a whole answer: it stands, the connection cannot be trusted
                 self.close()
-                return
-            known = exc.__context__ if isinstance(exc.__context__, UpstreamBroke) else None  # one of ours, below
-            self._broke(str(known) if known is not None else f"malformed answer: {exc}")
+            else:
+                known = exc.__context__ if isinstance(exc.__context__, UpstreamBroke) else None  # one of ours, below
+                self._broke(str(known) if known is not None else f"malformed answer: {exc}")
+        if self._landing is not None and self._response is not None:
+            # Told once the read that brought the head is parsed (its body with it, usually,
+            # or how it broke), as an awaited head would have been a loop turn later.
+            landing, self._landing = self._landing, None
+            landing(self._response, None)
 
     def eof_received(self) -> bool:
         return False
@@ -253,8 +264,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = True
         self._pool._forget(self)
         reason = f"the vendor closed the connection{f' ({exc})' if exc else ''}"
-        if self._head is not None and not self._head.done():
-            self._head.set_exception(UpstreamFailed("broken", reason, reached=True))
+        self._no_head(UpstreamFailed("broken", reason, reached=True))
         if self._response is not None and not self._complete:
             if self._close_delimited():
                 self._complete = True
@@ -309,7 +319,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self._keep_alive = False
             response._end()
         if self._head is not None and not self._head.done():
-            self._head.set_result(response)
+            self._head.set_result(response)  # (a landing is told at the end of the read: data_received)
 
     def on_body(self, body: bytes) -> None:
         if self._response is not None and not self._complete:
@@ -373,7 +383,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.unanswered(exc, writer)
             raise
 
-    def _begin(self, method: str, read_timeout: float | None) -> None:
+    def _begin(self, method: str, read_timeout: float | None, landing: Landing | None = None) -> None:
         assert self.transport is not None and not self._in_use
         self._in_use = True
         self._method = method
@@ -384,7 +394,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_size = 0
         self._heard = []
         self._head_from = 0
-        self._head = self._loop.create_future()
+        self._landing = landing
+        self._head = self._loop.create_future() if landing is None else None
 
     def send_head(self, head: bytes, method: str, read_timeout: float | None) -> asyncio.Future[Response]:
         """Write a request without a body, ``head`` whole (this hop's framing and ``Host``
@@ -397,11 +408,31 @@ class UpstreamConnection(asyncio.Protocol):
         self.awaiting()
         return self._head
 
+    def send_head_to(self, head: bytes, method: str, read_timeout: float | None, landing: Landing) -> None:
+        """``send_head``, the answer's head (or why none came) told to ``landing`` instead of
+        a future: from the reading callback, once the read that brought it is parsed (the
+        straight path's, lane.py). ``unanswered`` still takes a wait that ends otherwise."""
+        self._begin(method, read_timeout, landing)
+        self._written = True
+        assert self.transport is not None
+        self.transport.write(head)
+        self.awaiting()
+
+    def _no_head(self, failure: UpstreamFailed) -> None:
+        """No answer's head will come: whoever waits for it is told (a landing whose answer's
+        head came in this very read hears of that instead: data_received)."""
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(failure)
+        elif self._landing is not None and self._response is None:
+            landing, self._landing = self._landing, None
+            landing(None, failure)
+
     def unanswered(self, exc: BaseException, writer: asyncio.Task[None] | None = None) -> None:
         """The wait for the answer's head ended in ``exc``. Cancelled (the worker went away)
         with the whole request written: the vendor works on it regardless, so its answer is
         heard out. Otherwise the connection is useless. ``writer``: the upload, if any."""
         whole = writer is None or (writer.done() and not writer.cancelled() and writer.exception() is None)
+        self._landing = None
         if isinstance(exc, asyncio.CancelledError) and whole:
             self.abandon()
             return
@@ -437,7 +468,8 @@ class UpstreamConnection(asyncio.Protocol):
     @property
     def awaiting_answer(self) -> bool:
         """A request is written whole and its answer's head not in yet."""
-        return self._in_use and self._written and self._head is not None and not self._head.done()
+        waits = (self._head is not None and not self._head.done()) or self._landing is not None
+        return self._in_use and self._written and waits
 
     def awaiting(self) -> None:
         """Someone now waits for the vendor (the answer's head, or more of its body): it has
@@ -454,7 +486,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.closed or not self._in_use or self.read_timeout is None:
             return
         now = self._loop.time()
-        head = self._head is not None and not self._head.done()
+        head = (self._head is not None and not self._head.done()) or self._landing is not None
         body = self._response is not None and self._response._waiter is not None
         if not (head or body):
             return  # nobody waits (the worker reads slowly): the next wait sets the timer again
@@ -462,8 +494,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._timer = self._loop.call_at(self._silent_until, self._read_timer)
             return
         silent = f"no answer within {self.read_timeout:g}s"
-        if head and self._head is not None:
-            self._head.set_exception(UpstreamFailed("timeout", silent, reached=True))
+        if head:
+            self._no_head(UpstreamFailed("timeout", silent, reached=True))
         if self._response is not None:
             self._response._fail(UpstreamBroke(f"no data for {self.read_timeout:g}s"))
         self.close()
@@ -537,8 +569,7 @@ class UpstreamConnection(asyncio.Protocol):
         return "Content-Length" not in headers and "chunked" not in headers.get("Transfer-Encoding", "").lower()
 
     def _broke(self, why: str) -> None:
-        if self._head is not None and not self._head.done():
-            self._head.set_exception(UpstreamFailed("broken", why, reached=True))
+        self._no_head(UpstreamFailed("broken", why, reached=True))
         if self._response is not None:
             self._response._fail(UpstreamBroke(why))
         self.close()

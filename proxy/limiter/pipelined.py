@@ -20,7 +20,7 @@ import hashlib
 import math
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import hiredis
@@ -51,10 +51,42 @@ starts on a busy turn's first commands while the proxy serves the rest (a whole 
 batch left both cores idle at times and cost ~10 % of the requests per second)."""
 
 
+class Reply:
+    """What waits for one reply in place of a future: ``then(reply, None)`` (or ``then(None,
+    error)``: the connection lost, the reply overdue) is called as it comes, from the
+    callback that read it, with no loop turn in between (the straight path's, lane.py).
+    ``cancel``: the caller gave up, the reply is dropped when it comes."""
+
+    __slots__ = ("_then",)
+
+    def __init__(self, then: Callable[[Any, BaseException | None], None]) -> None:
+        self._then: Callable[[Any, BaseException | None], None] | None = then
+
+    def done(self) -> bool:
+        return self._then is None
+
+    def set_result(self, reply: Any) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            then(reply, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            then(None, error)
+
+    def cancel(self) -> bool:
+        self._then = None
+        return True
+
+
+Waiter = asyncio.Future[Any] | Reply
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
-        self._waiters: deque[asyncio.Future[Any]] = deque()
+        self._waiters: deque[Waiter] = deque()
         self._deadlines: deque[float] = deque()  # each sent waiter's reply deadline (loop time)
         self._unsent: list[bytes] = []  # this loop turn's commands, written together by _flush
         self._unsent_within: list[float] = []  # their reply timeouts, from the write
@@ -97,9 +129,15 @@ class _Protocol(asyncio.Protocol):
         the loop turn's others (written at ``BATCH_MAX``, or when the turn ends); its reply
         fails with TimeoutError when it has not come ``within`` seconds after the write
         (see _expire)."""
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self.send_to(packed, fut, within)
+        return fut
+
+    def send_to(self, packed: bytes, waiter: Waiter, within: float = math.inf) -> None:
+        """``send``, its reply to ``waiter`` (a future, or a ``Reply``)."""
         if self.closed or self.transport is None:
             raise PipelineError("connection closed")
-        fut: asyncio.Future[Any] = self._loop.create_future()
+        fut = waiter
         idle = not self._waiters
         self._waiters.append(fut)
         self._unsent.append(packed)
@@ -109,7 +147,6 @@ class _Protocol(asyncio.Protocol):
         elif not self._flush_due:
             self._flush_due = True
             self._loop.call_soon(self._flush_turn)
-        return fut
 
     def _flush_turn(self) -> None:
         self._flush_due = False
@@ -170,7 +207,7 @@ class _Protocol(asyncio.Protocol):
             self.transport.abort()
 
 
-def _expire(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], hops: int) -> None:
+def _expire(loop: asyncio.AbstractEventLoop, fut: Waiter, hops: int) -> None:
     """A reply's deadline passed. The deadline is on the reply, not on the caller's
     wait: a reply that came in time wins even if the busy loop resumes the caller late
     (asyncio.timeout would cancel that caller anyway, and an overloaded replica would
@@ -334,6 +371,14 @@ class PipelinedScript:
         per call than ``call_packed``: the request path's acquire takes this way."""
         proto = self._conn.open_protocol()
         return None if proto is None else proto.send(packed, reply_within)
+
+    def send_to(self, packed: bytes, waiter: Reply, reply_within: float) -> bool:
+        """``send_now``, its reply to ``waiter``; False when the connection is not open."""
+        proto = self._conn.open_protocol()
+        if proto is None:
+            return False
+        proto.send_to(packed, waiter, reply_within)
+        return True
 
     async def reply_error(self, error: str, packed: bytes, reply_within: float | None) -> Any:
         """What an error reply to ``packed`` leads to: NOSCRIPT loads the script and sends

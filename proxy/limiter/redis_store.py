@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
-from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError
+from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError, Reply
 from proxy.limiter.resp import bulk, bulks, header
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
@@ -169,10 +169,13 @@ class StraightAcquire:
         digits = b"%d" % seen
         return b"%s$%d\r\n%s\r\n%s" % (self._before, len(digits), digits, self._after)
 
-    def send(self, seen: int) -> asyncio.Future[Any] | None:
-        """Write (or queue) the acquire; its reply's future (a ``hiredis.ReplyError`` is a
-        reply: ``reply_error``), None when the connection is not open."""
-        return self._script.send_now(self.packed(seen), self._store._timeout)
+    def send(self, seen: int, then: Callable[[Any, BaseException | None], None]) -> Reply | None:
+        """Write (or queue) the acquire; ``then(reply, error)`` is called with its reply (a
+        ``hiredis.ReplyError`` is a reply: ``reply_error``) or why none came, from the
+        callback that read it. None when the connection is not open (nothing sent); else
+        what to ``cancel`` should the caller give up."""
+        waiter = Reply(then)
+        return waiter if self._script.send_to(self.packed(seen), waiter, self._store._timeout) else None
 
     async def reply_error(self, error: hiredis.ReplyError, seen: int) -> Any:
         """The reply after an error reply (NOSCRIPT: the script loaded, the acquire sent again)."""

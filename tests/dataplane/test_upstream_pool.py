@@ -608,3 +608,135 @@ async def test_an_answer_heard_out_ends_at_the_read_timeout_or_its_size_bound(ve
         go.set()
     await until(lambda: done == [True], "the hearing out to end")
     assert conn.closed and pool.idle_count(v.origin) == 0
+
+
+# -- a landing told of the answer (send_head_to: the straight path's, lane.py) ----------------
+
+
+class Told:
+    """A landing that keeps what it is told, and when (``told`` is set then)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Any]] = []
+        self.told = asyncio.Event()
+
+    def __call__(self, response: Any, failure: Any) -> None:
+        self.calls.append((response, failure))
+        self.told.set()
+
+
+async def land(pool: Pool, origin: Origin, timeout: float = 5.0) -> tuple[Any, Told]:
+    conn = await pool.connection(origin, 5.0)
+    told = Told()
+    conn.send_head_to(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "GET", timeout, told)
+    await asyncio.wait_for(told.told.wait(), 5.0)
+    return conn, told
+
+
+@pytest.mark.parametrize("step", [0, 1, 7])
+async def test_a_landing_is_told_once_the_read_that_brought_the_head_is_parsed(vendor, pool, step) -> None:
+    """Told once, after the whole read is parsed: an answer that came in one read is whole
+    when the landing hears of it; one whose body follows in later reads is not, and is read
+    on as any other."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: b\r\n\r\nhello"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if step == 0:
+            writer.write(answer)
+        else:
+            for i in range(0, len(answer), step):
+                writer.write(answer[i : i + step])
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        await reader.read()
+
+    v = await vendor(serve)
+    _, told = await land(pool, v.origin)
+    [(response, failure)] = told.calls
+    assert failure is None and response.status == 200 and response.block == b"Content-Length: 5\r\nX-A: b\r\n"
+    if step == 0:
+        assert response.whole_exactly(5) == b"hello"
+    else:
+        assert await response.read_all() == b"hello"
+    response.release()
+    await until(lambda: pool.idle_count(v.origin) == 1, "the connection back in the pool")
+    assert len(told.calls) == 1
+
+
+async def test_a_landing_hears_why_no_answer_came(vendor, pool) -> None:
+    """Closed before its answer, silent past the read timeout, a malformed head: each is told
+    as the head's future would have failed, once, and the connection is not reused."""
+
+    async def close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    async def malformed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nBad Field\r\n\r\n")
+        await reader.read()
+
+    for serve, kind in ((close, "broken"), (silent, "timeout"), (malformed, "broken")):
+        v = await vendor(serve)
+        conn, told = await land(pool, v.origin, timeout=0.2)
+        [(response, failure)] = told.calls
+        assert response is None and isinstance(failure, UpstreamFailed)
+        assert (failure.kind, failure.reached) == (kind, True)
+        conn.unanswered(failure)
+        assert conn.closed and len(told.calls) == 1
+
+
+async def test_a_landing_told_of_a_head_whose_body_broke_in_the_same_read(vendor, pool) -> None:
+    """The head and a broken chunk in one read: the landing hears of the answer (its head
+    came), whose body then fails as it is read, as an awaited one's does."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        await reader.read()
+
+    v = await vendor(serve)
+    conn, told = await land(pool, v.origin)
+    [(response, failure)] = told.calls
+    assert failure is None and response.status == 200
+    with pytest.raises(UpstreamBroke):
+        await response.read_all()
+    assert conn.closed
+
+
+async def test_bytes_after_a_whole_answer_still_land_it(vendor, pool) -> None:
+    v = await start_answering(vendor, OK + b"garbage\r\n\r\n", OK)
+    conn, told = await land(pool, v.origin)
+    [(response, failure)] = told.calls
+    assert failure is None and response.whole_exactly(2) == b"ok"
+    response.release()
+    assert conn.closed  # never pooled
+
+
+async def test_a_landing_given_up_hears_nothing_and_the_answer_is_heard_out(vendor, pool) -> None:
+    """The worker went away (``unanswered(CancelledError)``): the landing is forgotten and
+    the vendor's answer heard out, the connection pooled after it."""
+    release = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await release.wait()
+        writer.write(OK)
+        await reader.read()
+
+    v = await vendor(slow)
+    conn = await pool.connection(v.origin, 5.0)
+    told = Told()
+    conn.send_head_to(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "GET", 5.0, told)
+    await until(lambda: conn.awaiting_answer, "the request written")
+    conn.unanswered(asyncio.CancelledError())
+    heard: list[Any] = []
+    conn.after(heard.append)
+    release.set()
+    await until(lambda: len(heard) == 1, "the answer heard out")
+    assert told.calls == [] and heard[0].status == 200
+    assert pool.idle_count(v.origin) == 1
