@@ -157,7 +157,7 @@ async def status(request: web.Request) -> web.Response:
             "connect": vendor.connect,
         }
         entry["requests_by_mode"] = {
-            mode: deps.metrics.mode_totals.get((vendor.name, mode), 0) for mode in ("plain", "intercept", "tunnel")
+            mode: deps.metrics.mode_total(vendor.name, mode) for mode in ("plain", "intercept", "tunnel")
         }
         if vendor.connect == "tunnel":
             entry["tunnels"] = {"open": request.app[ADMIN].tunnels_open(vendor.name), "max": vendor.max_tunnels}

@@ -468,8 +468,6 @@ class Flight:
         latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
         deps.sizing.observe(route.vendor.name, elapsed)
         route.mode_cell._value += 1
-        totals = deps.metrics.mode_totals
-        totals[route.mode_key] = totals.get(route.mode_key, 0) + 1
         if broken is not None:
             self._account("error", broken, status)
         else:

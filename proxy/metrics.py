@@ -307,8 +307,6 @@ class Metrics:
         self._children: dict[tuple[str, str, str], Counter] = {}
         self._endpoint_children: dict[tuple[str, str, str], Counter] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
-        self.mode_totals: dict[tuple[str, str], int] = {}
-        """(limiter, mode) → requests since start, for /status."""
         self._tenants: set[str] = set()
 
     def declare_vendor(self, limiter: str) -> None:
@@ -360,7 +358,6 @@ class Metrics:
         if child is None:
             child = self._modes[key] = self.by_mode.labels(limiter, mode)
         child.inc()
-        self.mode_totals[key] = self.mode_totals.get(key, 0) + 1
 
     # -- the straight path's cells (lane.py, routes.py) --------------------------------
 
@@ -379,7 +376,7 @@ class Metrics:
         return _cell(child)
 
     def mode_cell(self, limiter: str, mode: str) -> _Value:
-        """What ``count_mode(limiter, mode)`` adds one to (besides ``mode_totals``)."""
+        """What ``count_mode(limiter, mode)`` adds one to."""
         key = (limiter, mode)
         child = self._modes.get(key)
         if child is None:
@@ -394,6 +391,11 @@ class Metrics:
         """``http_client_request_duration_seconds{limiter}``."""
         child = self.upstream_seconds.labels(limiter)
         return HistogramCells(_cell_of(child._sum), [_cell_of(b) for b in child._buckets], list(child._upper_bounds))
+
+    def mode_total(self, limiter: str, mode: str) -> int:
+        """Requests of ``limiter`` that came by ``mode`` since start (for /status)."""
+        child = self._modes.get((limiter, mode))
+        return 0 if child is None else int(child._value.get())
 
     def _tenant_label(self, tenant: str) -> str:
         # Tenants come from workers' headers: bound the label's cardinality.

@@ -103,6 +103,9 @@ class Pacer:
         self._lag: dict[str, tuple[float, float]] = {}
         self.on_grown: Callable[[tuple[str, ...], float], None] | None = None
         """Told the buckets whose lag a write made grow by ``GROWN`` or more, and the lag."""
+        self._live_until = 0.0
+        """No lag recorded can still be live (within its window, ``reserve``) from then on."""
+        self._longest = 1.0  # the longest window asked about: how long an adopted lag may live
         self._connecting: dict[int, tuple[frozenset[str], float]] = {}
         self._tickets = itertools.count()
         self._written: asyncio.Future[None] | None = None  # set when one of them is written
@@ -170,6 +173,7 @@ class Pacer:
             last = lags.get(ident)
             if last is None or last[0] < lag:
                 lags[ident] = (lag, now)
+                self._live_until = max(self._live_until, now + self._longest)
 
     def reserve(
         self, specs: Sequence[BucketSpec], granted: float, window: float, room: Sequence[float] = (), cost: float = 1.0
@@ -180,9 +184,21 @@ class Pacer:
         ``window``: the vendor's longest window (``longest_window``); ``room[k]``: the tokens
         ``specs[k]`` had left once the request's ``cost`` was taken, at its grant."""
         now = self.clock.monotonic()
+        roomy = len(room)
+        if now >= self._live_until and granted <= now:
+            # No bucket carries a live lag (the usual: a vendor whose limit does not bind, or
+            # no stall for a window): on time, if every bucket had room for this one's own
+            # delay; what the full reckoning would record is what no record says.
+            lag = now - granted
+            for k, spec in enumerate(specs):
+                if k >= roomy or room[k] < spec.rate * lag + cost:
+                    break
+            else:
+                return 0.0
+        if window > self._longest:
+            self._longest = window
         lags = self._lag
         at = now
-        roomy = len(room)
         # ``k < roomy and room[k] >= spec.rate * lag + cost``: did the bucket have room, at
         # the grant, for every request the lag's end makes early besides this one? Inline
         # (no function): it is asked twice per bucket of every request.
@@ -216,6 +232,8 @@ class Pacer:
                 if last is None or lag - last[0] >= GROWN or now - last[1] >= window:
                     grown = [ident] if grown is None else [*grown, ident]
             lags[ident] = entry
+            if lag > 0 and at + window > self._live_until:
+                self._live_until = at + window
         if grown is not None and self.on_grown is not None:
             self.on_grown(tuple(grown), lag)
         return at - now

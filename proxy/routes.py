@@ -83,7 +83,6 @@ class Route:
         "max_wait",
         "mode",
         "mode_cell",
-        "mode_key",
         "origin",
         "path",
         "plan",
@@ -156,7 +155,6 @@ class Route:
         # The metric series and counts its requests add to (metrics.py, recent.py).
         metrics = deps.metrics
         self.forwarded: Value = metrics.request_cell(vendor.name, match.tenant, "forwarded")
-        self.mode_key = (vendor.name, mode)
         self.mode_cell: Value = metrics.mode_cell(vendor.name, mode)
         self.answers: dict[int, Value] = {}
         self.latency: HistogramCells = metrics.upstream_cells(vendor.name)

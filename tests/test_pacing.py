@@ -139,7 +139,7 @@ async def test_a_bucket_that_does_not_bind_keeps_and_tells_nothing() -> None:
         await clock.advance(0.001 * (k % 7))  # each its own delay, up to 6 ms
         assert pacer.reserve(huge, granted, W, [1e9 - k]) == 0.0
     assert told == []
-    assert pacer._lag["huge"][0] == 0.0
+    assert pacer._lag.get("huge", (0.0, 0.0))[0] == 0.0  # no lag kept (no record at all, on the short cut)
 
 
 async def test_a_ledger_out_of_step_with_the_store_does_not_hold_requests() -> None:
@@ -344,3 +344,22 @@ async def test_a_connection_found_idle_is_not_written_on_before_an_earlier_grant
         await asyncio.wait_for(b, 2.0)
     assert order == ["a", "b"]
     await pool.close()
+
+
+async def test_the_short_cut_is_taken_only_while_no_lag_can_be_live() -> None:
+    """reserve's short cut (no lookups while no bucket carries a live lag) gives what the
+    full reckoning gives: on time while nothing lags; once a stall left a lag, the shifted
+    stream keeps it for the window (and another replica's adopted lag is kept too)."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    assert pacer.reserve(BUCKET, start, W, [0.0]) == 0.0  # nothing lags: on time
+    await clock.advance(0.3)
+    assert pacer.reserve(BUCKET, start + 0.05, W, [0.0]) == 0.0  # written 0.25 s late: a lag
+    now = clock.monotonic()
+    assert round(pacer.reserve(BUCKET, now, W, [0.0]), 3) == 0.25  # kept: not the short cut
+    await clock.advance(W + 0.3)  # a quiet window: the lag is no longer live
+    assert pacer.reserve(BUCKET, clock.monotonic(), W, [0.0]) == 0.0
+    pacer.adopt([BUCKET[0].ident], 0.1)  # another replica's stall
+    now = clock.monotonic()
+    assert round(pacer.reserve(BUCKET, now, W, [0.0]), 3) == 0.1
