@@ -179,6 +179,8 @@ REQUESTS = {
     "X-Quota-On-Limit": _request("GET", ABSOLUTE, "X-Quota-On-Limit: hold"),
     "Connection names a field": _request("GET", ABSOLUTE, "Connection: X-Private", "X-Private: 1"),
     "HEAD": _request("HEAD", ABSOLUTE),
+    "Upgrade, not asked of this hop": _request("GET", ABSOLUTE, "Upgrade: websocket"),
+    "Upgrade asked of this hop": _request("GET", ABSOLUTE, "Connection: Upgrade", "Upgrade: websocket"),
 }
 ANSWERS = {
     "plain": OK,
@@ -199,7 +201,7 @@ ANSWERS = {
     "no length, closed": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the close",
 }
 CASES = [(r, "plain") for r in REQUESTS] + [("plain GET", a) for a in ANSWERS if a != "plain"]
-GENERAL_REQUESTS = {"fragment", "X-Quota-On-Limit", "Connection names a field", "HEAD"}
+GENERAL_REQUESTS = {"fragment", "X-Quota-On-Limit", "Connection names a field", "HEAD", "Upgrade asked of this hop"}
 """Requests that are not usual: the general path serves them from the start."""
 HANDED_OVER = {"chunked", "204", "vendor 429", "large body", "Connection names a field", "watched remaining quota"}
 HANDED_OVER |= {"no length, closed"}
@@ -433,3 +435,27 @@ async def test_an_answer_the_worker_is_slow_to_take_is_finished_once_it_drains(
         assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)).startswith(b"HTTP/1.1 200 OK")
     finally:
         writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order_whichever_path_serves_them(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str]
+) -> None:
+    """Three requests in one write: the first goes straight, the second (X-Quota-*) and the
+    third, behind it, are the serving task's; the answers come in the order asked."""
+    proxy = await start_proxy(vendor_policy(scripted.url))
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])
+    general_calls.clear()
+    scripted.got.clear()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+    try:
+        first = _request("GET", f"http://{HOST}/v1/a")
+        second = _request("GET", f"http://{HOST}/v1/b", "X-Quota-On-Limit: hold")
+        third = _request("GET", f"http://{HOST}/v1/c")
+        writer.write(first + second + third)
+        for _ in range(3):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+            assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+    finally:
+        writer.close()
+    assert [head.split(b" ")[1] for head in scripted.got] == [b"/v1/a", b"/v1/b", b"/v1/c"]
+    assert general_calls == [f"http://{HOST}/v1/b", f"http://{HOST}/v1/c"]
