@@ -10,11 +10,8 @@ no window above 100 and answer no 429.
 from __future__ import annotations
 
 import asyncio
-import re
-import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,7 @@ import pytest
 from proxy import forward
 from proxy.dataplane.upstream import Origin, Pool, UpstreamConnection
 from tests.conftest import client_session, eventually, vendor_policy
-from tests.helpers.cli import cli, server_process
+from tests.helpers.vendor_process import VendorProcess, vendor_process
 
 pytestmark = pytest.mark.slow
 
@@ -75,38 +72,18 @@ def saturated(stats: dict[str, Any], seconds: float) -> bool:
     return stats["accepted"] >= 0.9 * (5 + 95 * seconds) - 20
 
 
-@dataclass
-class VendorProcess:
-    """A strict-window HTTPS mock vendor in a process of its own (``quota-proxy mock-vendor``)."""
-
-    url: str
-    ca_file: Path
-
-    async def stats(self) -> dict[str, Any]:
-        ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        async with client_session() as s, s.get(f"{self.url}/__mock/stats", ssl=ctx) as r:
-            assert r.status == 200
-            return dict(await r.json())
-
-
 @pytest.fixture
 def process_vendor(vendor_ca: tuple[Any, Path], tmp_path: Path) -> Iterator[VendorProcess]:
-    """Its arrivals are stamped by its own event loop: a vendor in the test's loop stamps
-    them when the loop gets round to reading them, behind the 40 workers' and the proxy's
-    work (at a cold start, 20 ms after the proxy wrote them), which no proxy can see."""
+    """Over TLS, in a process of its own (tests/helpers/vendor_process.py: in the test's loop,
+    the first burst's arrivals were stamped 20 ms after the proxy wrote them)."""
     ca, ca_file = vendor_ca
     cert = ca.issue_cert("localhost", "127.0.0.1")
     cert_file, key_file = tmp_path / "vendor-cert.pem", tmp_path / "vendor-key.pem"
     cert_file.write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
     key_file.write_bytes(cert.private_key_pem.bytes())
-    argv = cli("mock-vendor", "--listen", "127.0.0.1:0", "--rate", str(WINDOW_LIMIT), "--window", "1s")
-    argv += ["--tls-cert", str(cert_file), "--tls-key", str(key_file)]
-    with server_process(argv, tmp_path, name="mock-vendor") as vendor:
-        line = vendor.readline()
-        match = re.match(r"mock-vendor listening on (https://127\.0\.0\.1:\d+) ", line)
-        assert match, line
-        yield VendorProcess(match[1], ca_file)
-        assert vendor.terminate_and_wait() == 0
+    tls = (cert_file, key_file, ca_file)
+    with vendor_process(tmp_path, "--rate", str(WINDOW_LIMIT), "--window", "1s", tls=tls) as vendor:
+        yield vendor
 
 
 @pytest.mark.parametrize("action", ["defer", "hold"])
