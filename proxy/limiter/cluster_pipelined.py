@@ -26,7 +26,7 @@ import hiredis
 from redis.asyncio.connection import parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from proxy.limiter.pipelined import PipelinedConnection, PipelineError, ReplyError
+from proxy.limiter.pipelined import PipelinedConnection, PipelineError, Reply, ReplyError
 
 Address = tuple[str, int]
 
@@ -198,6 +198,19 @@ class ClusterPipelines:
                 self._relearn()
                 raise
 
+    def moved(self, keys: list[str], where: str) -> None:
+        """A MOVED answer to a call of ``keys`` (``<slot> <host>:<port>``): their slot's owner
+        is that node now; the map is learnt again in the background."""
+        self._slots[self._slot_of(keys[0]) if keys else 0] = _address(where)
+        self._relearn()
+
+    def open_protocol_for(self, keys: list[str]) -> Any:
+        """The open connection to the primary that owns ``keys`` (one slot) as the map says,
+        else None (the map not learnt yet, the connection not open: ``execute_packed`` sees to it)."""
+        addr = self._slots[self._slot_of(keys[0]) if keys else 0]
+        conn = None if addr is None else self._conns.get(addr)
+        return None if conn is None else conn.open_protocol()
+
     def _slot_of(self, key: str) -> int:
         """The key's slot; remembered, as the hot path's keys come again and again."""
         slot = self._key_slots.get(key)
@@ -220,6 +233,10 @@ class ClusterPipelines:
         self._conns.clear()
 
 
+_NOT_RUN = frozenset({"MOVED", "ASK", "TRYAGAIN", "READONLY", "NOSCRIPT"})
+"""Error replies that say a command did not run on the node that answered."""
+
+
 def _address(text: str) -> Address:
     """``<slot> <host>:<port>`` of a MOVED or ASK reply."""
     where = text.split()[-1]
@@ -239,6 +256,28 @@ class ClusterScript:
     def __call__(self, keys: list[str], args: list[Any], reply_within: float | None = None) -> Awaitable[Any]:
         packed = hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args))
         return self.call_packed(keys, packed, reply_within)
+
+    def send_to(self, keys: list[str], packed: bytes, waiter: Reply, reply_within: float) -> bool:
+        """The EVALSHA ``packed`` written on the connection of the primary the map says owns
+        ``keys``, its reply to ``waiter`` (the straight path's, lane.py); False when that
+        connection is not open (nothing sent). A reply that says it did not run there is
+        ``reply_error``'s."""
+        proto = self._cluster.open_protocol_for(keys)
+        if proto is None:
+            return False
+        proto.send_to(packed, waiter, reply_within)
+        return True
+
+    async def reply_error(self, error: str, keys: list[str], packed: bytes, reply_within: float) -> Any:
+        """What an error reply to ``send_to`` leads to: one that says the script did not run
+        on that node (a redirection, NOSCRIPT, TRYAGAIN, READONLY) sends it again where it
+        belongs (``call_packed``, which follows redirections); any other is raised (ReplyError)."""
+        kind, _, rest = error.partition(" ")
+        if kind not in _NOT_RUN:
+            raise ReplyError(error)
+        if kind == "MOVED":  # the slot has a new owner: the map says so before the call goes there
+            self._cluster.moved(keys, rest)
+        return await self.call_packed(keys, packed, reply_within)
 
     def call_packed(self, keys: list[str], packed: bytes, reply_within: float | None = None) -> Awaitable[Any]:
         """The EVALSHA ``packed`` (RESP, with this script's sha and ``keys``)."""

@@ -152,16 +152,27 @@ def acquire_result(out: list[Any], n: int) -> AcquireResult:
 
 class StraightAcquire:
     """One bucket set's acquire as the straight path (lane.py) sends it: written on the
-    pipelined connection, packed once but for the state's counter ``seen`` (the bytes
-    ``RedisStore.acquire`` sends for the same call, with a state guard and no leases)."""
+    pipelined connection (on Redis Cluster, the one to the primary that owns its slot),
+    packed once but for the state's counter ``seen`` (the bytes ``RedisStore.acquire``
+    sends for the same call, with a state guard and no leases), its reply handed to a
+    callback as it is read."""
 
-    __slots__ = ("_after", "_before", "_script", "_store", "n")
+    __slots__ = ("_after", "_before", "_keys", "_script", "_store", "n")
 
-    def __init__(self, store: RedisStore, script: PipelinedScript, before: bytes, after: bytes, n: int) -> None:
+    def __init__(
+        self,
+        store: RedisStore,
+        script: PipelinedScript | ClusterScript,
+        before: bytes,
+        after: bytes,
+        n: int,
+        keys: list[str],
+    ) -> None:
         self._store = store
         self._script = script
         self._before = before
         self._after = after
+        self._keys = keys
         self.n = n
         """The buckets: the reply's levels are ``out[8 : 8 + n]``."""
 
@@ -175,12 +186,22 @@ class StraightAcquire:
         callback that read it. None when the connection is not open (nothing sent); else
         what to ``cancel`` should the caller give up."""
         waiter = Reply(then)
-        return waiter if self._script.send_to(self.packed(seen), waiter, self._store._timeout) else None
+        script = self._script
+        if isinstance(script, PipelinedScript):
+            sent = script.send_to(self.packed(seen), waiter, self._store._timeout)
+        else:
+            sent = script.send_to(self._keys, self.packed(seen), waiter, self._store._timeout)
+        return waiter if sent else None
 
     async def reply_error(self, error: hiredis.ReplyError, seen: int) -> Any:
-        """The reply after an error reply (NOSCRIPT: the script loaded, the acquire sent again)."""
+        """The reply after an error reply: one that says the acquire did not run (NOSCRIPT:
+        the script loaded; on Cluster, a redirection) gets it sent again; any other, as any
+        failure, is the store unavailable."""
+        script = self._script
         try:
-            return await self._script.reply_error(str(error), self.packed(seen), self._store._timeout)
+            if isinstance(script, PipelinedScript):
+                return await script.reply_error(str(error), self.packed(seen), self._store._timeout)
+            return await script.reply_error(str(error), self._keys, self.packed(seen), self._store._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
             raise self._store._fast_failed(exc) from exc
 
@@ -325,13 +346,13 @@ class RedisStore:
     ) -> StraightAcquire | None:
         """How the straight path (lane.py) sends this bucket set's acquire itself, guarded by
         ``guard``'s state (its ``seen`` aside: each call's own), no leases; None when the
-        acquire does not go over one pipelined connection (Redis Cluster, redis-py)."""
+        acquire does not go over pipelined connections (redis-py's clients)."""
         fast = self._acquire_fast
-        if not isinstance(fast, PipelinedScript):
+        if fast is None:
             return None
         shape = self._shape(buckets, queue, guard, ())
         before, after = shape.around_seen(cost, max_wait, guard.debt)
-        return StraightAcquire(self, fast, before, after, shape.n)
+        return StraightAcquire(self, fast, before, after, shape.n, shape.keys)
 
     def _shape(
         self, buckets: tuple[BucketSpec, ...], queue: str | None, guard: StateGuard | None, sets: tuple[LeaseSet, ...]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,7 +19,7 @@ from redis.crc import key_slot
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.scripts import script
 from proxy.limiter.store import BucketSpec, Leases, LeaseSet, StoreUnavailable
-from tests.conftest import vendor_policy
+from tests.conftest import eventually, vendor_policy
 from tests.helpers.stores import LocalCluster
 
 
@@ -278,3 +279,55 @@ async def test_redis_py_cluster_internals_failing_mean_the_store_is_unavailable(
             await plain._call(broken)
     finally:
         await plain.close()
+
+
+async def test_the_straight_path_follows_a_migrated_slot_taking_each_token_once(
+    redis_cluster: LocalCluster, cluster_url: str, vendor, start_proxy, monkeypatch
+) -> None:
+    """The straight path (lane.py) sends its acquire to the node the map says owns the slot;
+    a MOVED answer (it did not run there) sends it again where it belongs, once: the vendor
+    gets exactly the burst though its slot moved, and only the refusals entered the general
+    path (with the store's answer)."""
+    from proxy.handler import ProxyHandler
+
+    general: list[str] = []
+    serve = ProxyHandler.__call__
+
+    async def counted(self: Any, request: Any, responder: Any, *args: Any, **kwargs: Any) -> None:
+        general.append(request.target)
+        await serve(self, request, responder, *args, **kwargs)
+
+    monkeypatch.setattr(ProxyHandler, "__call__", counted)
+    limits = "[{rate: 1, per: 1h, burst: 9}]"
+    policy = vendor_policy(vendor.url, store=cluster_url, limits=limits, on_limit="{action: defer}")
+    proxy = await start_proxy(policy)
+    slot = key_slot(b"t:{payments}:state")
+    statuses: list[int] = []
+    async with aiohttp.ClientSession() as s:
+
+        async def call() -> None:
+            async with s.get("http://api.payments.example/x", proxy=proxy.url) as r:
+                statuses.append(r.status)
+
+        await call()  # connects the store, learns the slot map (the general path's)
+        general.clear()
+        for _ in range(2):
+            await call()
+        source = redis_cluster.owner(slot)
+        target = next(n for n in redis_cluster.nodes if n is not source)
+        refused_before = redis_cluster.stat(source, "evalsha", "rejected_calls")
+        # Moved whole (midway, an acquire naming several keys is TRYAGAIN until its deadline:
+        # Redis cannot tell whether a key it lacks is still on the other side), MOVED after.
+        redis_cluster.begin_migration(slot, target)
+        redis_cluster.finish_migration(slot, target)
+        await call()  # straight to the old owner: MOVED, sent again to the new one
+        redirected = redis_cluster.stat(source, "evalsha", "rejected_calls") - refused_before
+        pipes = proxy.runtime.limiter.store._pipe  # (the new owner's connection opened by then)
+        keys = ["t:{payments}:state"]
+        await eventually(lambda: pipes.open_protocol_for(keys) is not None, "the new owner's connection open")
+        for _ in range(7):
+            await call()
+    assert statuses == [200] * 9 + [429] * 2
+    assert vendor.mock.accepted == 9  # each token taken once
+    assert redirected == 1  # one MOVED: the map knew the new owner from then on
+    assert len(general) == 2  # the two refused, handed over with the store's answer: the rest went straight
