@@ -17,6 +17,7 @@ Systems (``--systems``):
 
   redis        quota-proxy from this checkout, bench/peers.py's policy (Redis store, limits
                that never bind, access log and metrics on)
+  memory       the same on memory:// (the embedded default: the limiter's work in-process)
   floor        bench/_floor_proxy.py: callbacks only, no store
   floor_redis  the same with one pipelined EVALSHA per request
   floor_async  floor_redis in the product's shape (a task per connection, a future per step)
@@ -56,7 +57,7 @@ from _common import LOOPBACK, ROOT, BenchError, Fleet, Proc, free_port, loadavg,
 from throughput import CREDENTIAL, TARGET_URL, product_policy
 
 BENCH = Path(__file__).resolve().parent
-SYSTEMS = ("redis", "floor", "floor_redis", "floor_async")
+SYSTEMS = ("redis", "memory", "floor", "floor_redis", "floor_async")
 _TOTALS = re.compile(rb"^(?:summary|totals): (\d+)", re.M)
 _START_TIMEOUT = 180.0  # seconds for a system to answer its first request under valgrind (50x slower)
 
@@ -68,14 +69,17 @@ def _valgrind() -> tuple[str, str]:
     return valgrind, control
 
 
-async def _send(url: str, count: int) -> None:
-    """``count`` requests through the proxy at ``url``, one at a time on one connection."""
+async def _send(url: str, count: int, body: int = 0) -> None:
+    """``count`` requests through the proxy at ``url``, one at a time on one connection
+    (``body``: POSTs of that many bytes, else GETs)."""
     name, _, value = CREDENTIAL.partition(": ")
     connector = aiohttp.TCPConnector(limit=1)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for _ in range(count):
-            async with session.get(TARGET_URL, proxy=url, headers={name: value}) as resp:
+            data = b"x" * body if body else None
+            method = "POST" if body else "GET"
+            async with session.request(method, TARGET_URL, proxy=url, headers={name: value}, data=data) as resp:
                 await resp.read()
                 if resp.status != 200:
                     raise BenchError(f"the proxy answered {resp.status}: {(await resp.text())[:200]}")
@@ -98,7 +102,8 @@ def _first_answer(proc: Proc, url: str) -> None:
 def command(name: str, spec: str | None, vendor: Proc, redis: Proc, port: int, policy: Path) -> tuple[list[str], Path]:
     """The argv of system ``name`` listening on ``port``, and the directory to run it in."""
     if name in SYSTEMS and spec is None:
-        if name == "redis":
+        if name in ("redis", "memory"):
+            policy = policy.with_name(f"policy-{name}.yaml")
             argv = [sys.executable, "-m", "proxy", "run", "-c", str(policy), "--listen", f"{LOOPBACK}:{port}"]
             return [*argv, "--admin-listen", f"{LOOPBACK}:0", "--log-level", "warning"], ROOT
         argv = [sys.executable, str(BENCH / "_floor_proxy.py"), "--port", str(port), "--upstream", vendor.url]
@@ -125,9 +130,9 @@ def measure(fleet: Fleet, name: str, spec: str | None, vendor: Proc, redis: Proc
     url = f"http://{LOOPBACK}:{port}"
     try:
         _first_answer(proc, url)
-        asyncio.run(_send(url, args.warmup))
+        asyncio.run(_send(url, args.warmup, args.body))
         subprocess.run([control, "--zero", str(proc.pid)], check=True, capture_output=True, timeout=60)
-        asyncio.run(_send(url, args.requests))
+        asyncio.run(_send(url, args.requests, args.body))
         subprocess.run([control, "--dump=measured", str(proc.pid)], check=True, capture_output=True, timeout=60)
     finally:
         fleet.stop(proc, timeout=60)
@@ -151,6 +156,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--also", action="append", default=[], metavar="NAME=COMMAND", help="another forward proxy")
     p.add_argument("--requests", type=int, default=600, help="measured requests per system (default 600)")
     p.add_argument("--warmup", type=int, default=200, help="requests before the count starts (default 200)")
+    p.add_argument("--body", type=int, default=0, metavar="BYTES", help="POST bodies of BYTES (default: GETs)")
     p.add_argument("--rounds", type=int, default=1, help="runs per system, interleaved; the median is shown")
     p.add_argument("--base", metavar="NAME", help="the system the others are compared with (default: the first)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -176,6 +182,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     redis = fleet.redis()
     vendor = fleet.vendor(1e9)
     (fleet.workdir / "policy.yaml").write_text(product_policy("redis", vendor.url, redis.url, store_timeout="5s"))
+    (fleet.workdir / "policy-redis.yaml").write_text(product_policy("redis", vendor.url, redis.url, store_timeout="5s"))
+    (fleet.workdir / "policy-memory.yaml").write_text(product_policy("memory", vendor.url, None))
     counts: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, spec in systems.items():

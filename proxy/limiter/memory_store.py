@@ -110,6 +110,8 @@ class MemoryStore:
         lane.py, asks without a coroutine)."""
         now = self._clock.monotonic()
         self._tick(now)
+        if leases is None and not self._learned:
+            return self._take_plain(buckets, cost, max_wait, queue, guard, now)
         levels = [self._level(b, now) for b in buckets]
         wait, binding = 0.0, -1
         rates = [self._limits(b, now)[0] for b in buckets]
@@ -139,6 +141,51 @@ class MemoryStore:
             seq += 1
             self._seq[guard.key] = (seq, max(self._state[b.ident][2] for b in buckets))
         return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
+
+    def _take_plain(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard | None,
+        now: float,
+    ) -> AcquireResult:
+        """``take`` without leases while nothing is learned (every bucket at its policy's rate
+        and burst): the same arithmetic in one pass, for the straight path's every request."""
+        state = self._state
+        levels = []
+        wait, binding = 0.0, -1
+        for i, b in enumerate(buckets):
+            st = state.get(b.ident)
+            if st is None or st[2] <= now:
+                level = b.burst
+            else:
+                level = st[0] + (now - st[1]) * b.rate
+                if level > b.burst:
+                    level = b.burst
+            levels.append(level)
+            need = (cost - level) / b.rate
+            if need > wait:
+                wait, binding = need, i
+        counted = self._seq.get(guard.key) if guard is not None else None
+        seq = counted[0] if counted is not None and counted[1] > now else 0
+        if wait > max_wait:
+            self._forget_empty()
+            hint = self._slot(queue, now, wait, cost / buckets[binding].rate)
+            return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
+        latest = now
+        for i, b in enumerate(buckets):  # (_store's expiry: once refilled the key equals a missing one)
+            level = levels[i] - cost
+            levels[i] = level
+            expires = now + (b.burst - level) / b.rate + 1.0
+            state[b.ident] = [level, now, expires]
+            if expires > latest:
+                latest = expires
+        if guard is not None:
+            self._seq[guard.key] = (seq + 1, latest)
+            seq += 1
+        return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, ())
 
     def _live(self, key: str, now: float) -> dict[str, float]:
         """The live leases of a set (expired ones dropped; an empty set forgotten)."""
