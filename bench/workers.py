@@ -74,18 +74,18 @@ def workers_of(proc: Proc) -> list[dict[str, Any]]:
 
 
 def measure(
-    fleet: Fleet, args: argparse.Namespace, workers: int, vendor: Proc, redis: Proc, tag: str
+    fleet: Fleet, args: argparse.Namespace, workers: int, vendor: Proc, redis: Proc, tag: str, connections: int
 ) -> dict[str, Any]:
     proxy = start(fleet, workers, vendor, redis, args.proxy_cpu, tag)
     try:
-        generate(fleet, args.generator, proxy.url, args.connections, args.warmup, args.load_cpu)
+        generate(fleet, args.generator, proxy.url, connections, args.warmup, args.load_cpu)
         before = workers_of(proxy)
         pids = {proxy.pid, *(w["pid"] for w in before)}  # the supervisor, and each worker once
         mid: list[list[dict[str, Any]]] = []
         sampler = threading.Timer(args.duration / 2, lambda: mid.append(workers_of(proxy)))
         cpu0, own0, t0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid), time.monotonic()
         sampler.start()
-        load, _ = generate(fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu)
+        load, _ = generate(fleet, args.generator, proxy.url, connections, args.duration, args.load_cpu)
         cpu1, own1, t1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(proxy.pid), time.monotonic()
         sampler.join()
         after = workers_of(proxy)
@@ -98,6 +98,7 @@ def measure(
     connections = [w["connections_open"] for w in mid[0]] if mid else []
     return {
         "workers": workers,
+        "connections": connections,
         "requests": done,
         "rps": done / load["elapsed"],
         "proxy_cores": (cpu1 - cpu0) / (t1 - t0),
@@ -147,25 +148,32 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     )
     vendor = fleet.vendor(0, cpus=args.load_cpu)
     redis = fleet.redis(cpus=args.load_cpu)
-    runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    # "1h": one worker at half the connections, the load each of two workers gets: a
+    # process's CPU per request grows as its load falls (fewer requests per wake-up and per
+    # batched Redis write), which is not contention between workers.
+    half = max(1, args.connections // 2)
+    setups = {"1": (1, args.connections), "2": (2, args.connections), "1h": (1, half)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     for r in range(args.rounds):
-        for workers in (1, 2) if r % 2 == 0 else (2, 1):
-            runs[workers].append(measure(fleet, args, workers, vendor, redis, f"{workers}-{r}"))
+        names = list(setups)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            workers, connections = setups[name]
+            runs[name].append(measure(fleet, args, workers, vendor, redis, f"{name}-{r}", connections))
             time.sleep(0.2)
 
-    def med(workers: int, key: str) -> float | None:
-        values = [r[key] for r in runs[workers] if r[key] is not None]
+    def med(name: str, key: str) -> float | None:
+        values = [r[key] for r in runs[name] if r[key] is not None]
         return statistics.median(values) if values else None
 
     rows = []
-    for workers in (1, 2):
+    for workers in setups:
         cpu, rps = med(workers, "cpu_us_per_request"), med(workers, "rps")
         own = med(workers, "supervisor_us_per_request")
         cores = med(workers, "proxy_cores")
         conn_b, req_b = med(workers, "connections_balance"), med(workers, "requests_balance")
         rows.append(
             [
-                workers,
+                f"{setups[workers][0]} ({setups[workers][1]} conns)",
                 f"{cpu:.0f}" if cpu is not None else "-",
                 "-" if own is None else f"{own:.0f}",
                 f"{rps:.0f}" if rps is not None else "-",
@@ -192,10 +200,20 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             ],
         )
     )
-    one, two = med(1, "cpu_us_per_request"), med(2, "cpu_us_per_request")
+    one, two, one_half = med("1", "cpu_us_per_request"), med("2", "cpu_us_per_request"), med("1h", "cpu_us_per_request")
     if one and two:
         print(f"CPU per request, 2 workers against 1: {(two / one - 1) * 100:+.1f}% (target within 10%)")
-    balance = med(2, "connections_balance")
+    if one and one_half:
+        print(
+            f"CPU per request, 1 worker at {half} connections against {args.connections}: "
+            f"{(one_half / one - 1) * 100:+.1f}% (the load per process alone)"
+        )
+    if one_half and two:
+        print(
+            f"CPU per request, 2 workers against 1 at the same load per worker ({half} connections each): "
+            f"{(two / one_half - 1) * 100:+.1f}% (contention between workers; target within 10%)"
+        )
+    balance = med("2", "connections_balance")
     if balance is not None:
         print(f"connections balance, 2 workers: smallest share {balance * 100:.0f}% of even (target >= 80%)")
     dump_json(args.json, runs)

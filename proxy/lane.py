@@ -1,6 +1,7 @@
 """The straight path: the usual request, from its head to its answer, driven by the sockets.
 
-Most requests are alike: no body, a vendor whose limits are token buckets that grant at
+Most requests are alike: no body or a small one that comes whole with its head (a
+payment's form, a JSON document), a vendor whose limits are token buckets that grant at
 once, an answer of known length that is all in when its head is. The general request
 path (handler.py) serves every request, and pays for it on every one: a parse into
 objects, a route through the router, the limiter and the forwarder's layers, a task
@@ -12,7 +13,7 @@ callback of the one before, no task and no coroutine:
 
     the worker's head parsed → its route (the parser noted the fields it needs)
     one store call (the acquire packed but for the state's counter)   → _stored
-    granted now → an idle vendor connection → paced → the head written → _answered
+    granted now → an idle vendor connection → paced → the head (and body) written → _answered
     the vendor's answer → its lines copied in one pass → one write to the worker
     metrics, the recent counts and the access-log line, from the route's cells and text
 
@@ -379,7 +380,13 @@ class Flight:
         request = self.request
         cut = self.cut
         path = request.url[cut:] if cut >= 0 else route.path
-        head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
+        body = request._body
+        if body is None:
+            head = b"".join((route.head_start, path, route.head_end, request.lines, route.head_tail))
+        else:  # a small body, whole (http1.LANE_BODY_MAX): with its head, in one write
+            chunks = body._chunks
+            framing = b"Content-Length: %d\r\n\r\n" % sum(map(len, chunks))
+            head = b"".join((route.head_start, path, route.head_end, request.lines, framing, *chunks))
         self.upstream = conn
         self.waiting = _VENDOR
         conn.send_head_to(head, request.method, route.timeouts.read, self._answered)

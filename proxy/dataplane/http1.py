@@ -62,6 +62,9 @@ and cost a callback each, here and at the vendor)."""
 PIPELINE_AHEAD: Final = 4
 """Parsed requests waiting behind the one being served before reading pauses."""
 WRITE_HIGH: Final = 256 * 1024
+LANE_BODY_MAX: Final = 64 * 1024
+"""The largest request body (by its ``Content-Length``) the straight path may send: one
+that arrives whole in the read that ends its head goes out with it in one write."""
 DISCARD_MAX: Final = 16 * 1024 * 1024
 """An unread request body up to this size is read and dropped after the answer, keeping the
 connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
@@ -667,6 +670,7 @@ class Http1Connection(asyncio.Protocol):
         self._lane = lane
         self._kinds: dict[bytes, int] = _KINDS
         self._flight: Flight | None = None  # the straight path's request in flight (lane.py)
+        self._boarding: Request | None = None  # a usual request whose small body is still being parsed
         self._in_head = False
         self._head_seen = 0
         self._fresh = 0
@@ -704,16 +708,21 @@ class Http1Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
+            self._unboard()
             self._upgraded(data[exc.args[0] :])
             return
         except httptools.HttpParserCallbackError as exc:
+            self._unboard()
             if isinstance(exc.__context__, _HeadRefused):
                 self._parse_failed(exc.__context__.status, str(exc.__context__))
                 return
             raise
         except httptools.HttpParserError as exc:
+            self._unboard()
             self._parse_failed(400, f"malformed request: {exc}")
             return
+        if self._boarding is not None:  # its body did not come whole with its head
+            self._unboard()
         if self._in_head:
             # A head that began in an earlier read owns all of this one; one that began in
             # this read is counted by its parsed parts (its unfinished field: at most one read).
@@ -842,7 +851,7 @@ class Http1Connection(asyncio.Protocol):
         keep = parser.should_keep_alive() and method != "CONNECT"
         req = parsed_request(self, method, self._url, version, self._fields, keep, has_body, continues, self.tag)
         self._parsing = req
-        if lean and not has_body and te is None and method != "CONNECT":
+        if lean and te is None and method != "CONNECT":
             req.lean = True
             req.kinds = self._kinds
             req.host = host
@@ -851,20 +860,46 @@ class Http1Connection(asyncio.Protocol):
             if self._lane is not None and not self._serving and not self._queue and self._closed is False:
                 # Nothing before it on this connection: the straight path may take it now,
                 # by callbacks, without the serving task (it hands over what it cannot do).
-                flight = self._lane.flight(self, req)
-                if flight is not None:
-                    self._serving = True
-                    self._flight = flight
-                    self._head_arrived()
-                    if flight.take():
+                if not has_body:
+                    if self._fly(req):
                         return
-                    self._flight = None
-                    self._serving = False
+                elif length is not None and int(length) <= LANE_BODY_MAX:
+                    # A small body: it boards once it is whole, if that is within this
+                    # read (on_message_complete); else the serving task reads it (_unboard).
+                    self._boarding = req
+                    self._head_arrived()
+                    return
+        self._enqueue(req)
+
+    def _fly(self, req: Request) -> bool:
+        """The straight path takes ``req`` now, if it will (else False: nothing was done)."""
+        assert self._lane is not None
+        flight = self._lane.flight(self, req)
+        if flight is None:
+            return False
+        self._serving = True
+        self._flight = flight
+        self._head_arrived()
+        if flight.take():
+            return True
+        self._flight = None
+        self._serving = False
+        return False
+
+    def _enqueue(self, req: Request) -> None:
+        """``req`` for the serving task, after the requests before it."""
         self._queue.append(req)
         if len(self._queue) > PIPELINE_AHEAD:
             self.pause("pipeline")
         self._head_arrived()
         self._wake_queue()
+
+    def _unboard(self) -> None:
+        """A boarding request whose body did not come whole in the read of its head (or
+        whose read broke off): the serving task serves it, reading the rest as it comes."""
+        req, self._boarding = self._boarding, None
+        if req is not None:
+            self._enqueue(req)
 
     def on_body(self, body: bytes) -> None:
         if self._parsing is not None and self._parsing._body is not None:
@@ -878,6 +913,10 @@ class Http1Connection(asyncio.Protocol):
             if parsing._body is not None:
                 parsing._body._end()
             self._parsing = None
+            if parsing is self._boarding:  # its small body is whole: the straight path may take it
+                self._boarding = None
+                if not self._fly(parsing):
+                    self._enqueue(parsing)
 
     # -- parsing edge cases ------------------------------------------------------------
 
