@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 
 from proxy.accesslog import AccessLog
+from proxy.dataplane import http1
 from proxy.dataplane.http1 import Http1Connection, Request, Responder
 from proxy.handler import ProxyHandler
 from proxy.lane import Lane
@@ -490,13 +491,25 @@ def _split(data: bytes, at: int) -> list[bytes]:
     return [data[:at], data[at:]] if 0 < at < len(data) else [data]
 
 
-@pytest.mark.parametrize("where", ["whole", "after the head", "inside the body", "one byte short"])
+SPLITS = [("whole", "soon")] + [
+    (where, when) for where in ("after the head", "inside the body", "one byte short") for when in ("soon", "late")
+]
+
+
+@pytest.mark.parametrize(("where", "when"), SPLITS, ids=[f"{w}, {t}" for w, t in SPLITS])
 async def test_a_small_body_split_from_its_head_reaches_the_vendor_whole(
-    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], where: str
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    general_calls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    when: str,
 ) -> None:
-    """A small body that does not come whole in the read of its head is the serving task's
-    to read (http1's boarding ends at the read's end); either way the vendor gets the
-    request byte for byte and the worker its answer, and one token is taken."""
+    """Many clients write a small body apart from its head. The request boards the
+    straight path once the body is whole, if that is within BOARD_WAIT ("soon"); later,
+    the general path takes it and streams the rest as it comes ("late"). Either way the
+    vendor gets the request byte for byte, the worker its answer, and one token is taken."""
+    monkeypatch.setattr(http1, "BOARD_WAIT", 60.0 if when == "soon" else 0.01)
     stream = io.StringIO()
     proxy = await start_proxy(vendor_policy(scripted.url), access_log=AccessLog(stream))
     await _exchange(proxy.address.port, REQUESTS["plain GET"])
@@ -510,22 +523,47 @@ async def test_a_small_body_split_from_its_head_reaches_the_vendor_whole(
     at = {"whole": 0, "after the head": head_end, "inside the body": head_end + 7, "one byte short": len(data) - 1}
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
     try:
-        for piece in _split(data, at[where]):
+        first, *rest = _split(data, at[where])
+        writer.write(first)
+        await writer.drain()
+        if when == "late":
+            await eventually(lambda: len(general_calls) == 1, "the general path taking the request")
+        for piece in rest:
             writer.write(piece)
-            await writer.drain()
-            await asyncio.sleep(0.05)  # (the pieces in separate reads, most likely: the outcome is the same)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
         assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
-        writer.write(data)  # and the connection takes the next one, whole this time: straight
+        writer.write(data)  # and the connection takes the next one
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
         assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
     finally:
         writer.close()
     assert len(scripted.got) == 2 and scripted.got[0] == scripted.got[1]
     assert scripted.got[0].endswith(b"Content-Length: 25\r\n\r\namount=2000&currency=usd&")
-    assert len(general_calls) == (0 if where == "whole" else 1)
+    assert len(general_calls) == (1 if when == "late" else 0)
     proxy.runtime.deps.access_log.flush()
     assert [json.loads(line)["outcome"] for line in stream.getvalue().splitlines()] == ["forwarded"] * 2
+
+
+async def test_a_worker_gone_before_its_small_body_is_whole_costs_nothing(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its head and half its body, then the worker hangs up: the request was never whole,
+    so nothing reaches the vendor and no token is taken; the proxy serves on."""
+    monkeypatch.setattr(http1, "BOARD_WAIT", 60.0)
+    proxy = await start_proxy(vendor_policy(scripted.url, limits="[{rate: 1, per: 60s, burst: 2}]"))
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])  # one token of two
+    scripted.got.clear()
+    data = REQUESTS["POST with a small body"]
+    _, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+    writer.write(data[:-10])
+    await writer.drain()
+    served = proxy.gate._served  # the worker-side connections
+    await eventually(lambda: any(not c.idle for c in served), "the head read: the connection busy with it")
+    writer.close()
+    await eventually(lambda: not served, "the connection closed")
+    answer = await _exchange(proxy.address.port, data)  # the second token is still there
+    assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+    assert len(scripted.got) == 1 and general_calls == []
 
 
 async def test_a_small_body_pipelined_with_the_next_request_is_answered_in_order(

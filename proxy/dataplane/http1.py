@@ -64,7 +64,10 @@ PIPELINE_AHEAD: Final = 4
 WRITE_HIGH: Final = 256 * 1024
 LANE_BODY_MAX: Final = 64 * 1024
 """The largest request body (by its ``Content-Length``) the straight path may send: one
-that arrives whole in the read that ends its head goes out with it in one write."""
+that arrives whole within ``BOARD_WAIT`` of its head goes out with it in one write."""
+BOARD_WAIT: Final = 0.25
+"""Seconds a small body may take after its head (many clients write the two apart) before
+the general path takes the request and streams the body as it comes."""
 DISCARD_MAX: Final = 16 * 1024 * 1024
 """An unread request body up to this size is read and dropped after the answer, keeping the
 connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
@@ -670,7 +673,8 @@ class Http1Connection(asyncio.Protocol):
         self._lane = lane
         self._kinds: dict[bytes, int] = _KINDS
         self._flight: Flight | None = None  # the straight path's request in flight (lane.py)
-        self._boarding: Request | None = None  # a usual request whose small body is still being parsed
+        self._boarding: Request | None = None  # a usual request whose small body is still coming
+        self._board_timer: asyncio.TimerHandle | None = None
         self._in_head = False
         self._head_seen = 0
         self._fresh = 0
@@ -721,8 +725,8 @@ class Http1Connection(asyncio.Protocol):
             self._unboard()
             self._parse_failed(400, f"malformed request: {exc}")
             return
-        if self._boarding is not None:  # its body did not come whole with its head
-            self._unboard()
+        if self._boarding is not None and self._board_timer is None:  # its body is not whole yet
+            self._board_timer = self._loop.call_later(BOARD_WAIT, self._unboard)
         if self._in_head:
             # A head that began in an earlier read owns all of this one; one that began in
             # this read is counted by its parsed parts (its unfinished field: at most one read).
@@ -743,6 +747,7 @@ class Http1Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._disarm()
+        self._boarded()  # (gone before its body was whole: as a request never served, as one queued)
         if self._open:
             self._open = False
             self._guard.closed()
@@ -864,9 +869,11 @@ class Http1Connection(asyncio.Protocol):
                     if self._fly(req):
                         return
                 elif length is not None and int(length) <= LANE_BODY_MAX:
-                    # A small body: it boards once it is whole, if that is within this
-                    # read (on_message_complete); else the serving task reads it (_unboard).
+                    # A small body: the request boards once it is whole (on_message_complete),
+                    # if that is soon; else the serving task reads it as it comes (_unboard).
+                    # Meanwhile the connection is busy with it, as if served.
                     self._boarding = req
+                    self._serving = True
                     self._head_arrived()
                     return
         self._enqueue(req)
@@ -894,10 +901,20 @@ class Http1Connection(asyncio.Protocol):
         self._head_arrived()
         self._wake_queue()
 
-    def _unboard(self) -> None:
-        """A boarding request whose body did not come whole in the read of its head (or
-        whose read broke off): the serving task serves it, reading the rest as it comes."""
+    def _boarded(self) -> Request | None:
+        """The boarding request, no longer boarding (None: there was none)."""
         req, self._boarding = self._boarding, None
+        if req is not None:
+            self._serving = False
+            if self._board_timer is not None:
+                self._board_timer.cancel()
+                self._board_timer = None
+        return req
+
+    def _unboard(self) -> None:
+        """A boarding request whose body did not come whole within ``BOARD_WAIT`` (or whose
+        read broke off): the serving task serves it, reading the rest as it comes."""
+        req = self._boarded()
         if req is not None:
             self._enqueue(req)
 
@@ -914,7 +931,7 @@ class Http1Connection(asyncio.Protocol):
                 parsing._body._end()
             self._parsing = None
             if parsing is self._boarding:  # its small body is whole: the straight path may take it
-                self._boarding = None
+                self._boarded()
                 if not self._fly(parsing):
                     self._enqueue(parsing)
 
