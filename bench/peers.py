@@ -401,7 +401,7 @@ def saturate(
     cmd0 = commandstats(redis.url) if redis is not None else {}
     with Window(proxy, load_side, cpu_names(args.proxy_cpu)) as w:
         load, gen_cpu = generate(
-            fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu, target
+            fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu, target, args.body
         )
     seen = unlimited(name, proxy, before)
     done = check_load(name, load)
@@ -573,6 +573,9 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per system per round (default 10)")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured load per system before round 1 (default 3)")
     p.add_argument("--connections", type=int, default=50, help="keep-alive connections (default 50)")
+    p.add_argument(
+        "--body", type=int, default=0, metavar="BYTES", help="part 1 with POSTs of BYTES (wrk; default: GETs)"
+    )
     p.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto", help="auto: wrk if installed")
     p.add_argument("--latency-rate", type=float, default=1000.0, help="paced load for added latency (default 1000)")
     p.add_argument(
@@ -658,7 +661,14 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
 
     for name in names:  # connections, pools, the Lua script, first-call allocations
         load, _ = generate(
-            fleet, args.generator, procs[name].url, args.connections, args.warmup, args.load_cpu, targets[name]
+            fleet,
+            args.generator,
+            procs[name].url,
+            args.connections,
+            args.warmup,
+            args.load_cpu,
+            targets[name],
+            args.body,
         )
         check_load(f"{name} warm-up", load)
 
@@ -748,7 +758,8 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
                 "-" if evalsha is None else f"{evalsha:.3f}",
             ]
         )
-    print(f"\n1. saturation, plain HTTP, medians of {len(rounds)} rounds")
+    what = f"POSTs of {args.body} bytes" if args.body else "GETs"
+    print(f"\n1. saturation, plain HTTP ({what}), medians of {len(rounds)} rounds")
     columns = ["system", "req/s", "CPU µs/req", "range", "of it sys", "proxy core", "others there", "load core"]
     print(table(rows, [*columns, "evalsha/req"]))
     missed: list[str] = []

@@ -88,14 +88,19 @@ SHAPES = (
 )
 
 
-def wrk_script(target: str = TARGET_URL) -> str:
-    """wrk's Lua: the absolute-form request target, as a client behind HTTP_PROXY sends it."""
+def wrk_script(target: str = TARGET_URL, body: int = 0) -> str:
+    """wrk's Lua: the absolute-form request target, as a client behind HTTP_PROXY sends it
+    (``body``: a POST of that many bytes, a form as a payments API takes)."""
     host = target.split("://", 1)[1].split("/", 1)[0]
     name, _, value = CREDENTIAL.partition(": ")
-    return (
-        f'wrk.method = "GET"\nwrk.path = "{target}"\nwrk.headers["Host"] = "{host}"\n'
+    lua = (
+        f'wrk.method = "{"POST" if body else "GET"}"\nwrk.path = "{target}"\nwrk.headers["Host"] = "{host}"\n'
         f'wrk.headers["{name}"] = "{value}"\n'
     )
+    if body:
+        lua += 'wrk.headers["Content-Type"] = "application/x-www-form-urlencoded"\n'
+        lua += f'wrk.body = string.rep("a", {body})\n'
+    return lua
 
 
 def generate(
@@ -106,13 +111,16 @@ def generate(
     duration: float,
     cpus: str | None,
     target: str = TARGET_URL,
+    body: int = 0,
 ) -> tuple[dict[str, float], float]:
-    """Run the load (absolute-form ``target``); returns ({requests, non2xx, errors, elapsed},
-    generator CPU seconds)."""
+    """Run the load (absolute-form ``target``; ``body``: POSTs of that many bytes, wrk
+    only); returns ({requests, non2xx, errors, elapsed}, generator CPU seconds)."""
     hostport = proxy_url.removeprefix("http://")
+    if body and generator != "wrk":
+        raise BenchError("POST bodies need wrk (apt-get install wrk)")
     if generator == "wrk":
         script = fleet.workdir / "absolute.lua"
-        script.write_text(wrk_script(target))
+        script.write_text(wrk_script(target, body))
         proc = fleet.start(
             "wrk",
             ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script), f"http://{hostport}/"],
