@@ -329,6 +329,21 @@ def general_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+async def _warmed(
+    proxy: Any, vendor: ScriptedVendor, general_calls: list[str], stream: io.StringIO | None = None
+) -> None:
+    """One usual request through ``proxy`` (its store and vendor connections opened, a
+    token taken), then everything it left forgotten: the vendor's record, the general
+    path's calls, the access log."""
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])
+    if stream is not None:
+        proxy.runtime.deps.access_log.flush()
+        stream.seek(0)
+        stream.truncate()
+    general_calls.clear()
+    vendor.got.clear()
+
+
 @pytest.mark.parametrize("store", ["memory", "redis"])
 async def test_the_usual_request_never_enters_the_general_path(
     scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], redis_url: str, store: str
@@ -359,12 +374,7 @@ async def test_a_held_request_is_handed_over_with_the_stores_answer(
     proxy = await start_proxy(policy, access_log=AccessLog(stream))
     # The first opens the store's connection and takes a token: one is left (and less
     # than a second's refill, 1/s) when the two below come.
-    await _exchange(proxy.address.port, REQUESTS["plain GET"])
-    proxy.runtime.deps.access_log.flush()
-    stream.seek(0)
-    stream.truncate()
-    general_calls.clear()
-    scripted.got.clear()
+    await _warmed(proxy, scripted, general_calls, stream)
     first, second = await asyncio.gather(
         _exchange(proxy.address.port, REQUESTS[case]), _exchange(proxy.address.port, REQUESTS[case])
     )
@@ -469,9 +479,7 @@ async def test_pipelined_requests_are_answered_in_order_whichever_path_serves_th
     """Three requests in one write: the first goes straight, the second (X-Quota-*) and the
     third, behind it, are the serving task's; the answers come in the order asked."""
     proxy = await start_proxy(vendor_policy(scripted.url))
-    await _exchange(proxy.address.port, REQUESTS["plain GET"])
-    general_calls.clear()
-    scripted.got.clear()
+    await _warmed(proxy, scripted, general_calls)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
     try:
         first = _request("GET", f"http://{HOST}/v1/a")
@@ -512,12 +520,7 @@ async def test_a_small_body_split_from_its_head_reaches_the_vendor_whole(
     monkeypatch.setattr(http1, "BOARD_WAIT", 60.0 if when == "soon" else 0.01)
     stream = io.StringIO()
     proxy = await start_proxy(vendor_policy(scripted.url), access_log=AccessLog(stream))
-    await _exchange(proxy.address.port, REQUESTS["plain GET"])
-    proxy.runtime.deps.access_log.flush()
-    stream.seek(0)
-    stream.truncate()
-    general_calls.clear()
-    scripted.got.clear()
+    await _warmed(proxy, scripted, general_calls, stream)
     data = REQUESTS["POST with a small body"]
     head_end = data.index(b"\r\n\r\n") + 4
     at = {"whole": 0, "after the head": head_end, "inside the body": head_end + 7, "one byte short": len(data) - 1}
@@ -570,9 +573,7 @@ async def test_a_small_body_pipelined_with_the_next_request_is_answered_in_order
     scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str]
 ) -> None:
     proxy = await start_proxy(vendor_policy(scripted.url))
-    await _exchange(proxy.address.port, REQUESTS["plain GET"])
-    general_calls.clear()
-    scripted.got.clear()
+    await _warmed(proxy, scripted, general_calls)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
     try:
         post = _request("POST", f"http://{HOST}/v1/a", "Content-Length: 5") + b"hello"
