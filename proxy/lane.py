@@ -432,7 +432,12 @@ class Flight:
             conn = self.conn
             request = self.request
             keep = request.keep_alive and conn.keep_alive  # (Responder.keeps: no body waits to be invited)
-            framing = b"Content-Length: %d\r\n\r\n" if keep else b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+            if not keep:
+                framing = b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+            elif request.version == "1.1":
+                framing = b"Content-Length: %d\r\n\r\n"
+            else:  # an HTTP/1.0 worker keeps the connection only when told so
+                framing = b"Content-Length: %d\r\nConnection: keep-alive\r\n\r\n"
             if not keep:
                 request.keep_alive = False
             head = status_line(status, response.reason)

@@ -162,8 +162,8 @@ async def _run(proxy: Any, vendor: ScriptedVendor, stream: io.StringIO, data: by
     return Run(b"".join(vendor.got[seen:]), answer, _log_fields(lines[0]), delta)
 
 
-def _request(method: str, target: str, *fields: str, host: str | None = HOST) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", *([f"Host: {host}"] if host else []), *fields]
+def _request(method: str, target: str, *fields: str, host: str | None = HOST, version: str = "1.1") -> bytes:
+    lines = [f"{method} {target} HTTP/{version}", *([f"Host: {host}"] if host else []), *fields]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
@@ -185,6 +185,12 @@ REQUESTS = {
     + b"{}",
     "POST, the body at the limit": _request("POST", f"http://{HOST}/v1/files", "Content-Length: 65536") + b"b" * 65536,
     "OPTIONS": _request("OPTIONS", f"http://{HOST}/v1/charges"),
+    "HTTP/1.0 keep-alive": _request("GET", ABSOLUTE, "Connection: keep-alive", version="1.0"),
+    "HTTP/1.0, closes": _request("GET", ABSOLUTE, version="1.0"),
+    "HTTP/1.0 POST with a body": _request(
+        "POST", f"http://{HOST}/v1/charges", "Connection: Keep-Alive", "Content-Length: 5", version="1.0"
+    )
+    + b"hello",
     "worker closes": _request("GET", ABSOLUTE, "Connection: close"),
     "route (origin form)": _request("GET", "/payments/v1/charges", host="127.0.0.1"),
     "Host names the vendor": _request("GET", "/v1/charges"),
@@ -618,3 +624,27 @@ async def test_a_vendor_gone_after_a_small_body_says_whether_to_retry(
     assert f"\r\nx-should-retry: {retry}\r\n".encode() in answer.lower()
     assert len(got) == 1 and got[0].endswith(b"\r\n\r\nhello")
     assert general_calls == [f"http://{HOST}/v1/charges"]  # handed over with the failure
+
+
+async def test_an_http_1_0_worker_keeps_its_connection_only_when_it_asks(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str]
+) -> None:
+    """HTTP/1.0 clients (ApacheBench's ``-k``) keep a connection only with ``Connection:
+    keep-alive``, and only while the answers say so: each straight answer does; without
+    the field the answer says close and the proxy closes."""
+    proxy = await start_proxy(vendor_policy(scripted.url))
+    await _warmed(proxy, scripted, general_calls)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+    try:
+        for _ in range(3):
+            writer.write(REQUESTS["HTTP/1.0 keep-alive"])
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+            assert head.startswith(b"HTTP/1.1 200 OK") and b"\r\nConnection: keep-alive\r\n" in head, head
+            assert await reader.readexactly(11) == OK_BODY
+        writer.write(REQUESTS["HTTP/1.0, closes"])
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert b"\r\nConnection: close\r\n" in head, head
+        assert await asyncio.wait_for(reader.read(), WAIT) == OK_BODY  # then the close
+    finally:
+        writer.close()
+    assert len(scripted.got) == 4 and general_calls == []

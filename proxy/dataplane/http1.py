@@ -826,7 +826,7 @@ class Http1Connection(asyncio.Protocol):
         # The fields the proxy reads (the first of each name counts, as a lookup by name
         # finds it) and whether any of them needs the general request path.
         host = tenant = length = te = expect = None
-        lean = version == "1.1"
+        lean = True
         for kind, value in self._marks:
             if kind == HOST:
                 if host is None:
