@@ -1,7 +1,7 @@
 """The straight path: the usual request, from its head to its answer, driven by the sockets.
 
-Most requests are alike: no body or a small one that comes whole with its head (a
-payment's form, a JSON document), a vendor whose limits are token buckets that grant at
+Most requests are alike: no body or a small one that comes whole soon after its head (a
+payment's form, a JSON document: http1.BOARD_WAIT), a vendor whose limits are token buckets that grant at
 once, an answer of known length that is all in when its head is. The general request
 path (handler.py) serves every request, and pays for it on every one: a parse into
 objects, a route through the router, the limiter and the forwarder's layers, a task
