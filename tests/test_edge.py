@@ -165,7 +165,11 @@ async def test_a_burst_worth_of_connections_waits_open_before_the_first_request(
 
     raw = await raw_vendor(serve)
     proxy = await start_proxy(vendor_policy(raw.url, limits="[{rate: 100, per: 1s, burst: 3}]"))
-    await eventually(lambda: raw.connections == 3, "three connections opened")
+    deps = proxy.runtime.deps
+    pool, origin = deps.upstreams.pool(deps.policy.vendors[0]), forward.origin_of(raw.url)
+    # (the proxy's pool, not the vendor's accepts: a connection is accepted there before the
+    # proxy has it idle)
+    await eventually(lambda: raw.connections == 3 and pool.idle_count(origin) == 3, "three connections opened")
     assert requests == 0  # opened, nothing sent on them
     async with client_session() as s:
 
@@ -178,6 +182,8 @@ async def test_a_burst_worth_of_connections_waits_open_before_the_first_request(
         assert (raw.connections, requests) == (3, 3)  # the burst used the warm connections
         for w in conns:
             w.close()  # the vendor drops its idle connections (its keep-alive timeout)
-        await eventually(lambda: raw.connections == 6, "three connections opened again")
+        await eventually(
+            lambda: raw.connections == 6 and pool.idle_count(origin) == 3, "three connections opened again"
+        )
         assert await call(9) == 200
     assert (raw.connections, requests) == (6, 4)
