@@ -1,8 +1,8 @@
 """The straight path: the usual request, from its head to its answer, driven by the sockets.
 
 Most requests are alike: no body or a small one that comes whole soon after its head (a
-payment's form, a JSON document: http1.BOARD_WAIT), a vendor whose limits are token buckets that grant at
-once, an answer of known length that is all in when its head is. The general request
+payment's form, a JSON document: http1.BOARD_WAIT), a vendor whose limits are token
+buckets that grant at once, an answer of known length that is all in when its head is. The general request
 path (handler.py) serves every request, and pays for it on every one: a parse into
 objects, a route through the router, the limiter and the forwarder's layers, a task
 that wakes at each step. This path serves the usual request directly. What a request's

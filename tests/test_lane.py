@@ -105,6 +105,13 @@ async def _exchange(port: int, data: bytes) -> bytes:
         writer.close()
 
 
+async def _read_ok(reader: asyncio.StreamReader) -> bytes:
+    """The next answer on ``reader``, which must be the scripted vendor's 200 with its body; its head."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+    assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY, head
+    return head
+
+
 _DATE = re.compile(rb"\r\nDate: [^\r]*")
 
 
@@ -469,8 +476,7 @@ async def test_an_answer_the_worker_is_slow_to_take_is_finished_once_it_drains(
         proxy.runtime.deps.access_log.flush()
         assert stream.getvalue() == ""  # not counted before the worker has it
         paused[0].resume_writing()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-        assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+        await _read_ok(reader)
         await eventually(lambda: (proxy.runtime.deps.access_log.flush(), stream.getvalue())[1] != "", "the log line")
         assert json.loads(stream.getvalue())["outcome"] == "forwarded"
         writer.write(REQUESTS["plain GET"])  # and the connection takes the next one
@@ -493,8 +499,7 @@ async def test_pipelined_requests_are_answered_in_order_whichever_path_serves_th
         third = _request("GET", f"http://{HOST}/v1/c")
         writer.write(first + second + third)
         for _ in range(3):
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-            assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+            await _read_ok(reader)
     finally:
         writer.close()
     assert [head.split(b" ")[1] for head in scripted.got] == [b"/v1/a", b"/v1/b", b"/v1/c"]
@@ -539,11 +544,9 @@ async def test_a_small_body_split_from_its_head_reaches_the_vendor_whole(
             await eventually(lambda: len(general_calls) == 1, "the general path taking the request")
         for piece in rest:
             writer.write(piece)
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-        assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+        await _read_ok(reader)
         writer.write(data)  # and the connection takes the next one
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-        assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+        await _read_ok(reader)
     finally:
         writer.close()
     assert len(scripted.got) == 2 and scripted.got[0] == scripted.got[1]
@@ -585,8 +588,7 @@ async def test_a_small_body_pipelined_with_the_next_request_is_answered_in_order
         post = _request("POST", f"http://{HOST}/v1/a", "Content-Length: 5") + b"hello"
         writer.write(post + _request("GET", f"http://{HOST}/v1/b") + post.replace(b"/v1/a", b"/v1/c"))
         for _ in range(3):
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-            assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(11) == OK_BODY
+            await _read_ok(reader)
     finally:
         writer.close()
     assert [got.split(b" ")[1] for got in scripted.got] == [b"/v1/a", b"/v1/b", b"/v1/c"]
@@ -638,9 +640,8 @@ async def test_an_http_1_0_worker_keeps_its_connection_only_when_it_asks(
     try:
         for _ in range(3):
             writer.write(REQUESTS["HTTP/1.0 keep-alive"])
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
-            assert head.startswith(b"HTTP/1.1 200 OK") and b"\r\nConnection: keep-alive\r\n" in head, head
-            assert await reader.readexactly(11) == OK_BODY
+            head = await _read_ok(reader)
+            assert b"\r\nConnection: keep-alive\r\n" in head, head
         writer.write(REQUESTS["HTTP/1.0, closes"])
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
         assert b"\r\nConnection: close\r\n" in head, head
