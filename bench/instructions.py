@@ -75,10 +75,10 @@ async def _send(url: str, count: int, body: int = 0) -> None:
     name, _, value = CREDENTIAL.partition(": ")
     connector = aiohttp.TCPConnector(limit=1)
     timeout = aiohttp.ClientTimeout(total=60)
+    data = b"x" * body if body else None
+    method = "POST" if body else "GET"
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for _ in range(count):
-            data = b"x" * body if body else None
-            method = "POST" if body else "GET"
             async with session.request(method, TARGET_URL, proxy=url, headers={name: value}, data=data) as resp:
                 await resp.read()
                 if resp.status != 200:
@@ -103,7 +103,7 @@ def command(name: str, spec: str | None, vendor: Proc, redis: Proc, port: int, p
     """The argv of system ``name`` listening on ``port``, and the directory to run it in."""
     if name in SYSTEMS and spec is None:
         if name in ("redis", "memory"):
-            policy = policy.with_name(f"policy-{name}.yaml")
+            policy = policy.with_name("policy-memory.yaml") if name == "memory" else policy
             argv = [sys.executable, "-m", "proxy", "run", "-c", str(policy), "--listen", f"{LOOPBACK}:{port}"]
             return [*argv, "--admin-listen", f"{LOOPBACK}:0", "--log-level", "warning"], ROOT
         argv = [sys.executable, str(BENCH / "_floor_proxy.py"), "--port", str(port), "--upstream", vendor.url]
@@ -182,7 +182,6 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     redis = fleet.redis()
     vendor = fleet.vendor(1e9)
     (fleet.workdir / "policy.yaml").write_text(product_policy("redis", vendor.url, redis.url, store_timeout="5s"))
-    (fleet.workdir / "policy-redis.yaml").write_text(product_policy("redis", vendor.url, redis.url, store_timeout="5s"))
     (fleet.workdir / "policy-memory.yaml").write_text(product_policy("memory", vendor.url, None))
     counts: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
