@@ -19,6 +19,7 @@ import math
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 
+from proxy.dataplane.framing import NO_CODINGS, answer_codings
 from proxy.dataplane.http1 import BodyBroken, BodyStalled, Request, Responder
 from proxy.dataplane.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.dataplane.upstream import UpstreamFailed as Failed
@@ -152,14 +153,6 @@ class _WorkerBody:
         return await self._body.read()
 
 
-def _content_length(request: Request) -> int | None:
-    """The worker's own framing kept when it gave a length; else the body goes chunked."""
-    if "chunked" in request.headers.get("Transfer-Encoding", "").lower():
-        return None
-    value = request.headers.get("Content-Length", "")
-    return int(value) if value.isdigit() else None
-
-
 _FAILURES = {
     # kind: (status, X-Quota-Error, detail prefix)
     "refused": (502, "upstream-unreachable", ": "),
@@ -222,7 +215,7 @@ async def send(
             target,
             (),
             _WorkerBody(request) if request.has_body else None,
-            _content_length(request) if request.has_body else None,
+            request.length if request.has_body and request.length >= 0 else None,  # else chunked
             timeouts.read,
             lines=lines,
         )
@@ -294,6 +287,17 @@ async def paced(
     return conn
 
 
+def unrelayable(vendor: Vendor, request: Request, upstream: Response) -> UpstreamFailed | None:
+    """The 502 of a vendor answer that cannot reach this worker as it is: a transfer coding
+    (``gzip``) that an HTTP/1.0 worker cannot be told of (RFC 9112 §6.1), which the proxy
+    will not undo for it nor drop silently."""
+    if request.version != "1.0" or answer_codings(upstream.transfer_codings) is NO_CODINGS:
+        return None
+    said = ", ".join(value.decode("latin-1") for value in upstream.transfer_codings)
+    detail = f"{vendor.name}: its answer's Transfer-Encoding ({said}) cannot be relayed to an HTTP/1.0 worker"
+    return UpstreamFailed(502, "upstream-unrelayable", detail, True, idempotent(request.method, request.headers))
+
+
 async def relay(upstream: Response, responder: Responder, extra_headers: dict[str, str] | None = None) -> str | None:
     """Stream the vendor's answer to the worker; returns why the relay did not complete, if it did not.
 
@@ -303,20 +307,23 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     the close at once and stops (unlike one still working on it: ``UpstreamConnection.abandon``).
     Framing is this hop's business: with the vendor's Content-Length the body is sent as is;
     without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
-    HTTP/1.0 one."""
+    HTTP/1.0 one; a transfer coding the vendor applied besides chunked is said to the
+    worker as it was (framing.answer_codings: ``unrelayable`` first)."""
     try:
         written = answer_lines(upstream.block, answer_fields(), False)  # the usual answer: its lines copied
         if written is None:  # a Connection field: the fields it names are dropped too, the general filter
             headers = downstream_response_headers(upstream.headers)
             if extra_headers:
                 headers.extend(extra_headers.items())
-            responder.start(upstream.status, upstream.reason, headers)
+            codings = answer_codings(upstream.transfer_codings)
+            responder.start(upstream.status, upstream.reason, headers, codings=codings)
         else:
             lines, length, date = written
             head = [lines]
             if extra_headers:  # fields the vendor did not send, or list members added beside the vendor's
                 head.append("".join(f"{name}: {value}\r\n" for name, value in extra_headers.items()).encode("latin-1"))
-            responder.start_lines(upstream.status, upstream.reason, head, length, date)
+            codings = NO_CODINGS if length >= 0 else answer_codings(upstream.transfer_codings)
+            responder.start_lines(upstream.status, upstream.reason, head, length, date, codings)
         whole = upstream.whole(_WHOLE_MAX)
         if whole is not None:  # all in already (a small answer): one write, no read per piece
             await responder.complete(whole)

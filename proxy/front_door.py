@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from multidict import CIMultiDict
 from proxy.answers import Answer, render
 from proxy.blind_tunnel import BlindTunnels
 from proxy.connections import ConnectionLimits, raw_response
+from proxy.dataplane.framing import NONE, FramingError, request_framing
 from proxy.dataplane.http1 import Http1Connection
 from proxy.deps import Deps
 from proxy.handler import ProxyHandler
@@ -64,10 +66,29 @@ def parse_connect_head(head: bytes) -> ConnectHead:
         if not line:
             continue
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
+        if not sep or not name or name != name.strip() or _CONTROL.search(line) is not None:
             raise BadRequest(f"malformed header line {line[:100]!r}")
-        headers.add(name, value.strip())
+        headers.add(name, value.strip(" \t"))
+    # The one framing reading (framing.py), as for any request; and a CONNECT has no content
+    # (RFC 9110 §9.3.6): what follows its head is the tunnel's, never a body.
+    try:
+        framing = request_framing(
+            "1.1",
+            "CONNECT",
+            hosts=len(headers.getall("Host", [])),
+            lengths=[v.encode("latin-1") for v in headers.getall("Content-Length", [])],
+            transfers=[v.encode("latin-1") for v in headers.getall("Transfer-Encoding", [])],
+            keep_alive=False,
+        )
+    except FramingError as exc:
+        raise BadRequest(f"malformed CONNECT request: {exc}") from None
+    if framing.body != NONE:
+        raise BadRequest("a CONNECT request has no content: what follows its head belongs to the tunnel")
     return ConnectHead(parts[1], headers)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+"""Characters no field line may hold (a tab aside): a bare CR or LF, a NUL..."""
 
 
 def _refusal(status: int, message: str) -> bytes:

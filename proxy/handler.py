@@ -24,7 +24,7 @@ from proxy.dataplane.upstream import Response
 from proxy.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.deps import Deps
 from proxy.feedback import NOTHING, Applied, apply_feedback, changes_nothing
-from proxy.forward import Carrier, body_broke, relay, send, send_failed
+from proxy.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
 from proxy.lane import Carried, Lane
@@ -394,6 +394,10 @@ class ProxyHandler:
         except BaseException:
             upstream.close()
             raise
+        refused = unrelayable(vendor, request, upstream)
+        if refused is not None:
+            upstream.close()
+            raise refused
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))

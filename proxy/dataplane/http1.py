@@ -35,6 +35,16 @@ from typing import Final, Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.dataplane.framing import (
+    CHUNKED,
+    NO_BODY_STATUS,
+    NO_CODINGS,
+    NONE,
+    AnswerCodings,
+    FramingError,
+    RequestFraming,
+    request_framing,
+)
 from proxy.dataplane.inbox import Inbox
 from proxy.headers import (
     CONNECTION_FIELD,
@@ -73,7 +83,6 @@ DISCARD_MAX: Final = 16 * 1024 * 1024
 connection; a larger one (or one that takes over ``DISCARD_WAIT``) closes it."""
 DISCARD_WAIT: Final = 5.0
 CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
-_NO_BODY_STATUS: Final = frozenset({204, 304})
 _REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 _KINDS: Final = request_kinds("")
 """The field classifier of a connection served without a lane (no tenant header)."""
@@ -240,6 +249,7 @@ class Request:
         "keep_alive",
         "kinds",
         "lean",
+        "length",
         "lines",
         "method",
         "raw",
@@ -262,6 +272,7 @@ class Request:
         has_body: bool,
         tag: object = None,
         fields: list[tuple[str, str]] | None = None,
+        length: int = 0,
     ) -> None:
         self.method = method
         self.target = self.raw_path = target
@@ -280,6 +291,8 @@ class Request:
         self.keep_alive = keep_alive
         self.has_body = has_body
         """The head announced a body (a Content-Length above 0, or chunked)."""
+        self.length = length
+        """The body's bytes by its ``Content-Length`` (0: none), or -1: chunked (framing.py)."""
         self.tag = tag
         """What the connection was tagged with (an interception: where its tunnel leads)."""
         self.lean = False
@@ -326,6 +339,12 @@ class Request:
         return None if body is None else body._exc
 
     @property
+    def chunk_pending(self) -> bool:
+        """The chunked body has not all come (or broke off)."""
+        body = self._body
+        return self.length < 0 and body is not None and (not body._done or body._exc is not None)
+
+    @property
     def waits_to_send(self) -> bool:
         """The worker waits for ``100 Continue`` before sending its body, not sent yet."""
         body = self._body
@@ -341,12 +360,12 @@ def parsed_request(
     url: bytes,
     version: str,
     raw: list[tuple[bytes, bytes]],
-    keep_alive: bool,
-    has_body: bool,
+    framing: RequestFraming,
     expect_continue: bool,
     tag: object,
 ) -> Request:
     """A request from the parser's pieces, made without ``Request.__init__``'s decoding."""
+    has_body = framing.body != NONE
     req: Request = _new_request(Request)
     req.method = method
     req.target = req.raw_path = url.decode("latin-1")
@@ -357,8 +376,9 @@ def parsed_request(
     req.raw = raw
     req._body = Body(conn, expect_continue) if has_body else None
     req._conn = conn
-    req.keep_alive = keep_alive
+    req.keep_alive = framing.keep_alive
     req.has_body = has_body
+    req.length = framing.length
     req.tag = tag
     req.lean = False
     req.kinds = None
@@ -423,10 +443,18 @@ class Responder:
     def finished(self) -> bool:
         return self._finished
 
-    def start(self, status: int, reason: str, headers: Iterable[tuple[str, str]], *, length: int = -1) -> None:
+    def start(
+        self,
+        status: int,
+        reason: str,
+        headers: Iterable[tuple[str, str]],
+        *,
+        length: int = -1,
+        codings: AnswerCodings = NO_CODINGS,
+    ) -> None:
         """The answer's status and end-to-end headers (hop-by-hop ones are this hop's: any
         given are dropped). A ``Content-Length`` among them frames the body (``length``, when
-        given, instead of theirs); else chunks."""
+        given, instead of theirs); else chunks. ``codings``: as ``start_lines``."""
         found = -1
         date = False
         lines = []
@@ -440,31 +468,48 @@ class Responder:
                 date = True
             lines.append(f"{name}: {value}\r\n")
         head = ["".join(lines).encode("latin-1")] if lines else []
-        self.start_lines(status, reason, head, length if length >= 0 else found, date)
+        self.start_lines(status, reason, head, length if length >= 0 else found, date, codings)
 
-    def start_lines(self, status: int, reason: str, head: list[bytes], length: int, date: bool) -> None:
+    def start_lines(
+        self,
+        status: int,
+        reason: str,
+        head: list[bytes],
+        length: int,
+        date: bool,
+        codings: AnswerCodings = NO_CODINGS,
+    ) -> None:
         """``start`` with the end-to-end fields already written: ``head``, pieces of
         ``Name: value\\r\\n`` lines as bytes, none of this hop's framing (``Content-Length``
         is ``length``, -1 for none); ``date``: a ``Date`` is among them. ``head`` is the
-        responder's from now on."""
+        responder's from now on. ``codings``: the transfer codings of the body written
+        (framing.answer_codings), said in ``Transfer-Encoding`` (an HTTP/1.1 worker's)."""
         assert self.status == 0, "answer already started"
         req = self._request
         self.status = status
         if not reason:
             reason = _REASONS.get(status, "")
-        self._no_body = req.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
+        bodiless = status in NO_BODY_STATUS or status < 200
+        self._no_body = bodiless or req.method == "HEAD"
         if not date:
             head.append(date_line())
-        # A body the worker waits to be invited for and that was not: it may or may not come.
         keep = self.keeps
-        if length >= 0:
-            head.append(b"Content-Length: %d\r\n" % length)
+        if bodiless:
+            pass  # no framing field: the answer ends with its head, whatever one would say
+        elif length >= 0:
+            head.append(b"Content-Length: %d\r\n" % length)  # (a HEAD's: the length a GET would get)
             if not self._no_body:
                 self._left = length
+        elif codings.to_close:  # (an HTTP/1.1 worker's): as the vendor sent it, to the close
+            head.append(b"Transfer-Encoding: %s\r\n" % codings.to_close)
+            keep = False
         elif not self._no_body:
             if req.version == "1.1":
                 self._chunked = True
-                head.append(b"Transfer-Encoding: chunked\r\n")
+                if codings.before_chunked:
+                    head.append(b"Transfer-Encoding: %s, chunked\r\n" % codings.before_chunked)
+                else:
+                    head.append(b"Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # an HTTP/1.0 worker takes no chunks: the close delimits the body
         if not keep:
@@ -527,9 +572,11 @@ class Responder:
 
     @property
     def keeps(self) -> bool:
-        """Will the connection stay open after this answer (as the answer's head must say)?"""
+        """Will the connection stay open after this answer (as the answer's head must say)?
+        Not when a body the worker waits to be invited for was not, nor when a chunked body
+        is not whole: where it ends is only known once it has parsed, and it may yet break."""
         req = self._request
-        return req.keep_alive and self._conn.keep_alive and not req.waits_to_send
+        return req.keep_alive and self._conn.keep_alive and not req.waits_to_send and not req.chunk_pending
 
     def wrote(self, status: int) -> None:
         """Its caller wrote the answer (head and body, ``status``) on the connection itself,
@@ -824,11 +871,16 @@ class Http1Connection(asyncio.Protocol):
             raise _HeadRefused(400, f"HTTP/{version} is not supported: the proxy speaks HTTP/1.0 and HTTP/1.1")
         method = parser.get_method().decode("latin-1")
         # The fields the proxy reads (the first of each name counts, as a lookup by name
-        # finds it) and whether any of them needs the general request path.
-        host = tenant = length = te = expect = None
+        # finds it; every one of those that frame the message) and whether any of them
+        # needs the general request path.
+        host = tenant = expect = None
+        hosts = 0
+        lengths: list[bytes] = []
+        transfers: list[bytes] = []
         lean = True
         for kind, value in self._marks:
             if kind == HOST:
+                hosts += 1
                 if host is None:
                     host = value
             elif kind == TENANT:
@@ -838,25 +890,31 @@ class Http1Connection(asyncio.Protocol):
                 if value not in THIS_HOP_VALUES and not only_this_hop(value):
                     lean = False  # it names fields to drop too: the general filter
             elif kind == LENGTH_FIELD:
-                if length is None:
-                    length = value
+                lengths.append(value)
             elif kind == TRANSFER:
-                if te is None:
-                    te = value
+                transfers.append(value)
             elif kind == EXPECT:
                 if expect is None:
                     expect = value
                 lean = False
             elif kind == QUOTA:
                 lean = False
-        has_body = (te is not None and b"chunked" in te.lower()) or (
-            length is not None and length.strip().isdigit() and int(length) > 0
-        )
+        try:
+            framing = request_framing(
+                version,
+                method,
+                hosts=hosts,
+                lengths=lengths,
+                transfers=transfers,
+                keep_alive=parser.should_keep_alive(),
+            )
+        except FramingError as exc:
+            raise _HeadRefused(400, f"malformed request: {exc}") from None
+        has_body = framing.body != NONE
         continues = has_body and version == "1.1" and expect is not None and expect.lower() == b"100-continue"
-        keep = parser.should_keep_alive() and method != "CONNECT"
-        req = parsed_request(self, method, self._url, version, self._fields, keep, has_body, continues, self.tag)
+        req = parsed_request(self, method, self._url, version, self._fields, framing, continues, self.tag)
         self._parsing = req
-        if lean and te is None and method != "CONNECT":
+        if lean and framing.body != CHUNKED and method != "CONNECT":
             req.lean = True
             req.kinds = self._kinds
             req.host = host
@@ -868,7 +926,7 @@ class Http1Connection(asyncio.Protocol):
                 if not has_body:
                     if self._fly(req):
                         return
-                elif length is not None and int(length) <= LANE_BODY_MAX:
+                elif framing.length <= LANE_BODY_MAX:
                     # A small body: the request boards once it is whole (on_message_complete),
                     # if that is soon; else the serving task reads it as it comes (_unboard).
                     # Meanwhile the connection is busy with it, as if served.
@@ -948,8 +1006,9 @@ class Http1Connection(asyncio.Protocol):
             self.pause("connect")
             return
         if req.has_body:
-            # Parse the body with a head of its own framing, its callbacks going to ``req``.
-            framing = "".join(f"{k}: {v}\r\n" for k, v in req.headers.items() if k.lower() in _FRAMING)
+            # Parse the body with a head of its own framing (as its head's was decided),
+            # its callbacks going to ``req``.
+            framing = "Transfer-Encoding: chunked\r\n" if req.length < 0 else f"Content-Length: {req.length}\r\n"
             req.body._done = False
             self._parsing = req
             self._skip_message = True
@@ -1220,6 +1279,3 @@ class Http1Connection(asyncio.Protocol):
             self._timer = self._loop.call_at(due, self._idle_timed_out)
             return
         self.transport.close()
-
-
-_FRAMING: Final = frozenset({"content-length", "transfer-encoding"})

@@ -32,6 +32,7 @@ from typing import Final, Literal, NamedTuple, Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.dataplane.framing import codings
 from proxy.dataplane.inbox import Inbox
 from proxy.tasks import spawn
 
@@ -118,6 +119,11 @@ class Response(Inbox):
                 for name, _, value in (line.partition(b":") for line in self.block.split(b"\r\n")[:-1])
             ]
         return raw
+
+    @property
+    def transfer_codings(self) -> list[bytes]:
+        """The values of the answer's ``Transfer-Encoding`` fields (framing.py reads them)."""
+        return [value for name, value in self.raw if name.lower() == b"transfer-encoding"]
 
     @property
     def fields(self) -> list[tuple[str, str]]:
@@ -565,8 +571,7 @@ class UpstreamConnection(asyncio.Protocol):
         response = self._response
         if response is None:
             return False
-        headers = response.headers
-        return "Content-Length" not in headers and "chunked" not in headers.get("Transfer-Encoding", "").lower()
+        return "Content-Length" not in response.headers and codings(response.transfer_codings)[-1:] != [b"chunked"]
 
     def _broke(self, why: str) -> None:
         self._no_head(UpstreamFailed("broken", why, reached=True))
