@@ -132,6 +132,9 @@ class Answer:
 async def _answer(reader: asyncio.StreamReader, *, head: bool = False) -> Answer:
     start, fields = await _head(reader)
     status = int(start.split(" ")[1])
+    while 100 <= status < 200 and status != 101:  # an interim answer (100 Continue): the final one follows
+        start, fields = await _head(reader)
+        status = int(start.split(" ")[1])
     if head:
         body = b""
     elif "Content-Length" in fields:  # trusted whatever the status, as a naive client does
