@@ -46,14 +46,40 @@
 -- grant, and `lost`, when a loss was last seen: the buckets cannot vanish
 -- without the counter. A caller that has seen `seq` before (seq_seen > 0, and
 -- the state should still exist) and finds it missing, or behind what it saw,
--- has found a loss: `lost` = now. For `debt` ms after a loss, a bucket not
--- written since then counts as owing every reservation that may still be
--- outstanding (`rate` x the time left of that window): the fleet restarts from
--- below empty, never from full. No extra round trip.
+-- has found a loss: `lost` = now. A bucket not written since the loss restarts
+-- at the loss owing every reservation that may still be outstanding (`debt` ms
+-- of its refill) and refills from there: the fleet restarts from below empty,
+-- never from full, and never bursts after the debt either. No extra round trip.
+--
+-- Kept slots. A hint alone is not enough to spend the whole quota: a caller that
+-- comes back a few ms late finds its token taken by whoever came first, or, with a
+-- small burst, finds that the bucket stopped filling while it was on its way; and
+-- an SDK that retries early, whatever the hint, takes a new slot each time. So a
+-- refusal whose wait is at most `horizon` (the caller will come back: it was told
+-- to retry) keeps its slot: its tokens are taken as a hold's are (the level goes
+-- below zero, so callers refused after it get later slots), and the reservation is
+-- a member of the bucket set's reservation set, scored by when it matures. Its
+-- member name is the caller's claim: the proxy remembers it
+-- with the worker's connection and sends it with that connection's next request
+-- of the bucket set. A claim that has matured (or will within `max_wait`) is
+-- granted without taking tokens again; one that has not is refused again with the
+-- same slot, never a new one. A reservation its owner does not claim within
+-- `owner` ms of maturing may be claimed by any request of the bucket set without
+-- one (a caller whose job was re-enqueued elsewhere, or who never comes back); one
+-- nobody claims within `life` ms is given back to the buckets, never above their
+-- burst. A reservation made before a vendor block (a bucket's `bk`) or before the
+-- state was lost is void: the block, or the loss, absorbed it. When the tenant's own
+-- buckets are what refused (`binding` among the first `tenants`), only they are taken
+-- (scope `t`): a vendor-side token taken now would stand idle until the tenant's
+-- bucket lets the request go, holding back every other tenant meanwhile; the
+-- vendor-side buckets are taken when the slot is claimed (or, if they have no room
+-- then, the slot is kept again on every bucket, scope `a`). Member names are
+-- `<created ms>:<cost>:<scope>`, `:<k>` after them for a second one in one microsecond.
 --
 -- KEYS[1 .. n]          the buckets (tenant buckets first, then endpoint, then global)
 -- KEYS[n + 1 .. n + m]  the lease sets
 -- KEYS[n + m + 1]       the deferral queue of this bucket set, when ARGV[3] = "q"
+-- KEYS[n + m + 2]       its reservation set, when ARGV[10] ~= "" (with a queue)
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
 -- ARGV[1]               cost: tokens to take from every bucket
 -- ARGV[2]               max_wait: ms the caller will hold; 0 = grant only if available now
@@ -63,17 +89,22 @@
 -- ARGV[6]               n: the number of buckets
 -- ARGV[7]               lease id ("" when m = 0)
 -- ARGV[8]               lease life: ms a lease lives past the reservation's maturity
--- ARGV[6 + 3i]          rate of bucket i, tokens per ms
--- ARGV[7 + 3i]          burst of bucket i, tokens
--- ARGV[8 + 3i]          field: "" = the bucket is KEYS[i] itself; else its fields' prefix
+-- ARGV[9]               claim: the reservation this caller holds ("" = none); after a "?",
+--                       one it may claim only once it has matured (else it is a new caller)
+-- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>" (ms, and how many of the buckets
+--                       are the tenant's own): refusals keep their slot; "" = they do not
+-- ARGV[8 + 3i]          rate of bucket i, tokens per ms
+-- ARGV[9 + 3i]          burst of bucket i, tokens
+-- ARGV[10 + 3i]         field: "" = the bucket is KEYS[i] itself; else its fields' prefix
 --                       in the hash KEYS[i] (the state hash)
--- ARGV[8 + 3n + j]      cap of lease set j
+-- ARGV[10 + 3n + j]     cap of lease set j
 --
 -- Returns {granted, wait, binding, hint, seq, lost, full, ttl, level_1..level_n,
--- inflight_1..inflight_m}, as strings:
---   granted   1 = taken from every bucket and a lease in every set, 0 = nothing taken
---   wait      ms; granted: until the reservation matures (0 = go now);
---             refused: until every bucket could grant without waiting
+-- inflight_1..inflight_m, reserved, claimed}, as strings:
+--   granted   1 = taken from every bucket (or a claim) and a lease in every set, 0 = nothing taken
+--   wait      ms; granted: until the reservation matures (0 = go now; a kept slot claimed
+--             after it matured: how long ago, negative);
+--             refused: until every bucket could grant without waiting (a kept slot: until it matures)
 --   binding   1-based index of the bucket with the longest wait, 0 when none waits
 --   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait
 --   seq       the state's counter after this call (0 without a state)
@@ -82,6 +113,8 @@
 --   ttl       ms the state hash lives from now (0 without a state)
 --   level_i   tokens in bucket i now (after the take when granted)
 --   inflight_j  live leases in set j after this call
+--   reserved  refused: the claim of the slot kept for this caller ("" = none)
+--   claimed   1 = granted on a reservation (its tokens were taken when it was made)
 
 local EPOCH = 1700000000
 local time = redis.call('TIME')
@@ -92,10 +125,18 @@ local max_wait = tonumber(ARGV[2])
 local debt = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local lease_id, lease_life = ARGV[7], tonumber(ARGV[8])
-local m = #ARGV - 8 - 3 * n
+local claim = ARGV[9]
+local F = 10 -- fixed arguments before the buckets'
+local m = #ARGV - F - 3 * n
 local queue = nil
 if ARGV[3] == 'q' then
   queue = KEYS[n + m + 1]
+end
+local rset, horizon_ms, owner_ms, life_ms, tenants = nil, 0, 0, 0, 0
+if ARGV[10] ~= '' then
+  rset = KEYS[n + m + 2]
+  local h, o, l, t = string.match(ARGV[10], '^([^:]+):([^:]+):([^:]+):([^:]+)$')
+  horizon_ms, owner_ms, life_ms, tenants = tonumber(h), tonumber(o), tonumber(l), tonumber(t)
 end
 
 -- The state: seq, the window after a loss, and how long the hash must live.
@@ -114,22 +155,18 @@ if ARGV[4] ~= '' then
     redis.call('HSET', state, 'seq', tostring(seq), 'lost', string.format('%.3f', now))
   end
 end
-local owing = 0 -- ms of possibly outstanding reservations a bucket untouched since the loss owes
-if lost and now < lost + debt then
-  owing = lost + debt - now
-end
 
 local levels, fields, rates, bursts = {}, {}, {}, {}
-local wait, binding = 0, 0
+local void_before = lost or 0 -- reservations made before this are void (a loss, a vendor block)
 for i = 1, n do
-  local rate, burst, field = tonumber(ARGV[6 + 3 * i]), tonumber(ARGV[7 + 3 * i]), ARGV[8 + 3 * i]
+  local rate, burst, field = tonumber(ARGV[F + 3 * i - 2]), tonumber(ARGV[F + 3 * i - 1]), ARGV[F + 3 * i]
   if field == '' then
     fields[i] = {'t', 'ts'}
   else
     fields[i] = {field .. ':t', field .. ':ts'}
   end
   local p = fields[i][1]:sub(1, -2) -- '' or '<field>:'
-  local st = redis.call('HMGET', KEYS[i], fields[i][1], fields[i][2], p .. 'lr', p .. 'lb', p .. 'lu')
+  local st = redis.call('HMGET', KEYS[i], fields[i][1], fields[i][2], p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk')
   if st[5] and tonumber(st[5]) > now then
     rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
   end
@@ -138,13 +175,89 @@ for i = 1, n do
   if st[1] then
     level = math.min(burst, tonumber(st[1]) + (now - tonumber(st[2])) * rate)
   end
-  if owing > 0 and (not st[1] or tonumber(st[2]) < lost) then
-    level = math.min(level, -owing * rate)
+  if lost and (not st[1] or tonumber(st[2]) < lost) then
+    -- Untouched since the loss: it restarts from below empty at the loss, owing what
+    -- may be outstanding, and refills from there; never full (SPEC §12).
+    level = math.min(level, (now - lost - debt) * rate)
+  end
+  if st[6] and tonumber(st[6]) > void_before then
+    void_before = tonumber(st[6])
   end
   levels[i] = level
-  local need = (cost - level) / rate
+end
+
+-- Kept slots: reservations nobody claimed in time go back to the buckets they took from
+-- (those made before a block or a loss were absorbed by it: dropped); then this caller's
+-- claim, or one whose owner is late, is looked for.
+local function parse(member)
+  local created, taken, scope = string.match(member, '^([^:]+):([^:]+):([at])')
+  return tonumber(created), tonumber(taken), scope
+end
+local refunded = false
+local held = nil -- the member this call claims
+local claim_wait = 0
+local early = nil -- this caller's own claim, not matured: refused with its slot
+if rset then
+  local stale = redis.call('ZRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
+  for _, member in ipairs(stale) do
+    local created, taken, scope = parse(member)
+    if created > void_before then
+      local last = n
+      if scope == 't' then
+        last = tenants
+      end
+      for i = 1, last do
+        levels[i] = math.min(bursts[i], levels[i] + taken)
+      end
+      refunded = true
+    end
+  end
+  if #stale > 0 then
+    redis.call('ZREMRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
+  end
+  local weak = claim:sub(1, 1) == '?' -- a claim honoured only once its slot has matured
+  if weak then
+    claim = claim:sub(2)
+  end
+  if claim ~= '' then
+    local score = redis.call('ZSCORE', rset, claim)
+    if score and parse(claim) <= void_before then
+      redis.call('ZREM', rset, claim)
+    elseif score then
+      score = tonumber(score)
+      if score - now <= max_wait then
+        held, claim_wait = claim, score - now
+      elseif not weak then
+        early = score - now
+      end
+    end
+    if weak and not held then
+      claim = ''
+    end
+  end
+  if not held and not early then
+    local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
+      string.format('%.3f', now - owner_ms), 'LIMIT', 0, 1)
+    if late[1] then
+      if parse(late[1]) <= void_before then
+        redis.call('ZREM', rset, late[1])
+      else
+        held, claim_wait = late[1], tonumber(redis.call('ZSCORE', rset, late[1])) - now
+      end
+    end
+  end
+end
+
+-- The wait over every bucket, and over the vendor-side ones alone (what a slot kept on
+-- the tenant's own buckets still needs when it is claimed).
+local wait, binding, vendor_wait = 0, 0, 0
+for i = 1, n do
+  local need = (cost - levels[i]) / rates[i]
   if need > wait then
     wait, binding = need, i
+  end
+  if i > tenants and need > vendor_wait then
+    vendor_wait = need
   end
 end
 
@@ -153,23 +266,19 @@ for j = 1, m do
   local set = KEYS[n + j]
   redis.call('ZREMRANGEBYSCORE', set, '-inf', string.format('%.3f', now))
   inflight[j] = redis.call('ZCARD', set)
-  if full == 0 and inflight[j] >= tonumber(ARGV[8 + 3 * n + j]) then
+  if full == 0 and inflight[j] >= tonumber(ARGV[F + 3 * n + j]) then
     full = j
   end
 end
 
-local granted = 0
-local hint = wait
+-- Write every bucket's level as of now (after a take, or a refund of unclaimed slots).
 local hashes = {} -- the hashes holding buckets by field (the state): they live until `horizon` + debt
-if wait <= max_wait and full == 0 then
-  granted = 1
+local function write_levels()
   for i = 1, n do
-    local rate, burst = rates[i], bursts[i]
-    local level = levels[i] - cost
-    levels[i] = level
+    local rate, burst, level = rates[i], bursts[i], levels[i]
     redis.call('HSET', KEYS[i], fields[i][1], string.format('%.6f', level), fields[i][2], string.format('%.3f', now))
     local refilled = math.ceil((burst - level) / rate)
-    if ARGV[8 + 3 * i] == '' then
+    if ARGV[F + 3 * i] == '' then
       redis.call('PEXPIRE', KEYS[i], refilled + 1000)
     else
       hashes[KEYS[i]] = true
@@ -184,31 +293,139 @@ if wait <= max_wait and full == 0 then
       redis.call('PEXPIRE', key, life)
     end
   end
+end
+
+local function take_leases(matures)
   for j = 1, m do
     local set = KEYS[n + j]
-    local expires = now + wait + lease_life
-    redis.call('ZADD', set, string.format('%.3f', expires), lease_id)
+    redis.call('ZADD', set, string.format('%.3f', matures + lease_life), lease_id)
     local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
     redis.call('PEXPIRE', set, math.ceil(tonumber(last[2]) - now) + 1000)
     inflight[j] = inflight[j] + 1
   end
+end
+
+local function count_grant()
   if state then
     seq = redis.call('HINCRBY', state, 'seq', 1)
     redis.call('HSET', state, 'horizon', string.format('%.3f', horizon))
   end
-elseif queue and full == 0 then
-  local tail = tonumber(redis.call('GET', queue) or '0') - now
-  if tail > hint then
-    hint = tail
+end
+
+local function take(first, last)
+  for i = first, last do
+    levels[i] = levels[i] - cost
   end
-  local step = cost / rates[binding]
-  redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
+end
+
+-- A new slot of `scope`, maturing at `matures`: its member name, the caller's claim.
+local function keep(matures, scope)
+  local name = string.format('%.3f', now) .. ':' .. ARGV[1] .. ':' .. scope
+  local member, k = name, 0
+  while redis.call('ZSCORE', rset, member) do -- (two in one microsecond)
+    k = k + 1
+    member = name .. ':' .. k
+  end
+  redis.call('ZADD', rset, string.format('%.3f', matures), member)
+  local last = redis.call('ZRANGE', rset, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', rset, math.ceil(tonumber(last[2]) - now + life_ms) + 1000)
+  return member
+end
+
+local granted = 0
+local hint = wait
+local reserved, claimed = '', 0
+if held then
+  -- A kept slot, matured: its tokens were taken when it was kept; one kept on the
+  -- tenant's buckets alone (`t`: they bound) takes the vendor-side ones now. Claimed
+  -- late, it was granted when it matured (the wait is negative): the replica's pacer
+  -- then writes the ones after it no closer (pacing.py), however late its owner came.
+  local _, _, scope = parse(held)
+  local need = claim_wait
+  if scope == 't' then
+    need = math.max(need, 0, vendor_wait)
+  end
+  wait, hint = need, need
+  if full == 0 and need <= max_wait then
+    granted, claimed = 1, 1
+    redis.call('ZREM', rset, held)
+    if scope == 't' then
+      take(tenants + 1, n)
+      write_levels()
+    elseif refunded then
+      write_levels()
+    end
+    take_leases(now + need)
+    count_grant()
+  elseif full == 0 and scope == 't' and need <= horizon_ms then
+    -- The vendor side has no room yet: the slot is kept on every bucket now, this caller's.
+    redis.call('ZREM', rset, held)
+    take(tenants + 1, n)
+    write_levels()
+    reserved = keep(now + need, 'a')
+    count_grant()
+  else
+    -- A lease set is full (or the vendor side too far off): refused, the caller's slot kept.
+    if held == claim then
+      reserved = claim
+    end
+    if refunded then
+      write_levels()
+    end
+  end
+elseif early then
+  -- This caller's slot is still ahead: refused with it again, never a new one.
+  wait, hint, reserved = early, early, claim
+  if refunded then
+    write_levels()
+  end
+elseif wait <= max_wait and full == 0 then
+  granted = 1
+  take(1, n)
+  write_levels()
+  take_leases(now + wait)
+  count_grant()
+elseif rset and full == 0 and wait <= horizon_ms then
+  -- Refused, the slot kept: taken as a hold's, claimed when the caller comes back. When
+  -- the tenant's own buckets bind, only they are taken now: a vendor-side token taken
+  -- now would stand idle until the tenant's bucket lets the request go, and meanwhile
+  -- hold back every other tenant's requests.
+  if binding <= tenants then
+    take(1, tenants)
+    write_levels()
+    reserved = keep(now + wait, 't')
+  else
+    take(1, n)
+    write_levels()
+    reserved = keep(now + wait, 'a')
+  end
+  count_grant()
+else
+  if refunded then
+    write_levels()
+  end
+  if queue and full == 0 then
+    local tail = tonumber(redis.call('GET', queue) or '0') - now
+    if tail > hint then
+      hint = tail
+    end
+    local step = cost / rates[binding]
+    redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
+  end
 end
 
 local ttl = 0
 if state then
-  if found_lost == 1 and redis.call('PTTL', state) < debt + 1000 then
-    redis.call('PEXPIRE', state, math.ceil(debt) + 1000)
+  if found_lost == 1 then
+    -- `lost` must outlive the refill from below empty of every bucket it restarts.
+    local refill = 0
+    for i = 1, n do
+      refill = math.max(refill, bursts[i] / rates[i])
+    end
+    local keep = math.ceil(debt + refill) + 1000
+    if redis.call('PTTL', state) < keep then
+      redis.call('PEXPIRE', state, keep)
+    end
   end
   ttl = math.max(redis.call('PTTL', state), 0)
 end
@@ -221,4 +438,6 @@ end
 for j = 1, m do
   out[8 + n + j] = tostring(inflight[j])
 end
+out[9 + n + m] = reserved
+out[10 + n + m] = tostring(claimed)
 return out

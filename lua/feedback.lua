@@ -7,7 +7,8 @@
 --
 -- mode "block" (a vendor 429): nothing is granted until `block` ms from now
 -- (or until tokens already reserved have matured, if later); then the bucket
--- refills from empty. Both `t` and `ts` move: zeroing `t` alone would let the
+-- refills from empty. Its field `bk` says when it was blocked: slots kept for
+-- deferred callers before then are void (acquire.lua). Both `t` and `ts` move: zeroing `t` alone would let the
 -- next refill credit the whole time since the old `ts` at once.
 -- mode "drain" (remaining quota below the low watermark): the bucket drops to
 -- empty now and refills normally; reservations (negative levels) are kept.
@@ -78,6 +79,8 @@ for i = 1, n do
     t, ts = 0, math.max(now + block, matured)
     level = t - (ts - now) * rate
     longest = math.max(longest, ts - now)
+    -- When: a slot kept before it is void (acquire.lua, "Kept slots"), as a hold is.
+    redis.call('HSET', KEYS[i], p .. 'bk', string.format('%.3f', now))
   elseif mode == 'drain' then
     if level > 0 then
       t, level = 0, 0

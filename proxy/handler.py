@@ -27,6 +27,7 @@ from proxy.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
 from proxy.headers import idempotent
 from proxy.intercept import interception_of
+from proxy.kept_slots import Caller, KeptSlots
 from proxy.lane import Carried, Lane
 from proxy.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
@@ -82,6 +83,8 @@ class ProxyHandler:
         self._loudly = Loudly(log, deps.clock)
         self.seats = Seats(deps.clock)
         """The tenant seats of vendors (``tenant.max_active``): the straight path takes them too."""
+        self.kept = KeptSlots(deps.clock)
+        """The slots kept for deferred calls, by call (kept_slots.py)."""
         self.lane = Lane(self)
         """The usual request's straight way through (lane.py), handing the rest to this handler."""
 
@@ -163,6 +166,7 @@ class ProxyHandler:
                 endpoint=match.endpoint,
                 partition=match.partition,
                 taken=None if carried is None else carried.taken,
+                caller=Caller(request.kept_slots, request.method, request.target, request.headers),
             )
             await self._go(deps, request, responder, match, rec, admission, slot)
         finally:
@@ -205,12 +209,14 @@ class ProxyHandler:
         endpoint: Endpoint | None = None,
         partition: str = "",
         taken: AcquireResult | StoreUnavailable | None = None,
+        caller: Caller | None = None,
     ) -> Admission:
         """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
         touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
         leases, holding if the decision says so; returns the outcome to record once it is
         sent (forwarded or held), or raises the refusal. ``taken``: the store's answer
-        already had (or why there was none), from the straight path."""
+        already had (or why there was none), from the straight path. ``caller``: who asks,
+        so that a deferred call keeps its slot and its retry claims it (kept_slots.py)."""
         limiter = deps.limiter
         seats = deps.policy.tenant.max_active
         if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
@@ -218,6 +224,12 @@ class ProxyHandler:
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
         b = limiter.buckets(vendor, tenant, endpoint, partition)
+        # A caller that defers comes back: its refusal keeps its slot (store.Reserve), which
+        # its retry claims (kept_slots.py), or holds for when it asks to hold.
+        call = caller.call(b.kept) if caller is not None and b.kept is not None else None
+        mine = "" if call is None or caller is None else self.kept.claim(call[0], caller.connection, call)
+        keeps = wish.action == "defer" and call is not None
+        claim = mine if keeps or (mine and wish.action == "hold") else None
 
         def attempt(max_wait: float) -> Awaitable[AcquireResult]:
             return limiter.acquire(
@@ -230,6 +242,8 @@ class ProxyHandler:
                 partition=partition,
                 leases=slot.leases,
                 buckets=b,
+                claim=claim,
+                keeps=keeps,
             )
 
         try:
@@ -249,6 +263,9 @@ class ProxyHandler:
             deps.metrics.fail_open.labels(vendor.name).inc()
             rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
             return Admission("forwarded")
+        if call is not None and caller is not None and (claim is not None or taken is not None):
+            reserve = limiter.reserve(vendor, b) if result.reserved else None
+            self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
         return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition)
 
     async def _admitted(

@@ -115,6 +115,8 @@ class Lane:
         the general path serves it); ``Flight.take`` then starts it."""
         if request.kinds is not self.kinds:  # its head was read under another policy's tenant header
             return None
+        if conn.kept_slots:  # a deferred call's slot to claim: the general path's (handler.admit)
+            return None
         method = request.method
         target = request.target
         tag = request.tag
@@ -138,6 +140,8 @@ class Lane:
             route = self.routes.learn(key, request, method, cut)
         if not isinstance(route, Route):
             return None
+        if route.reserve is not None and self.handler.kept.waiting(route.reserve.key):
+            return None  # this bucket set's deferred calls have slots here: the general path claims them
         return Flight(self, conn, request, route, cut)
 
     async def crashed(
@@ -237,13 +241,19 @@ class Flight:
             return True
         queue = route.b.queue if route.enqueue else None
         try:
-            result = limiter.take_now(route.vendor, route.b, route.cost, route.max_wait, queue)
+            result = limiter.take_now(route.vendor, route.b, route.cost, route.max_wait, queue, route.reserve)
         except StoreUnavailable as down:
             self._carry(Carried(route.match_for(self.request.target), down))
             return True
         if result is None:  # a store without a straight command (Redis Cluster, redis-py): its own acquire
             call = limiter.acquire(
-                route.vendor, route.tenant, route.max_wait, route.cost, enqueue=route.enqueue, buckets=route.b
+                route.vendor,
+                route.tenant,
+                route.max_wait,
+                route.cost,
+                enqueue=route.enqueue,
+                buckets=route.b,
+                claim=None if route.reserve is None else "",
             )
             self._wait(_ACQUIRING, spawn(call, name="straight-acquire"), self._acquired)
             return True
@@ -300,9 +310,15 @@ class Flight:
         deps.limiter.answered_straight(
             route.vendor, route.b, int(out[4]), int(out[7]) / 1000.0, out[5] == b"1", levels, now
         )
-        if out[0] != b"1" or (out[1] != b"0.000" and float(out[1]) > 0):  # a hold, or a refusal
+        if out[0] != b"1":  # a refusal
             self._carry(Carried(route.match_for(self.request.target), acquire_result(out, plan.n)))
             return
+        if out[1] != b"0.000":
+            wait = float(out[1]) / 1000.0
+            if wait > 0:  # a hold
+                self._carry(Carried(route.match_for(self.request.target), acquire_result(out, plan.n)))
+                return
+            now += wait  # a kept slot claimed late: granted when it matured (pacing.py)
         self._go(now, levels)
 
     def _acquired(self, asked: asyncio.Future[Any]) -> None:
@@ -327,7 +343,7 @@ class Flight:
         if not result.granted or result.wait > 0:  # a hold, or a refusal
             self._carry(Carried(self.route.match_for(self.request.target), result))
             return
-        self._go(now, result.levels)
+        self._go(now + result.wait, result.levels)  # (a kept slot claimed late: when it matured)
 
     # -- to the vendor ---------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from proxy.feedback import remaining_watched
 from proxy.forward import origin_of
 from proxy.headers import answer_fields
 from proxy.intercept import interception_of
-from proxy.limiter.store import StateGuard
+from proxy.limiter.store import Reserve, StateGuard
 from proxy.match import Match
 from proxy.metrics import Value
 from proxy.pacing import longest_window
@@ -88,6 +88,7 @@ class Route:
         "plan",
         "pool",
         "recent",
+        "reserve",
         "seats",
         "state_key",
         "straight",
@@ -130,6 +131,9 @@ class Route:
         on_limit = vendor.on_limit
         self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
         self.enqueue = on_limit.action != "shed"
+        self.reserve: Reserve | None = limiter.reserve(vendor, self.b) if on_limit.action == "defer" else None
+        """How a refusal keeps its slot (a deferring vendor); the straight path takes only
+        requests of connections that hold none (handler.admit claims them)."""
         self.state_key = self.b.state_key
         cap = deps.policy.tenant.max_active
         self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
@@ -139,7 +143,7 @@ class Route:
         if straight_of is not None and self.state_key:
             guard = StateGuard(self.state_key, 0, on_limit.max_hold)
             self.plan = straight_of(
-                self.buckets, self.cost, self.max_wait, self.b.queue if self.enqueue else None, guard
+                self.buckets, self.cost, self.max_wait, self.b.queue if self.enqueue else None, guard, self.reserve
             )
         # What the vendor is sent before and after the path, and the worker's own fields.
         self.origin: Origin = origin_of(match.origin)

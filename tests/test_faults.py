@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, Reserve, StateGuard
 from proxy.server import ProxyServer
 from tests.conftest import RedisServer, Samples, eventually, metric_samples, value
 from tests.helpers.faults import fault_policy
@@ -85,9 +85,10 @@ class CountingStore:
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases)
+        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)
@@ -309,18 +310,19 @@ async def test_fail_open_forwards_during_the_outage_and_counts_it(
         status, _ = await admin(s, proxy, "/readyz")
         assert status == 503
 
-        # Back: limits apply again (a fresh Redis: full buckets of 5).
+        # Back: limits apply again. A fresh Redis lost the buckets, which restart empty, not
+        # full (SPEC §12): the store's answers are defers now, not unlimited forwards.
         own_redis.start()
 
         async def limited_again() -> bool:
             before = value(await scrape(s, proxy), "ratelimit_fail_open_total", limiter="payments")
             a = await call(s, proxy)
             after = value(await scrape(s, proxy), "ratelimit_fail_open_total", limiter="payments")
-            return after == before and a.status == 200
+            return after == before and a.status == 429 and a.headers.get("X-Quota-Action") == "defer"
 
         await eventually(limited_again, "the store deciding again")
         later = [await call(s, proxy) for _ in range(8)]
-        assert sum(a.status == 200 for a in later) <= 4
+        assert sum(a.status == 200 for a in later) == 0  # 5 a minute, from empty: 12 s to the first
         refused = [a for a in later if a.status == 429]
         assert refused and all(
             a.headers["X-Quota-Action"] == "defer" and "X-Quota-Reason" not in a.headers for a in refused

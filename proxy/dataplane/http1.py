@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -337,6 +337,18 @@ class Request:
         """Why the body broke off, if it did (a request without one: never)."""
         body = self._body
         return None if body is None else body._exc
+
+    @property
+    def kept_slots(self) -> dict[str, Any] | None:
+        """What the request path keeps for the worker's connection between its requests
+        (the slots kept for its deferred calls: handler.admit); None without a connection."""
+        conn = self._conn
+        if conn is None:
+            return None
+        kept = conn.kept_slots
+        if kept is None:
+            kept = conn.kept_slots = {}
+        return kept
 
     @property
     def chunk_pending(self) -> bool:
@@ -711,6 +723,8 @@ class Http1Connection(asyncio.Protocol):
         self._closed = False
         self.keep_alive = keep_alive
         """False once the server stops: each connection closes after its current answer."""
+        self.kept_slots: dict[str, Any] | None = None
+        """Slots kept for this worker's deferred calls (Request.kept_slots), None before any."""
         self._serving = False
         # the message being parsed
         self._url = b""

@@ -28,6 +28,8 @@ class Buckets:
     tenant_count: int
     queue: str | None = None
     """The deferral queue key of this bucket set (acquire.lua): refused callers' retry slots."""
+    kept: str | None = None
+    """The key of the slots kept for this bucket set's deferred callers (acquire.lua, "Kept slots")."""
     endpoint_count: int = 0
     state_key: str = ""
     """The state hash holding the endpoint and global buckets (of the partition)."""
@@ -151,22 +153,27 @@ def queue_key(prefix: str, vendor: str, tenant: str, endpoint: Endpoint | None =
     return key
 
 
+def kept_key(queue: str) -> str:
+    """The slots kept for a bucket set's deferred callers, beside its deferral queue ``queue``."""
+    return queue.replace("}:q:", "}:r:", 1)  # (the first: the vendor's namespace ends there)
+
+
 def buckets_for(
     prefix: str, vendor: Vendor, tenant: str, endpoint: Endpoint | None = None, partition: str = ""
 ) -> Buckets:
     tenant_part = tenant_buckets(prefix, vendor, tenant)
     endpoint_part = endpoint_buckets(prefix, vendor, endpoint, partition) if endpoint is not None else ()
+    queue = queue_key(prefix, vendor.name, tenant, endpoint, partition)
     return Buckets(
         tenant_part + endpoint_part + global_buckets(prefix, vendor, partition),
         len(tenant_part),
-        queue_key(prefix, vendor.name, tenant, endpoint, partition),
+        queue,
+        kept_key(queue),
         len(endpoint_part),
         state_key(prefix, vendor.name, partition),
         partition,
         None if endpoint is None else endpoint.name,
     )
-    queue = f"{vendor_namespace(prefix, vendor.name)}:q:{tenant}"
-    return Buckets(tenant_part + global_buckets(prefix, vendor), len(tenant_part), queue)
 
 
 def lease_sets(prefix: str, vendor: Vendor, endpoint: Endpoint | None) -> tuple[LeaseSet, ...]:

@@ -42,7 +42,16 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares
 from proxy.limiter.learning import LearnedLimits, plan
-from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, LeaseSet, StateGuard, StoreUnavailable
+from proxy.limiter.store import (
+    AcquireResult,
+    BucketSpec,
+    BucketStore,
+    Leases,
+    LeaseSet,
+    Reserve,
+    StateGuard,
+    StoreUnavailable,
+)
 from proxy.partitions import RecentPartitions, shown
 from proxy.policy.model import Endpoint, Limit, Vendor
 from proxy.quota_headers import QuotaReport
@@ -156,6 +165,8 @@ class Limiter:
         partition: str = "",
         leases: Leases | None = None,
         buckets: Buckets | None = None,
+        claim: str | None = None,
+        keeps: bool = True,
     ) -> Coroutine[Any, Any, AcquireResult]:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
@@ -168,14 +179,27 @@ class Limiter:
         With ``leases``, the store also takes a lease in each of its sets (concurrency caps),
         or nothing (``full``); a local share alone takes none (concurrency.py).
         ``buckets``: the request's (``Limiter.buckets``), when the caller has them already.
+        ``claim``: not None for a caller that defers and will come back: a refusal keeps its
+        slot (``AcquireResult.reserved``), and ``claim`` is the slot it was given before ("":
+        none; store.Reserve). ``keeps=False``: a caller that holds and claims a slot it was
+        given before, keeping none should it be refused.
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
+        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps)
         if self.local is None:  # the store alone: its call itself, not one more coroutine around it
-            return self._acquire_shared(vendor, b, cost, max_wait, queue, leases)
-        return self._acquire_sharing(self.local, vendor, tenant, b, cost, max_wait, queue, leases)
+            return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve)
+        return self._acquire_sharing(self.local, vendor, tenant, b, cost, max_wait, queue, leases, reserve)
+
+    @staticmethod
+    def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True) -> Reserve:
+        """How a deferred caller of ``b`` keeps its slot: for as long as it is told to retry
+        (``answers_max_wait``: a longer wait says "re-enqueue", and the job comes back later
+        as a new request); ``keeps=False``: it keeps none, it only claims."""
+        assert b.kept is not None
+        return Reserve(b.kept, claim, vendor.answers_max_wait if keeps else 0.0, tenants=b.tenant_count)
 
     async def _acquire_sharing(
         self,
@@ -187,12 +211,14 @@ class Limiter:
         max_wait: float,
         queue: str | None,
         leases: Leases | None,
+        reserve: Reserve | None,
     ) -> AcquireResult:
-        """``acquire`` with local shares to fall back on (``store.on_failure: local``)."""
+        """``acquire`` with local shares to fall back on (``store.on_failure: local``). A
+        share keeps no slot: a claim is the store's to honour."""
         mode = local.current()
         if mode == "shared":
             try:
-                return await self._acquire_shared(vendor, b, cost, max_wait, queue, leases)
+                return await self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve)
             except StoreUnavailable as exc:
                 if not local.engage(exc):
                     raise
@@ -202,30 +228,39 @@ class Limiter:
         return await self._acquire_both(local, vendor, tenant, b, cost, queue, leases)
 
     async def _acquire_shared(
-        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None, leases: Leases | None = None
+        self,
+        vendor: Vendor,
+        b: Buckets,
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
-            result = await self.store.acquire(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key), leases)
+            guard = self._guard(vendor, b.state_key)
+            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve)
         except BaseException as exc:
             self._not_taken(exc)
             raise
         return self._took(vendor, b, result)
 
     def take_now(
-        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None
+        self, vendor: Vendor, b: Buckets, cost: float, max_wait: float, queue: str | None, reserve: Reserve | None
     ) -> AcquireResult | None:
-        """``acquire`` (no leases, no local shares, a default partition) answered at once by a
-        store that can (memory://: ``take``), for the straight path; None when the store
-        answers only asynchronously. Raises StoreUnavailable as ``acquire`` does."""
+        """``acquire`` (no leases, no local shares, a default partition, no claim) answered at
+        once by a store that can (memory://: ``take``), for the straight path; None when the
+        store answers only asynchronously. Raises StoreUnavailable as ``acquire`` does."""
         take = getattr(self.store, "take", None)
         if take is None:
             return None
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
-            result: AcquireResult = take(b.all, cost, max_wait, queue, self._guard(vendor, b.state_key))
+            guard = self._guard(vendor, b.state_key)
+            result: AcquireResult = take(b.all, cost, max_wait, queue, guard, None, reserve)
         except BaseException as exc:
             self._not_taken(exc)
             raise

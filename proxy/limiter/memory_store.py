@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from proxy.clock import Clock
 from proxy.limiter.store import (
@@ -19,10 +20,22 @@ from proxy.limiter.store import (
     Leases,
     LeaseSet,
     Lesson,
+    Reserve,
     StateGuard,
 )
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
+_KEPT_GRACE = 3600.0  # seconds after its last slot matured a reservation set is forgotten
+
+
+class _Slot(NamedTuple):
+    """A slot kept for a deferred caller (acquire.lua's reservation set member)."""
+
+    matures: float
+    cost: float
+    created: float
+    scope: str
+    """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
 
 
 class MemoryStore:
@@ -42,6 +55,11 @@ class MemoryStore:
         # bucket ident -> [rate per s, burst, until, settling since (nan = none)], on the
         # clock: what the vendor's headers taught (feedback.lua's lr, lb, lu, lt)
         self._learned: dict[str, list[float]] = {}
+        # reservation set key -> {claim: its slot}, on the clock: the slots kept for
+        # deferred callers (acquire.lua, "Kept slots")
+        self._kept: dict[str, dict[str, _Slot]] = {}
+        # bucket ident -> when it was last blocked (feedback.lua's bk)
+        self._blocked_at: dict[str, float] = {}
         self._ops = 0
 
     def __len__(self) -> int:
@@ -84,6 +102,10 @@ class MemoryStore:
             del self._learned[key]
         for key in list(self._leases):
             self._live(key, now)
+        for key in [k for k, kept in self._kept.items() if all(m.matures + _KEPT_GRACE <= now for m in kept.values())]:
+            del self._kept[key]  # (a refund then: the buckets, long full again, take none of it)
+        for key in [k for k, at in self._blocked_at.items() if at + _KEPT_GRACE <= now]:
+            del self._blocked_at[key]  # (no slot kept lives that long)
         self._forget_empty()
 
     async def acquire(
@@ -94,8 +116,9 @@ class MemoryStore:
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
-        return self.take(buckets, cost, max_wait, queue, guard, leases)
+        return self.take(buckets, cost, max_wait, queue, guard, leases, reserve)
 
     def take(
         self,
@@ -105,20 +128,69 @@ class MemoryStore:
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         """``acquire``, answered at once: the state is this process's (the straight path,
         lane.py, asks without a coroutine)."""
         now = self._clock.monotonic()
         self._tick(now)
-        if leases is None and not self._learned:
+        if queue is None:
+            reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
+        if leases is None and reserve is None and not self._learned:
             return self._take_plain(buckets, cost, max_wait, queue, guard, now)
         levels = [self._level(b, now) for b in buckets]
-        wait, binding = 0.0, -1
-        rates = [self._limits(b, now)[0] for b in buckets]
+        limits = [self._limits(b, now) for b in buckets]
+        rates = [rate for rate, _ in limits]
+        # Kept slots (acquire.lua): the unclaimed ones given back, this caller's claim, or
+        # one whose owner is late.
+        kept: dict[str, _Slot] | None = None
+        tenants = 0
+        refunded = False
+        held: str | None = None
+        early: float | None = None
+        claim_wait = 0.0
+        if reserve is not None:
+            kept = self._kept.setdefault(reserve.key, {})
+            tenants = reserve.tenants
+            void_before = max((self._blocked_at.get(b.ident, -math.inf) for b in buckets), default=-math.inf)
+            for member, slot in list(kept.items()):
+                if slot.matures < now - reserve.life:
+                    del kept[member]
+                    if slot.created > void_before:
+                        last = tenants if slot.scope == "t" else len(buckets)
+                        for i in range(last):
+                            levels[i] = min(limits[i][1], levels[i] + slot.cost)
+                        refunded = True
+            weak = reserve.claim.startswith("?")  # (acquire.lua: honoured only once matured)
+            if weak:
+                reserve = reserve._replace(claim=reserve.claim[1:])
+            own = kept.get(reserve.claim) if reserve.claim else None
+            if own is not None:
+                if own.created <= void_before:
+                    del kept[reserve.claim]
+                elif own.matures - now <= max_wait:
+                    held, claim_wait = reserve.claim, own.matures - now
+                elif not weak:
+                    early = own.matures - now
+            if weak and held is None:
+                reserve = reserve._replace(claim="")
+            if held is None and early is None:
+                late = [
+                    (m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner
+                ]
+                if late:
+                    first = min(late)[1]
+                    if kept[first].created <= void_before:
+                        del kept[first]
+                    else:
+                        held, claim_wait = first, kept[first].matures - now
+        wait, binding, vendor_wait = 0.0, -1, 0.0
         for i, (rate, level) in enumerate(zip(rates, levels, strict=True)):
             need = (cost - level) / rate
             if need > wait:
                 wait, binding = need, i
+            if i >= tenants and need > vendor_wait:
+                vendor_wait = need
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]
         full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
@@ -126,21 +198,89 @@ class MemoryStore:
         # without the other, so the guard only counts (acquire.lua's seq).
         counted = self._seq.get(guard.key) if guard is not None else None
         seq = counted[0] if counted is not None and counted[1] > now else 0
-        if wait > max_wait or full >= 0:
+
+        def write() -> None:
+            for i, b in enumerate(buckets):
+                self._store(b, levels[i], now)
+
+        def take(first: int, last: int) -> None:
+            for i in range(first, last):
+                levels[i] -= cost
+
+        def counted_grant() -> int:
+            if guard is None:
+                return seq
+            state = self._state
+            self._seq[guard.key] = (seq + 1, max((state[b.ident][2] for b in buckets if b.ident in state), default=now))
+            return seq + 1
+
+        def take_leases(matures: float) -> None:
+            if leases is not None:
+                for j, ls in enumerate(sets):
+                    self._live(ls.key, now)[leases.id] = matures + leases.life
+                    inflight[j] += 1
+
+        def keep(matures: float, scope: str) -> str:
+            assert kept is not None
+            name = f"{now:.3f}:{cost:g}:{scope}"
+            member, k = name, 0
+            while member in kept:
+                k += 1
+                member = f"{name}:{k}"
+            kept[member] = _Slot(matures, cost, now, scope)
+            return member
+
+        def refused(slot: float, hint: float, reserved: str = "") -> AcquireResult:
             self._forget_empty()
-            hint = wait if full >= 0 else self._slot(queue, now, wait, cost / rates[binding])
-            return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
-        for i, b in enumerate(buckets):
-            levels[i] -= cost
-            self._store(b, levels[i], now)
-        if leases is not None:
-            for j, ls in enumerate(sets):
-                self._live(ls.key, now)[leases.id] = now + wait + leases.life
-                inflight[j] += 1
-        if guard is not None:
-            seq += 1
-            self._seq[guard.key] = (seq, max(self._state[b.ident][2] for b in buckets))
-        return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
+            result = (False, slot, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
+            return AcquireResult(*result, 0.0, reserved)
+
+        if held is not None:  # a kept slot, matured (acquire.lua)
+            assert kept is not None and reserve is not None
+            scope = kept[held].scope
+            need = max(claim_wait, 0.0, vendor_wait) if scope == "t" else claim_wait  # (late: negative)
+            if full < 0 and need <= max_wait:
+                del kept[held]
+                if scope == "t":
+                    take(tenants, len(buckets))
+                if scope == "t" or refunded:
+                    write()
+                take_leases(now + need)
+                seq = counted_grant()
+                result = (True, need, binding, tuple(levels), need, seq, False, -1, tuple(inflight))
+                return AcquireResult(*result, 0.0, "", True)
+            if full < 0 and scope == "t" and need <= reserve.horizon:
+                del kept[held]  # the vendor side has no room yet: kept on every bucket now
+                take(tenants, len(buckets))
+                write()
+                member = keep(now + need, "a")
+                seq = counted_grant()
+                return refused(need, need, member)
+            if refunded:
+                write()
+            return refused(need, need, held if held == reserve.claim else "")
+        if early is not None:  # its slot is still ahead: refused with it again
+            assert reserve is not None
+            if refunded:
+                write()
+            return refused(early, early, reserve.claim)
+        if wait <= max_wait and full < 0:
+            take(0, len(buckets))
+            write()
+            take_leases(now + wait)
+            seq = counted_grant()
+            return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
+        if reserve is not None and full < 0 and wait <= reserve.horizon:
+            tenant_bound = binding < tenants  # (acquire.lua: only the tenant's buckets, then)
+            take(0, tenants if tenant_bound else len(buckets))
+            write()
+            member = keep(now + wait, "t" if tenant_bound else "a")
+            seq = counted_grant()
+            return refused(wait, wait, member)
+        if refunded:
+            write()
+        hint = wait if full >= 0 else self._slot(queue, now, wait, cost / rates[binding])
+        return refused(wait, hint)
 
     def _take_plain(
         self,
@@ -245,6 +385,7 @@ class MemoryStore:
             rate = self._limits(b, now)[0]
             ts = max(now + seconds, now + max(0.0, -level) / rate)
             self._store(b, 0.0, ts)
+            self._blocked_at[b.ident] = now  # slots kept before now are void (feedback.lua's bk)
             levels.append(-(ts - now) * rate)
             longest = max(longest, ts - now)
         return BlockResult(longest, tuple(levels))

@@ -37,6 +37,7 @@ from proxy.limiter.store import (
     Leases,
     LeaseSet,
     Lesson,
+    Reserve,
     StateGuard,
     StoreUnavailable,
 )
@@ -81,7 +82,20 @@ class _AcquireShape:
     state and lease sets) sends in every call; ``head`` and ``tail`` as RESP, the
     arguments between them (cost, max_wait...) packed per call."""
 
-    __slots__ = ("_around_seen", "args", "buckets", "count", "head", "keys", "n", "queued", "sets", "state", "tail")
+    __slots__ = (
+        "_around_seen",
+        "args",
+        "buckets",
+        "count",
+        "head",
+        "keys",
+        "n",
+        "queued",
+        "reserving",
+        "sets",
+        "state",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -90,11 +104,14 @@ class _AcquireShape:
         state: str | None,
         sets: tuple[LeaseSet, ...],
         sha: str,
+        reserve: Reserve | None,
     ) -> None:
         self.buckets, self.state, self.sets = buckets, state, sets
         keys = [b.key for b in buckets] + [ls.key for ls in sets]
         if queue is not None:
             keys.append(queue)
+            if reserve is not None:
+                keys.append(reserve.key)
         if state is not None:
             keys.append(state)
         self.keys = keys
@@ -104,35 +121,42 @@ class _AcquireShape:
         args += [ls.cap for ls in sets]
         self.args = args
         self.n = len(buckets)
-        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life | args...
-        self.head = header(3 + len(keys) + 8 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
+        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life claim reserve | args...
+        self.head = header(3 + len(keys) + 10 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
         self.queued = bulk("q" if queue is not None else "")
+        self.reserving = _EMPTY if queue is None or reserve is None else bulk(reserve_spec(reserve))
         self.count = bulk(self.n)
         self.tail = bulks(args)
-        # Per (cost, max_wait, debt), for a call with a state guard and no leases (the usual):
-        # the whole command but the guard's ``seen``, before and after it.
+        # Per (cost, max_wait, debt), for a call with a state guard, no leases and no claim
+        # (the usual): the whole command but the guard's ``seen``, before and after it.
         self._around_seen: dict[tuple[float, float, float], tuple[bytes, bytes]] = {}
 
     def around_seen(self, cost: float, max_wait: float, debt: float) -> tuple[bytes, bytes]:
-        """The command of a call with a state guard and no leases, packed but for the
-        guard's ``seen`` (a counter, new in every call), which goes between the two."""
+        """The command of a call with a state guard, no leases and no claim, packed but for
+        the guard's ``seen`` (a counter, new in every call), which goes between the two."""
         key = (cost, max_wait, debt)
         parts = self._around_seen.get(key)
         if parts is None:
             if len(self._around_seen) >= _AROUND_MAX:  # max_wait comes from a request header too
                 self._around_seen.clear()
             before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
-            after = b"".join((bulk(debt * _MS), self.count, _EMPTY, _ZERO, self.tail))
+            after = b"".join((bulk(debt * _MS), self.count, _EMPTY, _ZERO, _EMPTY, self.reserving, self.tail))
             parts = self._around_seen[key] = (before, after)
         return parts
+
+
+def reserve_spec(reserve: Reserve) -> str:
+    """acquire.lua's ARGV[10]: ``<horizon>:<owner>:<life>`` in ms, ``:<tenants>``."""
+    return f"{reserve.horizon * _MS:.3f}:{reserve.owner * _MS:.3f}:{reserve.life * _MS:.3f}:{reserve.tenants}"
 
 
 def acquire_result(out: list[Any], n: int) -> AcquireResult:
     """acquire.lua's reply to an acquire of ``n`` buckets (its fields in order, as strings)."""
     wait = out[1]
     waited = float(wait) / _MS
+    reserved = out[-2]
     # Every field given, in order: the tuple made directly, without the NamedTuple's
-    # Python-level __new__ binding ten arguments (once per request).
+    # Python-level __new__ binding twelve arguments (once per request).
     return _tuple_new(
         AcquireResult,
         (
@@ -144,8 +168,10 @@ def acquire_result(out: list[Any], n: int) -> AcquireResult:
             int(out[4]),
             out[5] == b"1",
             int(out[6]) - 1,
-            tuple(map(int, out[8 + n :])) if len(out) > 8 + n else (),
+            tuple(map(int, out[8 + n : -2])) if len(out) > 10 + n else (),
             int(out[7]) / _MS,
+            reserved.decode() if reserved else "",
+            out[-1] == b"1",
         ),
     )
 
@@ -228,7 +254,7 @@ class RedisStore:
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
-        self._shapes: dict[tuple[int, str | None], _AcquireShape] = {}
+        self._shapes: dict[tuple[int, str | None, float | None], _AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
         # The once-a-second announcement rides on the same connections as the requests'
@@ -290,15 +316,17 @@ class RedisStore:
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         sets = leases.sets if leases is not None else ()
-        shape = self._shape(buckets, queue, guard, sets)
+        shape = self._shape(buckets, queue, guard, sets, reserve)
         n = shape.n
+        claim = "" if reserve is None or queue is None else reserve.claim
         fast = self._acquire_fast
         if fast is not None:
             # The command's fixed parts were packed once (_AcquireShape): only what changes
             # per call is packed here, the bytes being those of the whole command packed.
-            if guard is not None and leases is None:
+            if guard is not None and leases is None and not claim:
                 before, after = shape.around_seen(cost, max_wait, guard.debt)
                 packed = before + bulk(guard.seen) + after
             else:
@@ -313,6 +341,8 @@ class RedisStore:
                         shape.count,
                         _EMPTY if leases is None else bulk(leases.id),
                         _ZERO if leases is None else bulk(leases.life * _MS),
+                        bulk(claim),
+                        shape.reserving,
                         shape.tail,
                     )
                 )
@@ -335,6 +365,8 @@ class RedisStore:
                 n,
                 "" if leases is None else leases.id,
                 0.0 if leases is None else leases.life * _MS,
+                claim,
+                "" if reserve is None or queue is None else reserve_spec(reserve),
                 *shape.args,
             ]
             keys = shape.keys
@@ -342,25 +374,40 @@ class RedisStore:
         return acquire_result(out, n)
 
     def straight(
-        self, buckets: tuple[BucketSpec, ...], cost: float, max_wait: float, queue: str | None, guard: StateGuard
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        reserve: Reserve | None = None,
     ) -> StraightAcquire | None:
         """How the straight path (lane.py) sends this bucket set's acquire itself, guarded by
-        ``guard``'s state (its ``seen`` aside: each call's own), no leases; None when the
-        acquire does not go over pipelined connections (redis-py's clients)."""
+        ``guard``'s state (its ``seen`` aside: each call's own), no leases, no claim (a
+        refusal may keep a slot, ``reserve``); None when the acquire does not go over
+        pipelined connections (redis-py's clients)."""
         fast = self._acquire_fast
         if fast is None:
             return None
-        shape = self._shape(buckets, queue, guard, ())
+        shape = self._shape(buckets, queue, guard, (), reserve)
         before, after = shape.around_seen(cost, max_wait, guard.debt)
         return StraightAcquire(self, fast, before, after, shape.n, shape.keys)
 
     def _shape(
-        self, buckets: tuple[BucketSpec, ...], queue: str | None, guard: StateGuard | None, sets: tuple[LeaseSet, ...]
+        self,
+        buckets: tuple[BucketSpec, ...],
+        queue: str | None,
+        guard: StateGuard | None,
+        sets: tuple[LeaseSet, ...],
+        reserve: Reserve | None,
     ) -> _AcquireShape:
         """What an acquire of these buckets sends whatever the call (keys, rates, bursts,
-        fields, caps), kept per bucket set: the limiter passes the same tuple every time."""
+        fields, caps, how slots are kept), kept per bucket set: the limiter passes the same
+        tuple every time."""
         state = None if guard is None else guard.key
-        key = (id(buckets), queue)
+        # (A bucket set's slots are kept under the vendor's horizon, or none for a caller
+        # that only claims, and a new vendor after a reload has new buckets.)
+        key = (id(buckets), queue, None if reserve is None else reserve.horizon)
         shape = self._shapes.get(key)
         if (
             shape is not None
@@ -372,7 +419,7 @@ class RedisStore:
         if len(self._shapes) >= _SHAPES_MAX:
             self._shapes.clear()
         shape = self._shapes[key] = _AcquireShape(
-            buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha
+            buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha, reserve
         )
         return shape
 

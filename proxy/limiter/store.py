@@ -74,11 +74,38 @@ class Leases:
     sets: tuple[LeaseSet, ...]
 
 
+class Reserve(NamedTuple):
+    """A deferral that keeps its slot (acquire.lua, "Kept slots"): refused with a wait of at
+    most ``horizon``, the caller's tokens are taken as a hold's and the slot is kept for it
+    in the bucket set's reservation set ``key`` until it comes back and claims it."""
+
+    key: str
+    claim: str
+    """The slot this caller was given before ("" = none): granted once it has matured,
+    refused with the same slot before (never a new one). After a ``?``: a slot it may
+    claim once it has matured, but that it is not told again before (kept_slots.py)."""
+    horizon: float
+    """Seconds: a refusal whose wait is at most this keeps its slot (a caller told to retry)."""
+    owner: float = 0.0
+    """Seconds after it matures a slot is its owner's alone; then any request of the bucket
+    set without a slot of its own may claim it (the owner's retry came to another replica
+    or on a new connection, its job went elsewhere, or it never comes back). None by
+    default: precise retriers come back within a few ms of their slot, before the next
+    slot matures, and a slot taken by another caller is still spent, not lost (its owner
+    is given a slot of its own)."""
+    life: float = 1.0
+    """Seconds after it matures a slot nobody claimed is given back to the buckets."""
+    tenants: int = 0
+    """How many of the buckets (the first) are the tenant's own: when they are what refuses,
+    only they are taken for the slot (the vendor-side ones when it is claimed)."""
+
+
 class AcquireResult(NamedTuple):
     granted: bool
     """True: ``cost`` was taken from every bucket. False: from none."""
     wait: float
-    """Seconds. Granted: until the reservation matures (0 = go now).
+    """Seconds. Granted: until the reservation matures (0 = go now; a kept slot claimed after
+    it matured: how long ago, negative, so that the write is paced as granted then).
     Refused: until every bucket could grant without waiting."""
     binding: int
     """Index of the bucket with the longest wait, -1 when none waits."""
@@ -98,6 +125,11 @@ class AcquireResult(NamedTuple):
     """Live leases in each lease set after this call."""
     ttl: float = 0.0
     """Seconds the vendor's state lives from now (0 without a state guard)."""
+    reserved: str = ""
+    """Refused with its slot kept (``Reserve``): the claim to send when it comes back (its
+    slot matures in ``wait`` seconds); "" when none is kept."""
+    claimed: bool = False
+    """Granted on a slot kept earlier (its tokens were taken then)."""
 
     @property
     def retry_after(self) -> float:
@@ -159,6 +191,7 @@ class BucketStore(Protocol):
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         """Take ``cost`` from every bucket and a lease in every lease set, or nothing.
 
@@ -169,6 +202,9 @@ class BucketStore(Protocol):
         store that finds it lost its state (Redis restarted empty, flushed, failed over
         to a lagging replica) restarts the buckets owing what may still be outstanding,
         never full. With ``leases``, a lease set at its cap refuses (``full``), taking nothing.
+        With ``reserve`` (and a ``queue``), a refusal within its horizon keeps the caller's
+        slot (``reserved``), and a claim or a slot whose owner is late is granted without
+        taking tokens again (``claimed``); see ``Reserve``.
         """
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:

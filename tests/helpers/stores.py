@@ -15,7 +15,7 @@ import redis as sync_redis
 from proxy.clock import ManualClock
 from proxy.limiter import StoreUnavailable
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, Reserve, StateGuard
 from tests.conftest import RedisServer, free_port
 
 
@@ -45,6 +45,7 @@ class FlakyStore(MemoryStore):
         self._state, self._queues, self._seq = fresh._state, fresh._queues, fresh._seq
         self._leases, self._replicas = fresh._leases, fresh._replicas
         self._learned = fresh._learned  # learned limits live in the state hash: lost with it
+        self._kept, self._blocked_at = fresh._kept, fresh._blocked_at
 
     async def acquire(
         self,
@@ -54,10 +55,11 @@ class FlakyStore(MemoryStore):
         queue: str | None = None,
         guard: StateGuard | None = None,
         leases: Leases | None = None,
+        reserve: Reserve | None = None,
     ) -> AcquireResult:
         await self._enter()
         self.acquires += 1
-        return await super().acquire(buckets, cost, max_wait, queue, guard, leases)
+        return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         await self._enter()

@@ -13,7 +13,7 @@ from proxy.limiter import redis_store
 from proxy.limiter.pipelined import PipelinedScript
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.resp import bulk, bulks
-from proxy.limiter.store import AcquireResult, BucketSpec, Leases, LeaseSet, StateGuard
+from proxy.limiter.store import AcquireResult, BucketSpec, Leases, LeaseSet, Reserve, StateGuard
 
 VALUES: list[Any] = [
     0.0,
@@ -70,15 +70,26 @@ BUCKETS = (
 
 
 def reference(
-    sha: str, buckets: tuple[BucketSpec, ...], cost: Any, max_wait: float, queue: Any, guard: Any, leases: Any
+    sha: str,
+    buckets: tuple[BucketSpec, ...],
+    cost: Any,
+    max_wait: float,
+    queue: Any,
+    guard: Any,
+    leases: Any,
+    reserve: Reserve | None = None,
 ) -> bytes:
     """The command as RedisStore packed it before it kept parts packed."""
     sets = leases.sets if leases is not None else ()
     keys = [b.key for b in buckets] + [ls.key for ls in sets]
-    args: list[Any] = [cost, max_wait * 1000.0, "", "", 0.0, len(buckets), "", 0.0]
+    args: list[Any] = [cost, max_wait * 1000.0, "", "", 0.0, len(buckets), "", 0.0, "", ""]
     if queue is not None:
         keys.append(queue)
         args[2] = "q"
+        if reserve is not None:
+            keys.append(reserve.key)
+            args[8] = reserve.claim
+            args[9] = f"{reserve.horizon * 1000:.3f}:{reserve.owner * 1000:.3f}:{reserve.life * 1000:.3f}:0"
     if guard is not None:
         keys.append(guard.key)
         args[3], args[4] = guard.seen, guard.debt * 1000.0
@@ -98,6 +109,14 @@ CALLS = [
     (BUCKETS, 1.0, 0.0, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 3, 0.5), None),  # the same set, again
     (BUCKETS, 1.0, 0.0, None, StateGuard("resp:{v}:state", 4, 0.5), None),  # ... without its queue
     (BUCKETS, 1.0, 0.0, None, StateGuard("resp:{v}:state", 5, 0.5), None),  # its packed parts again
+]
+KEPT = Reserve("resp:{v}:r:acme", "", 60.0)
+RESERVING = [
+    # A deferring caller: its slot kept on a refusal (none of these refuses), then with a claim.
+    (BUCKETS, 1.0, 0.0, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 6, 0.5), None, KEPT),
+    (BUCKETS, 1.0, 0.0, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 7, 0.5), None, KEPT),  # packed again
+    (BUCKETS, 1.0, 0.0, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 8, 0.5), None, KEPT._replace(claim="1:1:a")),
+    (BUCKETS, 2, 0.25, "resp:{v}:q:acme", StateGuard("resp:{v}:state", 9, 1.5), Leases("r1:9", 31.0, SETS), KEPT),
 ]
 
 
@@ -121,13 +140,15 @@ async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, mo
     monkeypatch.setattr(fast, "call_packed", spy)
     monkeypatch.setattr(fast, "send_now", spy_now)  # the way an acquire takes once connected
     try:
-        for buckets, cost, max_wait, queue, guard, leases in CALLS:
-            result = await store.acquire(buckets, cost, max_wait, queue, guard, leases)
+        calls: list[tuple[Any, ...]] = [(*call, None) for call in CALLS] + list(RESERVING)
+        for buckets, cost, max_wait, queue, guard, leases, kept in calls:
+            result = await store.acquire(buckets, cost, max_wait, queue, guard, leases, kept)
             assert result.granted, result
             # made as a plain tuple (no NamedTuple __new__): every field there, each of its type
             assert type(result) is AcquireResult and len(result) == len(AcquireResult._fields)
-            assert [type(v) for v in result] == [bool, float, int, tuple, float, int, bool, int, tuple, float]
-            assert sent[-1] == reference(fast.sha, buckets, cost, max_wait, queue, guard, leases)
+            types = [bool, float, int, tuple, float, int, bool, int, tuple, float, str, bool]
+            assert [type(v) for v in result] == types
+            assert sent[-1] == reference(fast.sha, buckets, cost, max_wait, queue, guard, leases, kept)
     finally:
         await store.close()
 

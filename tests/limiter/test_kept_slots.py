@@ -1,0 +1,218 @@
+"""Kept slots (acquire.lua, "Kept slots"; store.Reserve): a deferred caller's slot is its
+own until it comes back, an early retry is given the same slot again, and a slot nobody
+claims is used by someone else or given back, never lost.
+
+The same contract for memory:// (ManualClock) and redis:// (its own TIME, so the
+assertions allow some milliseconds of real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.store import BucketSpec, BucketStore, Leases, LeaseSet, Reserve, StateGuard
+
+TOL = 0.03  # seconds of real time a Redis-backed assertion may drift
+QUEUE = "test:{v}:q:default"
+KEPT = Reserve("test:{v}:r:default", "", horizon=5.0, owner=0.1, life=0.5)
+STATE = "test:{v}:state"
+
+
+def bucket(name: str, rate: float, burst: float) -> BucketSpec:
+    return BucketSpec(STATE, rate, burst, "global", name, field=f"g:{name}")
+
+
+async def later(store: BucketStore, clock: ManualClock, seconds: float) -> None:
+    if isinstance(store, MemoryStore):
+        await clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
+def guard(seen: int = 0) -> StateGuard:
+    return StateGuard(STATE, seen, 0.0)
+
+
+async def test_a_refusal_keeps_its_slot_and_the_next_one_comes_after_it(store: BucketStore) -> None:
+    b = (bucket("a", rate=10, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    first = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    second = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert not first.granted and not second.granted
+    assert first.reserved and second.reserved and first.reserved != second.reserved
+    # Each slot is exact (the hint is the slot) and the second one token after the first.
+    assert first.hint == pytest.approx(first.wait) and first.wait == pytest.approx(0.1, abs=TOL)
+    assert second.wait - first.wait == pytest.approx(0.1, abs=TOL)
+    assert second.levels[0] == pytest.approx(-2.0, abs=TOL * 10)  # taken as holds are
+
+
+async def test_an_early_claim_is_given_the_same_slot_and_takes_nothing(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("e", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await later(store, clock, 0.03)
+    again = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert not again.granted and again.reserved == kept.reserved
+    assert again.wait == pytest.approx(kept.wait - 0.03, abs=TOL)  # the same slot, nearer
+    # Nothing was taken: a caller without a claim is told the slot after the kept one.
+    other = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert other.wait == pytest.approx(again.wait + 0.1, abs=TOL)
+
+
+async def test_a_matured_claim_is_granted_without_taking_again(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("m", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await later(store, clock, kept.wait + 0.01)
+    claimed = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert claimed.granted and claimed.claimed and not claimed.reserved
+    assert claimed.wait == pytest.approx(-0.01, abs=TOL) and claimed.wait <= 0  # granted when it matured
+    assert claimed.levels[0] == pytest.approx(0.0, abs=TOL * 10)  # refilled since, nothing taken now
+    # Claimed once: the same claim again is a new request.
+    twice = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert not twice.claimed
+
+
+async def test_a_claim_that_matures_within_max_wait_is_held(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("h", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    held = await store.acquire(b, 1, 0.5, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert held.granted and held.claimed and held.wait == pytest.approx(kept.wait, abs=TOL)
+
+
+async def test_a_late_owners_slot_goes_to_a_caller_without_one(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("l", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await later(store, clock, kept.wait + 0.02)
+    # Within ``owner`` of its maturity the slot is its owner's: a newcomer gets a slot of its own.
+    newcomer = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert not newcomer.granted and newcomer.reserved
+    await later(store, clock, KEPT.owner)
+    # Past it, whoever comes without a slot takes it.
+    late = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert late.granted and late.claimed
+    owner = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert not owner.claimed  # taken: the owner is a new request now
+
+
+async def test_a_slot_nobody_claims_is_given_back(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("n", rate=2, burst=5),)
+    for _ in range(5):
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert kept.reserved and kept.wait == pytest.approx(0.5, abs=TOL)
+    await later(store, clock, kept.wait + KEPT.life + 0.05)
+    peeked = (await store.peek(b))[0]
+    assert peeked == pytest.approx(-1 + 2 * (kept.wait + KEPT.life + 0.05), abs=TOL * 4)  # not given back yet
+    given_back = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert given_back.granted and not given_back.claimed
+    assert given_back.levels[0] == pytest.approx(peeked + 1 - 1, abs=TOL * 4)  # the slot's token back, one taken
+
+
+async def test_a_refusal_beyond_the_horizon_keeps_no_slot(store: BucketStore) -> None:
+    b = (bucket("z", rate=10, burst=1),)
+    short = KEPT._replace(horizon=0.15)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, short)).granted
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, short)).reserved  # 0.1 s: kept
+    beyond = await store.acquire(b, 1, 0, QUEUE, guard(), None, short)
+    assert not beyond.granted and not beyond.reserved  # 0.2 s: a hint only, from the queue
+    assert beyond.hint >= beyond.wait == pytest.approx(0.2, abs=TOL)
+
+
+async def test_a_shed_keeps_no_slot(store: BucketStore) -> None:
+    b = (bucket("s", rate=10, burst=1),)
+    assert (await store.acquire(b, 1, 0, None, guard(), None, KEPT)).granted
+    shed = await store.acquire(b, 1, 0, None, guard(), None, KEPT)  # no queue: not told to retry
+    assert not shed.granted and not shed.reserved
+
+
+async def test_a_vendor_block_voids_the_slots_kept_before_it(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("k", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await store.block(b, 0.05, "")
+    await later(store, clock, kept.wait + 0.06)
+    after = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert not after.claimed  # absorbed by the block, as a hold's reservation is
+
+
+async def test_a_full_lease_set_keeps_the_claim(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("c", rate=10, burst=1),)
+    cap = LeaseSet("test:{v}:c", 1, "concurrency 1")
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), Leases("busy", 30.0, (cap,)), KEPT)).granted
+    refused = await store.acquire(b, 1, 0, QUEUE, guard(), Leases("x", 30.0, (cap,)), KEPT)
+    assert refused.full == 0 and not refused.reserved  # a full cap keeps no slot...
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # (one kept by the tokens)
+    assert kept.reserved
+    await later(store, clock, kept.wait + 0.01)
+    full = await store.acquire(b, 1, 0, QUEUE, guard(), Leases("y", 30.0, (cap,)), KEPT._replace(claim=kept.reserved))
+    assert not full.granted and full.full == 0 and full.reserved == kept.reserved  # ...and loses none
+    await store.release((cap,), ("busy",), "")
+    claimed = await store.acquire(
+        b, 1, 0, QUEUE, guard(), Leases("y", 30.0, (cap,)), KEPT._replace(claim=kept.reserved)
+    )
+    assert claimed.granted and claimed.claimed and claimed.inflight == (1,)
+
+
+def tenant_bucket(name: str, rate: float, burst: float) -> BucketSpec:
+    return BucketSpec(f"test:{{v}}:t:{name}", rate, burst, "tenant", name)
+
+
+async def test_a_slot_the_tenants_own_bucket_binds_leaves_the_vendor_side_to_others(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    """The tenant's own bucket refuses: its slot takes from it alone, so the vendor-side
+    token is not held idle until then (another tenant may use it meanwhile); the
+    vendor-side token is taken when the slot is claimed."""
+    glob = bucket("v", rate=10, burst=2)
+    mine = (tenant_bucket("slow", rate=2, burst=1), glob)
+    theirs = (tenant_bucket("other", rate=100, burst=100), glob)
+    kept_mine = KEPT._replace(key="test:{v}:r:slow", tenants=1)
+    kept_theirs = KEPT._replace(key="test:{v}:r:other", tenants=1)
+    assert (await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine)).granted
+    slot = await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine)
+    assert slot.reserved and slot.binding == 0 and slot.wait == pytest.approx(0.5, abs=TOL)
+    assert slot.levels[1] == pytest.approx(1.0, abs=TOL * 10)  # the vendor side: only the grant's token taken
+    # The other tenant gets the vendor-side token the slot did not hold.
+    assert (await store.acquire(theirs, 1, 0, QUEUE, guard(), None, kept_theirs)).granted
+    await later(store, clock, slot.wait + 0.01)
+    claimed = await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine._replace(claim=slot.reserved))
+    assert claimed.granted and claimed.claimed
+    assert claimed.levels[1] == pytest.approx(2.0 - 1, abs=TOL * 10)  # refilled to its burst, one taken now
+
+
+async def test_a_tenant_slot_whose_vendor_side_is_full_at_its_claim_is_kept_on_every_bucket(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    glob = bucket("w", rate=10, burst=1)
+    mine = (tenant_bucket("slow2", rate=2, burst=1), glob)
+    kept_mine = KEPT._replace(key="test:{v}:r:slow2", tenants=1)
+    assert (await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine)).granted
+    slot = await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine)
+    assert slot.reserved.endswith(":t")
+    await later(store, clock, slot.wait + 0.01)
+    for _ in range(3):  # the vendor side spent meanwhile (another tenant's holds)
+        await store.acquire((glob,), 1, 1.0, None, guard())
+    again = await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine._replace(claim=slot.reserved))
+    assert not again.granted and again.reserved.endswith(":a") and again.wait > 0.1
+    await later(store, clock, again.wait + 0.01)
+    claimed = await store.acquire(mine, 1, 0, QUEUE, guard(), None, kept_mine._replace(claim=again.reserved))
+    assert claimed.granted and claimed.claimed
+
+
+async def test_a_weak_claim_is_honoured_only_once_its_slot_has_matured(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("q", rate=10, burst=1),)
+    await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    early = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim="?" + kept.reserved))
+    assert early.reserved and early.reserved != kept.reserved  # not told the slot: a slot of its own
+    assert early.wait == pytest.approx(kept.wait + 0.1, abs=TOL)
+    await later(store, clock, kept.wait + 0.01)
+    matured = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim="?" + kept.reserved))
+    assert matured.granted and matured.claimed  # matured: whoever sends the claim is served
