@@ -106,7 +106,8 @@
 --             after it matured: how long ago, negative);
 --             refused: until every bucket could grant without waiting (a kept slot: until it matures)
 --   binding   1-based index of the bucket with the longest wait, 0 when none waits
---   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait
+--   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait; refused
+--             by a full lease set: how long its oldest lease has been out
 --   seq       the state's counter after this call (0 without a state)
 --   lost      1 when this call found the state lost, else 0
 --   full      1-based index of a lease set at its cap (nothing was taken), 0 = none
@@ -403,6 +404,12 @@ elseif rset and full == 0 and wait <= horizon_ms then
 else
   if refunded then
     write_levels()
+  end
+  if full ~= 0 then
+    -- How long the set's oldest lease has been out (its score is when it expires): when
+    -- the next slot is likely free (concurrency.py), not a fixed second.
+    local oldest = redis.call('ZRANGE', KEYS[n + full], 0, 0, 'WITHSCORES')
+    hint = math.max(0, now - (tonumber(oldest[2]) - lease_life))
   end
   if queue and full == 0 then
     local tail = tonumber(redis.call('GET', queue) or '0') - now

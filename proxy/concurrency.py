@@ -48,7 +48,8 @@ log = logging.getLogger("quota_proxy.concurrency")
 
 LIFE_MARGIN = 0.5
 """Seconds a lease outlives the vendor's connect + read timeouts before its first renewal."""
-_UNKNOWN_LATENCY = 1.0  # seconds: the retry hint of a full cap before any exchange was timed
+_MIN_HINT = 0.01  # seconds: the least a full cap's retry hint says (a slot may free any moment)
+_MAX_HINT = 60.0  # seconds: the most (an exchange out that long is the vendor's timeout's business)
 _RELEASE_MAX = 256  # lease ids in one store call
 _CLOSE_WAIT = 1.0  # seconds close() waits for the last releases to reach the store
 _CACHE_MAX = 1024  # (vendor, endpoint) lease set tuples kept
@@ -90,6 +91,14 @@ class Slot:
         if self.taken and self._owner is not None:
             self.taken = False
             self._owner.release(self)
+
+    async def give_back(self) -> None:
+        """Give the leases back now and wait until the store has them (or failed): the
+        vendor's answer is in, and the worker, once it has it, may call again at once
+        (on any replica) and must find the slot free. ``close`` then does nothing."""
+        if self.taken and self._owner is not None:
+            self.taken = False
+            await self._owner.release_now(self)
 
     def detach(self) -> Callable[[], None]:
         """Leave the leases taken past the ``with`` block: they are given back when the
@@ -212,7 +221,7 @@ class Concurrency:
                     return result  # the buckets refuse too: theirs is the answer
                 full = leases.sets[result.full]
                 if not hold or left <= 0:
-                    raise self._refusal(slot.vendor, wish, full)
+                    raise self._refusal(slot.vendor, wish, full, result.hint)
                 if waiter is None:
                     waiter = self._enqueue(slot.vendor, full.key)
                 elif waiter.key != full.key:
@@ -223,10 +232,13 @@ class Concurrency:
                 self._leave(waiter)
                 slot.waited = self.clock.monotonic() - start
 
-    def _refusal(self, vendor: str, wish: Wish, full: LeaseSet) -> Limited:
-        # When to retry: once a request now in flight is likely done.
+    def _refusal(self, vendor: str, wish: Wish, full: LeaseSet, oldest: float) -> Limited:
+        """A full cap's refusal. When to retry: when the oldest request in flight (out for
+        ``oldest`` seconds, fleet-wide) is likely done: at the vendor's usual latency, or,
+        before any exchange was timed, after as long again as it has been out."""
         latency = self._sizing.latency(vendor)
-        wait = _UNKNOWN_LATENCY if latency is None else max(latency, 0.01)
+        left = oldest if latency is None else latency - oldest
+        wait = min(max(left, _MIN_HINT), _MAX_HINT)
         return Limited("shed" if wish.action == "shed" else "defer", wait, "concurrency", full.label)
 
     def _take(self, slot: Slot) -> None:
@@ -251,6 +263,20 @@ class Concurrency:
                 loop = self._loop = asyncio.get_running_loop()
             loop.call_soon(self._give_back_turn)
         self._to_release.setdefault((slot.vendor, leases.sets), []).append(leases)
+
+    async def release_now(self, slot: Slot) -> None:
+        """``release`` at once, returning when the store has the leases back (or failed to
+        take them: they then run out within their life). A caller cancelled meanwhile does
+        not cancel the release."""
+        leases = slot.leases
+        assert leases is not None
+        live = self._live.get(slot.vendor)
+        if live is not None:
+            live.pop(leases.id, None)
+        task = spawn(self._give_back(slot.vendor, leases.sets, [leases]), name="release-leases")
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
 
     def _give_back_turn(self) -> None:
         batches, self._to_release = self._to_release, {}

@@ -298,7 +298,12 @@ def unrelayable(vendor: Vendor, request: Request, upstream: Response) -> Upstrea
     return UpstreamFailed(502, "upstream-unrelayable", detail, True, idempotent(request.method, request.headers))
 
 
-async def relay(upstream: Response, responder: Responder, extra_headers: dict[str, str] | None = None) -> str | None:
+async def relay(
+    upstream: Response,
+    responder: Responder,
+    extra_headers: dict[str, str] | None = None,
+    before_end: Callable[[], Awaitable[None]] | None = None,
+) -> str | None:
     """Stream the vendor's answer to the worker; returns why the relay did not complete, if it did not.
 
     If the vendor broke off mid-body, the worker's connection is cut: a truncated body
@@ -308,7 +313,11 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
     Framing is this hop's business: with the vendor's Content-Length the body is sent as is;
     without one it is chunked for an HTTP/1.1 worker and delimited by the close for an
     HTTP/1.0 one; a transfer coding the vendor applied besides chunked is said to the
-    worker as it was (framing.answer_codings: ``unrelayable`` first)."""
+    worker as it was (framing.answer_codings: ``unrelayable`` first).
+
+    ``before_end`` runs once the vendor's answer is all in, before the worker is sent the
+    last of it (the request's concurrency lease given back: the worker's next request must
+    find it free, SPEC §10)."""
     try:
         written = answer_lines(upstream.block, answer_fields(), False)  # the usual answer: its lines copied
         if written is None:  # a Connection field: the fields it names are dropped too, the general filter
@@ -326,10 +335,17 @@ async def relay(upstream: Response, responder: Responder, extra_headers: dict[st
             responder.start_lines(upstream.status, upstream.reason, head, length, date, codings)
         whole = upstream.whole(_WHOLE_MAX)
         if whole is not None:  # all in already (a small answer): one write, no read per piece
+            if before_end is not None:
+                await before_end()
             await responder.complete(whole)
         else:
             while chunk := await upstream.read():
+                if before_end is not None and upstream.done:  # the last piece
+                    await before_end()
+                    before_end = None
                 await responder.write(chunk)
+            if before_end is not None:
+                await before_end()
             await responder.finish()
     except UpstreamBroke as exc:
         upstream.close()

@@ -188,7 +188,7 @@ class ProxyHandler:
         if carried is not None:
             carrier.conn = carried.conn
         try:
-            await self._forward(deps, request, responder, match, rec, admission, carrier, carried)
+            await self._forward(deps, request, responder, match, rec, admission, carrier, carried, slot)
         finally:
             # A worker gone while the vendor still works on its request (the vendor counts
             # it in flight until it has answered): the slot is freed when the answer is
@@ -379,6 +379,7 @@ class ProxyHandler:
         admission: Admission,
         carrier: Carrier | None = None,
         carried: Carried | None = None,
+        slot: Slot = UNCAPPED,
     ) -> None:
         vendor = match.vendor
         if carried is None:
@@ -418,7 +419,7 @@ class ProxyHandler:
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        broken = await relay(upstream, responder, extra)
+        broken = await relay(upstream, responder, extra, slot.give_back if slot.taken else None)
         elapsed = deps.clock.monotonic() - sent
         deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
         deps.sizing.observe(vendor.name, elapsed)

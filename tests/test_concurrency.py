@@ -604,3 +604,65 @@ async def test_a_drain_waits_for_an_answer_heard_out_for_a_worker_that_went_away
     go.set()  # the vendor answers during the drain
     await asyncio.wait_for(stopping, 10)
     assert blocks._value.get() == 1, "the answer was heard out before the drain ended"
+
+
+@pytest.mark.parametrize(("store_kind", "replicas_n"), [("memory", 1), ("redis", 1), ("redis", 2)])
+async def test_a_worker_calling_one_after_another_is_never_refused_by_its_own_last_call(
+    tmp_path: Path, redis_url: str, aiohttp_server: Any, store_kind: str, replicas_n: int
+) -> None:
+    """Issue 23, item 4: the lease was given back after the answer had reached the worker,
+    so its next request (on either replica) could find the cap still full and be deferred
+    (1 cycle in 54 on a quiet machine). The lease is now given back before the answer's
+    last byte is written. Replicas are processes, as in production: in the test's own
+    loop the release always ran before the worker's next request."""
+    vendor = CountingVendor(delay=(0.0, 0.002))
+    upstream = await serve_vendor(aiohttp_server, vendor)
+    url = redis_url if store_kind == "redis" else "memory://"
+    policy_file = fleet_policy(tmp_path / "policy.yaml", upstream, url, cap=1, on_limit="{action: defer}")
+    refused = []
+    with replicas(policy_file, tmp_path, count=replicas_n) as fleet:
+        ready: list[Ready] = [p.wait_ready() for p in fleet]
+        async with client_session() as s:
+            for i in range(200):
+                async with s.get(f"{URL}/seq{i}", proxy=ready[i % replicas_n].url) as r:
+                    await r.read()
+                    if r.status != 200:
+                        refused.append((i, r.status, r.headers.get("retry-after-ms")))
+    assert refused == []
+    assert vendor.max == 1 and len(vendor.arrived) == 200
+
+
+async def test_a_full_caps_hint_is_when_its_oldest_request_is_likely_done(
+    redis_url: str, aiohttp_server: Any, start_proxy: Any
+) -> None:
+    """Issue 23, item 4: a full cap's refusal said "retry in 1 s" whatever was in flight.
+    Before any exchange is timed, it says as long again as the oldest request in flight has
+    been out; once the vendor's latency is known, what is left of it."""
+    vendor = CountingVendor(gated=True)
+    upstream = await serve_vendor(aiohttp_server, vendor)
+    policy = one_vendor(upstream, redis_url, 1, on_limit="{action: defer}")
+    proxy: ProxyServer = await start_proxy(policy)
+    async with client_session() as s:
+        first = asyncio.ensure_future(s.get(f"{URL}/slow", proxy=proxy.url))
+        await eventually(lambda: vendor.now == 1, "the first request at the vendor")
+        sent = time.monotonic()
+        await asyncio.sleep(0.3)
+        async with s.get(f"{URL}/b", proxy=proxy.url) as r:
+            assert r.status == 429 and r.headers["X-Quota-Scope"] == "concurrency"
+            out = time.monotonic() - sent
+            assert 0.3 <= int(r.headers["X-Quota-Retry-After-Ms"]) / 1000 <= out + 0.05, r.headers
+        vendor.let_go()
+        async with await first as r:
+            assert r.status == 200
+        vendor.delay, vendor.gated = (0.2, 0.2), False
+        for _ in range(3):  # the vendor's latency: ~200 ms
+            async with s.get(f"{URL}/timed", proxy=proxy.url) as r:
+                assert r.status == 200
+        busy = asyncio.ensure_future(s.get(f"{URL}/timed", proxy=proxy.url))
+        await eventually(lambda: vendor.now == 1, "a request at the vendor")
+        async with s.get(f"{URL}/c", proxy=proxy.url) as r:
+            assert r.status == 429
+            # what is left of the vendor's usual latency (its exchanges took 0.2 to 0.3 s)
+            assert 0.05 <= int(r.headers["X-Quota-Retry-After-Ms"]) / 1000 <= 0.35, r.headers
+        async with await busy as r:
+            assert r.status == 200

@@ -279,8 +279,11 @@ class MemoryStore:
             return refused(wait, wait, member)
         if refunded:
             write()
-        hint = wait if full >= 0 else self._slot(queue, now, wait, cost / rates[binding])
-        return refused(wait, hint)
+        if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)
+            assert leases is not None
+            oldest = min(self._live(sets[full].key, now).values())
+            return refused(wait, max(0.0, now - (oldest - leases.life)))
+        return refused(wait, self._slot(queue, now, wait, cost / rates[binding]))
 
     def _take_plain(
         self,

@@ -114,7 +114,8 @@ class AcquireResult(NamedTuple):
     hint: float = 0.0
     """Seconds. Refused: when to retry, at least ``wait``: the caller's slot in the
     deferral queue, so callers refused together come back spread over the refill,
-    not as a herd. Granted (or no queue): the same as ``wait``."""
+    not as a herd. Granted (or no queue): the same as ``wait``. Refused by a full lease
+    set (``full``): how long that set's oldest lease has been out."""
     seq: int = 0
     """The vendor state's counter after this call (0 without a state guard)."""
     lost: bool = False
