@@ -9,8 +9,11 @@ reset (Shopify's leaky bucket, ``X-RateLimit-*`` without a reset) says nothing a
 what its limit is counted over: it only lowers the shortest bucket's level.
 
 A limit ``L`` counted over the bucket's window ``W`` becomes a bucket of burst
-``b = max(1, ceil(2% of L))`` refilling at ``(L - b) / W``: a token bucket then never
-grants more than ``L`` in any window of ``W`` (rate x W + burst <= L). Both are capped at
+``b = max(1, ceil(2% of L))`` refilling at just under ``(L + 1 - b) / W``: a token bucket
+grants at most ``b + rate x W`` requests in any window of ``W``, a whole number, so
+below ``L + 1`` is at most ``L``. (``(L - b) / W`` said the same of a bound that need not
+be whole, and ran a vendor allowing 5 a second at 4: the limit less a whole request per
+window.) Both are capped at
 the policy's (only ever tightening); a vendor that allows at least what the policy can grant
 in a window (its rate x W + burst) makes the bucket forget what it learned. What the vendor
 says remains lowers the level.
@@ -36,6 +39,8 @@ log = logging.getLogger("quota_proxy.limiter")
 
 BURST_SHARE = 0.02
 """The learned burst, as a share of the vendor's limit (at least one request)."""
+WINDOW_SLACK = 0.01
+"""Requests per window the learned bucket stays under ``L + 1`` (a bound strictly below it)."""
 MIN_TTL = 60.0
 TTL_WINDOWS = 10.0
 """Learned values live max(10 windows, 60 s) unless the vendor says so again: a vendor
@@ -46,12 +51,9 @@ _SLACK = 1.0  # requests: a remaining this much below the bucket's level is wort
 
 def learned_values(limit: float, window: float) -> tuple[float, float]:
     """(rate per second, burst) of a bucket that never grants more than ``limit`` in any
-    ``window`` seconds."""
+    ``window`` seconds: ``burst + rate x window`` stays under ``limit + 1``."""
     burst = max(1.0, math.ceil(BURST_SHARE * limit))
-    if limit - burst > 0:
-        return (limit - burst) / window, burst
-    # A limit of one or two: burst 1, and a rate slow enough that a window holds one grant.
-    return limit / (2.0 * window), 1.0
+    return (math.floor(limit) + 1 - burst - WINDOW_SLACK) / window, burst
 
 
 def ttl_for(window: float) -> float:
@@ -96,17 +98,20 @@ def plan(reports: Sequence[QuotaReport], limits: Sequence[Limit]) -> dict[int, T
         if i is None:
             continue
         lim = limits[i]
-        lesson = Lesson(remaining=report.remaining, window=lim.per, ttl=ttl_for(lim.per))
+        # What remains, as a level: a bucket grants whole requests, floor(level) of them now
+        # (and floor(level + rate x t) over t), so just under remaining + 1 is at most remaining.
+        remaining = None if report.remaining is None else report.remaining + 1 - WINDOW_SLACK
+        lesson = Lesson(remaining=remaining, window=lim.per, ttl=ttl_for(lim.per))
         counted = report.window is not None or report.reset is not None
         if counted and report.limit is not None and report.limit >= 1:
             if report.limit >= lim.rate + lim.burst:  # the most the policy grants in a window
-                lesson = Lesson(forget=True, remaining=report.remaining, window=lim.per, ttl=lesson.ttl)
+                lesson = Lesson(forget=True, remaining=remaining, window=lim.per, ttl=lesson.ttl)
             else:
                 rate, burst = learned_values(report.limit, lim.per)
                 lesson = Lesson(
                     rate=min(rate, lim.per_second),
                     burst=min(burst, lim.burst),
-                    remaining=report.remaining,
+                    remaining=remaining,
                     window=lim.per,
                     ttl=lesson.ttl,
                 )

@@ -47,26 +47,36 @@ def test_the_bucket_a_report_is_about(r: QuotaReport, expected: int | None) -> N
 
 @pytest.mark.parametrize(
     ("limit", "window", "rate", "burst"),
-    [(70, 1, 68, 2), (100, 1, 98, 2), (5000, 3600, 4900 / 3600, 100), (60, 60, 58 / 60, 2), (1, 1, 0.5, 1)],
+    [
+        (70, 1, 68.99, 2),
+        (100, 1, 98.99, 2),
+        (5000, 3600, 4900.99 / 3600, 100),
+        (60, 60, 58.99 / 60, 2),
+        (5, 1, 4.99, 1),  # 4/s before: 80 % of a vendor allowing 5
+        (2, 1, 1.99, 1),
+        (1, 1, 0.99, 1),
+    ],
 )
 def test_a_learned_bucket_never_exceeds_the_vendors_window(
     limit: float, window: float, rate: float, burst: float
 ) -> None:
     assert learned_values(limit, window) == (pytest.approx(rate), burst)
-    assert rate * window + burst <= max(limit, 1.5)  # a limit of 1 still lets one request through
+    # A bucket grants at most burst + rate x window requests in any window, a whole number:
+    # under limit + 1 is at most the limit (and as close to it as that allows).
+    assert limit + 0.98 < rate * window + burst < limit + 1
 
 
 def test_plan_only_ever_tightens_and_forgets_at_the_policys_limit() -> None:
     limits = [Limit(100, 1, 10), Limit(4000, 60, 4000)]
     lower = plan([report(limit=70, remaining=12, window=1)], limits)
-    assert lower[0].lesson == Lesson(rate=68, burst=2, remaining=12, window=1, ttl=60)
+    assert lower[0].lesson == Lesson(rate=pytest.approx(68.99), burst=2, remaining=12.99, window=1, ttl=60)
     wide = plan([report(limit=3000, remaining=5, reset=40)], limits)
-    assert wide[1].lesson == Lesson(rate=2940 / 60, burst=60, remaining=5, window=60, ttl=600)
+    assert wide[1].lesson == Lesson(rate=pytest.approx(2940.99 / 60), burst=60, remaining=5.99, window=60, ttl=600)
     burst_capped = plan([report(limit=99, window=1)], [Limit(100, 1, 1)])
-    assert (burst_capped[0].lesson.rate, burst_capped[0].lesson.burst) == (97, 1)
+    assert (burst_capped[0].lesson.rate, burst_capped[0].lesson.burst) == (pytest.approx(97.99), 1)
     # At the policy's rate the policy's burst could still overrun the vendor's window: learned.
     at_policy = plan([report(limit=100, remaining=3, window=1)], limits)[0].lesson
-    assert (at_policy.rate, at_policy.burst, at_policy.forget) == (98, 2, False)
+    assert (at_policy.rate, at_policy.burst, at_policy.forget) == (pytest.approx(98.99), 2, False)
     # What the policy can grant in a window (100 + burst 10) or more: the policy applies.
     assert plan([report(limit=110, remaining=3, window=1)], limits)[0].lesson.forget
     assert plan([report(limit=150, window=1)], limits)[0].lesson.forget
@@ -76,13 +86,13 @@ def test_a_capacity_without_a_window_only_lowers_the_level() -> None:
     # Shopify's 32/40 is a leaky bucket's capacity, not a count per window.
     shopify = QuotaReport("X-Shopify-Shop-Api-Call-Limit", limit=40, remaining=8)
     (t,) = plan([shopify], [Limit(2, 1, 40)]).values()
-    assert t.lesson == Lesson(remaining=8, window=1, ttl=60)
+    assert t.lesson == Lesson(remaining=8.99, window=1, ttl=60)  # (a level under 9: 8 whole requests)
 
 
 def test_several_reports_on_one_bucket_keep_the_tightest() -> None:
     reports = [report(limit=80, remaining=30, window=1), report(limit=70, remaining=50, window=1)]
     (t,) = plan(reports, [Limit(100, 1, 10)]).values()
-    assert (t.lesson.rate, t.lesson.remaining, t.vendor_limit) == (68, 30, 70)
+    assert (t.lesson.rate, t.lesson.remaining, t.vendor_limit) == (pytest.approx(68.99), 30.99, 70)
 
 
 def vendor(limits: tuple[Limit, ...] = (Limit(100, 1, 10),)) -> Vendor:
@@ -119,9 +129,9 @@ async def test_a_steady_vendor_costs_no_store_call_per_request(
     for _ in range(200):  # a request every 15 ms at the learned rate, the vendor saying the same
         assert (await limiter.acquire(v, "t", 1.0)).granted
         assert not await limiter.learn(v, steady)
-        await clock.advance(1 / 68)
+        await clock.advance(1 / 68.99)
     assert store.learns == 1
-    assert limiter.learned_rate(v) == pytest.approx(68)
+    assert limiter.learned_rate(v) == pytest.approx(68.99)
 
 
 async def test_learned_values_are_refreshed_before_they_expire(
@@ -168,7 +178,7 @@ async def test_learning_and_clearing_are_logged_once(
     for _ in range(3):
         await limiter.learn(v, [report(limit=110, window=1)])
     assert [r.getMessage() for r in caplog.records] == [
-        "vendor v says X-RateLimit allows 70 per 1s: global 100/1s burst 10 now refills at 68/s, burst 2 "
+        "vendor v says X-RateLimit allows 70 per 1s: global 100/1s burst 10 now refills at 68.99/s, burst 2 "
         "(policy 100/s)",
         "vendor v's learned limit on global 100/1s burst 10 is cleared: the policy's 100/s applies",
     ]
@@ -186,8 +196,8 @@ async def test_apply_feedback_learns_only_with_auto_and_a_429_still_blocks(clock
     on = vendor()
     applied = await apply_feedback(limiter, on, 429, headers, metrics=metrics)
     assert applied.blocked_for == pytest.approx(10.0)  # no Retry-After: retry_after_default
-    assert limiter.learned_rate(on) == pytest.approx(68)
-    assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "v"}) == pytest.approx(68)
+    assert limiter.learned_rate(on) == pytest.approx(68.99)
+    assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "v"}) == pytest.approx(68.99)
     assert metrics.registry.get_sample_value("ratelimit_learned_rate", {"limiter": "off"}) is None
     cleared = CIMultiDict({"X-RateLimit-Limit": "110", "X-RateLimit-Remaining": "99", "X-RateLimit-Reset": "1"})
     await apply_feedback(limiter, on, 200, cleared, metrics=metrics)
@@ -214,7 +224,7 @@ async def test_a_request_of_an_endpoint_class_teaches_that_class_not_the_vendor(
     learned = limiter.learned_status(v)["buckets"]
     assert isinstance(learned, list)
     assert [(b["bucket"], b["rate_per_second"]) for b in learned] == [
-        ("endpoint search 60/1m burst 60", round(29 / 60, 6))
+        ("endpoint search 60/1m burst 60", round(29.99 / 60, 6))
     ]  # one spare
     # The class is held to 30 in any minute (burst 1, 29/min); the vendor's other requests are not.
     assert (await limiter.acquire(v, "t", 0, endpoint=search)).granted
@@ -230,4 +240,4 @@ async def test_a_request_of_an_endpoint_class_teaches_that_class_not_the_vendor(
         CIMultiDict({"X-RateLimit-Limit": "70", "X-RateLimit-Remaining": "70", "X-RateLimit-Reset": "1"}),
         endpoint=plain,
     )
-    assert limiter.learned_rate(v) == pytest.approx(68)
+    assert limiter.learned_rate(v) == pytest.approx(68.99)
