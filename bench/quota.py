@@ -89,9 +89,7 @@ class Worker:
     other: Counter[int] = field(default_factory=Counter)
 
 
-async def retrier(
-    kind: str, i: int, urls: list[str], deadline: float, stats: Worker, rng: random.Random
-) -> None:
+async def retrier(kind: str, i: int, urls: list[str], deadline: float, stats: Worker, rng: random.Random) -> None:
     """One worker of ``kind`` (see the module's doc), on replica ``i % len(urls)``."""
     home = i % len(urls)
     calls = 0
@@ -396,7 +394,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                         )
                         print(f"  {' '.join(map(str, rows[-1]))}", flush=True)
         print("retriers (strict window of rate + burst in any 1 s, 2 replicas, defer):")
-        header = ["kind", "rate", "burst", "workers", "s", "vendor/s", "% rate", "429 late", "defer/fwd", "min/mean", ""]
+        header = ["kind", "rate", "burst", "workers", "s", "vendor/s", "% rate", "429 late", "defer/fwd", "min/mean"]
+        header.append("")
         print(table(rows, header))
         report["retriers"] = results
 

@@ -65,9 +65,13 @@
 -- granted without taking tokens again; one that has not is refused again with the
 -- same slot, never a new one. A reservation its owner does not claim within
 -- `owner` ms of maturing may be claimed by any request of the bucket set without
--- one (a caller whose job was re-enqueued elsewhere, or who never comes back); one
--- nobody claims within `life` ms is given back to the buckets, never above their
--- burst. A reservation made before a vendor block (a bucket's `bk`) or before the
+-- one (a caller whose job was re-enqueued elsewhere, or who never comes back). One
+-- nobody claims within `life` ms is dropped: its tenant buckets get its tokens back
+-- (never above their burst), the vendor-side ones do not. A level is a count, not a
+-- schedule: a token given back to it is granted at the end of the slots already
+-- given out, on top of the last of them, and a vendor counting a strict window sees
+-- one request too many; its own slot's time has passed, and with it the token's.
+-- A reservation made before a vendor block (a bucket's `bk`) or before the
 -- state was lost is void: the block, or the loss, absorbed it. When the tenant's own
 -- buckets are what refused (`binding` among the first `tenants`), only they are taken
 -- (scope `t`): a vendor-side token taken now would stand idle until the tenant's
@@ -201,13 +205,9 @@ local early = nil -- this caller's own claim, not matured: refused with its slot
 if rset then
   local stale = redis.call('ZRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
   for _, member in ipairs(stale) do
-    local created, taken, scope = parse(member)
-    if created > void_before then
-      local last = n
-      if scope == 't' then
-        last = tenants
-      end
-      for i = 1, last do
+    local created, taken = parse(member)
+    if created > void_before and tenants > 0 then
+      for i = 1, tenants do
         levels[i] = math.min(bursts[i], levels[i] + taken)
       end
       refunded = true

@@ -4,8 +4,9 @@ A deferred call's slot is kept in the store under a claim the store made up; the
 must send that claim with the call's retry. What tells a retry from a new call:
 
 - the worker's connection: a worker whose SDK retries sends the retry on the connection
-  the refusal came on (``Request.kept_slots``), the same call (method, target, tenant and
-  ``Idempotency-Key``) again: early or not, it is the slot's owner;
+  the refusal came on (``Request.kept_slots``): early or not, it is the slot's owner. So
+  is another call on it (the worker moved on: it re-enqueued the call, or gave up): a
+  slot its owner leaves behind is nobody's, and its time passes unused;
 - else the call itself, remembered on this replica for as long as its slot can be
   claimed: HTTP clients drop connections that sat idle for a few seconds (httpx after
   5 s), and a re-enqueued job comes back on another worker's connection. With an
@@ -13,9 +14,6 @@ must send that claim with the call's retry. What tells a retry from a new call:
   it) the same call is its owner, early or not; without one, two calls with the same
   target are told apart by nothing, so it claims the slot only once the slot has matured
   (whichever of them comes first is served then, the other is given a slot of its own);
-- else another call on the connection the slot was kept for, only once the slot has
-  matured: the worker moved on (it re-enqueued the call, or gave up), and the slot serves
-  its next call rather than waiting for nobody.
 
 A call of none of these kinds claims nothing itself; the store gives it a slot whose
 owner is late, if there is one.
@@ -46,13 +44,6 @@ class _Kept(NamedTuple):
     """When (the clock's) the slot can no longer be claimed: it matured ``life`` ago."""
 
 
-class Slot(NamedTuple):
-    """A slot kept for a worker's connection: its claim, and the call it was kept for."""
-
-    claim: str
-    call: _Call
-
-
 class KeptSlots:
     """The slots kept for this replica's deferred calls, by call (see the module's doc)."""
 
@@ -77,23 +68,23 @@ class KeptSlots:
             self._drop(call)
         return kept in self._sets
 
-    def claim(self, kept: str, connection: Mapping[str, Slot] | None, call: _Call) -> str:
+    def claim(self, kept: str, connection: Mapping[str, str] | None, call: _Call) -> str:
         """The claim to send for ``call`` (of bucket set ``kept``; see the module's doc), ""
         for none; a weak one (``WEAK``) is honoured only once its slot has matured."""
         mine = None if connection is None else connection.get(kept)
-        if mine is not None and mine.call == call:
-            return mine.claim
+        if mine:
+            return mine
         found = self._calls.get(call)
         if found is not None:
             if found.until > self.clock.monotonic():
                 return found.claim if call[3] else WEAK + found.claim
             self._drop(call)
-        return "" if mine is None else WEAK + mine.claim
+        return ""
 
     def kept(
         self,
         kept: str,
-        connection: dict[str, Slot] | None,
+        connection: dict[str, str] | None,
         call: _Call,
         sent: str,
         result: AcquireResult,
@@ -104,8 +95,8 @@ class KeptSlots:
         claim = result.reserved
         if connection is not None:
             if claim:
-                connection[kept] = Slot(claim, call)
-            elif sent and (mine := connection.get(kept)) is not None and sent.endswith(mine.claim):
+                connection[kept] = claim
+            elif sent and (mine := connection.get(kept)) is not None and sent.endswith(mine):
                 del connection[kept]  # claimed (or gone): the connection's slot no more
         if claim and reserve is not None:
             self._drop(call)
@@ -128,7 +119,7 @@ class KeptSlots:
 class Caller(NamedTuple):
     """Who asks (handler.admit): what tells its retry from a new call."""
 
-    connection: dict[str, Slot] | None
+    connection: dict[str, str] | None
     """The worker's connection's slots (``Request.kept_slots``)."""
     method: str
     target: str

@@ -26,13 +26,14 @@ async def test_workers_refused_together_are_told_successive_slots(vendor, redis_
         vendor.url, store=redis_url, limits="[{rate: 10, per: 1s, burst: 1}]", on_limit="{action: defer}"
     )
     proxies = [await start_proxy(policy), await start_proxy(policy)]
-    async with client_session() as s:
 
-        async def call(i: int):
-            async with s.get(f"{BASE}/x{i}", proxy=proxies[i % 2].url) as r:
-                return r.status, r.headers, await r.json(content_type=None)
+    async def call(i: int):
+        async with client_session() as s, s.get(f"{BASE}/x{i}", proxy=proxies[i % 2].url) as r:
+            return r.status, r.headers, await r.json(content_type=None)
 
-        answers = [await call(i) for i in range(9)]  # one after another, within a few ms
+    # Nine workers (each its own connection: a worker's slot is its connection's), one after
+    # another, within a few ms.
+    answers = [await call(i) for i in range(9)]
     assert [a[0] for a in answers] == [200] + [429] * 8
     refused = answers[1:]
     hints = [int(h["retry-after-ms"]) for _, h, _ in refused]

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any, Final, Protocol, cast
+from typing import Final, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -339,7 +339,7 @@ class Request:
         return None if body is None else body._exc
 
     @property
-    def kept_slots(self) -> dict[str, Any] | None:
+    def kept_slots(self) -> dict[str, str] | None:
         """What the request path keeps for the worker's connection between its requests
         (the slots kept for its deferred calls: handler.admit); None without a connection."""
         conn = self._conn
@@ -723,7 +723,7 @@ class Http1Connection(asyncio.Protocol):
         self._closed = False
         self.keep_alive = keep_alive
         """False once the server stops: each connection closes after its current answer."""
-        self.kept_slots: dict[str, Any] | None = None
+        self.kept_slots: dict[str, str] | None = None
         """Slots kept for this worker's deferred calls (Request.kept_slots), None before any."""
         self._serving = False
         # the message being parsed

@@ -154,11 +154,10 @@ class MemoryStore:
             tenants = reserve.tenants
             void_before = max((self._blocked_at.get(b.ident, -math.inf) for b in buckets), default=-math.inf)
             for member, slot in list(kept.items()):
-                if slot.matures < now - reserve.life:
+                if slot.matures < now - reserve.life:  # unclaimed: the tenant's tokens back (acquire.lua)
                     del kept[member]
-                    if slot.created > void_before:
-                        last = tenants if slot.scope == "t" else len(buckets)
-                        for i in range(last):
+                    if slot.created > void_before and tenants:
+                        for i in range(tenants):
                             levels[i] = min(limits[i][1], levels[i] + slot.cost)
                         refunded = True
             weak = reserve.claim.startswith("?")  # (acquire.lua: honoured only once matured)

@@ -94,7 +94,8 @@ class Reserve(NamedTuple):
     slot matures, and a slot taken by another caller is still spent, not lost (its owner
     is given a slot of its own)."""
     life: float = 1.0
-    """Seconds after it matures a slot nobody claimed is given back to the buckets."""
+    """Seconds after it matures a slot nobody claimed is dropped (its tenant buckets given
+    their tokens back; its time, and with it the vendor-side token, has passed)."""
     tenants: int = 0
     """How many of the buckets (the first) are the tenant's own: when they are what refuses,
     only they are taken for the slot (the vendor-side ones when it is claimed)."""

@@ -101,18 +101,23 @@ async def test_a_late_owners_slot_goes_to_a_caller_without_one(store: BucketStor
     assert not owner.claimed  # taken: the owner is a new request now
 
 
-async def test_a_slot_nobody_claims_is_given_back(store: BucketStore, clock: ManualClock) -> None:
-    b = (bucket("n", rate=2, burst=5),)
+async def test_a_slot_nobody_claims_gives_back_only_its_tenants_tokens(store: BucketStore, clock: ManualClock) -> None:
+    """Its time has passed: a vendor-side token given back now would be granted on top of
+    the slots already given out (a level is a count, not a schedule)."""
+    glob = bucket("n", rate=2, burst=5)
+    mine = tenant_bucket("nobody", rate=2, burst=5)
+    kept_mine = KEPT._replace(key="test:{v}:r:nobody", tenants=1)
     for _ in range(5):
-        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
-    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+        assert (await store.acquire((mine, glob), 1, 0, QUEUE, guard(), None, kept_mine)).granted
+    kept = await store.acquire((mine, glob), 1, 0, QUEUE, guard(), None, kept_mine)
     assert kept.reserved and kept.wait == pytest.approx(0.5, abs=TOL)
     await later(store, clock, kept.wait + KEPT.life + 0.05)
-    peeked = (await store.peek(b))[0]
-    assert peeked == pytest.approx(-1 + 2 * (kept.wait + KEPT.life + 0.05), abs=TOL * 4)  # not given back yet
-    given_back = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
-    assert given_back.granted and not given_back.claimed
-    assert given_back.levels[0] == pytest.approx(peeked + 1 - 1, abs=TOL * 4)  # the slot's token back, one taken
+    tenant, vendor_side = await store.peek((mine, glob))
+    assert tenant == pytest.approx(-1 + 2 * (kept.wait + KEPT.life + 0.05), abs=TOL * 4)  # not given back yet
+    after = await store.acquire((mine, glob), 1, 0, QUEUE, guard(), None, kept_mine)
+    assert after.granted and not after.claimed
+    assert after.levels[0] == pytest.approx(tenant + 1 - 1, abs=TOL * 4)  # the tenant's token back, one taken
+    assert after.levels[1] == pytest.approx(vendor_side - 1, abs=TOL * 4)  # the vendor side's is not
 
 
 async def test_a_refusal_beyond_the_horizon_keeps_no_slot(store: BucketStore) -> None:

@@ -5,6 +5,7 @@ called only when a lesson changes something."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict
@@ -69,9 +70,11 @@ def test_a_learned_bucket_never_exceeds_the_vendors_window(
 def test_plan_only_ever_tightens_and_forgets_at_the_policys_limit() -> None:
     limits = [Limit(100, 1, 10), Limit(4000, 60, 4000)]
     lower = plan([report(limit=70, remaining=12, window=1)], limits)
-    assert lower[0].lesson == Lesson(rate=pytest.approx(68.99), burst=2, remaining=12.99, window=1, ttl=60)
+    lower_rate: Any = pytest.approx(68.99)
+    assert lower[0].lesson == Lesson(rate=lower_rate, burst=2, remaining=12.99, window=1, ttl=60)
     wide = plan([report(limit=3000, remaining=5, reset=40)], limits)
-    assert wide[1].lesson == Lesson(rate=pytest.approx(2940.99 / 60), burst=60, remaining=5.99, window=60, ttl=600)
+    wide_rate: Any = pytest.approx(2940.99 / 60)
+    assert wide[1].lesson == Lesson(rate=wide_rate, burst=60, remaining=5.99, window=60, ttl=600)
     burst_capped = plan([report(limit=99, window=1)], [Limit(100, 1, 1)])
     assert (burst_capped[0].lesson.rate, burst_capped[0].lesson.burst) == (pytest.approx(97.99), 1)
     # At the policy's rate the policy's burst could still overrun the vendor's window: learned.
