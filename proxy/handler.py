@@ -166,7 +166,7 @@ class ProxyHandler:
                 endpoint=match.endpoint,
                 partition=match.partition,
                 taken=None if carried is None else carried.taken,
-                caller=Caller(request.kept_slots, request.method, request.target, request.headers),
+                caller=Caller(request.kept_slots, request.method, request.target, request.headers, request.follows),
             )
             await self._go(deps, request, responder, match, rec, admission, slot)
         finally:
@@ -244,6 +244,7 @@ class ProxyHandler:
                 buckets=b,
                 claim=claim,
                 keeps=keeps,
+                owner=0.0 if caller is None else caller.owner,
             )
 
         try:

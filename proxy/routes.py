@@ -31,6 +31,7 @@ from proxy.feedback import remaining_watched
 from proxy.forward import origin_of
 from proxy.headers import answer_fields
 from proxy.intercept import interception_of
+from proxy.kept_slots import FOLLOW_UP
 from proxy.limiter.store import Reserve, StateGuard
 from proxy.match import Match
 from proxy.metrics import Value
@@ -131,7 +132,12 @@ class Route:
         on_limit = vendor.on_limit
         self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
         self.enqueue = on_limit.action != "shed"
-        self.reserve: Reserve | None = limiter.reserve(vendor, self.b) if on_limit.action == "defer" else None
+        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
+        # here, which has no slot of its own: a retry of a call deferred on this replica
+        # takes the general path, which claims its slot.
+        self.reserve: Reserve | None = (
+            limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if on_limit.action == "defer" else None
+        )
         """How a refusal keeps its slot (a deferring vendor); the straight path takes only
         requests of connections that hold none (handler.admit claims them)."""
         self.state_key = self.b.state_key

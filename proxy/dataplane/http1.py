@@ -351,6 +351,16 @@ class Request:
         return kept
 
     @property
+    def follows(self) -> float | None:
+        """Seconds since the previous answer on this connection was written (None: the
+        connection's first request): a worker's next call comes right after its answer,
+        a retry after a wait."""
+        conn = self._conn
+        if conn is None or conn.answered_at is None:
+            return None
+        return conn.loop.time() - conn.answered_at
+
+    @property
     def chunk_pending(self) -> bool:
         """The chunked body has not all come (or broke off)."""
         body = self._body
@@ -725,6 +735,8 @@ class Http1Connection(asyncio.Protocol):
         """False once the server stops: each connection closes after its current answer."""
         self.kept_slots: dict[str, str] | None = None
         """Slots kept for this worker's deferred calls (Request.kept_slots), None before any."""
+        self.answered_at: float | None = None
+        """Loop time the last answer on this connection was written whole (None: none yet)."""
         self._serving = False
         # the message being parsed
         self._url = b""
@@ -1216,6 +1228,7 @@ class Http1Connection(asyncio.Protocol):
     def _answered(self, request: Request) -> bool:
         """``request`` is answered: close the connection (False) or wait for the next (True)."""
         self._serving = False
+        self.answered_at = self._loop.time()
         if not (request.keep_alive and self.keep_alive):
             if self.transport is not None:
                 self.transport.close()

@@ -167,6 +167,7 @@ class Limiter:
         buckets: Buckets | None = None,
         claim: str | None = None,
         keeps: bool = True,
+        owner: float = 0.0,
     ) -> Coroutine[Any, Any, AcquireResult]:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
@@ -182,24 +183,27 @@ class Limiter:
         ``claim``: not None for a caller that defers and will come back: a refusal keeps its
         slot (``AcquireResult.reserved``), and ``claim`` is the slot it was given before ("":
         none; store.Reserve). ``keeps=False``: a caller that holds and claims a slot it was
-        given before, keeping none should it be refused.
+        given before, keeping none should it be refused. ``owner``: how long after a slot
+        matured this caller may take it when its owner has not (kept_slots.Caller.owner).
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
-        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps)
+        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps, owner)
         if self.local is None:  # the store alone: its call itself, not one more coroutine around it
             return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve)
         return self._acquire_sharing(self.local, vendor, tenant, b, cost, max_wait, queue, leases, reserve)
 
     @staticmethod
-    def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True) -> Reserve:
+    def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True, owner: float = 0.0) -> Reserve:
         """How a deferred caller of ``b`` keeps its slot: for as long as it is told to retry
         (``answers_max_wait``: a longer wait says "re-enqueue", and the job comes back later
-        as a new request); ``keeps=False``: it keeps none, it only claims."""
+        as a new request); ``keeps=False``: it keeps none, it only claims; ``owner``: as
+        ``acquire``'s."""
         assert b.kept is not None
-        return Reserve(b.kept, claim, vendor.answers_max_wait if keeps else 0.0, tenants=b.tenant_count)
+        horizon = vendor.answers_max_wait if keeps else 0.0
+        return Reserve(b.kept, claim, horizon, owner=owner, tenants=b.tenant_count)
 
     async def _acquire_sharing(
         self,

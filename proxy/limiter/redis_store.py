@@ -254,7 +254,7 @@ class RedisStore:
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
-        self._shapes: dict[tuple[int, str | None, float | None], _AcquireShape] = {}
+        self._shapes: dict[tuple[int, str | None, tuple[float, float] | None], _AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
         # The once-a-second announcement rides on the same connections as the requests'
@@ -407,7 +407,7 @@ class RedisStore:
         state = None if guard is None else guard.key
         # (A bucket set's slots are kept under the vendor's horizon, or none for a caller
         # that only claims, and a new vendor after a reload has new buckets.)
-        key = (id(buckets), queue, None if reserve is None else reserve.horizon)
+        key = (id(buckets), queue, None if reserve is None else (reserve.horizon, reserve.owner))
         shape = self._shapes.get(key)
         if (
             shape is not None
