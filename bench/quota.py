@@ -194,6 +194,8 @@ def run_retriers(fleet: Fleet, kind: str, rate: float, burst: float, workers: in
         "completions_min_mean": (min(done), round(mean, 1)),
         "other": dict(sum((w.other for w in stats), Counter())),
         "exits": exits,
+        "vendor_per_s": [sum(1 for a in accepted if start + i <= a < start + i + 1) for i in range(int(seconds))],
+        "vendor_429_at_s": [round(a - start, 3) for a in refused],
     }
 
 
