@@ -112,7 +112,13 @@ async def test_a_flooding_tenant_cannot_take_another_tenants_share(vendor, redis
         f"({quiet_deferred} deferred); vendor total {total_rate:.2f}/s"
     )
     assert attempts >= 10 * 30 * duration / 10, "the flooder did not flood"  # >= 30/s, the whole global rate
-    assert abs(quiet_rate - tenant_rate) <= 0.1 * tenant_rate, quiet_rate
+    # The quiet tenant is never starved, and gets all its bucket allows over the run (its
+    # first deferred requests keep their slots behind the flooder's first ones, so some of
+    # its burst may be spent after the warm-up: above the rate there, never above the bucket).
+    assert quiet_rate >= 0.9 * tenant_rate, quiet_rate
+    quiet = [t for t in seen["quiet"] if start <= t <= stop_at]
+    assert 10 + tenant_rate * duration - 0.15 * tenant_rate * duration <= len(quiet), len(quiet)
+    assert len(quiet) <= 10 + tenant_rate * (stop_at - start) + 1, len(quiet)
     assert flood_rate <= tenant_rate * 1.1, flood_rate
     assert total_rate <= 30 * 1.05, total_rate
     # Token-bucket bound on the flooder at any time: burst + rate x window.
