@@ -3,7 +3,7 @@
 
 No limiter, no metrics, no access log, no header hygiene beyond hop-by-hop: an
 absolute-form request is sent to ``--upstream`` over one pooled keep-alive
-ClientSession and the answer streamed back, the same way proxy/forward.py does.
+ClientSession and the answer streamed back, the same way proxy/pipeline/forward.py does.
 Not part of the product. Prints ``minimal-proxy listening on http://HOST:PORT``.
 """
 

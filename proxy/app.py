@@ -23,23 +23,23 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from proxy.accesslog import AccessLog
 from proxy.clock import Clock, SystemClock
-from proxy.concurrency import Concurrency
 from proxy.deps import Deps
-from proxy.forward import Upstreams
-from proxy.handler import ProxyHandler
 from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_store
 from proxy.limiter.buckets import lag_channel
 from proxy.limiter.degraded import LocalShares, grace_for
 from proxy.limiter.presence import Presence
-from proxy.match import Router
-from proxy.metrics import GaugeCollector, Metrics
-from proxy.pacing import Pacer
+from proxy.ops.sizing import Sizing
+from proxy.pipeline.forward import Upstreams
+from proxy.pipeline.handler import ProxyHandler
+from proxy.pipeline.match import Router
+from proxy.pipeline.pacing import Pacer
 from proxy.policy.model import Policy
-from proxy.recent import Recent
-from proxy.sizing import Sizing
+from proxy.quota.concurrency import Concurrency
 from proxy.tasks import cancel_and_wait, spawn
+from proxy.telemetry.accesslog import AccessLog
+from proxy.telemetry.metrics import GaugeCollector, Metrics
+from proxy.telemetry.recent import Recent
 
 if TYPE_CHECKING:
     from proxy.ca.leaves import LeafMinter

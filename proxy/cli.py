@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes serving the one listen address (auto: one per usable CPU; default: the file's "
         "workers, then 1); more than one needs a shared store",
     )
-    # How the supervisor of --workers N starts each worker (proxy/workers.py); not for people.
+    # How the supervisor of --workers N starts each worker (proxy/ops/workers.py); not for people.
     run.add_argument("--worker-admin-socket", help=argparse.SUPPRESS)
     run.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     run.add_argument("--worker-policy", help=argparse.SUPPRESS)  # the supervisor's copy of -c's text
@@ -271,7 +271,7 @@ def _run(args: argparse.Namespace) -> int:
         return _asyncio_run(
             serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
         )
-    from proxy.workers import WorkerCommand, run_workers, worker_argv
+    from proxy.ops.workers import WorkerCommand, run_workers, worker_argv
 
     base = ["-c", args.config, "--log-level", args.log_level]
     if args.store is not None:
@@ -287,7 +287,7 @@ def _worker_count(policy: Policy) -> int:
     process); an explicit count above 1 on memory:// was refused with the policy."""
     if policy.workers != "auto":
         return policy.workers
-    from proxy.workers import usable_cpus
+    from proxy.ops.workers import usable_cpus
 
     cpus = usable_cpus()
     if cpus > 1 and policy.store.url == "memory://":

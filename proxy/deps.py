@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.accesslog import AccessLog
 from proxy.clock import Clock
-from proxy.concurrency import Concurrency
-from proxy.forward import Upstreams
 from proxy.limiter import Limiter
-from proxy.match import Router
-from proxy.metrics import Metrics
-from proxy.pacing import Pacer
+from proxy.ops.sizing import Sizing
+from proxy.pipeline.forward import Upstreams
+from proxy.pipeline.match import Router
+from proxy.pipeline.pacing import Pacer
 from proxy.policy.model import Policy
-from proxy.recent import Recent
-from proxy.sizing import Sizing
+from proxy.quota.concurrency import Concurrency
+from proxy.telemetry.accesslog import AccessLog
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.recent import Recent
 
 
 @dataclass

@@ -23,17 +23,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.accesslog import AccessLog
-from proxy.admin import AdminState, Reload, admin_app
 from proxy.app import Runtime
-from proxy.connections import ConnectionLimits
-from proxy.fdlimit import FdLimit, raise_fd_limit
-from proxy.front_door import ConnectGate
-from proxy.metrics import GaugeCollector
+from proxy.ops.admin import AdminState, Reload, admin_app
+from proxy.ops.reload import Reloader
 from proxy.policy import mask_password
 from proxy.policy.model import Address, Policy
-from proxy.reload import Reloader
 from proxy.tasks import spawn
+from proxy.telemetry.accesslog import AccessLog
+from proxy.telemetry.metrics import GaugeCollector
+from proxy.tls.front_door import ConnectGate
+from proxy.wire.connections import ConnectionLimits
+from proxy.wire.fdlimit import FdLimit, raise_fd_limit
 
 _GC_YOUNG = 10_000
 """Net new container objects between two young-generation collections."""
@@ -65,7 +65,7 @@ def _bound(addresses: Iterable[tuple[str, int]]) -> Address:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSockets:
-    """How a worker of ``run --workers N`` binds (proxy/workers.py): the proxy listener with
+    """How a worker of ``run --workers N`` binds (proxy/ops/workers.py): the proxy listener with
     SO_REUSEPORT, so that the kernel spreads connections over the workers' sockets, and its
     admin endpoints on a Unix socket only the supervisor asks. ``index``: which worker
     (its access-log lines say so)."""

@@ -31,7 +31,6 @@ import trustme
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.accesslog import AccessLog
 from proxy.app import Runtime
 from proxy.clock import Clock, ManualClock
 from proxy.devtools.mockvendor import MockVendor
@@ -40,6 +39,7 @@ from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketStore
 from proxy.policy import Policy, parse_policy
 from proxy.server import ProxyServer
+from proxy.telemetry.accesslog import AccessLog
 
 # Before any test module imports them: the shared helpers' asserts explain themselves too.
 pytest.register_assert_rewrite("tests.helpers")

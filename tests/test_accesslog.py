@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from proxy.accesslog import FLUSH_INTERVAL, AccessLog
+from proxy.telemetry.accesslog import FLUSH_INTERVAL, AccessLog
 from tests.conftest import client_session, vendor_policy
 
 

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import OUTCOMES
 from proxy.server import ProxyServer
+from proxy.telemetry.metrics import OUTCOMES
 from tests.conftest import (
     RedisServer,
     Samples,

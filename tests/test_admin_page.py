@@ -20,13 +20,13 @@ import matplotlib.image
 import pytest
 from aiohttp import web
 
-from proxy.admin import PAGE_CSP, PAGE_FILES, add_page_routes
 from proxy.clock import ManualClock
+from proxy.ops.admin import PAGE_CSP, PAGE_FILES, add_page_routes
 from proxy.server import ProxyServer
 from tests.conftest import Vendor, eventually, make_policy
 from tests.helpers.browser import Browser, launch, open_tab, png_size
 
-PAGE_DIR = Path(__file__).resolve().parents[1] / "proxy" / "admin_page"
+PAGE_DIR = Path(__file__).resolve().parents[1] / "proxy" / "ops" / "admin_page"
 TOKEN = "page-test-admin-token"
 
 

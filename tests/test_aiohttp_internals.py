@@ -1,4 +1,4 @@
-"""The aiohttp internals the project relies on (proxy/aiohttp_internals.py), each exercised.
+"""The aiohttp internals the project relies on (proxy/wire/aiohttp_internals.py), each exercised.
 
 A failure here after an aiohttp upgrade means one of them changed: adapt
 aiohttp_internals.py (its comments say what each is for) before shipping the upgrade.
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from proxy.aiohttp_internals import send_continue
+from proxy.wire.aiohttp_internals import send_continue
 
 WAIT = 5.0
 

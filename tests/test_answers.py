@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.policy.model import AnswerDialect, Vendor
-from proxy.ratelimit_fields import QuotaItem
-from proxy.refusals import (
+from proxy.pipeline.ratelimit_fields import QuotaItem
+from proxy.pipeline.refusals import (
     BadRequest,
     Denied,
     InternalError,
@@ -23,7 +22,8 @@ from proxy.refusals import (
     UnknownTenant,
     UpstreamFailed,
 )
-from proxy.responses import refusal_response
+from proxy.pipeline.responses import refusal_response
+from proxy.policy.model import AnswerDialect, Vendor
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
 QUOTA = QuotaItem("quota-proxy-global-100-1s", 100, 1, 0, 1)

@@ -22,19 +22,19 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.accesslog import AccessLog
 from proxy.app import Runtime
 from proxy.clock import ManualClock
-from proxy.concurrency import Concurrency, lease_life
-from proxy.decide import Wish
 from proxy.limiter import Breaker, Limiter
 from proxy.limiter.buckets import lease_sets
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import AcquireResult, Leases, LeaseSet
+from proxy.ops.sizing import Sizing
+from proxy.pipeline.decide import Wish
 from proxy.policy.model import Limit, Policy, Vendor
+from proxy.quota.concurrency import Concurrency, lease_life
 from proxy.server import ProxyServer
-from proxy.sizing import Sizing
+from proxy.telemetry.accesslog import AccessLog
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy
 from tests.dataplane.wire import Peer, read_response
 from tests.helpers.cli import ProxyProcess, Ready, cli, write_policy

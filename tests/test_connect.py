@@ -11,8 +11,8 @@ import ssl
 import httpx
 import pytest
 
-from proxy.blind_tunnel import BlindTunnels
 from proxy.server import ProxyServer
+from proxy.tls.blind_tunnel import BlindTunnels
 from tests.conftest import HttpsVendor, client_session, eventually, make_policy, metric_samples, value
 
 TUNNEL_POLICY = """

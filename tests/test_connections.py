@@ -21,10 +21,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.connections import EVICT_AFTER, TURNED_AWAY_MAX
-from proxy.fdlimit import RESERVED
 from proxy.policy import Connections
 from proxy.server import ProxyServer
+from proxy.wire.connections import EVICT_AFTER, TURNED_AWAY_MAX
+from proxy.wire.fdlimit import RESERVED
 from tests.conftest import HttpsVendor, Vendor, eventually, metric_samples, value, vendor_policy
 from tests.helpers.cli import cli, server_process
 from tests.helpers.intercept import intercept_policy, new_proxy_ca, upstream_of

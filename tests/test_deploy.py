@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from proxy.cli import parse_args
-from proxy.metrics import OUTCOMES
 from proxy.policy import Policy, load_policy, parse_policy
+from proxy.telemetry.metrics import OUTCOMES
 from tests.conftest import ROOT, vendor_policy
 from tests.helpers.dockerfile import IMAGE_POLICY, parse_dockerfile
 

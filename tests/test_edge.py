@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy import forward
-from proxy.dataplane.upstream import Origin, Pool, UpstreamConnection
+from proxy.pipeline import forward
+from proxy.wire.upstream import Origin, Pool, UpstreamConnection
 from tests.conftest import client_session, eventually, vendor_policy
 from tests.helpers.vendor_process import VendorProcess, vendor_process
 

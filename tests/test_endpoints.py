@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from proxy.accesslog import AccessLog
 from proxy.clock import ManualClock
 from proxy.limiter import Breaker, BucketStore, Limiter
-from proxy.match import Router
+from proxy.pipeline.match import Router
+from proxy.pipeline.target import RequestTarget
 from proxy.policy.model import Endpoint, EndpointMatch, Limit, OnLimit, Policy, TenantLimits, Vendor
-from proxy.target import RequestTarget
+from proxy.telemetry.accesslog import AccessLog
 from tests.conftest import client_session, metric_samples, value, vendor_policy
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests

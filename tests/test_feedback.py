@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 
 from proxy.clock import ManualClock
-from proxy.feedback import apply_feedback, block_seconds, parse_retry_after, remaining_is_low
 from proxy.limiter import Breaker, Limiter
 from proxy.limiter.memory_store import MemoryStore
+from proxy.pipeline.feedback import apply_feedback, block_seconds, parse_retry_after, remaining_is_low
 from proxy.policy.model import Feedback, Limit, Vendor
 from tests.conftest import eventually, vendor_policy
 from tests.dataplane.wire import Peer

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.dataplane import upstream
-from proxy.dataplane.http1 import Body, Request
-from proxy.forward import send
-from proxy.headers import idempotent
+from proxy.pipeline.forward import send
+from proxy.pipeline.refusals import UpstreamFailed
 from proxy.policy.model import Vendor
-from proxy.refusals import UpstreamFailed
+from proxy.wire import upstream
+from proxy.wire.headers import idempotent
+from proxy.wire.http1 import Body, Request
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
 

@@ -31,10 +31,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.handler import ProxyHandler
 from proxy.limiter import Limiter
+from proxy.ops.sizing import Sizing
+from proxy.pipeline.handler import ProxyHandler
 from proxy.server import ProxyServer
-from proxy.sizing import Sizing
 from tests.conftest import free_port, metric_samples, value, vendor_policy
 
 VENDOR_HOST = "api.payments.example"

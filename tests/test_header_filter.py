@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import headers as h
+from proxy.wire import headers as h
 
 
 def fields(*pairs: tuple[str, str]) -> CIMultiDictProxy[str]:

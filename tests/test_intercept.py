@@ -36,8 +36,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from proxy.devtools.mockvendor import MockVendor
-from proxy.intercept import tls_error_reason
 from proxy.server import ProxyServer
+from proxy.tls.intercept import tls_error_reason
 from tests.conftest import (
     HttpsVendor,
     client_session,
@@ -665,9 +665,9 @@ async def test_a_vendor_429_inside_a_tunnel_blocks_the_vendor_on_every_replica(
 async def test_a_worker_that_never_starts_tls_is_cut_at_the_handshake_timeout_and_counted_as_such(
     https_vendor, start_proxy, proxy_ca, monkeypatch
 ):
-    import proxy.intercept
+    import proxy.tls.intercept
 
-    monkeypatch.setattr(proxy.intercept, "_HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(proxy.tls.intercept, "_HANDSHAKE_TIMEOUT", 0.3)
     proxy_server = await start_proxy(
         intercept_policy(proxy_ca, upstream=upstream_of(https_vendor), vendor_ca=https_vendor.ca_file)
     )

@@ -1,4 +1,4 @@
-"""The straight path (proxy/lane.py) against the general one: the same bytes to the vendor,
+"""The straight path (proxy/pipeline/lane.py) against the general one: the same bytes to the vendor,
 the same bytes to the worker, the same access-log line and the same metrics, request for
 request; and the usual request never enters the general path.
 
@@ -21,11 +21,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.accesslog import AccessLog
-from proxy.dataplane import http1
-from proxy.dataplane.http1 import Http1Connection, Request, Responder
-from proxy.handler import ProxyHandler
-from proxy.lane import Lane
+from proxy.pipeline.handler import ProxyHandler
+from proxy.pipeline.lane import Lane
+from proxy.telemetry.accesslog import AccessLog
+from proxy.wire import http1
+from proxy.wire.http1 import Http1Connection, Request, Responder
 from tests.conftest import eventually, metric_samples, value, vendor_policy
 from tests.helpers.intercept import ProxyCA, intercept_policy, new_proxy_ca
 

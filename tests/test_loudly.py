@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.loudly import Loudly
+from proxy.telemetry.loudly import Loudly
 
 
 async def test_one_line_per_subject_per_interval_then_a_count_of_the_rest(caplog: pytest.LogCaptureFixture) -> None:

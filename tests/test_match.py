@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from proxy import match as match_module
-from proxy.match import Router
-from proxy.refusals import BadRequest, Denied
-from proxy.target import RequestTarget
+from proxy.pipeline import match as match_module
+from proxy.pipeline.match import Router
+from proxy.pipeline.refusals import BadRequest, Denied
+from proxy.pipeline.target import RequestTarget
 from tests.conftest import make_policy
 
 POLICY = make_policy("""

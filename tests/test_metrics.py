@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy import metrics as metrics_module
-from proxy.metrics import Metrics
+from proxy.telemetry import metrics as metrics_module
+from proxy.telemetry.metrics import Metrics
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

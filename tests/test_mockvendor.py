@@ -25,7 +25,7 @@ from aiohttp import web
 
 from proxy.cli import main
 from proxy.devtools.mockvendor import MOCK_VENDOR_KEY, MockVendor
-from proxy.quota_headers import read_quota
+from proxy.limiter.quota_headers import read_quota
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 HTTP clients commonly resend an idempotent request once when the connection it was written
 on is reset or closed before an answer (aiohttp's persistent-connection retry does). A vendor
 whose load balancer recycles connections would then see two requests for one worker request
-and one token. The proxy's client never does (proxy/dataplane/upstream.py): the worker gets a
+and one token. The proxy's client never does (proxy/wire/upstream.py): the worker gets a
 502 that says whether it may retry, and a retry it makes takes a token like any request.
 Redirects are never followed, and ``Expect: 100-continue`` is answered by the proxy
 itself, never sent upstream (so no vendor ``417`` can make the client resend).

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from proxy import forward
 from proxy.clock import ManualClock
-from proxy.dataplane.upstream import Pool
 from proxy.limiter.store import BucketSpec
-from proxy.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer
+from proxy.pipeline import forward
+from proxy.pipeline.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer
+from proxy.wire.upstream import Pool
 from tests.conftest import client_session, eventually, vendor_policy
 
 

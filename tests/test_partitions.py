@@ -12,9 +12,9 @@ import json
 import pytest
 import redis
 
-from proxy.accesslog import AccessLog
-from proxy.partitions import partition_hash
+from proxy.limiter.partitions import partition_hash
 from proxy.policy.model import Partition, Policy
+from proxy.telemetry.accesslog import AccessLog
 from tests.conftest import client_session, vendor_policy
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests

@@ -15,10 +15,10 @@ import functools
 import aiohttp
 import pytest
 
-from proxy.match import Router
+from proxy.pipeline.match import Router
+from proxy.pipeline.refusals import Denied
+from proxy.pipeline.target import RequestTarget
 from proxy.policy import ConfigErrors, parse_policy
-from proxy.refusals import Denied
-from proxy.target import RequestTarget
 from tests.conftest import client_session, make_policy
 
 LOCAL_VENDOR = """

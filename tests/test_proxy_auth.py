@@ -28,8 +28,8 @@ import httpx
 import pytest
 import requests
 
-from proxy.accesslog import AccessLog
 from proxy.server import ProxyServer
+from proxy.telemetry.accesslog import AccessLog
 from tests.conftest import HttpsVendor, curl, make_policy, value, vendor_policy
 from tests.helpers.cli import PROXY_VARS
 from tests.helpers.intercept import HOST, URL, ProxyCA, new_proxy_ca, scrape, upstream_of

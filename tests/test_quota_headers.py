@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from proxy.quota_headers import QuotaReport, read_quota
+from proxy.limiter.quota_headers import QuotaReport, read_quota
 
 NOW = 1_372_700_000.0  # wall clock for resets sent as instants
 

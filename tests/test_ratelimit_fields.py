@@ -7,8 +7,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.limiter.buckets import buckets_for
-from proxy.policy.model import Limit, TenantLimits, Vendor
-from proxy.ratelimit_fields import (
+from proxy.pipeline.ratelimit_fields import (
     QuotaItem,
     blocked_item,
     bucket_item,
@@ -17,6 +16,7 @@ from proxy.ratelimit_fields import (
     tightest,
     vendor_remaining,
 )
+from proxy.policy.model import Limit, TenantLimits, Vendor
 
 VENDOR = Vendor(
     name="payments",

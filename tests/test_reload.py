@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.ops.reload import Reloader
 from proxy.policy import load_policy
-from proxy.reload import Reloader
 from proxy.server import ProxyServer
 from tests.conftest import ROOT, client_session, eventually, metric_samples, value
 

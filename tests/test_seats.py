@@ -6,7 +6,7 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.policy.model import Limit, OnLimit, TenantLimits, Vendor
-from proxy.seats import Seats, seat_life
+from proxy.quota.seats import Seats, seat_life
 
 VENDOR = Vendor(
     "payments",

@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 
 from proxy.cli import parse_args
+from proxy.ops.workers import BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER, next_delay, usable_cpus
+from proxy.ops.workers_admin import MetricsView, merge_status
 from proxy.policy.model import Policy
-from proxy.workers import BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER, next_delay, usable_cpus
-from proxy.workers_admin import MetricsView, merge_status
 from tests.conftest import Vendor, eventually, make_policy, metric_samples, value, vendor_policy
 from tests.helpers.cli import ProxyProcess, Ready, cli, run_cli, write_policy
 

@@ -88,8 +88,8 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
-from proxy.aiohttp_internals import send_continue
 from proxy.names import format_authority
+from proxy.wire.aiohttp_internals import send_continue
 
 __all__ = [
     "MAX_ARRIVALS",

@@ -1,6 +1,6 @@
 """Learned limits (SPEC §10): what a vendor's own quota headers teach the shared buckets.
 
-A report (proxy/quota_headers.py) is about one bucket of the vendor: the one whose
+A report (proxy/limiter/quota_headers.py) is about one bucket of the vendor: the one whose
 ``per`` is the report's window when the vendor says it (IETF ``w=``, OpenAI's minute);
 else the shortest bucket whose ``per`` covers the report's reset (else the longest).
 A report with a window no bucket has is not used: the policy names the vendor's
@@ -31,9 +31,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import BucketSpec, LearnResult, Lesson
 from proxy.policy.model import Limit
-from proxy.quota_headers import QuotaReport
 
 log = logging.getLogger("quota_proxy.limiter")
 

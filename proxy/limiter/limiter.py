@@ -42,6 +42,8 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares
 from proxy.limiter.learning import LearnedLimits, plan
+from proxy.limiter.partitions import RecentPartitions, shown
+from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import (
     AcquireResult,
     BucketSpec,
@@ -52,9 +54,7 @@ from proxy.limiter.store import (
     StateGuard,
     StoreUnavailable,
 )
-from proxy.partitions import RecentPartitions, shown
 from proxy.policy.model import Endpoint, Limit, Vendor
-from proxy.quota_headers import QuotaReport
 
 log = logging.getLogger("quota_proxy.limiter")
 

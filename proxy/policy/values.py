@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Final, TypeVar
 from urllib.parse import unquote_plus, urlsplit
 
-from proxy.headers import HOP_BY_HOP, QUOTA_PREFIX
 from proxy.names import TENANT_NAME, format_authority, parse_host, parse_host_port, parse_port, split_host_port
 from proxy.policy.durations import parse_duration, show
 from proxy.policy.model import Address
 from proxy.policy.walker import Leaf, Shape
+from proxy.wire.headers import HOP_BY_HOP, QUOTA_PREFIX
 
 T = TypeVar("T")
 N = TypeVar("N", int, float)

@@ -1,4 +1,4 @@
-"""The data plane's worker-facing HTTP/1.1 server (proxy/dataplane/http1.py), on the wire:
+"""The data plane's worker-facing HTTP/1.1 server (proxy/wire/http1.py), on the wire:
 raw bytes in, answers parsed by hand."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.dataplane import http1, inbox
-from proxy.dataplane.http1 import Http1Connection, Request, Responder
+from proxy.wire import http1, inbox
+from proxy.wire.http1 import Http1Connection, Request, Responder
 from tests.dataplane.wire import Peer, read_head, read_response, request, until
 
 Handler = Callable[[Request, Responder], Awaitable[None]]

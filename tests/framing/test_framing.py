@@ -24,8 +24,8 @@ import pytest
 import yaml
 from multidict import CIMultiDict
 
-from proxy.dataplane.http1 import Request
-from proxy.lane import Lane
+from proxy.pipeline.lane import Lane
+from proxy.wire.http1 import Request
 from tests.conftest import vendor_policy
 
 WAIT = 10.0

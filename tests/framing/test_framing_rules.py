@@ -1,11 +1,11 @@
-"""The one framing reading (proxy/dataplane/framing.py), rule by rule; corpus.yaml holds
+"""The one framing reading (proxy/wire/framing.py), rule by rule; corpus.yaml holds
 the same rules to the wire on both request paths."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.dataplane.framing import (
+from proxy.wire.framing import (
     CHUNKED,
     LENGTH,
     NO_CODINGS,

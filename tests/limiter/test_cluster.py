@@ -288,7 +288,7 @@ async def test_the_straight_path_follows_a_migrated_slot_taking_each_token_once(
     a MOVED answer (it did not run there) sends it again where it belongs, once: the vendor
     gets exactly the burst though its slot moved, and only the refusals entered the general
     path (with the store's answer)."""
-    from proxy.handler import ProxyHandler
+    from proxy.pipeline.handler import ProxyHandler
 
     general: list[str] = []
     serve = ProxyHandler.__call__

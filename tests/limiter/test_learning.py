@@ -11,14 +11,14 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.clock import ManualClock
-from proxy.feedback import apply_feedback
 from proxy.limiter import Breaker, Limiter, global_buckets
 from proxy.limiter.learning import bucket_for, learned_values, plan
 from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import BucketSpec, LearnResult, Lesson
-from proxy.metrics import Metrics
+from proxy.pipeline.feedback import apply_feedback
 from proxy.policy.model import Endpoint, EndpointMatch, Feedback, Limit, Vendor
-from proxy.quota_headers import QuotaReport
+from proxy.telemetry.metrics import Metrics
 from tests.helpers.stores import FlakyStore
 
 PREFIX = "qp-test"

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.concurrency import Concurrency, Slot
-from proxy.decide import Wish
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
 from proxy.limiter.buckets import global_buckets, lease_sets, replicas_key
 from proxy.limiter.degraded import LocalShares, grace_for, share
 from proxy.limiter.presence import Presence
+from proxy.limiter.quota_headers import read_quota
 from proxy.limiter.store import AcquireResult, BucketSpec, Leases
+from proxy.ops.sizing import Sizing
+from proxy.pipeline.decide import Wish
 from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor
-from proxy.quota_headers import read_quota
-from proxy.sizing import Sizing
+from proxy.quota.concurrency import Concurrency, Slot
 from tests.helpers.stores import FlakyStore
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests

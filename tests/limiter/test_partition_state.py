@@ -25,9 +25,9 @@ from proxy.limiter.buckets import (
 )
 from proxy.limiter.degraded import LocalShares, grace_for
 from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.partitions import RecentPartitions, partition_hash
 from proxy.limiter.presence import Presence
 from proxy.limiter.redis_store import RedisStore
-from proxy.partitions import RecentPartitions, partition_hash
 from proxy.policy.model import Endpoint, EndpointMatch, Limit, OnLimit, Partition, TenantLimits, Vendor
 from tests.helpers.stores import FlakyStore
 

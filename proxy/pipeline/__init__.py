@@ -1,0 +1,1 @@
+"""The request pipeline: route, match, decide, forward, pace, feed back, answer, account."""

@@ -1,0 +1,495 @@
+"""The request path: accept → match vendor and tenant → take tokens → forward → feed back → respond.
+
+Every refusal is a typed exception that knows its status and outcome
+(refusals.py), answered in one place (responses.py); every request ends in
+exactly one outcome, one metric increment and one access-log line (ledger.py).
+No error path forwards: a request reaches the vendor only after the store
+granted it, or when the store is down and the policy explicitly fails open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from proxy.deps import Deps
+from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
+from proxy.limiter.buckets import Buckets
+from proxy.limiter.partitions import shown
+from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
+from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
+from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
+from proxy.pipeline.kept_slots import Caller, KeptSlots
+from proxy.pipeline.lane import Carried, Lane
+from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
+from proxy.pipeline.match import Match
+from proxy.pipeline.pacing import Paced, longest_window
+from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
+from proxy.pipeline.refusals import Denied, InternalError, Limited, StoreDown
+from proxy.pipeline.responses import write_answer
+from proxy.pipeline.target import parse_target, parse_tunneled_target
+from proxy.policy.durations import format_duration
+from proxy.policy.model import Endpoint, Vendor
+from proxy.quota.concurrency import UNCAPPED, Slot
+from proxy.quota.seats import Seats
+from proxy.tasks import spawn
+from proxy.telemetry.accesslog import AccessRecord
+from proxy.telemetry.loudly import Loudly
+from proxy.tls.intercept import interception_of
+from proxy.wire.headers import idempotent
+from proxy.wire.http1 import Request, Responder
+from proxy.wire.upstream import Response
+
+log = logging.getLogger("quota_proxy")
+
+CONNECT_REFUSED = "CONNECT must be the first request on a new connection to the proxy"
+
+
+def _as_is(answer: web.Response) -> web.Response | None:
+    return answer
+
+
+def _give_back(
+    deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark, cost: float, endpoint: Endpoint | None, partition: str
+) -> None:
+    """Refund a held request that will not go out (``Limiter.refund``: every bucket it
+    took from, never above its burst). In the background: a worker that went away is
+    not kept waiting for the store, and a refund the store cannot take is only lost.
+
+    Not after a vendor block began (``mark``): the block restarted the vendor's buckets
+    from empty at its end, absorbing the reservation, so a refund would land there as a
+    burst at the block's edge (SPEC §6). The tenant's token is lost with it: the limiter
+    refunds every bucket of a request or none."""
+    if deps.limiter.mark(vendor.name, partition) == mark:
+        refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition)
+        spawn(refund, name=f"refund-{vendor.name}")
+
+
+def _count_answer(deps: Deps, vendor: Vendor, status: int) -> None:
+    """A vendor answer in the metrics and the live page's recent counts."""
+    deps.metrics.responses.labels(vendor.name, str(status)).inc()
+    if status == 429:
+        deps.recent.add(vendor.name, "vendor_429")
+
+
+class ProxyHandler:
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self._loudly = Loudly(log, deps.clock)
+        self.seats = Seats(deps.clock)
+        """The tenant seats of vendors (``tenant.max_active``): the straight path takes them too."""
+        self.kept = KeptSlots(deps.clock)
+        """The slots kept for deferred calls, by call (kept_slots.py)."""
+        self.lane = Lane(self)
+        """The usual request's straight way through (lane.py), handing the rest to this handler."""
+
+    def swap(self, deps: Deps) -> None:
+        """Serve ``deps`` (a reloaded policy) from the next request on."""
+        self.deps = deps
+        self.lane.reset(deps)
+
+    async def __call__(
+        self,
+        request: Request,
+        responder: Responder,
+        deps: Deps | None = None,
+        started: float | None = None,
+        carried: Carried | None = None,
+    ) -> None:
+        """Serve ``request``; or (from the straight path) go on with one it began at
+        ``started`` under ``deps``, as far as ``carried`` says."""
+        if deps is None:
+            deps = self.deps  # one policy generation for the whole request
+        ledger = Ledger(deps, request.method, request.target, started)
+
+        def crashed(exc: Exception) -> web.Response | None:
+            log.exception("internal error on %s %s", request.method, request.target[:200])
+            if responder.begun:
+                raise exc  # the answer had begun: the connection is cut, never a spliced body
+            return ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
+
+        work = self._handle(deps, request, responder, ledger.rec, carried)
+        answer = await accounted(ledger, work, _as_is, crashed)
+        if answer is not None:
+            await write_answer(responder, answer)
+
+    async def _handle(
+        self, deps: Deps, request: Request, responder: Responder, rec: AccessRecord, carried: Carried | None
+    ) -> None:
+        broken = request.body_broken
+        if broken is not None:
+            # Its body's framing broke before it was served (in the packet of its head): the
+            # vendor could never get it whole, so it takes no tokens and is never sent.
+            raise body_broke(request, broken)
+        if request.method == "CONNECT":  # the front door answers a connection's first CONNECT
+            rec.host = request.target
+            raise Denied(CONNECT_REFUSED, request.target)
+        tunnel = interception_of(request)
+        if tunnel is None:
+            target = parse_target(request)
+            match = (
+                deps.router.match(target, request.headers, method=request.method) if carried is None else carried.match
+            )
+        else:
+            target = parse_tunneled_target(request, tunnel.host, tunnel.port)
+            if carried is None:
+                match = deps.router.match(target, request.headers, tunnel.claim, request.method)
+            else:
+                match = carried.match
+        rec.host, rec.path = target.host, target.path_qs
+        rec.vendor, rec.tenant = match.vendor.name, match.tenant
+        if match.endpoint is not None:
+            rec.endpoint = match.endpoint.name
+        if match.partition:
+            rec.partition = shown(match.partition)
+        deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
+        if carried is not None and carried.admission is not None:  # granted and sent already
+            await self._go(deps, request, responder, match, rec, carried.admission, UNCAPPED, carried)
+            return
+        wish = request_wish(match.vendor.on_limit, request.headers)
+        # The request's leases (concurrency caps) are given back however it ends, once
+        # the vendor's answer is relayed (concurrency.py).
+        slot = deps.concurrency.slot(match.vendor, match.endpoint)
+        try:
+            admission = await self.admit(
+                deps,
+                match.vendor,
+                match.tenant,
+                wish,
+                rec,
+                slot,
+                endpoint=match.endpoint,
+                partition=match.partition,
+                taken=None if carried is None else carried.taken,
+                caller=Caller(request.kept_slots, request.method, request.target, request.headers, request.follows),
+            )
+            await self._go(deps, request, responder, match, rec, admission, slot)
+        finally:
+            slot.close()  # (not ``with``: two calls fewer per request)
+
+    async def _go(
+        self,
+        deps: Deps,
+        request: Request,
+        responder: Responder,
+        match: Match,
+        rec: AccessRecord,
+        admission: Admission,
+        slot: Slot,
+        carried: Carried | None = None,
+    ) -> None:
+        """Send an admitted request (or go on with the exchange ``carried`` began) and relay the answer."""
+        carrier = Carrier()
+        if carried is not None:
+            carrier.conn = carried.conn
+        try:
+            await self._forward(deps, request, responder, match, rec, admission, carrier, carried, slot)
+        finally:
+            # A worker gone while the vendor still works on its request (the vendor counts
+            # it in flight until it has answered): the slot is freed when the answer is
+            # in, and the answer fed back like any other.
+            if carrier.conn is not None and carrier.conn.draining:
+                carrier.conn.after(functools.partial(self.heard_out, deps, match, slot.detach()))
+        rec.status = responder.status
+
+    async def admit(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wish: Wish,
+        rec: AccessRecord,
+        slot: Slot,
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+        taken: AcquireResult | StoreUnavailable | None = None,
+        caller: Caller | None = None,
+    ) -> Admission:
+        """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
+        touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
+        leases, holding if the decision says so; returns the outcome to record once it is
+        sent (forwarded or held), or raises the refusal. ``taken``: the store's answer
+        already had (or why there was none), from the straight path. ``caller``: who asks,
+        so that a deferred call keeps its slot and its retry claims it (kept_slots.py)."""
+        limiter = deps.limiter
+        seats = deps.policy.tenant.max_active
+        if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
+            self._seat(deps, vendor, tenant, seats)
+        cost = 1.0 if endpoint is None else endpoint.cost
+        enqueue = wish.action != "shed"
+        b = limiter.buckets(vendor, tenant, endpoint, partition)
+        # A caller that defers comes back: its refusal keeps its slot (store.Reserve), which
+        # its retry claims (kept_slots.py), or holds for when it asks to hold.
+        call = caller.call(b.kept) if caller is not None and b.kept is not None else None
+        mine = "" if call is None or caller is None else self.kept.claim(call[0], caller.connection, call)
+        keeps = wish.action == "defer" and call is not None
+        claim = mine if keeps or (mine and wish.action == "hold") else None
+
+        def attempt(max_wait: float) -> Awaitable[AcquireResult]:
+            return limiter.acquire(
+                vendor,
+                tenant,
+                max_wait,
+                cost,
+                enqueue=enqueue,
+                endpoint=endpoint,
+                partition=partition,
+                leases=slot.leases,
+                buckets=b,
+                claim=claim,
+                keeps=keeps,
+                owner=0.0 if caller is None else caller.owner,
+            )
+
+        try:
+            if isinstance(taken, StoreUnavailable):
+                raise taken
+            if taken is not None:
+                result = taken
+            elif slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
+                result = await attempt(wish.max_wait)
+            else:
+                result = await deps.concurrency.acquire(slot, wish, attempt)
+        except StoreUnavailable as exc:
+            if deps.policy.store.on_failure != "open":
+                wait = limiter.breaker.retry_after()
+                raise StoreDown(wait, f"store unavailable: {exc}", blocked_item(vendor, wait)) from None
+            self._warn_fail_open(deps, vendor.name, exc)
+            deps.metrics.fail_open.labels(vendor.name).inc()
+            rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
+            return Admission("forwarded")
+        if call is not None and caller is not None and (claim is not None or taken is not None):
+            reserve = limiter.reserve(vendor, b) if result.reserved else None
+            self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
+        return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition)
+
+    async def _admitted(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wish: Wish,
+        rec: AccessRecord,
+        slot: Slot,
+        b: Buckets,
+        result: AcquireResult,
+        cost: float,
+        endpoint: Endpoint | None,
+        partition: str,
+    ) -> Admission:
+        """What the store's ``result`` makes of the request: refused (raised), held, or let go."""
+        decision = decide(result, wish)
+        if isinstance(decision, Defer | Shed):
+            bucket = b.all[result.binding]
+            hint = decision.hint if isinstance(decision, Defer) else None
+            raise Limited(
+                "shed" if isinstance(decision, Shed) else "defer",
+                decision.retry_after,
+                bucket.scope,
+                bucket.label,
+                hint,
+                tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
+            )
+        quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
+        wait = result.wait
+        # The room each vendor-side bucket had at the grant (a hold's refills while it waits).
+        room = result.levels[b.tenant_count :]
+        if wait > 0:
+            room = tuple(level + wait * spec.rate for spec, level in zip(b.vendor_side, room, strict=False))
+        pace = Paced(b.vendor_side, deps.clock.monotonic() + wait, longest_window(vendor), room, cost)
+        if slot.waited:
+            rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
+        if isinstance(decision, Hold):
+            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
+            return Admission("held", quota, pace)
+        if slot.waited:
+            rec.hold = slot.waited
+            deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
+            return Admission("held", quota, pace)
+        return Admission("forwarded", quota, pace)
+
+    def _seat(self, deps: Deps, vendor: Vendor, tenant: str, cap: int) -> None:
+        """A tenant the policy does not name needs one of the vendor's ``tenant.max_active``
+        (``cap``) seats before it may create store keys (seats.py); none free: deferred."""
+        wait = self.seats.take(vendor, tenant, cap)
+        if wait > 0:
+            self._loudly.warn(
+                f"max_active {vendor.name}",
+                60.0,
+                "vendor %s is tracking tenant.max_active %d tenants: new tenants are deferred (tenant ids sprayed? "
+                "tenant.known_only: true accepts only the policy's tenants)",
+                vendor.name,
+                cap,
+            )
+            raise Limited("defer", wait, "tenants", f"tenant.max_active {cap} reached")
+
+    async def _hold(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wait: float,
+        rec: AccessRecord,
+        cost: float = 1.0,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+        waited: float = 0.0,
+    ) -> None:
+        """Sleep until the reservation matures. The store spaced reservations one
+        refill interval apart, so held requests leave in order and evenly paced (and,
+        woken late, are spaced again when written: pacing.py).
+        ``waited``: seconds already held for a concurrency slot.
+
+        A hold whose worker goes away gives its tokens back, once: nothing used them
+        (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
+        name = vendor.name
+        mark = deps.limiter.mark(name, partition)
+        deps.held[name] = deps.held.get(name, 0) + 1
+        gauge = deps.metrics.held_now.labels(name)
+        gauge.inc()
+        try:
+            await deps.clock.sleep(wait)
+        except asyncio.CancelledError:
+            _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
+            raise
+        finally:
+            deps.held[name] -= 1
+            gauge.dec()
+            rec.hold = waited + wait
+        deps.metrics.hold_seconds.labels(name).observe(waited + wait)
+        # A vendor 429 that arrived while we slept blocks us too: the reservation
+        # predates it, the vendor's Retry-After does not.
+        blocked = deps.limiter.blocked_since(name, mark, partition)
+        if blocked > 0:  # nothing to give back: the block absorbed the reservation
+            why = "vendor block: the vendor answered 429"
+            raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
+
+    async def _forward(
+        self,
+        deps: Deps,
+        request: Request,
+        responder: Responder,
+        match: Match,
+        rec: AccessRecord,
+        admission: Admission,
+        carrier: Carrier | None = None,
+        carried: Carried | None = None,
+        slot: Slot = UNCAPPED,
+    ) -> None:
+        vendor = match.vendor
+        if carried is None:
+            sent = deps.clock.monotonic()
+            upstream = await send(
+                deps.upstreams.pool(vendor),
+                vendor,
+                request,
+                match.origin,
+                match.path_qs,
+                deps.policy.tenant.header,
+                deps.pacer,
+                admission.pace,
+                carrier,
+            )
+        else:  # the straight path sent it
+            sent = carried.sent
+            if carried.failure is not None:
+                raise send_failed(vendor, request, carried.failure) from carried.failure
+            assert carried.upstream is not None
+            upstream = carried.upstream
+        rec.upstream_status = upstream.status
+        deps.recent.add(vendor.name, admission.outcome)
+        _count_answer(deps, vendor, upstream.status)
+        try:
+            if changes_nothing(vendor, upstream):
+                applied = NOTHING
+            else:
+                applied = await self._feed_back(deps, match, upstream.status, upstream.headers)
+        except BaseException:
+            upstream.close()
+            raise
+        refused = unrelayable(vendor, request, upstream)
+        if refused is not None:
+            upstream.close()
+            raise refused
+        extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
+        if admission.quota is not None:
+            extra.update(fields_for_forwarded(upstream.headers, admission.quota))
+        broken = await relay(upstream, responder, extra, slot.give_back if slot.taken else None)
+        elapsed = deps.clock.monotonic() - sent
+        deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
+        deps.sizing.observe(vendor.name, elapsed)
+        rec.outcome = admission.outcome
+        if broken:
+            rec.outcome, rec.detail = "error", broken
+
+    async def _feed_back(self, deps: Deps, match: Match, status: int, headers: CIMultiDictProxy[str]) -> Applied:
+        """Feed a vendor answer back (``apply_feedback``: a 429 blocks the fleet, low quota
+        drains it, quota headers teach it), counted and logged."""
+        vendor = match.vendor
+        applied = await apply_feedback(
+            deps.limiter,
+            vendor,
+            status,
+            headers,
+            metrics=deps.metrics,
+            partition=match.partition,
+            endpoint=match.endpoint,
+        )
+        if applied.blocked_for > 0:
+            deps.metrics.vendor_blocks.labels(vendor.name).inc()
+            log.warning(
+                "vendor %s answered 429: its global buckets%s are blocked for %.3fs fleet-wide",
+                vendor.name,
+                f" of partition {shown(match.partition)}" if match.partition else "",
+                applied.blocked_for,
+            )
+            if applied.capped_from is not None:
+                self._loudly.warn(
+                    f"max_retry_after {vendor.name}",
+                    60.0,
+                    "vendor %s asked to be left alone for %s (Retry-After: %s): the block is capped at "
+                    "feedback.max_retry_after %s",
+                    vendor.name,
+                    format_duration(applied.capped_from),
+                    headers.get("Retry-After", "none"),
+                    format_duration(vendor.feedback.max_retry_after),
+                )
+        elif applied.drained:
+            deps.metrics.drains.labels(vendor.name).inc()
+        return applied
+
+    def heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
+        """The vendor is done with a request whose worker went away before the answer's head
+        (forward's hearing out): its slot is free again, and its answer, if one came, counts
+        and feeds back like any other (a vendor 429 blocks the fleet)."""
+        release()
+        if response is None:
+            return
+        vendor = match.vendor
+        _count_answer(deps, vendor, response.status)
+        if not changes_nothing(vendor, response):
+            spawn(self._feed_back_heard(deps, match, response), name=f"feedback-{vendor.name}")
+
+    async def _feed_back_heard(self, deps: Deps, match: Match, response: Response) -> None:
+        try:
+            await self._feed_back(deps, match, response.status, response.headers)
+        except Exception as exc:  # nobody waits for it: a store that cannot take it is only logged
+            self._loudly.warn(
+                f"heard-out feedback {match.vendor.name}",
+                60.0,
+                "vendor %s: feeding back the answer of a request whose worker went away failed: %s",
+                match.vendor.name,
+                exc,
+            )
+
+    def _warn_fail_open(self, deps: Deps, vendor: str, exc: StoreUnavailable) -> None:
+        # Loud, but one line a second, not one per request.
+        self._loudly.warn(
+            "fail-open", 1.0, "store unavailable (%s): forwarding %s UNLIMITED because on_failure is open", exc, vendor
+        )

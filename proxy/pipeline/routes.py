@@ -1,0 +1,253 @@
+"""What the straight path (lane.py) knows of a request before it reads more than its head.
+
+A *route* is what a request's destination, method and tenant decide once a policy is
+loaded: its vendor, its buckets and the store command that takes from them, the pool
+its vendor connection comes from, the first line and ``Host`` of what the vendor is
+sent, its metric series and the constant parts of its access-log line. Workers send the
+same few of them over and over, so each is worked out once per policy generation (by
+the general path's own router, tenancy, limiter and metrics) and kept in a ``Routes``
+table; per request only the path is cut from the target.
+
+The key is what decides the route without parsing: for an absolute-form target
+(``GET http://api.x/v1/...``) its ``scheme://authority`` part, the method and the tenant
+header's value; inside an intercepted tunnel, where the tunnel leads; for an origin-form
+target (a vendor ``route`` or a ``Host``), the whole target and ``Host``.
+
+A route is *straight* when nothing about its requests needs the general path: no
+concurrency cap, partition, endpoint classes, RateLimit fields, learned limits, proxy
+credentials or local shares, and a method whose answer has a body (not
+HEAD). Requests of any other route take the general path whole. (A tenant the policy does
+not name takes its seat here as it would there: ``seats``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from json.encoder import encode_basestring_ascii
+from typing import TYPE_CHECKING, Final
+
+from proxy.limiter.store import Reserve, StateGuard
+from proxy.pipeline.feedback import remaining_watched
+from proxy.pipeline.forward import origin_of
+from proxy.pipeline.kept_slots import FOLLOW_UP
+from proxy.pipeline.match import Match
+from proxy.pipeline.pacing import longest_window
+from proxy.pipeline.refusals import Refusal
+from proxy.pipeline.target import parse_target, parse_tunneled_target
+from proxy.telemetry.metrics import Value
+from proxy.tls.intercept import interception_of
+from proxy.wire.headers import answer_fields
+
+if TYPE_CHECKING:
+    from proxy.deps import Deps
+    from proxy.limiter.buckets import Buckets
+    from proxy.limiter.redis_store import StraightAcquire
+    from proxy.limiter.store import BucketSpec
+    from proxy.policy.model import Vendor
+    from proxy.telemetry.metrics import HistogramCells
+    from proxy.telemetry.recent import Ring
+    from proxy.wire.http1 import Request
+    from proxy.wire.upstream import Origin, Pool
+
+ROUTES_MAX: Final = 4096
+"""Routes kept per table; past that it starts over (tenants and targets are the workers')."""
+KEY_MAX: Final = 512
+"""Longest target (origin form: the whole of it) a route is kept for."""
+_EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 (upstream.py)
+
+
+class Route:
+    """One route of one policy generation: what its requests have in common."""
+
+    __slots__ = (
+        "_deps",
+        "answer_fields",
+        "answers",
+        "b",
+        "buckets",
+        "cost",
+        "cut",
+        "enqueue",
+        "forwarded",
+        "head_end",
+        "head_start",
+        "head_tail",
+        "host",
+        "latency",
+        "log",
+        "log_head",
+        "log_mid",
+        "log_path",
+        "log_tail",
+        "match",
+        "max_wait",
+        "mode",
+        "mode_cell",
+        "origin",
+        "path",
+        "plan",
+        "pool",
+        "recent",
+        "reserve",
+        "seats",
+        "state_key",
+        "straight",
+        "target_path",
+        "tenant",
+        "tenant_count",
+        "timeouts",
+        "vendor",
+        "vendor_side",
+        "window",
+    )
+
+    def __init__(
+        self, deps: Deps, match: Match, method: str, mode: str, cut: int, target_host: str, target_path: str
+    ) -> None:
+        vendor = match.vendor
+        self._deps = deps
+        self.match = match
+        self.vendor: Vendor = vendor
+        self.tenant = match.tenant
+        self.mode = mode
+        """How its requests come: ``plain`` or ``intercept``."""
+        self.cut = cut
+        """Where the path starts in the request's target (-1: the target is not the path, ``path`` is)."""
+        self.path = match.path_qs.encode("latin-1")
+        self.host = target_host
+        """The host the target names (the access log's ``host``)."""
+        self.target_path = target_path
+        """The target's path and query (the access log's ``path``), when ``cut`` is -1."""
+        self.straight = method != "HEAD" and straight(deps, match)
+        if not self.straight:
+            return
+        limiter = deps.limiter
+        self.b: Buckets = limiter.buckets(vendor, match.tenant)
+        self.buckets = self.b.all
+        self.tenant_count = self.b.tenant_count
+        self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
+        self.window = longest_window(vendor)
+        self.cost = 1.0
+        on_limit = vendor.on_limit
+        self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
+        self.enqueue = on_limit.action != "shed"
+        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
+        # here, which has no slot of its own: a retry of a call deferred on this replica
+        # takes the general path, which claims its slot.
+        self.reserve: Reserve | None = (
+            limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if on_limit.action == "defer" else None
+        )
+        """How a refusal keeps its slot (a deferring vendor); the straight path takes only
+        requests of connections that hold none (handler.admit claims them)."""
+        self.state_key = self.b.state_key
+        cap = deps.policy.tenant.max_active
+        self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
+        """The vendor's ``tenant.max_active`` when the tenant needs one of its seats (seats.py)."""
+        straight_of = getattr(limiter.store, "straight", None)
+        self.plan: StraightAcquire | None = None
+        if straight_of is not None and self.state_key:
+            guard = StateGuard(self.state_key, 0, on_limit.max_hold)
+            self.plan = straight_of(
+                self.buckets, self.cost, self.max_wait, self.b.queue if self.enqueue else None, guard, self.reserve
+            )
+        # What the vendor is sent before and after the path, and the worker's own fields.
+        self.origin: Origin = origin_of(match.origin)
+        self.pool: Pool = deps.upstreams.pool(vendor)
+        self.timeouts = vendor.timeouts
+        self.head_start = f"{method} ".encode("latin-1")
+        self.head_end = f" HTTP/1.1\r\nHost: {self.origin.authority}\r\n".encode("latin-1")
+        self.head_tail = b"Content-Length: 0\r\n\r\n" if method in _EMPTY_BODY_METHODS else b"\r\n"
+        watched = remaining_watched(vendor.feedback)
+        self.answer_fields = answer_fields(None if watched is None else watched.lower())
+        """What the relay looks at in the vendor's answer head (headers.answer_lines): with
+        the field whose low value drains the buckets, which feedback must read."""
+        # The metric series and counts its requests add to (metrics.py, recent.py).
+        metrics = deps.metrics
+        self.forwarded: Value = metrics.request_cell(vendor.name, match.tenant, "forwarded")
+        self.mode_cell: Value = metrics.mode_cell(vendor.name, mode)
+        self.answers: dict[int, Value] = {}
+        self.latency: HistogramCells = metrics.upstream_cells(vendor.name)
+        self.recent: Ring = deps.recent.ring(vendor.name, "forwarded")
+        # The access-log line's constant parts (accesslog.AccessRecord's fields, in its order).
+        self.log = deps.policy.access_log and deps.access_log.writes
+        quoted = encode_basestring_ascii
+        self.log_head = f',"method":{quoted(method)},"host":{quoted(target_host)},"path":'
+        self.log_path = quoted(target_path.split("?", 1)[0][:256]) if cut < 0 else ""
+        self.log_mid = (
+            f',"vendor":{quoted(vendor.name)},"tenant":{quoted(match.tenant)},"outcome":"forwarded","status":'
+        )
+        self.log_tail = ',"hold_ms":0.0,"duration_ms":'
+
+    def answer_cell(self, status: int) -> Value:
+        """``http_client_responses_total`` of this vendor and ``status``."""
+        cell = self.answers.get(status)
+        if cell is None:
+            cell = self.answers[status] = self._deps.metrics.response_cell(self.vendor.name, status)
+        return cell
+
+    def path_of(self, request: Request) -> str:
+        """The path and query a request of this route names (the access log's ``path``)."""
+        return self.target_path if self.cut < 0 else request.target[self.cut :]
+
+    def match_for(self, target: str) -> Match:
+        """The request's Match (the route's, with the request's own path)."""
+        if self.cut < 0:
+            return self.match
+        return dataclasses.replace(self.match, path_qs=target[self.cut :])
+
+
+def straight(deps: Deps, match: Match) -> bool:
+    """May the requests of ``match`` take the straight path (see the module's docstring)?"""
+    vendor = match.vendor
+    tenancy = deps.router.tenancy
+    if vendor.partition is not None or vendor.endpoints or vendor.ratelimit_headers:
+        return False
+    if vendor.feedback.headers == "auto" or deps.limiter.local is not None or tenancy.authenticates:
+        return False
+    if deps.concurrency.sets(vendor, None):
+        return False
+    return deps.metrics.cells_available
+
+
+class Routes:
+    """The routes of one policy generation (``Deps``), learnt as requests come."""
+
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self._table: dict[Hashable, Route | None] = {}
+
+    def get(self, key: Hashable) -> Route | bool | None:
+        """The route of ``key``; False when it is not known yet; None when its requests cannot be straight."""
+        return self._table.get(key, False)
+
+    def learn(self, key: Hashable, request: Request, method: str, cut: int) -> Route | None:
+        """The route of ``request`` (of ``key``), worked out by the general path's own
+        parts; None when the general path must decide (a refusal, a target it reads
+        otherwise than ``cut`` says). Kept, unless the request's target says nothing
+        about the next one's."""
+        deps = self.deps
+        tunnel = interception_of(request)
+        try:
+            if tunnel is None:
+                target = parse_target(request)
+                match = deps.router.match(target, request.headers, method=method)
+            else:
+                target = parse_tunneled_target(request, tunnel.host, tunnel.port)
+                match = deps.router.match(target, request.headers, tunnel.claim, method)
+        except Refusal:
+            self._keep(key, None)  # the general path refuses it (and counts and logs the refusal)
+            return None
+        if cut >= 0 and match.path_qs != request.target[cut:]:
+            return None  # a fragment, a query right after the authority...: this target is not cut so
+        mode = "plain" if tunnel is None else "intercept"
+        route = Route(deps, match, method, mode, cut, target.host, target.path_qs)
+        found = route if route.straight else None
+        self._keep(key, found)
+        return found
+
+    def _keep(self, key: Hashable, route: Route | None) -> None:
+        table = self._table
+        if len(table) >= ROUTES_MAX:
+            table.clear()
+        table[key] = route

@@ -1,0 +1,1 @@
+"""Quota beyond the buckets: concurrency caps, endpoint classes, tenancy, tenant seats."""

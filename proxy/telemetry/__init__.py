@@ -1,0 +1,1 @@
+"""What the proxy tells: metrics, the access log, recent counts, rate-limited warnings."""

@@ -1,0 +1,1 @@
+"""HTTPS through the proxy: the CONNECT front door, interception, blind tunnels."""
