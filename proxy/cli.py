@@ -271,7 +271,8 @@ def _run(args: argparse.Namespace) -> int:
         return _asyncio_run(
             serve(policy, policy.listen, policy.admin_listen, load=reload, watch=args.config if args.watch else None)
         )
-    from proxy.ops.workers import WorkerCommand, run_workers, worker_argv
+    from proxy.ops.fleet import run_workers
+    from proxy.ops.workers import WorkerCommand, worker_argv
 
     base = ["-c", args.config, "--log-level", args.log_level]
     if args.store is not None:

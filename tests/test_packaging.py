@@ -79,7 +79,9 @@ def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> No
             packaged = zf.read(f"proxy/lua/{name}.lua")
             assert packaged == (ROOT / "lua" / f"{name}.lua").read_bytes(), name
         for page in ("index.html", "ui.js", "ui.css"):  # the admin port's live page
-            assert zf.read(f"proxy/ops/admin_page/{page}") == (ROOT / "proxy" / "ops" / "admin_page" / page).read_bytes(), page
+            assert (
+                zf.read(f"proxy/ops/admin_page/{page}") == (ROOT / "proxy" / "ops" / "admin_page" / page).read_bytes()
+            ), page
         dist_info = _dist_info(names)
         entry_points = configparser.ConfigParser()
         entry_points.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 from aiohttp import web
 
-from proxy.devtools.demo_cli import DEFAULT_DURATION, DEFAULT_PLOT
+from proxy.devtools.demo_defaults import DEFAULT_DURATION, DEFAULT_PLOT
 from proxy.devtools.mockvendor import MockVendor
 from proxy.tasks import spawn
 

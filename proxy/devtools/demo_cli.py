@@ -14,8 +14,8 @@ from typing import Final
 
 __all__ = ["DEFAULT_DURATION", "DEFAULT_PLOT", "MAX_WORKERS", "register", "run"]
 
-DEFAULT_PLOT: Final = "quota-proxy-demo.png"
-DEFAULT_DURATION: Final = 60.0
+from proxy.devtools.demo_defaults import DEFAULT_DURATION, DEFAULT_PLOT
+
 MAX_WORKERS: Final = 100
 """Cap on --workers-from/--workers-to: 100 workers x 10/s x 2 fleets is already ~2000 requests/s
 through one Python process."""

@@ -39,7 +39,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 import hiredis
 
@@ -62,7 +62,8 @@ from proxy.wire.upstream import Response, UpstreamConnection, UpstreamFailed
 
 if TYPE_CHECKING:
     from proxy.deps import Deps
-    from proxy.pipeline.handler import ProxyHandler
+    from proxy.pipeline.kept_slots import KeptSlots
+    from proxy.quota.seats import Seats
     from proxy.wire.http1 import BodyBroken, Http1Connection
 
 log = logging.getLogger("quota_proxy")
@@ -95,10 +96,38 @@ def _nothing() -> None:
     pass
 
 
+class GeneralPath(Protocol):
+    """What the straight path hands over to, and shares with, the general path (handler.py):
+    the request it cannot finish, a worker gone while the vendor works, the tenants'
+    seats and the slots kept for deferred calls."""
+
+    @property
+    def deps(self) -> Deps: ...
+
+    @property
+    def seats(self) -> Seats: ...
+
+    @property
+    def kept(self) -> KeptSlots: ...
+
+    def __call__(
+        self,
+        request: Request,
+        responder: Responder,
+        deps: Deps | None = None,
+        started: float | None = None,
+        carried: Carried | None = None,
+    ) -> Awaitable[None]:
+        """Go on with ``request`` from where the straight path stopped (``carried``)."""
+
+    def heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
+        """The vendor is done with a request whose worker went away."""
+
+
 class Lane:
     """The straight path of one handler, its routes per policy generation (http1.Lane)."""
 
-    def __init__(self, handler: ProxyHandler) -> None:
+    def __init__(self, handler: GeneralPath) -> None:
         self.handler = handler
         self.reset(handler.deps)
 

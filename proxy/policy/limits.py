@@ -10,7 +10,7 @@ from typing import Final
 
 import yaml
 
-from proxy.policy import values
+import proxy.policy.values as values
 from proxy.policy.model import Limit
 from proxy.policy.walker import Walk
 

@@ -13,7 +13,7 @@ from typing import Final
 
 import yaml
 
-from proxy.policy import values
+import proxy.policy.values as values
 from proxy.policy.durations import show
 from proxy.policy.model import (
     FAILURE_MODES,

@@ -15,7 +15,7 @@ from typing import Final
 
 import yaml
 
-from proxy.policy import values
+import proxy.policy.values as values
 from proxy.policy.durations import show
 from proxy.policy.limits import optional_limits
 from proxy.policy.model import Endpoint, EndpointMatch, Limit, Partition, TenantLimits

@@ -13,8 +13,9 @@ from typing import Final
 
 import yaml
 
+import proxy.policy.shapes as shapes
+import proxy.policy.values as values
 from proxy.names import host_caution, split_host_port
-from proxy.policy import shapes, values
 from proxy.policy.durations import format_duration
 from proxy.policy.limits import optional_limits, required_limits
 from proxy.policy.model import (
