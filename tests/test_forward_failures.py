@@ -13,8 +13,9 @@ from proxy.pipeline.forward import send
 from proxy.pipeline.refusals import UpstreamFailed
 from proxy.policy.model import Vendor
 from proxy.wire import upstream
+from proxy.wire.body import Body
 from proxy.wire.headers import idempotent
-from proxy.wire.http1 import Body, Request
+from proxy.wire.request import Request
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
 

@@ -25,7 +25,9 @@ from proxy.pipeline.handler import ProxyHandler
 from proxy.pipeline.lane import Lane
 from proxy.telemetry.accesslog import AccessLog
 from proxy.wire import http1
-from proxy.wire.http1 import Http1Connection, Request, Responder
+from proxy.wire.http1 import Http1Connection
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder
 from tests.conftest import eventually, metric_samples, value, vendor_policy
 from tests.helpers.intercept import ProxyCA, intercept_policy, new_proxy_ca
 

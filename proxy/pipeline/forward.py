@@ -24,6 +24,7 @@ from proxy.pipeline.pacing import Paced, Pacer
 from proxy.pipeline.refusals import BadRequest, BodyTimeout, Refusal, UpstreamFailed
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.tasks import spawn
+from proxy.wire.body import BodyBroken, BodyStalled
 from proxy.wire.framing import NO_CODINGS, answer_codings
 from proxy.wire.headers import (
     answer_fields,
@@ -32,7 +33,8 @@ from proxy.wire.headers import (
     idempotent,
     upstream_request_lines,
 )
-from proxy.wire.http1 import BodyBroken, BodyStalled, Request, Responder
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder
 from proxy.wire.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
 from proxy.wire.upstream import UpstreamFailed as Failed
 

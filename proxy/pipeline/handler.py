@@ -42,7 +42,8 @@ from proxy.telemetry.accesslog import AccessRecord
 from proxy.telemetry.loudly import Loudly
 from proxy.tls.intercept import interception_of
 from proxy.wire.headers import idempotent
-from proxy.wire.http1 import Request, Responder
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder
 from proxy.wire.upstream import Response
 
 log = logging.getLogger("quota_proxy")

@@ -57,14 +57,16 @@ from proxy.pipeline.routes import KEY_MAX, Route, Routes
 from proxy.tasks import spawn
 from proxy.tls.intercept import Interception
 from proxy.wire.headers import answer_lines, idempotent, request_kinds
-from proxy.wire.http1 import Request, Responder, date_line, status_line
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder, date_line, status_line
 from proxy.wire.upstream import Response, UpstreamConnection, UpstreamFailed
 
 if TYPE_CHECKING:
     from proxy.deps import Deps
     from proxy.pipeline.kept_slots import KeptSlots
     from proxy.quota.seats import Seats
-    from proxy.wire.http1 import BodyBroken, Http1Connection
+    from proxy.wire.body import BodyBroken
+    from proxy.wire.http1 import Http1Connection
 
 log = logging.getLogger("quota_proxy")
 
@@ -488,7 +490,7 @@ class Flight:
             head = status_line(status, response.reason)
             conn.write(b"".join((head, kept, b"" if date else date_line(), framing % length, body)))
             self.written = status
-            if conn._write_paused or conn._closed:  # a slow worker: its drain, in the serving task
+            if conn.write_paused or conn.closed:  # a slow worker: its drain, in the serving task
                 conn.carry(request, self._responder(), functools.partial(self._drained, response))
                 return
             response.release()

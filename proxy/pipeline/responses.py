@@ -30,7 +30,7 @@ from proxy.policy.model import Vendor
 from proxy.wire import headers as h
 
 if TYPE_CHECKING:
-    from proxy.wire.http1 import Responder
+    from proxy.wire.responder import Responder
 
 _NO_VENDOR: Final = Vendor(name="")
 PROXY_CHALLENGE: Final = 'Basic realm="quota-proxy"'

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from proxy.policy.model import Vendor
     from proxy.telemetry.metrics import HistogramCells
     from proxy.telemetry.recent import Ring
-    from proxy.wire.http1 import Request
+    from proxy.wire.request import Request
     from proxy.wire.upstream import Origin, Pool
 
 ROUTES_MAX: Final = 4096

@@ -21,7 +21,7 @@ from proxy.pipeline.refusals import BadRequest, Denied
 from proxy.policy.model import Vendor
 from proxy.quota.tenancy import Claim
 from proxy.telemetry.accesslog import AccessRecord
-from proxy.wire.http1 import Request
+from proxy.wire.request import Request
 
 log = logging.getLogger("quota_proxy.connect")
 

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from proxy.wire import http1, inbox
-from proxy.wire.http1 import Http1Connection, Request, Responder
+from proxy.wire import http1, inbox, parsing
+from proxy.wire.body import Body
+from proxy.wire.http1 import Http1Connection
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder
 from tests.dataplane.wire import Peer, read_head, read_response, request, until
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
@@ -236,7 +239,7 @@ async def test_a_slow_reader_holds_the_writer_back(serve, peer) -> None:
 async def test_an_upload_the_handler_does_not_read_pauses_the_worker(serve, peer) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
-    bodies: list[http1.Body] = []
+    bodies: list[Body] = []
 
     async def handler(req: Request, resp: Responder) -> None:
         bodies.append(req.body)
@@ -299,7 +302,7 @@ async def test_a_malformed_request_behind_good_ones_is_answered_after_them(serve
 async def test_an_oversized_head_is_431_and_the_connection_closed(serve, peer, where) -> None:
     server = await serve(echo)
     client = await peer(server)
-    big = "a" * (http1.MAX_HEAD + 1024)
+    big = "a" * (parsing.MAX_HEAD + 1024)
     data = request("GET", "/x", [("X-Big", big)]) if where == "field" else request("GET", "/" + big)
     answer = await client.exchange(data)
     assert answer.status == 431
@@ -311,12 +314,12 @@ async def test_a_head_of_too_many_fields_is_431_however_small(serve, peer) -> No
     # Thousands of tiny fields fit in MAX_HEAD but cost a callback each, here and at the vendor.
     server = await serve(echo)
     client = await peer(server)
-    answer = await client.exchange(request("GET", "/x", [(f"X-{i}", "v") for i in range(http1.MAX_FIELDS + 1)]))
+    answer = await client.exchange(request("GET", "/x", [(f"X-{i}", "v") for i in range(parsing.MAX_FIELDS + 1)]))
     assert answer.status == 431
     assert await client.closed()
     assert server.served == []
     ok = await (await peer(server)).exchange(
-        request("GET", "/x", [(f"X-{i}", "v") for i in range(http1.MAX_FIELDS - 1)])
+        request("GET", "/x", [(f"X-{i}", "v") for i in range(parsing.MAX_FIELDS - 1)])
     )
     assert ok.status == 200
 
@@ -326,7 +329,7 @@ async def test_trailers_are_bounded_like_a_head(serve, peer) -> None:
     # request (and the connection) busy for ever.
     server = await serve(echo)
     client = await peer(server)
-    trailers = "".join(f"X-T{i}: {'t' * 100}\r\n" for i in range(http1.MAX_HEAD // 100 + 10))
+    trailers = "".join(f"X-T{i}: {'t' * 100}\r\n" for i in range(parsing.MAX_HEAD // 100 + 10))
     await client.send(request("POST", "/v1", [("Transfer-Encoding", "chunked")]) + b"2\r\nab\r\n0\r\n")
     await client.send(trailers.encode())
     answer = await read_response(client.reader)
@@ -338,7 +341,7 @@ async def test_many_heads_together_are_not_taken_for_one_oversized_head(serve, p
     server = await serve(echo)
     client = await peer(server)
     one = request("GET", "/p", [("X-Pad", "p" * 900)])
-    count = 2 * http1.MAX_HEAD // len(one)
+    count = 2 * parsing.MAX_HEAD // len(one)
     await client.send(one * count)
     answers = [await read_response(client.reader) for _ in range(count)]
     assert {a.status for a in answers} == {200}

@@ -25,7 +25,7 @@ import yaml
 from multidict import CIMultiDict
 
 from proxy.pipeline.lane import Lane
-from proxy.wire.http1 import Request
+from proxy.wire.request import Request
 from tests.conftest import vendor_policy
 
 WAIT = 10.0
