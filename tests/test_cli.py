@@ -447,4 +447,11 @@ def test_the_command_line_lists_the_developer_tools_without_importing_them() -> 
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout))
     assert {"proxy.devtools.mockvendor_cli", "proxy.devtools.demo_cli"} <= loaded
-    assert not loaded & {"aiohttp", "proxy.devtools.mockvendor", "proxy.devtools.demo", "proxy.server"}
+    assert not loaded & {
+        "aiohttp",
+        "proxy.devtools.mockvendor",
+        "proxy.devtools.demo",
+        "proxy.devtools.demo_fleet",
+        "proxy.devtools.demo_report",
+        "proxy.server",
+    }

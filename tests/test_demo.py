@@ -18,14 +18,9 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main as cli_main
-from proxy.devtools.demo import (
-    MAX_HOLD_MS,
-    DemoConfig,
-    Row,
-    plain_line,
-    policy_text,
-    workers_at,
-)
+from proxy.devtools.demo import MAX_HOLD_MS, DemoConfig, policy_text
+from proxy.devtools.demo_fleet import workers_at
+from proxy.devtools.demo_report import Row, plain_line
 from proxy.policy import parse_policy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,8 @@ import aiohttp
 import pytest
 
 from proxy.pipeline import forward
-from proxy.wire.upstream import Origin, Pool, UpstreamConnection
+from proxy.wire.pool import Pool
+from proxy.wire.upstream import Origin, UpstreamConnection
 from tests.conftest import client_session, eventually, vendor_policy
 from tests.helpers.vendor_process import VendorProcess, vendor_process
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, Reserve, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, StateGuard
 from proxy.server import ProxyServer
 from tests.conftest import RedisServer, Samples, eventually, metric_samples, value
 from tests.helpers.faults import fault_policy
@@ -89,6 +89,18 @@ class CountingStore:
     ) -> AcquireResult:
         self.acquires += 1
         return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
+
+    def straight(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        sets: tuple[LeaseSet, ...] = (),
+        reserve: Reserve | None = None,
+    ) -> None:
+        return None  # every acquire through ``acquire``, counted
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)

@@ -914,7 +914,7 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
         # The general request path (an X-Quota-* header takes a request there), and the
         # straight one (lane.py), each with a bug in a step it takes before the vendor.
         ((ProxyHandler, "admit"), {"X-Quota-On-Limit": "hold"}),
-        ((Limiter, "take_now"), {}),
+        ((Limiter, "took"), {}),
     ],
     ids=["general", "straight"],
 )

@@ -134,6 +134,7 @@ FAMILIES = (
     "http_client_responses_total",
     "http_client_request_duration_seconds_count",
     "ratelimit_deferred_total",
+    "ratelimit_endpoint_requests_total",
 )
 
 

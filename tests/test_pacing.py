@@ -13,7 +13,7 @@ from proxy.clock import ManualClock
 from proxy.limiter.store import BucketSpec
 from proxy.pipeline import forward
 from proxy.pipeline.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer
-from proxy.wire.upstream import Pool
+from proxy.wire.pool import Pool
 from tests.conftest import client_session, eventually, vendor_policy
 
 

@@ -99,6 +99,8 @@ def test_wheel_carries_the_lua_scripts_and_the_console_script(wheel: Path) -> No
         "proxy/devtools/mockvendor_cli.py",
         "proxy/devtools/demo.py",
         "proxy/devtools/demo_cli.py",
+        "proxy/devtools/demo_fleet.py",
+        "proxy/devtools/demo_report.py",
     ):
         assert module in names
     assert not [n for n in names if n.startswith(("lua/", "tests/", "config/")) or "__pycache__" in n], names

@@ -16,7 +16,7 @@ from proxy.policy.values import parse_address
 
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
 
-QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")  # mockvendor.QUOTA_HEADERS
+QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")  # mockvendor_quota.QUOTA_HEADERS
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8081"
 
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
             parser.error("--window replaces the bucket: give --rate and --window, not --burst")
         if rate * window < 1:
             parser.error("--rate x --window must be at least 1 request")
-    from proxy.devtools.mockvendor import MockVendor, serve
+    from proxy.devtools.mockvendor import MockVendor
+    from proxy.devtools.mockvendor_serve import serve
 
     if args.limit_at and rate == 0:
         parser.error("--limit-at needs a --rate (an unlimited vendor has no limit to change)")

@@ -1,9 +1,10 @@
 """Token buckets shared by the fleet: what a request draws from, and where state lives."""
 
 from proxy.clock import Clock
+from proxy.limiter.blocks import BlockMark
 from proxy.limiter.breaker import Breaker
 from proxy.limiter.buckets import Buckets, buckets_for, global_buckets
-from proxy.limiter.limiter import BlockMark, Limiter
+from proxy.limiter.limiter import Limiter
 from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, BucketStore, StoreUnavailable
 
 __all__ = [

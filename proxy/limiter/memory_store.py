@@ -14,6 +14,7 @@ from typing import NamedTuple
 from proxy.clock import Clock
 from proxy.limiter.store import (
     AcquireResult,
+    Answered,
     BlockResult,
     BucketSpec,
     LearnResult,
@@ -22,6 +23,7 @@ from proxy.limiter.store import (
     Lesson,
     Reserve,
     StateGuard,
+    StraightCall,
 )
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
@@ -36,6 +38,48 @@ class _Slot(NamedTuple):
     created: float
     scope: str
     """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
+
+
+class _Done:
+    """A straight call of this store: answered before ``send`` returned, nothing to cancel."""
+
+    @staticmethod
+    def cancel() -> bool:
+        return False
+
+
+_DONE = _Done()
+
+
+class TakeNow:
+    """A bucket set's acquire as the straight path sends it (store.StraightCall): ``take``,
+    answered at once."""
+
+    __slots__ = ("_args", "_guard", "_reserve", "_take")
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        reserve: Reserve | None,
+    ) -> None:
+        self._take = store.take
+        self._args = (buckets, cost, max_wait, queue)
+        self._guard = guard
+        self._reserve = reserve
+
+    def send(self, seen: int, leases: Leases | None, then: Answered) -> _Done:
+        try:
+            result = self._take(*self._args, self._guard._replace(seen=seen), leases, self._reserve)
+        except Exception as exc:  # (a bug: the caller's to report)
+            then(None, exc)
+        else:
+            then(result, None)
+        return _DONE
 
 
 class MemoryStore:
@@ -119,6 +163,18 @@ class MemoryStore:
         reserve: Reserve | None = None,
     ) -> AcquireResult:
         return self.take(buckets, cost, max_wait, queue, guard, leases, reserve)
+
+    def straight(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        sets: tuple[LeaseSet, ...] = (),
+        reserve: Reserve | None = None,
+    ) -> StraightCall | None:
+        return TakeNow(self, buckets, cost, max_wait, queue, guard, reserve)
 
     def take(
         self,

@@ -31,6 +31,7 @@ from proxy.limiter.resp import bulk, bulks, header
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
     AcquireResult,
+    Answered,
     BlockResult,
     BucketSpec,
     LearnResult,
@@ -41,6 +42,7 @@ from proxy.limiter.store import (
     StateGuard,
     StoreUnavailable,
 )
+from proxy.tasks import spawn
 
 log = logging.getLogger("quota_proxy.store")
 
@@ -74,6 +76,7 @@ _SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter ke
 _tuple_new = tuple.__new__
 _AROUND_MAX = 64  # (cost, max_wait, debt) triples packed per bucket set
 _EMPTY = bulk("")
+_ReplyError = hiredis.ReplyError
 _ZERO = bulk(0.0)
 
 
@@ -144,6 +147,31 @@ class _AcquireShape:
             parts = self._around_seen[key] = (before, after)
         return parts
 
+    def packed(
+        self, cost: float, max_wait: float, guard: StateGuard | None, leases: Leases | None, claim: str
+    ) -> bytes:
+        """The whole command of one call (the usual one, guarded, without leases or claim,
+        from ``around_seen``)."""
+        if guard is not None and leases is None and not claim:
+            before, after = self.around_seen(cost, max_wait, guard.debt)
+            return before + bulk(guard.seen) + after
+        return b"".join(
+            (
+                self.head,
+                bulk(cost),
+                bulk(max_wait * _MS),
+                self.queued,
+                _EMPTY if guard is None else bulk(guard.seen),
+                _ZERO if guard is None else bulk(guard.debt * _MS),
+                self.count,
+                _EMPTY if leases is None else bulk(leases.id),
+                _ZERO if leases is None else bulk(leases.life * _MS),
+                bulk(claim),
+                self.reserving,
+                self.tail,
+            )
+        )
+
 
 def reserve_spec(reserve: Reserve) -> str:
     """acquire.lua's ARGV[10]: ``<horizon>:<owner>:<life>`` in ms, ``:<tenants>``."""
@@ -177,65 +205,81 @@ def acquire_result(out: list[Any], n: int) -> AcquireResult:
 
 
 class StraightAcquire:
-    """One bucket set's acquire as the straight path (lane.py) sends it: written on the
-    pipelined connection (on Redis Cluster, the one to the primary that owns its slot),
-    packed once but for the state's counter ``seen`` (the bytes ``RedisStore.acquire``
-    sends for the same call, with a state guard and no leases), its reply handed to a
-    callback as it is read."""
+    """One bucket set's acquire as the straight path (lane.py) sends it (store.StraightCall):
+    written on the pipelined connection (on Redis Cluster, the one to the primary that owns
+    its slot), packed as ``RedisStore.acquire`` packs the same call, its reply decoded as
+    it is read (an error reply that says the script did not run, NOSCRIPT or a redirection,
+    gets it sent again first)."""
 
-    __slots__ = ("_after", "_before", "_keys", "_script", "_store", "n")
+    __slots__ = ("_cost", "_debt", "_key", "_max_wait", "_script", "_shape", "_store")
 
     def __init__(
         self,
         store: RedisStore,
         script: PipelinedScript | ClusterScript,
-        before: bytes,
-        after: bytes,
-        n: int,
-        keys: list[str],
+        shape: _AcquireShape,
+        cost: float,
+        max_wait: float,
+        guard: StateGuard,
     ) -> None:
         self._store = store
         self._script = script
-        self._before = before
-        self._after = after
-        self._keys = keys
-        self.n = n
-        """The buckets: the reply's levels are ``out[8 : 8 + n]``."""
+        self._shape = shape
+        self._cost = cost
+        self._max_wait = max_wait
+        self._key = guard.key
+        self._debt = guard.debt
+        shape.around_seen(cost, max_wait, guard.debt)  # (packed now, not by the first request)
 
-    def packed(self, seen: int) -> bytes:
-        digits = b"%d" % seen
-        return b"%s$%d\r\n%s\r\n%s" % (self._before, len(digits), digits, self._after)
+    def _packed(self, seen: int, leases: Leases | None) -> bytes:
+        return self._shape.packed(self._cost, self._max_wait, StateGuard(self._key, seen, self._debt), leases, "")
 
-    def send(self, seen: int, then: Callable[[Any, BaseException | None], None]) -> Reply | None:
-        """Write (or queue) the acquire; ``then(reply, error)`` is called with its reply (a
-        ``hiredis.ReplyError`` is a reply: ``reply_error``) or why none came, from the
-        callback that read it. None when the connection is not open (nothing sent); else
-        what to ``cancel`` should the caller give up."""
-        waiter = Reply(then)
+    def send(self, seen: int, leases: Leases | None, then: Answered) -> Reply | None:
+        waiter = Reply(functools.partial(self._replied, then, seen, leases))
         script = self._script
+        packed = self._packed(seen, leases)
         if isinstance(script, PipelinedScript):
-            sent = script.send_to(self.packed(seen), waiter, self._store._timeout)
+            sent = script.send_to(packed, waiter, self._store._timeout)
         else:
-            sent = script.send_to(self._keys, self.packed(seen), waiter, self._store._timeout)
+            sent = script.send_to(self._shape.keys, packed, waiter, self._store._timeout)
         return waiter if sent else None
 
-    async def reply_error(self, error: hiredis.ReplyError, seen: int) -> Any:
-        """The reply after an error reply: one that says the acquire did not run (NOSCRIPT:
-        the script loaded; on Cluster, a redirection) gets it sent again; any other, as any
-        failure, is the store unavailable."""
+    def _replied(self, then: Answered, seen: int, leases: Leases | None, out: Any, exc: BaseException | None) -> None:
+        if exc is not None:
+            then(None, self._failed(exc))
+        elif type(out) is _ReplyError:
+            task = spawn(self._again(out, seen, leases), name="straight-acquire")
+            task.add_done_callback(functools.partial(self._reloaded, then))
+        else:
+            then(acquire_result(out, self._shape.n), None)
+
+    async def _again(self, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> AcquireResult:
+        """The reply after an error reply: one that says the acquire did not run gets it sent
+        again; any other, as any failure, is the store unavailable."""
         script = self._script
+        packed = self._packed(seen, leases)
         try:
             if isinstance(script, PipelinedScript):
-                return await script.reply_error(str(error), self.packed(seen), self._store._timeout)
-            return await script.reply_error(str(error), self._keys, self.packed(seen), self._store._timeout)
+                out = await script.reply_error(str(error), packed, self._store._timeout)
+            else:
+                out = await script.reply_error(str(error), self._shape.keys, packed, self._store._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
             raise self._store._fast_failed(exc) from exc
+        return acquire_result(out, self._shape.n)
 
-    def failed(self, exc: BaseException) -> StoreUnavailable | None:
-        """What an exception awaiting the reply means: the store unavailable, or (None) not the store's."""
+    @staticmethod
+    def _reloaded(then: Answered, task: asyncio.Task[AcquireResult]) -> None:
+        if task.cancelled():
+            then(None, StoreUnavailable("cancelled"))
+            return
+        exc = task.exception()
+        then(None, exc) if exc is not None else then(task.result(), None)
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        """What an exception awaiting the reply means: the store unavailable, or not the store's."""
         if isinstance(exc, (PipelineError, OSError, TimeoutError)):
             return self._store._fast_failed(exc)
-        return None
+        return exc
 
 
 class RedisStore:
@@ -326,26 +370,7 @@ class RedisStore:
         if fast is not None:
             # The command's fixed parts were packed once (_AcquireShape): only what changes
             # per call is packed here, the bytes being those of the whole command packed.
-            if guard is not None and leases is None and not claim:
-                before, after = shape.around_seen(cost, max_wait, guard.debt)
-                packed = before + bulk(guard.seen) + after
-            else:
-                packed = b"".join(
-                    (
-                        shape.head,
-                        bulk(cost),
-                        bulk(max_wait * _MS),
-                        shape.queued,
-                        _EMPTY if guard is None else bulk(guard.seen),
-                        _ZERO if guard is None else bulk(guard.debt * _MS),
-                        shape.count,
-                        _EMPTY if leases is None else bulk(leases.id),
-                        _ZERO if leases is None else bulk(leases.life * _MS),
-                        bulk(claim),
-                        shape.reserving,
-                        shape.tail,
-                    )
-                )
+            packed = shape.packed(cost, max_wait, guard, leases, claim)
             try:
                 if isinstance(fast, PipelinedScript) and (sent := fast.send_now(packed, self._timeout)) is not None:
                     out = await sent
@@ -380,18 +405,16 @@ class RedisStore:
         max_wait: float,
         queue: str | None,
         guard: StateGuard,
+        sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
     ) -> StraightAcquire | None:
-        """How the straight path (lane.py) sends this bucket set's acquire itself, guarded by
-        ``guard``'s state (its ``seen`` aside: each call's own), no leases, no claim (a
-        refusal may keep a slot, ``reserve``); None when the acquire does not go over
-        pipelined connections (redis-py's clients)."""
+        """(store.BucketStore.straight) None when the acquire does not go over pipelined
+        connections (redis-py's clients)."""
         fast = self._acquire_fast
         if fast is None:
             return None
-        shape = self._shape(buckets, queue, guard, (), reserve)
-        before, after = shape.around_seen(cost, max_wait, guard.debt)
-        return StraightAcquire(self, fast, before, after, shape.n, shape.keys)
+        shape = self._shape(buckets, queue, guard, sets, reserve)
+        return StraightAcquire(self, fast, shape, cost, max_wait, guard)
 
     def _shape(
         self,

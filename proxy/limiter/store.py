@@ -182,6 +182,30 @@ class StoreUnavailable(Exception):
     """The store could not answer in time; the caller must not forward."""
 
 
+Answered = Callable[[AcquireResult | None, BaseException | None], None]
+"""What a straight call's answer goes to: ``(result, None)``, or ``(None, why)`` when none came."""
+
+
+class Pending(Protocol):
+    """A straight call on its way: ``cancel`` when its caller gives up (its answer is dropped)."""
+
+    def cancel(self) -> bool: ...
+
+
+class StraightCall(Protocol):
+    """One bucket set's acquire, prepared once (its keys, rates, bursts, caps and the
+    command's fixed bytes) and sent per request without a coroutine: the straight path's
+    (pipeline/lane.py) one store call per request."""
+
+    def send(self, seen: int, leases: Leases | None, then: Answered) -> Pending | None:
+        """Send the acquire, ``seen`` (the state's counter the caller has seen) and
+        ``leases`` (its concurrency leases, None: none) being the call's own. ``then``
+        gets the decoded result, or why none came (``StoreUnavailable`` for the store's
+        failures), from the callback that read it; maybe before ``send`` returns (a store
+        in this process). None: nothing was sent (the store's connection is not open) and
+        ``then`` is never called."""
+
+
 class BucketStore(Protocol):
     """Where bucket state lives. Every method is one atomic step on the store's clock."""
 
@@ -208,6 +232,21 @@ class BucketStore(Protocol):
         slot (``reserved``), and a claim or a slot whose owner is late is granted without
         taking tokens again (``claimed``); see ``Reserve``.
         """
+
+    def straight(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        sets: tuple[LeaseSet, ...] = (),
+        reserve: Reserve | None = None,
+    ) -> StraightCall | None:
+        """``acquire`` of this bucket set, guarded by ``guard``'s state, with leases in
+        ``sets``, no claim, prepared for the straight path to send per request; None when
+        the store has no such call (a client that answers only in a coroutine: then
+        ``acquire``, in a task)."""
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         """Grant nothing for ``seconds`` (or until outstanding reservations mature),

@@ -1,6 +1,6 @@
 """Sending a granted request to its vendor and streaming the answer back.
 
-One pool of keep-alive connections per vendor (wire/upstream.py), so a slow vendor
+One pool of keep-alive connections per vendor (wire/pool.py), so a slow vendor
 cannot exhaust another's connections. Bodies stream both ways in pieces with backpressure;
 a 50 MB upload or download costs a few buffers, not 50 MB. A request is never sent twice.
 
@@ -33,10 +33,12 @@ from proxy.wire.headers import (
     idempotent,
     upstream_request_lines,
 )
+from proxy.wire.pool import Pool
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder
-from proxy.wire.upstream import Origin, Pool, Response, UpstreamBroke, UpstreamConnection
+from proxy.wire.upstream import Origin, UpstreamBroke, UpstreamConnection
 from proxy.wire.upstream import UpstreamFailed as Failed
+from proxy.wire.vendor_answer import Response
 
 log = logging.getLogger("quota_proxy.forward")
 
@@ -207,7 +209,7 @@ async def send(
     window, unless they had the room for it: at the last moment, its connection in hand, so
     that whatever delayed one request (a connection opening, a busy loop) cannot bunch it
     with the ones granted after it (pacing.py)."""
-    lines = upstream_request_lines(request.fields, request.headers, tenant_header)
+    lines = upstream_request_lines(request.raw, tenant_header)
     timeouts = vendor.timeouts
     try:
         where = origin_of(origin)

@@ -24,8 +24,9 @@ from proxy.limiter.partitions import shown
 from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
 from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
+from proxy.pipeline.handover import Carried
 from proxy.pipeline.kept_slots import Caller, KeptSlots
-from proxy.pipeline.lane import Carried, Lane
+from proxy.pipeline.lane import Lane
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import Paced, longest_window
@@ -44,7 +45,7 @@ from proxy.tls.intercept import interception_of
 from proxy.wire.headers import idempotent
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder
-from proxy.wire.upstream import Response
+from proxy.wire.vendor_answer import Response
 
 log = logging.getLogger("quota_proxy")
 
@@ -149,13 +150,19 @@ class ProxyHandler:
         if match.partition:
             rec.partition = shown(match.partition)
         deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
+        # The request's leases (concurrency caps) are given back however it ends, once
+        # the vendor's answer is relayed (concurrency.py); the straight path's, taken there.
+        if carried is not None and carried.slot is not None:
+            slot = carried.slot
+        else:
+            slot = deps.concurrency.slot(match.vendor, match.endpoint)
         if carried is not None and carried.admission is not None:  # granted and sent already
-            await self._go(deps, request, responder, match, rec, carried.admission, UNCAPPED, carried)
+            try:
+                await self._go(deps, request, responder, match, rec, carried.admission, slot, carried)
+            finally:
+                slot.close()
             return
         wish = request_wish(match.vendor.on_limit, request.headers)
-        # The request's leases (concurrency caps) are given back however it ends, once
-        # the vendor's answer is relayed (concurrency.py).
-        slot = deps.concurrency.slot(match.vendor, match.endpoint)
         try:
             admission = await self.admit(
                 deps,

@@ -1,33 +1,31 @@
 """The straight path: the usual request, from its head to its answer, driven by the sockets.
 
 Most requests are alike: no body or a small one that comes whole soon after its head (a
-payment's form, a JSON document: http1.BOARD_WAIT), a vendor whose limits are token
-buckets that grant at once, an answer of known length that is all in when its head is. The general request
-path (handler.py) serves every request, and pays for it on every one: a parse into
-objects, a route through the router, the limiter and the forwarder's layers, a task
-that wakes at each step. This path serves the usual request directly. What a request's
-destination, method and tenant decide (its route: vendor, buckets, store command, vendor
-connection pool, metric series, access-log text) is worked out once per policy
-(routes.py), and per request a ``Flight`` does what is left, each step run by the
-callback of the one before, no task and no coroutine:
+payment's form, a JSON document: parsing.BOARD_WAIT), tokens granted at once, an answer
+of known length that is all in when its head is. The general request path (handler.py)
+serves every request, and pays for it on every one: a parse into objects, the router, the
+limiter's and the forwarder's layers, a task that wakes at each step. This path serves the
+usual request directly. What a request's destination, method and tenant decide (its
+route, routes.py: vendor, pool, metric series, access-log text; and what it is charged,
+by endpoint class and partition: buckets, cost, leases, the store call) is worked out once
+per policy, and per request a ``Flight`` does what is left, each step run by the callback
+of the one before, no task and no coroutine:
 
-    the worker's head parsed → its route (the parser noted the fields it needs)
-    one store call (the acquire packed but for the state's counter)   → _stored
-    granted now → an idle vendor connection → paced → the head (and body) written → _answered
-    the vendor's answer → its lines copied in one pass → one write to the worker
+    the worker's head parsed → its route and charge
+    one store call (tokens and concurrency leases, decoded by the store)  → _stored
+    granted now → an idle vendor connection → paced → the head (and body) written
+    the vendor's answer → its lines copied in one pass → leases given back → one write
     metrics, the recent counts and the access-log line, from the route's cells and text
 
-At the first thing that is not usual it hands the request to the general path, which
-goes on from there in the connection's serving task (``Carried``): before the store
-call, nothing done (the route is not straight, the breaker is not closed, the store's
-connection is not open); with the store's answer when it is not "go now" (a hold, a
-refusal) or why there was none (the store unavailable); with the vendor's answer when it
-is not one this path relays (a 429, no length, a watched field, a large or unfinished
-body) or why there was none (a vendor that cannot be reached, a timeout). Every request
-is served, counted and logged as the general path would have: the two share the answers,
-refusals, feedback, pacing, pools, metric series and log format, and tests/test_lane.py
-checks that they write the same. A worker that goes away mid-flight is accounted as the
-general path's cancelled request is (``Flight.gone``).
+At the first thing that is not usual it hands the request to the general path
+(handover.py), which goes on from there in the connection's serving task: before the store
+call, nothing done; with the store's answer when it is not "go now" (a hold, a refusal, a
+full cap) or why there was none; with the vendor's answer when it is not one this path
+relays (a 429, no length, a watched field, a large body) or why there was none. Every
+request is served, counted and logged as the general path would have: tests/test_lane.py
+and tests/test_straight_path.py check that they write the same, and list what goes the
+general way. A worker that goes away mid-flight is accounted as the general path's
+cancelled request is (``Flight.gone``).
 """
 
 from __future__ import annotations
@@ -37,93 +35,41 @@ import functools
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
-
-import hiredis
+from typing import TYPE_CHECKING, Any, Final
 
 from proxy.limiter import AcquireResult, StoreUnavailable
-from proxy.limiter.pipelined import Reply
-from proxy.limiter.redis_store import acquire_result
+from proxy.limiter.store import Pending
 from proxy.pipeline.decide import Admission
 from proxy.pipeline.forward import paced, ready
+from proxy.pipeline.handover import Carried, GeneralPath
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger
-from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import Paced
 from proxy.pipeline.refusals import InternalError
 from proxy.pipeline.responses import write_answer
-from proxy.pipeline.routes import KEY_MAX, Route, Routes
+from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes
+from proxy.quota.concurrency import Slot
 from proxy.tasks import spawn
+from proxy.telemetry.loudly import Loudly
 from proxy.tls.intercept import Interception
 from proxy.wire.headers import answer_lines, idempotent, request_kinds
 from proxy.wire.request import Request
-from proxy.wire.responder import Responder, date_line, status_line
-from proxy.wire.upstream import Response, UpstreamConnection, UpstreamFailed
+from proxy.wire.responder import Responder, date_line, head_end, keeps, status_line
+from proxy.wire.upstream import UpstreamConnection, UpstreamFailed
+from proxy.wire.vendor_answer import Response
 
 if TYPE_CHECKING:
     from proxy.deps import Deps
-    from proxy.pipeline.kept_slots import KeptSlots
-    from proxy.quota.seats import Seats
-    from proxy.wire.body import BodyBroken
     from proxy.wire.http1 import Http1Connection
 
 log = logging.getLogger("quota_proxy")
 
 WHOLE_MAX: Final = 64 * 1024
 """The largest answer body relayed here (all in with its head, one write); larger ones the general path streams."""
-_ReplyError = hiredis.ReplyError
 _quoted = encode_basestring_ascii
 # What a flight waits for (``Flight.gone`` undoes it).
-_STORE, _ACQUIRING, _CONNECTING, _VENDOR = 1, 2, 3, 4
-
-
-class Carried(NamedTuple):
-    """How far the straight path took a request it hands to the general path: what it did
-    is not done again, what it learnt is not asked again."""
-
-    match: Match
-    taken: AcquireResult | StoreUnavailable | None = None
-    """The store's answer for the request's tokens, or why it gave none; None: not asked yet."""
-    admission: Admission | None = None
-    """Granted and sent: how it is counted; then ``upstream`` is the vendor's answer (its
-    head in) or ``failure`` why the exchange failed, on ``conn``, sent at ``sent``."""
-    upstream: Response | None = None
-    failure: UpstreamFailed | BodyBroken | OSError | None = None
-    conn: UpstreamConnection | None = None
-    sent: float = 0.0
-
-
-def _nothing() -> None:
-    pass
-
-
-class GeneralPath(Protocol):
-    """What the straight path hands over to, and shares with, the general path (handler.py):
-    the request it cannot finish, a worker gone while the vendor works, the tenants'
-    seats and the slots kept for deferred calls."""
-
-    @property
-    def deps(self) -> Deps: ...
-
-    @property
-    def seats(self) -> Seats: ...
-
-    @property
-    def kept(self) -> KeptSlots: ...
-
-    def __call__(
-        self,
-        request: Request,
-        responder: Responder,
-        deps: Deps | None = None,
-        started: float | None = None,
-        carried: Carried | None = None,
-    ) -> Awaitable[None]:
-        """Go on with ``request`` from where the straight path stopped (``carried``)."""
-
-    def heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:
-        """The vendor is done with a request whose worker went away."""
+_STORE, _ACQUIRING, _CONNECTING, _VENDOR, _RELEASING = 1, 2, 3, 4, 5
 
 
 class Lane:
@@ -131,6 +77,7 @@ class Lane:
 
     def __init__(self, handler: GeneralPath) -> None:
         self.handler = handler
+        self._loudly = Loudly(log, handler.deps.clock)
         self.reset(handler.deps)
 
     def reset(self, deps: Deps) -> None:
@@ -140,10 +87,19 @@ class Lane:
         self.tenant_header = deps.policy.tenant.header
         self.kinds = request_kinds(self.tenant_header)
         """The classifier the worker-facing parser notes fields with (headers.request_kinds)."""
+        self.authenticates = deps.router.tenancy.authenticates
+        """Tenants come from proxy credentials: a plain request's route is its credentials' too."""
 
     def flight(self, conn: Http1Connection, request: Request) -> Flight | None:
         """The straight path for a ``lean`` request, when its route is straight (else None:
         the general path serves it); ``Flight.take`` then starts it."""
+        try:
+            return self._flight(conn, request)
+        except Exception as exc:  # a bug (called from the parser's callback): the general path serves it
+            self._loudly.warn("route", 60.0, "the straight path could not route %s: %r", request.target[:200], exc)
+            return None
+
+    def _flight(self, conn: Http1Connection, request: Request) -> Flight | None:
         if request.kinds is not self.kinds:  # its head was read under another policy's tenant header
             return None
         if conn.kept_slots:  # a deferred call's slot to claim: the general path's (handler.admit)
@@ -154,14 +110,15 @@ class Lane:
         route: Route | bool | None = None
         cut = -1
         if tag is None:
+            proof = _proof(request) if self.authenticates else None
             if target[:1] == "/":  # origin form: a vendor route, or Host
                 if len(target) <= KEY_MAX:
-                    key: object = (target, request.host, method, request.tenant)
+                    key: object = (target, request.host, method, request.tenant, proof)
                     route = self.routes.get(key)
             else:
                 cut = target.find("/", 8)  # past "http://x" or "https://": where the path starts
                 if 0 < cut <= KEY_MAX and "#" not in target:
-                    key = (target[:cut], method, request.tenant)
+                    key = (target[:cut], method, request.tenant, proof)
                     route = self.routes.get(key)
         elif type(tag) is Interception and target[:1] == "/":
             cut = 0
@@ -171,21 +128,32 @@ class Lane:
             route = self.routes.learn(key, request, method, cut)
         if not isinstance(route, Route):
             return None
-        if route.reserve is not None and self.handler.kept.waiting(route.reserve.key):
+        charge = route.charge
+        if charge is None:
+            charge = route.charge_of(request)
+        if charge.reserve is not None and self.handler.kept.waiting(charge.reserve.key):
             return None  # this bucket set's deferred calls have slots here: the general path claims them
-        return Flight(self, conn, request, route, cut)
+        return Flight(self, conn, request, route, charge, cut)
 
     async def crashed(
-        self, deps: Deps, request: Request, responder: Responder, route: Route, started: float, exc: Exception
+        self,
+        deps: Deps,
+        request: Request,
+        responder: Responder,
+        route: Route,
+        charge: Charge,
+        slot: Slot | None,
+        started: float,
+        exc: Exception,
     ) -> None:
         """A bug: logged, counted (outcome error), answered 500 unless the answer had begun
-        (then the connection is cut, never a spliced body)."""
+        (then the connection is cut, never a spliced body); its leases given back."""
+        if slot is not None:
+            slot.close()
         log.error("internal error on %s %s", request.method, request.target[:200], exc_info=exc)
         ledger = Ledger(deps, request.method, request.target, started)
-        rec = ledger.rec
-        rec.host, rec.path = route.host, route.path_of(request)
-        rec.vendor, rec.tenant = route.vendor.name, route.tenant
-        rec.outcome, rec.detail = "error", INTERNAL_ERROR
+        route.record(ledger.rec, charge, request)
+        ledger.rec.outcome, ledger.rec.detail = "error", INTERNAL_ERROR
         try:
             if responder.begun:
                 raise exc
@@ -202,6 +170,7 @@ class Flight:
 
     __slots__ = (
         "asked",
+        "charge",
         "conn",
         "cut",
         "dead",
@@ -212,15 +181,17 @@ class Flight:
         "request",
         "responder",
         "route",
-        "seen",
         "sent",
+        "slot",
         "started",
         "upstream",
         "waiting",
         "written",
     )
 
-    def __init__(self, lane: Lane, conn: Http1Connection, request: Request, route: Route, cut: int) -> None:
+    def __init__(
+        self, lane: Lane, conn: Http1Connection, request: Request, route: Route, charge: Charge, cut: int
+    ) -> None:
         self.lane = lane
         self.deps = deps = lane.deps  # one policy generation for the whole request
         self.started = deps.clock.monotonic()
@@ -229,12 +200,13 @@ class Flight:
         self.responder: Responder | None = None
         self.written = 0  # the status of the answer written to the worker (0: none yet)
         self.route = route
+        self.charge = charge
+        self.slot: Slot | None = None
         self.cut = cut
         self.dead = False
         self.waiting = 0  # what it waits for: _STORE, _ACQUIRING, _CONNECTING, _VENDOR (0: nothing)
-        self.asked: asyncio.Future[Any] | Reply | None = None
+        self.asked: asyncio.Future[Any] | Pending | None = None
         self.upstream: UpstreamConnection | None = None
-        self.seen = 0
         self.now = self.sent = 0.0
         self.levels: tuple[float, ...] = ()
 
@@ -252,43 +224,50 @@ class Flight:
 
     def _take(self) -> bool:
         route = self.route
-        limiter = self.deps.limiter
+        charge = self.charge
+        deps = self.deps
+        limiter = deps.limiter
+        vendor = route.vendor
+        local = limiter.local
+        if local is not None and local.current() != "shared":  # the store is out, or just back
+            return False
         seats = route.seats
-        if seats is not None and self.lane.handler.seats.take(route.vendor, route.tenant, seats) > 0:
+        if seats is not None and self.lane.handler.seats.take(vendor, route.tenant, seats) > 0:
             return False  # no seat free: the general path defers it
-        plan = route.plan
-        if plan is not None:
+        if vendor.partition is not None:
+            limiter.partitions.note(vendor.name, charge.partition)
+        if charge.caps:
+            self.slot = deps.concurrency.slot(vendor, charge.endpoint)
+        call = charge.call
+        if call is not None:
             breaker = limiter.breaker
             if not breaker.allow():  # open: the general path refuses it as the breaker says
                 return False
-            seen = limiter.seen_seq(route.state_key)
-            self.seen = seen
-            asked = plan.send(seen, self._stored)
+            self.waiting = _STORE
+            asked = call.send(
+                limiter.seen_seq(charge.state_key), None if self.slot is None else self.slot.leases, self._stored
+            )
             if asked is None:  # the store's connection is not open: the general path opens it
+                self.waiting = 0
                 breaker.release()
                 return False
-            self.waiting = _STORE
-            self.asked = asked
+            if self.waiting == _STORE:  # (a store in this process has answered already)
+                self.asked = asked
             return True
-        queue = route.b.queue if route.enqueue else None
-        try:
-            result = limiter.take_now(route.vendor, route.b, route.cost, route.max_wait, queue, route.reserve)
-        except StoreUnavailable as down:
-            self._carry(Carried(route.match_for(self.request.target), down))
-            return True
-        if result is None:  # a store without a straight command (Redis Cluster, redis-py): its own acquire
-            call = limiter.acquire(
-                route.vendor,
-                route.tenant,
-                route.max_wait,
-                route.cost,
-                enqueue=route.enqueue,
-                buckets=route.b,
-                claim=None if route.reserve is None else "",
-            )
-            self._wait(_ACQUIRING, spawn(call, name="straight-acquire"), self._acquired)
-            return True
-        self._decided(result)
+        slot = self.slot
+        acquire = limiter.acquire(
+            vendor,
+            route.tenant,
+            charge.max_wait,
+            charge.cost,
+            enqueue=charge.enqueue,
+            endpoint=charge.endpoint,
+            partition=charge.partition,
+            leases=None if slot is None else slot.leases,
+            buckets=charge.b,
+            claim=None if charge.reserve is None else "",
+        )
+        self._wait(_ACQUIRING, spawn(acquire, name="straight-acquire"), self._acquired)
         return True
 
     def _wait(self, what: int, asked: asyncio.Future[Any], then: Callable[[asyncio.Future[Any]], None]) -> None:
@@ -296,64 +275,37 @@ class Flight:
         self.asked = asked
         asked.add_done_callback(then)
 
-    def _stored(self, out: Any, exc: BaseException | None) -> None:
-        """The store's reply (``out``), or why none came: from the pipelined connection's
-        reading callback (or its timer), as it comes."""
-        if self.dead:
+    def _stored(self, result: AcquireResult | None, exc: BaseException | None) -> None:
+        """The store's decided answer, or why none came (``StoreUnavailable``: the store's
+        failure): from the callback that read it, as it comes."""
+        limiter = self.deps.limiter
+        if self.dead:  # (only a request with leases waits for the reply it no longer needs)
+            if result is not None:
+                limiter.took(self.route.vendor, self.charge.b, result)
+                if result.granted and self.slot is not None:
+                    self.deps.concurrency.took(self.slot)
+                    self.slot.close()
             return
         self.waiting = 0
         self.asked = None
-        plan = self.route.plan
-        assert plan is not None
         try:
-            if exc is not None:
-                down = exc if isinstance(exc, StoreUnavailable) else plan.failed(exc)
-                if down is None:
-                    self.deps.limiter.breaker.release()
+            if result is None:
+                assert exc is not None
+                limiter.not_taken(exc)
+                if not isinstance(exc, StoreUnavailable):
                     raise exc
-                self._store_down(down)
+                local = limiter.local
+                if local is not None and local.engage(exc):  # the general path asks this replica's share
+                    self._carry(self._carried())
+                else:
+                    self._carry(self._carried(exc))
                 return
-            if type(out) is _ReplyError:  # NOSCRIPT (Redis restarted, flushed): loaded, and asked again
-                self._wait(_ACQUIRING, spawn(plan.reply_error(out, self.seen), name="straight-acquire"), self._reloaded)
-                return
-            self._granted(out)
+            self._decided(limiter.took(self.route.vendor, self.charge.b, result))
         except Exception as error:
             self._crash(error)
 
-    def _reloaded(self, asked: asyncio.Future[Any]) -> None:
-        """The reply after a NOSCRIPT (the script loaded, the acquire sent again)."""
-        if asked.cancelled():  # (gone: the flight is dead)
-            return
-        exc = asked.exception()
-        self._stored(None if exc is not None else asked.result(), exc)
-
-    def _store_down(self, down: StoreUnavailable) -> None:
-        self.deps.limiter.store_failed(down)
-        self._carry(Carried(self.route.match_for(self.request.target), down))
-
-    def _granted(self, out: list[Any]) -> None:
-        deps = self.deps
-        route = self.route
-        plan = route.plan
-        assert plan is not None
-        now = deps.clock.monotonic()
-        levels = tuple(map(float, out[8 : 8 + plan.n]))
-        deps.limiter.answered_straight(
-            route.vendor, route.b, int(out[4]), int(out[7]) / 1000.0, out[5] == b"1", levels, now
-        )
-        if out[0] != b"1":  # a refusal
-            self._carry(Carried(route.match_for(self.request.target), acquire_result(out, plan.n)))
-            return
-        if out[1] != b"0.000":
-            wait = float(out[1]) / 1000.0
-            if wait > 0:  # a hold
-                self._carry(Carried(route.match_for(self.request.target), acquire_result(out, plan.n)))
-                return
-            now += wait  # a kept slot claimed late: granted when it matured (pacing.py)
-        self._go(now, levels)
-
     def _acquired(self, asked: asyncio.Future[Any]) -> None:
-        """The answer of a store without a straight command (its own acquire, a task)."""
+        """The answer of a store without a straight call (``Limiter.acquire``, a task)."""
         if self.dead:
             return
         self.waiting = 0
@@ -361,7 +313,7 @@ class Flight:
         try:
             exc = asked.exception()
             if isinstance(exc, StoreUnavailable):  # (the limiter has told the breaker)
-                self._carry(Carried(self.route.match_for(self.request.target), exc))
+                self._carry(self._carried(exc))
                 return
             if exc is not None:
                 raise exc
@@ -370,11 +322,27 @@ class Flight:
             self._crash(exc)
 
     def _decided(self, result: AcquireResult) -> None:
-        now = self.deps.clock.monotonic()
-        if not result.granted or result.wait > 0:  # a hold, or a refusal
-            self._carry(Carried(self.route.match_for(self.request.target), result))
+        """What the store said: go now, or (a hold, a refusal) the general path's to go on with."""
+        slot = self.slot
+        if not result.granted:
+            if result.full >= 0:  # a cap full: the general path waits for a slot, or refuses
+                self.slot = None
+                self._carry(self._carried())
+            else:
+                self._carry(self._carried(result))
             return
-        self._go(now + result.wait, result.levels)  # (a kept slot claimed late: when it matured)
+        if slot is not None:
+            self.deps.concurrency.took(slot)
+        if result.wait > 0:  # a hold
+            self._carry(self._carried(result))
+            return
+        # (A kept slot claimed late: granted when it matured, paced so: pacing.py.)
+        self._go(self.deps.clock.monotonic() + result.wait, result.levels)
+
+    def _carried(self, taken: AcquireResult | StoreUnavailable | None = None) -> Carried:
+        """What the general path goes on with before the request was sent."""
+        match = self.route.match_for(self.request.target, self.charge)
+        return Carried(match, taken, slot=self.slot)
 
     # -- to the vendor ---------------------------------------------------------------------
 
@@ -389,13 +357,14 @@ class Flight:
         conn = pool.idle(route.origin)
         pacer = deps.pacer
         connect = route.timeouts.connect
-        room = levels[route.tenant_count :]
+        charge = self.charge
+        room = levels[charge.tenant_count :]
         if conn is None or pacer.still_connecting:  # a connection to open, or others' to wait for
-            pace = Paced(route.vendor_side, now, route.window, room, route.cost)
+            pace = Paced(charge.vendor_side, now, route.window, room, charge.cost)
             opened = spawn(ready(pool, route.origin, connect, pacer, pace, conn), name="straight-connect")
             self._wait(_CONNECTING, opened, self._connected)
             return
-        wait = pacer.reserve(route.vendor_side, now, route.window, room, route.cost)
+        wait = pacer.reserve(charge.vendor_side, now, route.window, room, charge.cost)
         if wait > 0:
             self._wait(
                 _CONNECTING, spawn(paced(pool, conn, pacer, wait, connect), name="straight-paced"), self._connected
@@ -441,10 +410,11 @@ class Flight:
     def _sent(self, upstream: Response | None = None, failure: UpstreamFailed | OSError | None = None) -> Carried:
         """What the general path goes on with once the request was granted and sent."""
         route = self.route
-        pace = Paced(route.vendor_side, self.now, route.window, self.levels[route.tenant_count :], route.cost)
-        match = route.match_for(self.request.target)
+        charge = self.charge
+        pace = Paced(charge.vendor_side, self.now, route.window, self.levels[charge.tenant_count :], charge.cost)
+        match = route.match_for(self.request.target, charge)
         admission = Admission("forwarded", None, pace)
-        return Carried(match, None, admission, upstream, failure, self.upstream, self.sent)
+        return Carried(match, None, admission, upstream, failure, self.upstream, self.sent, self.slot)
 
     # -- the answer ------------------------------------------------------------------------
 
@@ -476,27 +446,44 @@ class Flight:
             kept, length, date = lines
             route.recent.add(int(self.deps.clock.monotonic()))
             route.answer_cell(status)._value += 1
-            conn = self.conn
             request = self.request
-            keep = request.keep_alive and conn.keep_alive  # (Responder.keeps: no body waits to be invited)
-            if not keep:
-                framing = b"Content-Length: %d\r\nConnection: close\r\n\r\n"
-            elif request.version == "1.1":
-                framing = b"Content-Length: %d\r\n\r\n"
-            else:  # an HTTP/1.0 worker keeps the connection only when told so
-                framing = b"Content-Length: %d\r\nConnection: keep-alive\r\n\r\n"
+            keep = keeps(request, self.conn)
             if not keep:
                 request.keep_alive = False
             head = status_line(status, response.reason)
-            conn.write(b"".join((head, kept, b"" if date else date_line(), framing % length, body)))
-            self.written = status
-            if conn.write_paused or conn.closed:  # a slow worker: its drain, in the serving task
-                conn.carry(request, self._responder(), functools.partial(self._drained, response))
+            end = head_end(request.version, keep)
+            answer = b"".join((head, kept, b"" if date else date_line(), b"Content-Length: %d\r\n" % length, end, body))
+            slot = self.slot
+            if slot is not None and slot.taken:
+                # Its leases go back before the worker has its answer: its next call, on any
+                # replica, finds the slot free (concurrency.Slot.give_back).
+                self.waiting = _RELEASING
+                slot.give_back_then(functools.partial(self._released, response, answer))
                 return
-            response.release()
-            self._landed(status)
+            self._write(response, answer)
         except Exception as exc:
             self._crash(exc)
+
+    def _released(self, response: Response, answer: bytes) -> None:
+        """The store has the request's leases back: the answer goes out."""
+        if self.dead:
+            response.release()  # (the answer was whole: the connection is fit for the next)
+            return
+        self.waiting = 0
+        try:
+            self._write(response, answer)
+        except Exception as exc:
+            self._crash(exc)
+
+    def _write(self, response: Response, answer: bytes) -> None:
+        conn = self.conn
+        conn.write(answer)
+        status = self.written = response.status
+        if conn.write_paused or conn.closed:  # a slow worker: its drain, in the serving task
+            conn.carry(self.request, self._responder(), functools.partial(self._drained, response))
+            return
+        response.release()
+        self._landed(status)
 
     async def _drained(self, response: Response) -> None:
         """The rest of an answer the worker was slow to take, in the serving task (which
@@ -531,6 +518,9 @@ class Flight:
             self._account("error", broken, status)
         else:
             route.forwarded._value += 1
+            charge = self.charge
+            if charge.endpoint_cell is not None:
+                charge.endpoint_cell._value += 1
             if route.log:
                 cut = self.cut
                 target = self.request.target
@@ -540,7 +530,7 @@ class Flight:
                 # AccessRecord.line's text, json's own for each value (float repr, the quoting).
                 deps.access_log.add(
                     f'{{"ts":{ts!r}{route.log_head}{logged_path}{route.log_mid}{status},"upstream_status":{status}'
-                    f"{route.log_tail}{ms!r}"
+                    f"{route.log_tail}{ms!r}{charge.log_end}"
                 )
 
     # -- the rare ends, accounted as the general path accounts them -------------------------
@@ -555,7 +545,9 @@ class Flight:
         if self.upstream is not None and self.waiting == 0:
             self.upstream.close()  # whatever state it was left in, it is not reused
         responder = self._responder()
-        work = functools.partial(self.lane.crashed, self.deps, self.request, responder, self.route, self.started, exc)
+        work = functools.partial(
+            self.lane.crashed, self.deps, self.request, responder, self.route, self.charge, self.slot, self.started, exc
+        )
         self.conn.carry(self.request, responder, work)
 
     def _responder(self) -> Responder:
@@ -576,33 +568,47 @@ class Flight:
         waiting, asked = self.waiting, self.asked
         self.waiting = 0
         self.asked = None
+        slot = self.slot
         if waiting == _STORE:
             assert asked is not None
-            asked.cancel()  # its reply, when it comes, is dropped
-            self.deps.limiter.breaker.release()
+            if slot is None:
+                asked.cancel()  # its reply, when it comes, is dropped
+                self.deps.limiter.breaker.release()
+            # (else its reply is awaited still: leases it grants are given back, _stored)
         elif waiting == _VENDOR:
             upstream = self.upstream
             assert upstream is not None
             upstream.unanswered(asyncio.CancelledError())
+            release = _nothing if slot is None else slot.detach()
             if upstream.draining:
-                match = self.route.match_for(self.request.target)
-                upstream.after(functools.partial(self.lane.handler.heard_out, self.deps, match, _nothing))
-        elif asked is not None:  # _ACQUIRING, _CONNECTING: a task, which undoes its own
-            asked.cancel()
+                match = self.route.match_for(self.request.target, self.charge)
+                upstream.after(functools.partial(self.lane.handler.heard_out, self.deps, match, release))
+            else:
+                release()
+        elif waiting != _RELEASING:
+            if asked is not None:  # _ACQUIRING, _CONNECTING: a task, which undoes its own
+                asked.cancel()
+            if slot is not None:
+                slot.close()
         self.deps.metrics.count_mode(self.route.vendor.name, self.route.mode)
         self._account("error", "the worker went away")
 
     def _account(self, outcome: str, detail: str, status: int | None = None) -> None:
-        request = self.request
-        route = self.route
-        ledger = Ledger(self.deps, request.method, request.target, self.started)
+        ledger = Ledger(self.deps, self.request.method, self.request.target, self.started)
+        self.route.record(ledger.rec, self.charge, self.request)
         rec = ledger.rec
-        rec.host, rec.path = route.host, route.path_of(request)
-        rec.vendor, rec.tenant = route.vendor.name, route.tenant
         rec.outcome, rec.detail = outcome, detail
         rec.status = rec.upstream_status = status
         ledger.close()
 
 
-Work = Callable[[], Awaitable[None]]
-"""What a connection's serving task goes on with for a request a flight handed over."""
+def _nothing() -> None:
+    pass
+
+
+def _proof(request: Request) -> bytes | None:
+    """The request's first ``Proxy-Authorization`` (the one a lookup by name finds)."""
+    for name, value in request.raw:
+        if len(name) == 19 and name.lower() == b"proxy-authorization":
+            return value
+    return None

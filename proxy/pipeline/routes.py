@@ -1,23 +1,25 @@
 """What the straight path (lane.py) knows of a request before it reads more than its head.
 
 A *route* is what a request's destination, method and tenant decide once a policy is
-loaded: its vendor, its buckets and the store command that takes from them, the pool
+loaded: its vendor, what it is charged (``Charge``: its buckets, cost, leases and the
+store command that takes them, by endpoint class and partition), the pool
 its vendor connection comes from, the first line and ``Host`` of what the vendor is
 sent, its metric series and the constant parts of its access-log line. Workers send the
 same few of them over and over, so each is worked out once per policy generation (by
 the general path's own router, tenancy, limiter and metrics) and kept in a ``Routes``
-table; per request only the path is cut from the target.
+table; per request only the path is cut from the target (and, for a vendor with
+endpoint classes or a partition, its charge looked up by class and partition).
 
 The key is what decides the route without parsing: for an absolute-form target
 (``GET http://api.x/v1/...``) its ``scheme://authority`` part, the method and the tenant
 header's value; inside an intercepted tunnel, where the tunnel leads; for an origin-form
 target (a vendor ``route`` or a ``Host``), the whole target and ``Host``.
 
-A route is *straight* when nothing about its requests needs the general path: no
-concurrency cap, partition, endpoint classes, RateLimit fields, learned limits, proxy
-credentials or local shares, and a method whose answer has a body (not
-HEAD). Requests of any other route take the general path whole. (A tenant the policy does
-not name takes its seat here as it would there: ``seats``.)
+A route is *straight* unless its vendor asks for what only the general path does yet
+(``straight``: RateLimit fields, learned limits) or
+its method is HEAD; requests of any other route take the general path whole
+(tests/test_straight_path.py lists them). (A tenant the policy does not name takes its
+seat here as it would there: ``seats``.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from collections.abc import Hashable
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Final
 
-from proxy.limiter.store import Reserve, StateGuard
+from proxy.limiter.partitions import DEFAULT, partition_hash, shown
+from proxy.limiter.store import Reserve
 from proxy.pipeline.feedback import remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
@@ -35,6 +38,7 @@ from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import longest_window
 from proxy.pipeline.refusals import Refusal
 from proxy.pipeline.target import parse_target, parse_tunneled_target
+from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.metrics import Value
 from proxy.tls.intercept import interception_of
 from proxy.wire.headers import answer_fields
@@ -42,33 +46,103 @@ from proxy.wire.headers import answer_fields
 if TYPE_CHECKING:
     from proxy.deps import Deps
     from proxy.limiter.buckets import Buckets
-    from proxy.limiter.redis_store import StraightAcquire
-    from proxy.limiter.store import BucketSpec
+    from proxy.limiter.store import BucketSpec, StraightCall
     from proxy.policy.model import Vendor
+    from proxy.telemetry.accesslog import AccessRecord
     from proxy.telemetry.metrics import HistogramCells
     from proxy.telemetry.recent import Ring
+    from proxy.wire.pool import Pool
     from proxy.wire.request import Request
-    from proxy.wire.upstream import Origin, Pool
+    from proxy.wire.upstream import Origin
 
 ROUTES_MAX: Final = 4096
 """Routes kept per table; past that it starts over (tenants and targets are the workers')."""
+CHARGES_MAX: Final = 1024
+"""Charges (one per endpoint class and partition) kept per route; past that it starts over."""
 KEY_MAX: Final = 512
 """Longest target (origin form: the whole of it) a route is kept for."""
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 (upstream.py)
+
+
+class Charge:
+    """What a request of a route is charged, by its endpoint class and partition (SPEC §10):
+    its buckets and cost, the store call that takes them, the leases of its concurrency
+    caps, how a deferral keeps its slot, and the metric series and access-log text that
+    depend on them. One per route for a vendor without classes or partitions."""
+
+    __slots__ = (
+        "b",
+        "call",
+        "caps",
+        "cost",
+        "endpoint",
+        "endpoint_cell",
+        "enqueue",
+        "log_end",
+        "match",
+        "max_wait",
+        "partition",
+        "reserve",
+        "state_key",
+        "tenant_count",
+        "vendor_side",
+    )
+
+    def __init__(self, deps: Deps, match: Match) -> None:
+        vendor = match.vendor
+        endpoint = match.endpoint
+        limiter = deps.limiter
+        self.match = match
+        self.endpoint = endpoint
+        self.partition = match.partition
+        self.b: Buckets = limiter.buckets(vendor, match.tenant, endpoint, match.partition)
+        self.tenant_count = self.b.tenant_count
+        self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
+        self.cost = 1.0 if endpoint is None else endpoint.cost
+        on_limit = vendor.on_limit
+        self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
+        self.enqueue = on_limit.action != "shed"
+        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
+        # here, which has no slot of its own: a retry of a call deferred on this replica
+        # takes the general path, which claims its slot.
+        self.reserve: Reserve | None = (
+            limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if on_limit.action == "defer" else None
+        )
+        """How a refusal keeps its slot (a deferring vendor); the straight path takes only
+        requests of connections that hold none (handler.admit claims them)."""
+        self.state_key = self.b.state_key
+        self.caps = bool(deps.concurrency.sets(vendor, endpoint))
+        """Its requests take leases (concurrency caps): ``Concurrency.slot``."""
+        leases = deps.concurrency.slot(vendor, endpoint).leases if self.caps else None
+        queue = self.b.queue if self.enqueue else None
+        self.call: StraightCall | None = (
+            limiter.straight(vendor, self.b, self.cost, self.max_wait, queue, leases, self.reserve)
+            if self.state_key
+            else None
+        )
+        """The store call that takes its tokens and leases (None: the store has none, or
+        the vendor has no state to guard: ``Limiter.acquire``, in a task)."""
+        self.endpoint_cell: Value | None = (
+            None if endpoint is None else deps.metrics.endpoint_cell(vendor.name, endpoint.name, "forwarded")
+        )
+        quoted = encode_basestring_ascii
+        end = "" if endpoint is None else f',"endpoint":{quoted(endpoint.name)}'
+        part = shown(match.partition)
+        self.log_end = end + ("" if part is None else f',"partition":{quoted(part)}')
+        """The access-log line's fields after ``duration_ms`` (AccessRecord's order)."""
 
 
 class Route:
     """One route of one policy generation: what its requests have in common."""
 
     __slots__ = (
+        "_charges",
         "_deps",
+        "_method",
         "answer_fields",
         "answers",
-        "b",
-        "buckets",
-        "cost",
+        "charge",
         "cut",
-        "enqueue",
         "forwarded",
         "head_end",
         "head_start",
@@ -81,24 +155,19 @@ class Route:
         "log_path",
         "log_tail",
         "match",
-        "max_wait",
         "mode",
         "mode_cell",
         "origin",
+        "partition_header",
         "path",
-        "plan",
         "pool",
         "recent",
-        "reserve",
         "seats",
-        "state_key",
         "straight",
         "target_path",
         "tenant",
-        "tenant_count",
         "timeouts",
         "vendor",
-        "vendor_side",
         "window",
     )
 
@@ -107,6 +176,7 @@ class Route:
     ) -> None:
         vendor = match.vendor
         self._deps = deps
+        self._method = method
         self.match = match
         self.vendor: Vendor = vendor
         self.tenant = match.tenant
@@ -122,35 +192,16 @@ class Route:
         self.straight = method != "HEAD" and straight(deps, match)
         if not self.straight:
             return
-        limiter = deps.limiter
-        self.b: Buckets = limiter.buckets(vendor, match.tenant)
-        self.buckets = self.b.all
-        self.tenant_count = self.b.tenant_count
-        self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
         self.window = longest_window(vendor)
-        self.cost = 1.0
-        on_limit = vendor.on_limit
-        self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
-        self.enqueue = on_limit.action != "shed"
-        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
-        # here, which has no slot of its own: a retry of a call deferred on this replica
-        # takes the general path, which claims its slot.
-        self.reserve: Reserve | None = (
-            limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if on_limit.action == "defer" else None
-        )
-        """How a refusal keeps its slot (a deferring vendor); the straight path takes only
-        requests of connections that hold none (handler.admit claims them)."""
-        self.state_key = self.b.state_key
         cap = deps.policy.tenant.max_active
         self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
         """The vendor's ``tenant.max_active`` when the tenant needs one of its seats (seats.py)."""
-        straight_of = getattr(limiter.store, "straight", None)
-        self.plan: StraightAcquire | None = None
-        if straight_of is not None and self.state_key:
-            guard = StateGuard(self.state_key, 0, on_limit.max_hold)
-            self.plan = straight_of(
-                self.buckets, self.cost, self.max_wait, self.b.queue if self.enqueue else None, guard, self.reserve
-            )
+        self._charges: dict[tuple[str | None, str], Charge] = {}
+        self.partition_header = None if vendor.partition is None else vendor.partition.header.lower().encode("latin-1")
+        """The field whose value names the request's partition (None: the vendor has none)."""
+        by_path = bool(vendor.endpoints) and cut >= 0
+        self.charge: Charge | None = None if by_path or vendor.partition is not None else Charge(deps, match)
+        """What every request of the route is charged; None: it depends on the request (``charge_of``)."""
         # What the vendor is sent before and after the path, and the worker's own fields.
         self.origin: Origin = origin_of(match.origin)
         self.pool: Pool = deps.upstreams.pool(vendor)
@@ -179,6 +230,40 @@ class Route:
         )
         self.log_tail = ',"hold_ms":0.0,"duration_ms":'
 
+    def charge_of(self, request: Request) -> Charge:
+        """What ``request`` is charged: its endpoint class (by its path) and partition (by
+        its partition field's value), each worked out once."""
+        vendor = self.vendor
+        match = self.match
+        endpoint = match.endpoint
+        if vendor.endpoints and self.cut >= 0:
+            path = request.target[self.cut :].split("?", 1)[0]
+            endpoint = endpoint_for(vendor, self._method, path)
+        partition = DEFAULT
+        name = self.partition_header
+        if name is not None:
+            for field, value in request.raw:  # the first of its name counts, as a lookup finds it
+                if field.lower() == name:
+                    if value:  # empty: the default partition
+                        partition = partition_hash(value.decode("latin-1"))
+                    break
+        key = (None if endpoint is None else endpoint.name, partition)
+        charge = self._charges.get(key)
+        if charge is None:
+            if len(self._charges) >= CHARGES_MAX:  # partitions are the workers' credentials
+                self._charges.clear()
+            charge = Charge(self._deps, dataclasses.replace(match, endpoint=endpoint, partition=partition))
+            self._charges[key] = charge
+        return charge
+
+    def record(self, rec: AccessRecord, charge: Charge, request: Request) -> None:
+        """What the access-log record of ``request`` says whatever its outcome."""
+        rec.host, rec.path = self.host, self.path_of(request)
+        rec.vendor, rec.tenant = self.vendor.name, self.tenant
+        if charge.endpoint is not None:
+            rec.endpoint = charge.endpoint.name
+        rec.partition = shown(charge.partition)
+
     def answer_cell(self, status: int) -> Value:
         """``http_client_responses_total`` of this vendor and ``status``."""
         cell = self.answers.get(status)
@@ -190,22 +275,19 @@ class Route:
         """The path and query a request of this route names (the access log's ``path``)."""
         return self.target_path if self.cut < 0 else request.target[self.cut :]
 
-    def match_for(self, target: str) -> Match:
-        """The request's Match (the route's, with the request's own path)."""
+    def match_for(self, target: str, charge: Charge) -> Match:
+        """The request's Match (its charge's, with the request's own path)."""
         if self.cut < 0:
-            return self.match
-        return dataclasses.replace(self.match, path_qs=target[self.cut :])
+            return charge.match
+        return dataclasses.replace(charge.match, path_qs=target[self.cut :])
 
 
 def straight(deps: Deps, match: Match) -> bool:
     """May the requests of ``match`` take the straight path (see the module's docstring)?"""
     vendor = match.vendor
-    tenancy = deps.router.tenancy
-    if vendor.partition is not None or vendor.endpoints or vendor.ratelimit_headers:
+    if vendor.ratelimit_headers:
         return False
-    if vendor.feedback.headers == "auto" or deps.limiter.local is not None or tenancy.authenticates:
-        return False
-    if deps.concurrency.sets(vendor, None):
+    if vendor.feedback.headers == "auto":
         return False
     return deps.metrics.cells_available
 

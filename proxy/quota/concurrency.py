@@ -100,6 +100,15 @@ class Slot:
             self.taken = False
             await self._owner.release_now(self)
 
+    def give_back_then(self, then: Callable[[], None]) -> None:
+        """``give_back`` for a caller without a coroutine (the straight path, lane.py):
+        ``then()`` once the store has the leases back (or failed to take them)."""
+        if self.taken and self._owner is not None:
+            self.taken = False
+            self._owner.release(self, then)
+        else:
+            then()
+
     def detach(self) -> Callable[[], None]:
         """Leave the leases taken past the ``with`` block: they are given back when the
         returned function is called, by whoever knows the request has ended (the vendor's
@@ -159,8 +168,9 @@ class Concurrency:
         self._live: dict[str, dict[str, Slot]] = {}  # vendor -> lease id -> slot, renewed
         self._renewers: dict[str, asyncio.Task[None]] = {}
         self._releasing: set[asyncio.Task[None]] = set()
-        # (vendor, sets) -> the leases given back this loop turn: one store call for them all
-        self._to_release: dict[tuple[str, tuple[LeaseSet, ...]], list[Leases]] = {}
+        # (vendor, sets) -> the leases given back this loop turn (with what to call once the
+        # store has them): one store call for them all
+        self._to_release: dict[tuple[str, tuple[LeaseSet, ...]], list[tuple[Leases, Callable[[], None] | None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- slots -------------------------------------------------------------------
@@ -241,6 +251,11 @@ class Concurrency:
         wait = min(max(left, _MIN_HINT), _MAX_HINT)
         return Limited("shed" if wish.action == "shed" else "defer", wait, "concurrency", full.label)
 
+    def took(self, slot: Slot) -> None:
+        """The store granted ``slot``'s leases (with the request's tokens): it is ``taken``,
+        and renewed while the request is out."""
+        self._take(slot)
+
     def _take(self, slot: Slot) -> None:
         assert slot.leases is not None
         slot.taken = True
@@ -248,10 +263,11 @@ class Concurrency:
         if slot.vendor not in self._renewers:
             self._renewers[slot.vendor] = spawn(self._renew(slot.vendor), name=f"renew-leases-{slot.vendor}")
 
-    def release(self, slot: Slot) -> None:
-        """Give a slot's leases back, in the background (``Slot.close`` calls this). The
-        releases of a loop turn on the same sets go to the store together, in one call (one
-        per request was a second EVALSHA per request on a vendor with a cap)."""
+    def release(self, slot: Slot, then: Callable[[], None] | None = None) -> None:
+        """Give a slot's leases back, in the background (``Slot.close`` calls this), and
+        ``then()`` once the store has them (or failed to take them). The releases of a loop
+        turn on the same sets go to the store together, in one call (one per request was a
+        second EVALSHA per request on a vendor with a cap)."""
         leases = slot.leases
         assert leases is not None
         live = self._live.get(slot.vendor)
@@ -262,21 +278,15 @@ class Concurrency:
             if loop is None or loop.is_closed():  # remembered: get_running_loop() makes a getpid() call
                 loop = self._loop = asyncio.get_running_loop()
             loop.call_soon(self._give_back_turn)
-        self._to_release.setdefault((slot.vendor, leases.sets), []).append(leases)
+        self._to_release.setdefault((slot.vendor, leases.sets), []).append((leases, then))
 
     async def release_now(self, slot: Slot) -> None:
-        """``release`` at once, returning when the store has the leases back (or failed to
-        take them: they then run out within their life). A caller cancelled meanwhile does
-        not cancel the release."""
-        leases = slot.leases
-        assert leases is not None
-        live = self._live.get(slot.vendor)
-        if live is not None:
-            live.pop(leases.id, None)
-        task = spawn(self._give_back(slot.vendor, leases.sets, [leases]), name="release-leases")
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-        await asyncio.shield(task)
+        """``release``, returning when the store has the leases back (or failed to take
+        them: they then run out within their life). A caller cancelled meanwhile does not
+        cancel the release."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.release(slot, functools.partial(_settle, done))
+        await asyncio.shield(done)
 
     def _give_back_turn(self) -> None:
         batches, self._to_release = self._to_release, {}
@@ -286,7 +296,17 @@ class Concurrency:
                 self._releasing.add(task)
                 task.add_done_callback(self._releasing.discard)
 
-    async def _give_back(self, vendor: str, sets: tuple[LeaseSet, ...], group: list[Leases]) -> None:
+    async def _give_back(
+        self, vendor: str, sets: tuple[LeaseSet, ...], group: list[tuple[Leases, Callable[[], None] | None]]
+    ) -> None:
+        try:
+            await self._give_back_now(vendor, sets, [leases for leases, _ in group])
+        finally:
+            for _, then in group:
+                if then is not None:
+                    then()
+
+    async def _give_back_now(self, vendor: str, sets: tuple[LeaseSet, ...], group: list[Leases]) -> None:
         ids: list[str] = []
         for leases in group:
             local = await self._limiter.release_local(leases)
@@ -449,6 +469,11 @@ class Concurrency:
             await asyncio.wait(set(self._releasing), timeout=_CLOSE_WAIT)
         for task in list(self._renewers.values()):
             await cancel_and_wait(task)
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
 
 
 def _life(slot: Slot) -> float:

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from json.encoder import encode_basestring_ascii
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 FLUSH_INTERVAL = 0.1  # seconds a line may wait in the buffer
 _MAX_BUFFERED = 256  # lines; a full buffer is written at once
@@ -140,7 +140,7 @@ class AccessRecord:
             TIME: round(now, 3),
             METHOD: self.method,
             HOST: self.host,
-            PATH: self.path.split("?", 1)[0][:256],
+            PATH: logged_path(self.path),
             VENDOR: self.vendor,
             TENANT: self.tenant,
             OUTCOME: self.outcome,
@@ -161,7 +161,7 @@ class AccessRecord:
         vendor, tenant, hold = self.vendor, self.tenant, self.hold
         text = (
             f'{{"ts":{_rounded(now, ".3f", 1e9, 1e11)},"method":{_quoted(self.method)},'
-            f'"host":{_quoted(self.host)},"path":{_quoted(self.path.split("?", 1)[0][:256])},'
+            f'"host":{_quoted(self.host)},"path":{_quoted(logged_path(self.path))},'
             f'"vendor":{"null" if vendor is None else _quoted(vendor)},'
             f'"tenant":{"null" if tenant is None else _quoted(tenant)},'
             f'"outcome":{_quoted(self.outcome)},"status":{_integer(self.status)},'
@@ -169,10 +169,7 @@ class AccessRecord:
             f'"hold_ms":{"0.0" if hold is _NOT_HELD else _rounded(hold * 1000, ".1f", 0.0, 1e9)},'
             f'"duration_ms":{_rounded(self.duration * 1000, ".2f", 0.0, 1e9)}'
         )
-        if self.endpoint is not None:
-            text += f',"endpoint":{_quoted(self.endpoint)}'
-        if self.partition is not None:
-            text += f',"partition":{_quoted(self.partition)}'
+        text += line_end(self.endpoint, self.partition)
         if self.detail:
             text += f',"detail":{_quoted(self.detail)}'
         return text + "}"
@@ -180,6 +177,56 @@ class AccessRecord:
 
 _quoted = encode_basestring_ascii
 """json.dumps's own string escaping (ensure_ascii); TypeError for anything but a str."""
+
+_PATH_MAX = 256
+
+
+def logged_path(path: str) -> str:
+    """What the log says of a request's path: without its query (queries carry API keys
+    too often), at most 256 characters."""
+    return path.split("?", 1)[0][:_PATH_MAX]
+
+
+def line_end(endpoint: str | None, partition: str | None) -> str:
+    """A line's fields after ``duration_ms``, ``detail`` aside."""
+    text = "" if endpoint is None else f',"endpoint":{_quoted(endpoint)}'
+    return text if partition is None else f'{text},"partition":{_quoted(partition)}'
+
+
+class ForwardedLine(NamedTuple):
+    """The constant parts of the line of a request forwarded without a hold or a detail, of
+    one method, host, vendor, tenant, endpoint class and partition (the straight path's:
+    routes.py), in ``AccessRecord.line``'s order and text."""
+
+    head: str
+    mid: str
+    end: str
+
+    @classmethod
+    def of(
+        cls, method: str, host: str, vendor: str, tenant: str, endpoint: str | None, partition: str | None
+    ) -> ForwardedLine:
+        return cls(
+            f',"method":{_quoted(method)},"host":{_quoted(host)},"path":',
+            f',"vendor":{_quoted(vendor)},"tenant":{_quoted(tenant)},"outcome":"forwarded","status":',
+            line_end(endpoint, partition),
+        )
+
+    def line(self, path: str, status: int, duration: float) -> str:
+        """The line but for its closing brace (``AccessLog.add``); ``path``: ``logged_path``'s,
+        quoted (``quoted_path``)."""
+        ts = round(time.time(), 3)
+        ms = round(duration * 1000, 2)
+        # json's own text for each value (float repr, the quoting).
+        return (
+            f'{{"ts":{ts!r}{self.head}{path}{self.mid}{status},"upstream_status":{status}'
+            f',"hold_ms":0.0,"duration_ms":{ms!r}{self.end}'
+        )
+
+
+def quoted_path(path: str) -> str:
+    """``logged_path`` as JSON text."""
+    return _quoted(logged_path(path))
 
 
 class _Unusual(Exception):

@@ -367,12 +367,24 @@ class Metrics:
         prometheus-client's multiprocess mode, where every change is its own)?"""
         return not getattr(prometheus_values.ValueClass, "_multiprocess", False)
 
+    def request_child(self, limiter: str, tenant: str, outcome: str) -> Any:
+        """The ``ratelimit_requests_total`` series ``count_request(limiter, tenant, outcome)`` adds to."""
+        return self.requests.labels(limiter, self._tenant_label(tenant), outcome)
+
     def request_cell(self, limiter: str, tenant: str, outcome: str) -> _Value:
         """What ``count_request(limiter, tenant, outcome)`` adds one to."""
         key = (limiter, tenant, outcome)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
+        return _cell(child)
+
+    def endpoint_cell(self, limiter: str, endpoint: str, outcome: str) -> _Value:
+        """What ``count_endpoint(limiter, endpoint, outcome)`` adds one to."""
+        key = (limiter, endpoint, outcome)
+        child = self._endpoint_children.get(key)
+        if child is None:
+            child = self._endpoint_children[key] = self.endpoint_requests.labels(limiter, endpoint, outcome)
         return _cell(child)
 
     def mode_cell(self, limiter: str, mode: str) -> _Value:

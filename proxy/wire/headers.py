@@ -45,9 +45,6 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-# Request headers the proxy consumes or recomputes itself.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
-
 
 def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
     tokens: set[str] = set()
@@ -59,44 +56,31 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
 Fields = list[tuple[str, str]]
 """Header fields in their order, as the data plane writes them."""
 
-# What the filters do with a field (``_kind``; ``LENGTH`` and ``DATE``: the answer's writer only).
+# What the answer filter does with a field (``_kind``; ``LENGTH`` and ``DATE``: the answer's writer only).
 KEEP, DROP, LENGTH, DATE, CONNECTION = 0, 1, 2, 3, 4
 
 
-@functools.lru_cache(maxsize=64)
-def _request_drop(tenant_header: str) -> frozenset[str]:
-    """What ``upstream_request_headers`` drops besides ``X-Quota-*``: one set per tenant header, not one per request."""
-    return _REQUEST_DROP | {tenant_header.lower()}
-
-
-def upstream_request_headers(headers: CIMultiDictProxy[str], tenant_header: str) -> Fields:
-    """The worker's headers minus hop-by-hop ones, ``Host`` (set from the upstream URL),
-    the tenant header and every ``X-Quota-*`` header."""
-    return _without(headers, _request_drop(tenant_header))
-
-
-def upstream_request_lines(fields: Fields, headers: CIMultiDictProxy[str], tenant_header: str) -> list[str]:
-    """``upstream_request_headers`` as the lines the data plane writes (``"Name: value\\r\\n"``),
-    without ``Content-Length`` either (the data plane frames the body itself), in one pass
-    over the request's ``fields`` (``headers``, in their order, as the worker sent them)."""
-    drop = _request_line_drop(tenant_header)
-    kinds = _kinds(drop)
-    out = []
-    for name, value in fields:
+def upstream_request_lines(raw: list[tuple[bytes, bytes]], tenant_header: str) -> list[str]:
+    """What a vendor is sent of the worker's fields (``raw``, in their order, as they came),
+    as the lines the data plane writes (``"Name: value\r\n"``): those ``learn_request_kind``
+    calls ``PLAIN``, which is the worker-facing parser's own rule for the straight path's
+    ``Request.lines`` (every field but the hop-by-hop ones, ``Host``, ``Content-Length``,
+    ``Expect``, the tenant header and ``X-Quota-*``), less any a ``Connection`` field names."""
+    kinds = request_kinds(tenant_header)
+    kept: list[tuple[bytes, bytes]] = []
+    named: set[bytes] | None = None
+    for name, value in raw:
         kind = kinds.get(name)
         if kind is None:
-            kind = _learn(kinds, drop, name)
-        if kind == KEEP:
-            out.append(f"{name}: {value}\r\n")
-        elif kind == CONNECTION and not only_this_hop(value.encode("latin-1")):
-            # The fields it names are dropped too: the general filter.
-            return [f"{name}: {value}\r\n" for name, value in _without(headers, drop)]
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _request_line_drop(tenant_header: str) -> frozenset[str]:
-    return _request_drop(tenant_header) | {"content-length"}
+            kind = learn_request_kind(kinds, name, tenant_header)
+        if kind == PLAIN:
+            kept.append((name, value))
+        elif kind == CONNECTION_FIELD and not only_this_hop(value):
+            named = named or set()
+            named.update(t.strip() for t in value.lower().split(b",") if t.strip())
+    if named:
+        kept = [(name, value) for name, value in kept if name.lower() not in named]
+    return [f"{name.decode('latin-1')}: {value.decode('latin-1')}\r\n" for name, value in kept]
 
 
 def downstream_response_headers(headers: CIMultiDictProxy[str]) -> Fields:

@@ -59,6 +59,26 @@ def status_line(status: int, reason: str) -> bytes:
     return line
 
 
+def keeps(request: Request, conn: AnswerSink) -> bool:
+    """Will the connection stay open after the answer to ``request`` (as the answer's head
+    must say)? Not when the worker or this side closes it, nor when a body the worker waits
+    to be invited for was not, nor when a chunked body is not whole: where it ends is only
+    known once it has parsed, and it may yet break."""
+    return request.keep_alive and conn.keep_alive and not request.waits_to_send and not request.chunk_pending
+
+
+_CLOSE_END: Final = b"Connection: close\r\n\r\n"
+_KEEP_END_1_0: Final = b"Connection: keep-alive\r\n\r\n"
+
+
+def head_end(version: str, keep: bool) -> bytes:
+    """The end of an answer's head, which says what becomes of the connection: closed, or
+    kept (an HTTP/1.0 worker keeps it only when told so)."""
+    if not keep:
+        return _CLOSE_END
+    return _KEEP_END_1_0 if version == "1.0" else b"\r\n"
+
+
 class Responder:
     """Writes the answer to one request: ``start`` (the head is held back and leaves with
     the first piece of the body), ``write``, ``finish``; or ``send`` for a whole answer."""
@@ -156,11 +176,7 @@ class Responder:
                 keep = False  # an HTTP/1.0 worker takes no chunks: the close delimits the body
         if not keep:
             req.keep_alive = False
-            head.append(b"Connection: close\r\n\r\n")
-        elif req.version == "1.0":
-            head.append(b"Connection: keep-alive\r\n\r\n")
-        else:
-            head.append(b"\r\n")
+        head.append(head_end(req.version, keep))
         self._head = status_line(status, reason) + b"".join(head)
 
     async def write(self, data: bytes) -> None:
@@ -214,11 +230,8 @@ class Responder:
 
     @property
     def keeps(self) -> bool:
-        """Will the connection stay open after this answer (as the answer's head must say)?
-        Not when a body the worker waits to be invited for was not, nor when a chunked body
-        is not whole: where it ends is only known once it has parsed, and it may yet break."""
-        req = self._request
-        return req.keep_alive and self._conn.keep_alive and not req.waits_to_send and not req.chunk_pending
+        """Will the connection stay open after this answer (``keeps``)?"""
+        return keeps(self._request, self._conn)
 
     def wrote(self, status: int) -> None:
         """Its caller wrote the answer (head and body, ``status``) on the connection itself,

@@ -1,5 +1,7 @@
-"""The vendor-facing HTTP/1.1 client of the data plane: pooled keep-alive connections, llhttp
-(httptools) parsing, TLS through ``loop.create_connection(ssl=...)``.
+"""The vendor-facing HTTP/1.1 client of the data plane: one keep-alive connection to a vendor
+(``UpstreamConnection``), one request at a time, the answer parsed by llhttp (httptools). Its
+pool opens and keeps the connections (pool.py); the answer is read as vendor_answer.py's
+``Response``.
 
 A connection goes back to its pool only when its answer was read whole, the vendor said
 keep-alive and the whole request was written; anything else closes it. A request is never
@@ -23,18 +25,14 @@ connection is closed instead: the vendor, writing, sees it at once.
 from __future__ import annotations
 
 import asyncio
-import ssl
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Final, Literal, NamedTuple, Protocol, cast
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.tasks import spawn
 from proxy.wire.framing import codings
-from proxy.wire.inbox import Inbox
+from proxy.wire.vendor_answer import Response
 
 WRITE_HIGH: Final = 256 * 1024
 HEAD_MAX: Final = 1024 * 1024
@@ -88,107 +86,15 @@ class BodySource(Protocol):
     async def read(self) -> bytes: ...
 
 
-class Response(Inbox):
-    """The vendor's answer: status and fields once in, the body as it arrives."""
+class Keeper(Protocol):
+    """What a connection needs of the pool that opened it (pool.py's ``Pool``), named here:
+    pool.py imports this module, not the reverse."""
 
-    __slots__ = ("_conn", "_fields", "_headers", "_raw", "block", "reason", "status")
+    def give_back(self, conn: UpstreamConnection) -> None: ...
 
-    def __init__(self, conn: UpstreamConnection, status: int, reason: str, block: bytes) -> None:
-        super().__init__()
-        self._conn = conn
-        self.status = status
-        self.reason = reason
-        self.block = block
-        """The answer's fields as the vendor sent them: its head's lines after the status
-        line, each with its CRLF (b"" for none). llhttp has checked them (CRLF line ends,
-        no folding, no space before a colon, no control characters), so a line splits into
-        its field at its first colon. The usual answer is relayed from these bytes (the
-        kept lines as they came), never split into fields (headers.answer_lines)."""
-        self._raw: list[tuple[bytes, bytes]] | None = None
-        self._fields: list[tuple[str, str]] | None = None
-        self._headers: CIMultiDictProxy[str] | None = None
+    def _forget(self, conn: UpstreamConnection) -> None: ...
 
-    @property
-    def raw(self) -> list[tuple[bytes, bytes]]:
-        """The fields, in their order, as llhttp reads them (name, and the value without its
-        leading whitespace), made from ``block`` when first asked for."""
-        raw = self._raw
-        if raw is None:
-            raw = self._raw = [
-                (name, value.lstrip(b" \t"))
-                for name, _, value in (line.partition(b":") for line in self.block.split(b"\r\n")[:-1])
-            ]
-        return raw
-
-    @property
-    def transfer_codings(self) -> list[bytes]:
-        """The values of the answer's ``Transfer-Encoding`` fields (framing.py reads them)."""
-        return [value for name, value in self.raw if name.lower() == b"transfer-encoding"]
-
-    @property
-    def fields(self) -> list[tuple[str, str]]:
-        """``raw`` decoded (latin-1), made when first asked for."""
-        fields = self._fields
-        if fields is None:
-            fields = self._fields = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self.raw]
-        return fields
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        """The fields by name, made when first asked for: the usual answer never asks."""
-        headers = self._headers
-        if headers is None:
-            headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
-        return headers
-
-    @property
-    def done(self) -> bool:
-        return self._done and not self._chunks
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        return self._conn.loop
-
-    def _pause(self) -> None:
-        self._conn.pause_reading()
-
-    def _resume(self) -> None:
-        self._conn.resume_reading()
-
-    def _waiting(self) -> None:
-        self._conn.awaiting()  # the connection's read timer fails the read when the vendor goes silent
-
-    def whole(self, limit: int) -> bytes | None:
-        """The rest of the body at once when it is all in (and at most ``limit`` bytes), else
-        None: a small answer is relayed in one write, without a read per piece."""
-        if not self._done or self._exc is not None or self._size > limit:
-            return None
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._drop_unread()
-        return data
-
-    def whole_exactly(self, length: int) -> bytes | None:
-        """The body at once when it is all in and exactly ``length`` bytes, else None (and
-        nothing taken: the answer can still be read piece by piece)."""
-        if not self._done or self._exc is not None or self._size != length:
-            return None
-        chunks = self._chunks
-        if len(chunks) == 1:
-            data = chunks[0]
-        elif chunks:
-            data = b"".join(chunks)
-        else:
-            return b""
-        self._drop_unread()
-        return data
-
-    def release(self) -> None:
-        """Done with the answer: its connection goes back to the pool if it can be reused."""
-        self._conn.finished(self)
-
-    def close(self) -> None:
-        """Done with the answer before its end: the connection is closed, never reused."""
-        self._conn.close()
+    def _hearing(self, task: asyncio.Task[None]) -> None: ...
 
 
 Landing = Callable[["Response | None", "UpstreamFailed | None"], None]
@@ -199,7 +105,7 @@ came (``send_head_to``)."""
 class UpstreamConnection(asyncio.Protocol):
     """One connection to a vendor, one request at a time."""
 
-    def __init__(self, pool: Pool, origin: Origin) -> None:
+    def __init__(self, pool: Keeper, origin: Origin) -> None:
         self._pool = pool
         self.origin = origin
         self.transport: asyncio.Transport | None = None
@@ -597,136 +503,6 @@ class UpstreamConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._pool._forget(self)
-
-
-class Pool:
-    """Keep-alive connections to one vendor's origins. ``ssl_context``: for https origins
-    (False: no verification); ``keepalive``: seconds an idle connection is kept."""
-
-    def __init__(self, ssl_context: ssl.SSLContext | bool = True, keepalive: float = 30.0) -> None:
-        if ssl_context is True:
-            ssl_context = ssl.create_default_context()
-        elif ssl_context is False:
-            ssl_context = ssl.create_default_context()
-            ssl_context.check_hostname = False
-            ssl_context.verify_mode = ssl.CERT_NONE
-        self._ssl = ssl_context
-        self._keepalive = keepalive
-        self._idle: dict[Origin, deque[UpstreamConnection]] = {}
-        """Idle connections per origin, the longest idle first: requests take the newest, the
-        oldest are closed once idle ``keepalive`` seconds (``_sweep``)."""
-        self._all: set[UpstreamConnection] = set()
-        self._heard: set[asyncio.Task[None]] = set()  # answers being heard out (abandon)
-        self.closed = False
-
-    async def connection(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
-        """An idle connection to ``origin`` if one is open, else a new one. Raises
-        UpstreamFailed (``reached=False``) when none can be made."""
-        return self.idle(origin) or await self.open(origin, connect_timeout)
-
-    def idle(self, origin: Origin) -> UpstreamConnection | None:
-        """The newest idle connection to ``origin`` still usable, if any (no await: the usual case)."""
-        idle = self._idle.get(origin)
-        if not idle:
-            return None
-        now = time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self._keepalive:
-                return conn
-            conn.close()
-        return None
-
-    async def open(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
-        loop = asyncio.get_running_loop()
-        tls = self._ssl if origin.scheme == "https" else None
-        try:
-            async with asyncio.timeout(connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self, origin),
-                    origin.host,
-                    origin.port,
-                    ssl=tls,
-                    server_hostname=origin.host if tls is not None else None,
-                )
-        except TimeoutError:
-            raise UpstreamFailed("connect-timeout", "did not accept a connection in time", reached=False) from None
-        except ssl.SSLCertVerificationError as exc:
-            raise UpstreamFailed("certificate", f"certificate verification failed: {exc}", reached=False) from exc
-        except ssl.SSLError as exc:
-            raise UpstreamFailed("tls", f"TLS error: {exc}", reached=False) from exc
-        except OSError as exc:
-            raise UpstreamFailed("refused", f"cannot connect: {exc}", reached=False) from exc
-        if self.closed:
-            conn.close()
-            raise UpstreamFailed("refused", "the pool is closed", reached=False)
-        self._all.add(conn)
-        return conn
-
-    def idle_count(self, origin: Origin) -> int:
-        idle = self._idle.get(origin)
-        if not idle:
-            return 0
-        self._sweep(idle)
-        return sum(1 for c in idle if not c.closed)
-
-    def _sweep(self, idle: deque[UpstreamConnection]) -> None:
-        """Close the connections idle for ``keepalive`` seconds (a vendor need not close them
-        itself: without this, every warm top-up would add to them)."""
-        stale = time.monotonic() - self._keepalive
-        while idle and idle[0].idle_since <= stale:
-            idle.popleft().close()
-
-    async def warm(self, origin: Origin, count: int, connect_timeout: float) -> list[BaseException]:
-        """Open connections to ``origin`` until ``count`` are idle; returns the failures."""
-        missing = count - self.idle_count(origin)
-        if missing <= 0:
-            return []
-        opened = await asyncio.gather(
-            *(self.open(origin, connect_timeout) for _ in range(missing)), return_exceptions=True
-        )
-        failures = []
-        for conn in opened:
-            if isinstance(conn, UpstreamConnection):
-                self.give_back(conn)
-            else:
-                failures.append(conn)
-        return failures
-
-    def give_back(self, conn: UpstreamConnection) -> None:
-        """``conn`` idle again (its answer read whole, or never used): kept for the next request."""
-        if self.closed or conn.closed:
-            conn.close()
-            return
-        conn.idle_since = now = time.monotonic()
-        idle = self._idle.get(conn.origin)
-        if idle is None:
-            idle = self._idle[conn.origin] = deque()
-        idle.append(conn)
-        if idle[0].idle_since <= now - self._keepalive:  # (the test before the call: once per request)
-            self._sweep(idle)
-
-    def _forget(self, conn: UpstreamConnection) -> None:
-        self._all.discard(conn)
-        idle = self._idle.get(conn.origin)
-        if idle and conn in idle:
-            idle.remove(conn)
-
-    def _hearing(self, task: asyncio.Task[None]) -> None:
-        self._heard.add(task)
-        task.add_done_callback(self._heard.discard)
-
-    async def heard_out(self) -> None:
-        """Return once no answer is being heard out (the drain waits for them: their
-        requests are still at the vendor, their concurrency slots still taken)."""
-        while self._heard:
-            await asyncio.wait(list(self._heard))
-
-    async def close(self) -> None:
-        self.closed = True
-        for conn in list(self._all):
-            conn.close()
-        self._idle.clear()
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -1,4 +1,4 @@
-"""The data plane's vendor-facing client (proxy/wire/upstream.py) against raw vendors
+"""The data plane's vendor-facing client (proxy/wire/upstream.py, pool.py) against raw vendors
 on loopback: exact answer bytes out, requests parsed by hand."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import trustme
 
 from proxy.wire import inbox, upstream
-from proxy.wire.upstream import Origin, Pool, UpstreamBroke, UpstreamFailed
+from proxy.wire.pool import Pool
+from proxy.wire.upstream import Origin, UpstreamBroke, UpstreamFailed
 from tests.dataplane.wire import Message, read_request, until
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -15,7 +15,7 @@ import redis as sync_redis
 from proxy.clock import ManualClock
 from proxy.limiter import StoreUnavailable
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, Reserve, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, StateGuard
 from tests.conftest import RedisServer, free_port
 
 
@@ -60,6 +60,18 @@ class FlakyStore(MemoryStore):
         await self._enter()
         self.acquires += 1
         return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
+
+    def straight(
+        self,
+        buckets: tuple[BucketSpec, ...],
+        cost: float,
+        max_wait: float,
+        queue: str | None,
+        guard: StateGuard,
+        sets: tuple[LeaseSet, ...] = (),
+        reserve: Reserve | None = None,
+    ) -> None:
+        return None  # every acquire through ``acquire``, where failures are injected
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         await self._enter()

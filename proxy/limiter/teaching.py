@@ -1,0 +1,133 @@
+"""Teaching the shared buckets what vendors' quota headers say (SPEC §10): which buckets a
+response's reports are about, one store call and only when it changes something, and what
+was taught, for the local shares, the learned-rate gauge and /status. What a report teaches,
+and the memory of it: learning.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Sequence
+from typing import Protocol, TypeVar
+
+from proxy.clock import Clock
+from proxy.limiter.buckets import endpoint_buckets, global_buckets
+from proxy.limiter.learning import LearnedLimits, plan
+from proxy.limiter.observations import Observation, Observations
+from proxy.limiter.quota_headers import QuotaReport
+from proxy.limiter.store import BucketSpec, BucketStore, StoreUnavailable
+from proxy.policy.model import Endpoint, Limit, Vendor
+
+T = TypeVar("T")
+
+
+class Feedback(Protocol):
+    """A store call past the breaker's gate whose failures still count (``Limiter._feedback``)."""
+
+    def __call__(self, call: Awaitable[T], /) -> Awaitable[T]: ...
+
+
+class Teacher:
+    """What vendors' quota headers teach a limiter's buckets."""
+
+    def __init__(
+        self, store: BucketStore, clock: Clock, key_prefix: str, *, feedback: Feedback, observations: Observations
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.key_prefix = key_prefix
+        self._feedback = feedback
+        self._observations = observations
+        self.memory = LearnedLimits()
+        """What this replica taught the store (learning.py)."""
+
+    async def learn(
+        self,
+        vendor: Vendor,
+        reports: Sequence[QuotaReport],
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+    ) -> bool:
+        """Teach the buckets a response counted against what the vendor's quota headers say
+        (``Limiter.learn``). Never raises; returns whether the store was called."""
+        own = endpoint is None or not endpoint.limits
+        buckets: tuple[tuple[BucketSpec, Limit], ...]
+        if not own and endpoint is not None:
+            buckets = tuple(
+                zip(endpoint_buckets(self.key_prefix, vendor, endpoint, partition), endpoint.limits, strict=True)
+            )
+        else:
+            buckets = tuple(zip(global_buckets(self.key_prefix, vendor, partition), vendor.limits, strict=True))
+        own = own and not partition  # this replica's view of the default partition's global levels
+        memory = self.memory
+        memory.reports += 1
+        teachings = plan(reports, [lim for _, lim in buckets])
+        if not teachings:
+            return False
+        now = self.clock.monotonic()
+        observed = self._levels_learned(vendor) if own else None
+        todo = [
+            (i, t)
+            for i, t in sorted(teachings.items())
+            if memory.needs_call(buckets[i][0], t, None if observed is None else observed[i], now)
+        ]
+        if not todo:
+            return False
+        specs = tuple(buckets[i][0] for i, _ in todo)
+        memory.calls += 1
+        try:
+            result = await self._feedback(self.store.learn(specs, tuple(t.lesson for _, t in todo)))
+        except StoreUnavailable:
+            return True
+        now = self.clock.monotonic()
+        for k, (i, t) in enumerate(todo):
+            memory.record(vendor.name, buckets[i][0], t, result, k, now)
+        obs = self._observations.observed.get(vendor.name)
+        if own and obs is not None and len(obs.levels) == len(buckets):
+            levels = list(self._levels_learned(vendor) or obs.levels)
+            for k, (i, _) in enumerate(todo):
+                levels[i] = result.levels[k]
+            self._observations.observed[vendor.name] = Observation(tuple(levels), now)
+        return True
+
+    def as_learned(self, spec: BucketSpec) -> BucketSpec:
+        """``spec`` at the rate and burst the vendor's headers taught, when lower than its own."""
+        memo = self.memory.memos.get(spec.ident)
+        rate = None if memo is None else memo.learned_rate(self.clock.monotonic())
+        if memo is None or rate is None:
+            return spec
+        return dataclasses.replace(spec, rate=min(spec.rate, rate), burst=min(spec.burst, memo.burst))
+
+    def _levels_learned(self, vendor: Vendor) -> tuple[float, ...] | None:
+        """The global buckets' levels now, extrapolated from the last store answer at the
+        rates the store last said they refill at (learned or the policy's)."""
+        obs = self._observations.observed.get(vendor.name)
+        if obs is None:
+            return None
+        elapsed = self.clock.monotonic() - obs.at
+        memos = self.memory.memos
+        out = []
+        for b, level in zip(global_buckets(self.key_prefix, vendor), obs.levels, strict=False):
+            memo = memos.get(b.ident)
+            rate, burst = (memo.rate, memo.burst) if memo is not None else (b.rate, b.burst)
+            out.append(min(burst, level + elapsed * rate))
+        return tuple(out)
+
+    def learned_rate(self, vendor: Vendor) -> float | None:
+        """Requests/s of the vendor's tightest learned global bucket; None when none is learned."""
+        idents = [b.ident for b in global_buckets(self.key_prefix, vendor)]
+        return self.memory.tightest(idents, self.clock.monotonic())
+
+    def status(self, vendor: Vendor) -> dict[str, object]:
+        """For /status: per global and endpoint class bucket (of the default partition) what
+        was learned, from which header, until when."""
+        specs = [*global_buckets(self.key_prefix, vendor)]
+        for endpoint in vendor.endpoints:
+            specs.extend(endpoint_buckets(self.key_prefix, vendor, endpoint))
+        idents = [b.ident for b in specs]
+        memory = self.memory
+        return {
+            "buckets": memory.status(idents, self.clock.monotonic()),
+            "reports": memory.reports,
+            "store_calls": memory.calls,
+        }

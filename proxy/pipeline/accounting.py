@@ -1,0 +1,119 @@
+"""What an exchange with a vendor adds to, in one place for both request paths.
+
+The general path (handler.py, ledger.py) and the straight one (lane.py) count the same
+things: the vendor's answer (``http_client_responses_total``; a 429 on the live page), the
+time the vendor took (``http_client_request_duration_seconds`` and the sizing estimate),
+how the request came (``ratelimit_requests_by_mode_total``), its outcome
+(``ratelimit_requests_total``, ``ratelimit_endpoint_requests_total``) and the live page's
+recent counts. A vendor's ``Tally`` holds the series it adds to, resolved once, so
+that a request adds to them without looking its labels up (prometheus-client's
+``labels()`` took a microsecond or more each).
+
+With prometheus-client's multiprocess mode (``Metrics.cells_available`` false) the values
+are files shared between processes: each change goes through the client's own methods.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+from proxy.telemetry.metrics import HistogramCells
+
+if TYPE_CHECKING:
+    from proxy.clock import Clock
+    from proxy.ops.sizing import Sizing
+    from proxy.telemetry.metrics import Metrics
+    from proxy.telemetry.recent import Recent, Ring
+
+_SERIES_MAX = 4096
+"""Series kept per vendor and kind (tenants are the workers'); past that it starts over."""
+
+
+class Tally:
+    """The series one vendor's exchanges add to (``Deps.tally``)."""
+
+    __slots__ = (
+        "_answers",
+        "_clock",
+        "_endpoints",
+        "_latency",
+        "_metrics",
+        "_modes",
+        "_plain",
+        "_recent",
+        "_requests",
+        "_rings",
+        "_sizing",
+        "vendor",
+    )
+
+    def __init__(self, vendor: str, metrics: Metrics, recent: Recent, sizing: Sizing, clock: Clock) -> None:
+        self.vendor = vendor
+        self._metrics = metrics
+        self._recent = recent
+        self._sizing = sizing
+        self._clock = clock
+        self._plain = metrics.cells_available
+        """Values this process adds to directly (else through the client: multiprocess mode)."""
+        self._latency: HistogramCells | None = metrics.upstream_cells(vendor) if self._plain else None
+        self._answers: dict[int, Any] = {}
+        self._modes: dict[str, Any] = {}
+        self._requests: dict[tuple[str, str], Any] = {}
+        self._endpoints: dict[tuple[str, str], Any] = {}
+        self._rings: dict[str, Ring] = {}
+
+    def answered(self, status: int) -> None:
+        """The vendor answered ``status`` (a 429 shows on the live page too)."""
+        cell = self._answers.get(status)
+        if cell is None:
+            cell = self._answers[status] = self._value(self._metrics.responses.labels(self.vendor, str(status)))
+        cell.inc(1)
+        if status == 429:
+            self.recent("vendor_429")
+
+    def timed(self, elapsed: float) -> None:
+        """The vendor took ``elapsed`` seconds, from the request's write to the end of its answer."""
+        latency = self._latency
+        if latency is not None:
+            latency.sum._value += elapsed
+            latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
+        else:
+            self._metrics.upstream_seconds.labels(self.vendor).observe(elapsed)
+        self._sizing.observe(self.vendor, elapsed)
+
+    def came(self, mode: str) -> None:
+        """A request came ``plain`` or ``intercept`` (inside a tunnel)."""
+        cell = self._modes.get(mode)
+        if cell is None:
+            cell = self._modes[mode] = self._value(self._metrics.by_mode.labels(self.vendor, mode))
+        cell.inc(1)
+
+    def ended(self, tenant: str, outcome: str, endpoint: str | None = None) -> None:
+        """A request of ``tenant`` (of the class ``endpoint``) ended as ``outcome``."""
+        key = (tenant, outcome)
+        cell = self._requests.get(key)
+        if cell is None:
+            if len(self._requests) >= _SERIES_MAX:
+                self._requests.clear()
+            cell = self._requests[key] = self._value(self._metrics.request_child(self.vendor, tenant, outcome))
+        cell.inc(1)
+        if endpoint is not None:
+            key = (endpoint, outcome)
+            cell = self._endpoints.get(key)
+            if cell is None:
+                cell = self._endpoints[key] = self._value(
+                    self._metrics.endpoint_requests.labels(self.vendor, endpoint, outcome)
+                )
+            cell.inc(1)
+
+    def recent(self, event: str) -> None:
+        """One ``event`` (forwarded, held, deferred, shed, vendor_429) on the live page."""
+        ring = self._rings.get(event)
+        if ring is None:
+            ring = self._rings[event] = self._recent.ring(self.vendor, event)
+        ring.add(int(self._clock.monotonic()))
+
+    def _value(self, child: Any) -> Any:
+        """What a change of the series ``child`` goes to: its value, or itself (multiprocess)."""
+        return child._value if self._plain else child

@@ -1,0 +1,262 @@
+"""Which policies the straight path (proxy/pipeline/lane.py) serves, and which it leaves to
+the general path: the list is here, and a policy feature that silently falls back to the
+slow way fails ``test_a_policy_feature_takes_the_way_this_list_says``.
+
+For every feature the straight path serves, the same request is also sent with the lane
+switched off and the two runs compared (tests/test_lane.py's method): the same bytes to the
+vendor and the worker, the same access-log line and the same metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.pipeline.lane import Lane
+from proxy.pipeline.routes import Routes
+from proxy.telemetry.accesslog import AccessLog
+from tests.conftest import eventually, metric_samples, value, vendor_policy
+from tests.test_lane import (
+    ABSOLUTE,
+    HOST,
+    REQUESTS,
+    ScriptedVendor,
+    _exchange,
+    _general_only,
+    _request,
+    _run,
+    general_calls,
+    scripted,
+)
+
+__all__ = ["general_calls", "scripted"]  # (fixtures, used by name)
+
+STRIPE_SHAPED = """
+            partition: {header: Authorization}
+            concurrency: 25
+            endpoints:
+              - name: search
+                match: {methods: [GET], path: "/v1/*/search"}
+                limits: [{rate: 500, per: 1s}]
+                concurrency: 5
+              - name: files
+                match: {methods: [POST], path: "/v1/files"}
+                cost: 5
+"""
+
+STRAIGHT: dict[str, dict[str, str]] = {
+    "token buckets, per second and per minute": {"limits": "[{rate: 1000, per: 1s}, {rate: 60000, per: 1m}]"},
+    "tenant limits": {"tenant_limits": "tenant_limits: {default: [{rate: 500, per: 1s}]}"},
+    "defer": {"on_limit": "{action: defer}"},
+    "shed": {"on_limit": "{action: shed}"},
+    "remaining-quota drain": {"extra_vendor": "feedback: {remaining_header: X-RateLimit-Remaining, low_watermark: 1}"},
+    "answers: stripe": {"extra_vendor": "answers: stripe"},
+    "answers: openai": {"extra_vendor": "answers: openai"},
+    "tenant.max_active": {"extra_top": "tenant: {max_active: 100}"},
+    "partition": {"extra_vendor": "partition: {header: Authorization}"},
+    "endpoint classes and cost": {
+        "extra_vendor": 'endpoints: [{name: charges, match: {path: "/v1/charges"}, cost: 2}]'
+    },
+    "concurrency": {"extra_vendor": "concurrency: 10"},
+    "endpoint concurrency": {
+        "extra_vendor": 'endpoints: [{name: charges, match: {path: "/v1/charges"}, concurrency: 3}]'
+    },
+    "Stripe-shaped": {"extra_vendor": STRIPE_SHAPED},
+    "local shares": {"store": "redis", "store_timeout": "250ms, on_failure: local"},
+    "proxy credentials": {
+        "extra_top": "tenant: {from: proxy_auth, credentials: "
+        "{acme: {sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b}}}"
+    },
+}
+"""Policy features whose usual requests the straight path serves whole."""
+
+SLOW: dict[str, dict[str, str]] = {
+    "RateLimit fields": {"extra_vendor": "ratelimit_headers: true"},
+    "learned limits": {"extra_vendor": "feedback: {headers: auto}"},
+}
+"""Policy features that still send every request the general way (their rules live
+there only): each is the next to bring onto the straight path."""
+
+
+def _policy(scripted: ScriptedVendor, redis_url: str, feature: dict[str, str]) -> Any:
+    options = dict(feature)
+    store = redis_url if options.pop("store", "memory") == "redis" else "memory://"
+    return vendor_policy(scripted.url, store=store, **options)
+
+
+def _headers(feature: str) -> tuple[str, ...]:
+    if feature == "proxy credentials":
+        return ("Proxy-Authorization: Basic YWNtZTpzZWNyZXQ=",)  # acme:secret
+    return ("Authorization: Bearer sk_test_1",)
+
+
+WAYS = [
+    (f, store) for f in [*STRAIGHT, *SLOW] for store in ("memory", "redis") if f != "local shares" or store == "redis"
+]
+
+
+@pytest.mark.parametrize(("feature", "store"), WAYS, ids=[f"{f}-{s}" for f, s in WAYS])
+async def test_a_policy_feature_takes_the_way_this_list_says(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    general_calls: list[str],
+    redis_url: str,
+    feature: str,
+    store: str,
+) -> None:
+    spec = STRAIGHT.get(feature) or SLOW[feature]
+    if store == "redis":
+        spec = {"store": "redis", **spec}
+    proxy = await start_proxy(_policy(scripted, redis_url, spec))
+    data = _request("GET", ABSOLUTE, *_headers(feature))
+    await _exchange(proxy.address.port, data)  # the first opens the store's connection
+    general_calls.clear()
+    for _ in range(3):
+        answer = await _exchange(proxy.address.port, data)
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    if feature in STRAIGHT:
+        assert general_calls == [], f"{feature}: the general path served {len(general_calls)} of 3"
+    else:
+        assert len(general_calls) == 3, f"{feature} is served straight now: move it to STRAIGHT"
+
+
+PARITY: dict[str, tuple[str, bytes]] = {
+    "partition": ("partition", _request("GET", ABSOLUTE, "Authorization: Bearer sk_test_1")),
+    "no partition field": ("partition", REQUESTS["plain GET"]),
+    "endpoint class": ("endpoint classes and cost", _request("GET", f"http://{HOST}/v1/charges")),
+    "outside the classes": ("endpoint classes and cost", REQUESTS["plain GET"]),
+    "concurrency": ("concurrency", REQUESTS["plain GET"]),
+    "Stripe-shaped search": (
+        "Stripe-shaped",
+        _request("GET", f"http://{HOST}/v1/customers/search?q=x", "Authorization: Bearer sk_test_1"),
+    ),
+    "Stripe-shaped file": (
+        "Stripe-shaped",
+        _request("POST", f"http://{HOST}/v1/files", "Authorization: Bearer sk_test_2", "Content-Length: 2") + b"{}",
+    ),
+    "proxy credentials": (
+        "proxy credentials",
+        _request("GET", ABSOLUTE, "Proxy-Authorization: Basic YWNtZTpzZWNyZXQ="),
+    ),
+    "Stripe-shaped, by route": (
+        "Stripe-shaped",
+        _request("GET", "/payments/v1/customers/search", "Authorization: Bearer sk_test_1", host="127.0.0.1"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+async def test_the_straight_path_charges_and_accounts_as_the_general_path(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+    redis_url: str,
+    case: str,
+) -> None:
+    feature, data = PARITY[case]
+    policy = _policy(scripted, redis_url, STRAIGHT[feature])  # memory://: each run its own buckets
+    runs = []
+    charged = []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "flight", _general_only)
+        stream = io.StringIO()
+        proxy = await start_proxy(policy, access_log=AccessLog(stream))
+        runs.append(await _run(proxy, scripted, stream, data))
+        if lane == "straight":
+            assert general_calls == []
+        state = proxy.runtime.deps.limiter.store._state
+        charged.append({key: round(tokens) for key, (tokens, *_) in state.items()})
+    straight, general = runs
+    assert straight.vendor_got == general.vendor_got
+    assert straight.answer == general.answer
+    assert straight.log == general.log
+    assert straight.metrics == general.metrics
+    assert straight.log["outcome"] == "forwarded"
+    assert charged[0] == charged[1] and charged[0]  # the same buckets, the same cost taken
+
+
+async def test_a_capped_request_gives_its_lease_back_before_the_worker_has_its_answer(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], redis_url: str
+) -> None:
+    """A worker calling one after another is never refused by its own last call: the lease
+    is back in the store before the answer is written (SPEC §10)."""
+    policy = vendor_policy(scripted.url, store=redis_url, extra_vendor="concurrency: 1", on_limit="{action: shed}")
+    proxy = await start_proxy(policy)
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])  # the first opens the store's connection
+    general_calls.clear()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+    try:
+        for _ in range(20):
+            writer.write(REQUESTS["plain GET"])
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 OK"), head
+            await reader.readexactly(11)
+    finally:
+        writer.close()
+    assert general_calls == []
+    inflight = await proxy.runtime.deps.limiter.store.inflight(
+        proxy.runtime.deps.concurrency.sets(proxy.runtime.deps.policy.vendors[0], None)
+    )
+    assert inflight == (0,)
+
+
+async def test_a_worker_gone_while_its_capped_request_is_granted_frees_the_slot(
+    scripted: ScriptedVendor, start_proxy: Any, redis_url: str
+) -> None:
+    policy = vendor_policy(scripted.url, store=redis_url, extra_vendor="concurrency: 2", on_limit="{action: shed}")
+    proxy = await start_proxy(policy)
+    await _exchange(proxy.address.port, REQUESTS["plain GET"])
+    deps = proxy.runtime.deps
+    sets = deps.concurrency.sets(deps.policy.vendors[0], None)
+    for _ in range(5):  # written and dropped at once: gone while its store call is out
+        _, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+        writer.write(REQUESTS["plain GET"])
+        await writer.drain()
+        writer.transport.abort()
+
+    async def free() -> bool:
+        return await deps.limiter.store.inflight(sets) == (0,)
+
+    await eventually(free, "every lease given back")
+    async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+        samples = metric_samples(await r.text())
+    counted = sum(
+        value(samples, "ratelimit_requests_total", limiter="payments", tenant="default", outcome=o) or 0
+        for o in ("forwarded", "error")
+    )
+    assert counted == 6  # each counted once, whatever the moment it went
+
+
+async def test_wrong_or_missing_proxy_credentials_are_refused_whichever_came_before(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], redis_url: str
+) -> None:
+    """A route is learnt per credentials: a worker's good ones never let another's through."""
+    proxy = await start_proxy(_policy(scripted, redis_url, STRAIGHT["proxy credentials"]))
+    good = _request("GET", ABSOLUTE, "Proxy-Authorization: Basic YWNtZTpzZWNyZXQ=")  # acme:secret
+    for _ in range(2):
+        assert (await _exchange(proxy.address.port, good)).startswith(b"HTTP/1.1 200 OK")
+    wrong = _request("GET", ABSOLUTE, "Proxy-Authorization: Basic YWNtZTpzZWNyZXU=")  # acme:secreu
+    for data in (wrong, wrong, REQUESTS["plain GET"], REQUESTS["plain GET"]):
+        answer = await _exchange(proxy.address.port, data)
+        assert answer.startswith(b"HTTP/1.1 407 "), answer
+    assert len(scripted.got) == 2
+
+
+async def test_a_bug_in_learning_a_route_leaves_the_request_to_the_general_path(
+    scripted: ScriptedVendor, start_proxy: Any, general_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Called from the parser's callback, a bug there would cut the worker's connection."""
+
+    def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Routes, "learn", bug)
+    proxy = await start_proxy(vendor_policy(scripted.url))
+    assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200 OK")
+    assert general_calls == [ABSOLUTE]
