@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from proxy.clock import Clock
 from proxy.limiter import Limiter
 from proxy.ops.sizing import Sizing
+from proxy.pipeline.accounting import Tally
 from proxy.pipeline.forward import Upstreams
 from proxy.pipeline.match import Router
 from proxy.pipeline.pacing import Pacer
@@ -41,3 +42,11 @@ class Deps:
     sizing: Sizing = field(default_factory=Sizing)
     held: dict[str, int] = field(default_factory=dict)
     """Requests being held right now, per vendor."""
+    tallies: dict[str, Tally] = field(default_factory=dict)
+
+    def tally(self, vendor: str) -> Tally:
+        """What ``vendor``'s exchanges add to (accounting.py), made at its first."""
+        tally = self.tallies.get(vendor)
+        if tally is None:
+            tally = self.tallies[vendor] = Tally(vendor, self.metrics, self.recent, self.sizing, self.clock)
+        return tally

@@ -74,9 +74,7 @@ def _give_back(
 
 def _count_answer(deps: Deps, vendor: Vendor, status: int) -> None:
     """A vendor answer in the metrics and the live page's recent counts."""
-    deps.metrics.responses.labels(vendor.name, str(status)).inc()
-    if status == 429:
-        deps.recent.add(vendor.name, "vendor_429")
+    deps.tally(vendor.name).answered(status)
 
 
 class ProxyHandler:
@@ -149,7 +147,7 @@ class ProxyHandler:
             rec.endpoint = match.endpoint.name
         if match.partition:
             rec.partition = shown(match.partition)
-        deps.metrics.count_mode(match.vendor.name, "plain" if tunnel is None else "intercept")
+        deps.tally(match.vendor.name).came("plain" if tunnel is None else "intercept")
         # The request's leases (concurrency caps) are given back however it ends, once
         # the vendor's answer is relayed (concurrency.py); the straight path's, taken there.
         if carried is not None and carried.slot is not None:
@@ -411,7 +409,7 @@ class ProxyHandler:
             assert carried.upstream is not None
             upstream = carried.upstream
         rec.upstream_status = upstream.status
-        deps.recent.add(vendor.name, admission.outcome)
+        deps.tally(vendor.name).recent(admission.outcome)
         _count_answer(deps, vendor, upstream.status)
         try:
             if changes_nothing(vendor, upstream):
@@ -430,8 +428,7 @@ class ProxyHandler:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
         broken = await relay(upstream, responder, extra, slot.give_back if slot.taken else None)
         elapsed = deps.clock.monotonic() - sent
-        deps.metrics.upstream_seconds.labels(vendor.name).observe(elapsed)
-        deps.sizing.observe(vendor.name, elapsed)
+        deps.tally(vendor.name).timed(elapsed)
         rec.outcome = admission.outcome
         if broken:
             rec.outcome, rec.detail = "error", broken

@@ -33,10 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from bisect import bisect_left
 from collections.abc import Callable
-from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any, Final
 
 from proxy.limiter import AcquireResult, StoreUnavailable
@@ -48,9 +45,10 @@ from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger
 from proxy.pipeline.pacing import Paced
 from proxy.pipeline.refusals import InternalError
 from proxy.pipeline.responses import write_answer
-from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes
+from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes, proof_of
 from proxy.quota.concurrency import Slot
 from proxy.tasks import spawn
+from proxy.telemetry.accesslog import quoted_path
 from proxy.telemetry.loudly import Loudly
 from proxy.tls.intercept import Interception
 from proxy.wire.headers import answer_lines, idempotent, request_kinds
@@ -67,7 +65,6 @@ log = logging.getLogger("quota_proxy")
 
 WHOLE_MAX: Final = 64 * 1024
 """The largest answer body relayed here (all in with its head, one write); larger ones the general path streams."""
-_quoted = encode_basestring_ascii
 # What a flight waits for (``Flight.gone`` undoes it).
 _STORE, _ACQUIRING, _CONNECTING, _VENDOR, _RELEASING = 1, 2, 3, 4, 5
 
@@ -110,7 +107,7 @@ class Lane:
         route: Route | bool | None = None
         cut = -1
         if tag is None:
-            proof = _proof(request) if self.authenticates else None
+            proof = proof_of(request) if self.authenticates else None
             if target[:1] == "/":  # origin form: a vendor route, or Host
                 if len(target) <= KEY_MAX:
                     key: object = (target, request.host, method, request.tenant, proof)
@@ -444,8 +441,9 @@ class Flight:
                 self._carry(self._sent(upstream=response))
                 return
             kept, length, date = lines
-            route.recent.add(int(self.deps.clock.monotonic()))
-            route.answer_cell(status)._value += 1
+            tally = route.tally
+            tally.recent("forwarded")
+            tally.answered(status)
             request = self.request
             keep = keeps(request, self.conn)
             if not keep:
@@ -507,31 +505,19 @@ class Flight:
         general path counts and logs a forwarded request."""
         deps = self.deps
         route = self.route
-        clock = deps.clock
-        elapsed = clock.monotonic() - self.sent
-        latency = route.latency
-        latency.sum._value += elapsed
-        latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
-        deps.sizing.observe(route.vendor.name, elapsed)
-        route.mode_cell._value += 1
+        tally = route.tally
+        now = deps.clock.monotonic()
+        tally.timed(now - self.sent)
+        tally.came(route.mode)
         if broken is not None:
             self._account("error", broken, status)
-        else:
-            route.forwarded._value += 1
-            charge = self.charge
-            if charge.endpoint_cell is not None:
-                charge.endpoint_cell._value += 1
-            if route.log:
-                cut = self.cut
-                target = self.request.target
-                logged_path = route.log_path if cut < 0 else _quoted(target[cut:].split("?", 1)[0][:256])
-                ts = round(time.time(), 3)
-                ms = round((clock.monotonic() - self.started) * 1000, 2)
-                # AccessRecord.line's text, json's own for each value (float repr, the quoting).
-                deps.access_log.add(
-                    f'{{"ts":{ts!r}{route.log_head}{logged_path}{route.log_mid}{status},"upstream_status":{status}'
-                    f"{route.log_tail}{ms!r}{charge.log_end}"
-                )
+            return
+        charge = self.charge
+        tally.ended(route.tenant, "forwarded", charge.endpoint_name)
+        if route.log:
+            cut = self.cut
+            path = route.log_path if cut < 0 else quoted_path(self.request.target[cut:])
+            deps.access_log.add(charge.line.line(path, status, now - self.started))
 
     # -- the rare ends, accounted as the general path accounts them -------------------------
 
@@ -590,7 +576,7 @@ class Flight:
                 asked.cancel()
             if slot is not None:
                 slot.close()
-        self.deps.metrics.count_mode(self.route.vendor.name, self.route.mode)
+        self.route.tally.came(self.route.mode)
         self._account("error", "the worker went away")
 
     def _account(self, outcome: str, detail: str, status: int | None = None) -> None:
@@ -604,11 +590,3 @@ class Flight:
 
 def _nothing() -> None:
     pass
-
-
-def _proof(request: Request) -> bytes | None:
-    """The request's first ``Proxy-Authorization`` (the one a lookup by name finds)."""
-    for name, value in request.raw:
-        if len(name) == 19 and name.lower() == b"proxy-authorization":
-            return value
-    return None

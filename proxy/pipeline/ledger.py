@@ -47,7 +47,7 @@ class Ledger:
             rec.detail = refusal.detail
         if vendor is not None:
             if refusal.outcome in ("deferred", "shed"):  # the buckets, or the store, said no
-                deps.recent.add(vendor, refusal.outcome)
+                deps.tally(vendor).recent(refusal.outcome)
                 (deps.metrics.shed if refusal.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
             if refusal.tls_error is not None:
                 deps.metrics.tls_errors.labels(vendor, refusal.tls_error).inc()
@@ -67,9 +67,10 @@ class Ledger:
         rec.duration = deps.clock.monotonic() - self._started
         if self.counted:
             tenant = "-" if rec.tenant is None else rec.tenant
-            deps.metrics.count_request(rec.vendor or NO_VENDOR, tenant, rec.outcome)
-            if rec.endpoint is not None and rec.vendor is not None:
-                deps.metrics.count_endpoint(rec.vendor, rec.endpoint, rec.outcome)
+            if rec.vendor is None:
+                deps.metrics.count_request(NO_VENDOR, tenant, rec.outcome)
+            else:
+                deps.tally(rec.vendor).ended(tenant, rec.outcome, rec.endpoint)
         if deps.policy.access_log:
             deps.access_log.emit(rec)
 

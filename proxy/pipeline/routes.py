@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Final
 
 from proxy.limiter.partitions import DEFAULT, partition_hash, shown
 from proxy.limiter.store import Reserve
+from proxy.pipeline.accounting import Tally
 from proxy.pipeline.feedback import remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
@@ -39,7 +39,7 @@ from proxy.pipeline.pacing import longest_window
 from proxy.pipeline.refusals import Refusal
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
-from proxy.telemetry.metrics import Value
+from proxy.telemetry.accesslog import ForwardedLine, quoted_path
 from proxy.tls.intercept import interception_of
 from proxy.wire.headers import answer_fields
 
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from proxy.limiter.store import BucketSpec, StraightCall
     from proxy.policy.model import Vendor
     from proxy.telemetry.accesslog import AccessRecord
-    from proxy.telemetry.metrics import HistogramCells
-    from proxy.telemetry.recent import Ring
     from proxy.wire.pool import Pool
     from proxy.wire.request import Request
     from proxy.wire.upstream import Origin
@@ -76,9 +74,9 @@ class Charge:
         "caps",
         "cost",
         "endpoint",
-        "endpoint_cell",
+        "endpoint_name",
         "enqueue",
-        "log_end",
+        "line",
         "match",
         "max_wait",
         "partition",
@@ -88,7 +86,7 @@ class Charge:
         "vendor_side",
     )
 
-    def __init__(self, deps: Deps, match: Match) -> None:
+    def __init__(self, deps: Deps, match: Match, method: str, host: str) -> None:
         vendor = match.vendor
         endpoint = match.endpoint
         limiter = deps.limiter
@@ -122,14 +120,9 @@ class Charge:
         )
         """The store call that takes its tokens and leases (None: the store has none, or
         the vendor has no state to guard: ``Limiter.acquire``, in a task)."""
-        self.endpoint_cell: Value | None = (
-            None if endpoint is None else deps.metrics.endpoint_cell(vendor.name, endpoint.name, "forwarded")
-        )
-        quoted = encode_basestring_ascii
-        end = "" if endpoint is None else f',"endpoint":{quoted(endpoint.name)}'
-        part = shown(match.partition)
-        self.log_end = end + ("" if part is None else f',"partition":{quoted(part)}')
-        """The access-log line's fields after ``duration_ms`` (AccessRecord's order)."""
+        self.endpoint_name = None if endpoint is None else endpoint.name
+        self.line = ForwardedLine.of(method, host, vendor.name, match.tenant, self.endpoint_name, shown(self.partition))
+        """Its requests' access-log line but for the path."""
 
 
 class Route:
@@ -140,30 +133,23 @@ class Route:
         "_deps",
         "_method",
         "answer_fields",
-        "answers",
         "charge",
         "cut",
-        "forwarded",
         "head_end",
         "head_start",
         "head_tail",
         "host",
-        "latency",
         "log",
-        "log_head",
-        "log_mid",
         "log_path",
-        "log_tail",
         "match",
         "mode",
-        "mode_cell",
         "origin",
         "partition_header",
         "path",
         "pool",
-        "recent",
         "seats",
         "straight",
+        "tally",
         "target_path",
         "tenant",
         "timeouts",
@@ -200,7 +186,9 @@ class Route:
         self.partition_header = None if vendor.partition is None else vendor.partition.header.lower().encode("latin-1")
         """The field whose value names the request's partition (None: the vendor has none)."""
         by_path = bool(vendor.endpoints) and cut >= 0
-        self.charge: Charge | None = None if by_path or vendor.partition is not None else Charge(deps, match)
+        self.charge: Charge | None = (
+            None if by_path or vendor.partition is not None else Charge(deps, match, method, target_host)
+        )
         """What every request of the route is charged; None: it depends on the request (``charge_of``)."""
         # What the vendor is sent before and after the path, and the worker's own fields.
         self.origin: Origin = origin_of(match.origin)
@@ -213,22 +201,11 @@ class Route:
         self.answer_fields = answer_fields(None if watched is None else watched.lower())
         """What the relay looks at in the vendor's answer head (headers.answer_lines): with
         the field whose low value drains the buckets, which feedback must read."""
-        # The metric series and counts its requests add to (metrics.py, recent.py).
-        metrics = deps.metrics
-        self.forwarded: Value = metrics.request_cell(vendor.name, match.tenant, "forwarded")
-        self.mode_cell: Value = metrics.mode_cell(vendor.name, mode)
-        self.answers: dict[int, Value] = {}
-        self.latency: HistogramCells = metrics.upstream_cells(vendor.name)
-        self.recent: Ring = deps.recent.ring(vendor.name, "forwarded")
-        # The access-log line's constant parts (accesslog.AccessRecord's fields, in its order).
+        self.tally: Tally = deps.tally(vendor.name)
+        """What its exchanges add to (accounting.py), as the general path's do."""
         self.log = deps.policy.access_log and deps.access_log.writes
-        quoted = encode_basestring_ascii
-        self.log_head = f',"method":{quoted(method)},"host":{quoted(target_host)},"path":'
-        self.log_path = quoted(target_path.split("?", 1)[0][:256]) if cut < 0 else ""
-        self.log_mid = (
-            f',"vendor":{quoted(vendor.name)},"tenant":{quoted(match.tenant)},"outcome":"forwarded","status":'
-        )
-        self.log_tail = ',"hold_ms":0.0,"duration_ms":'
+        self.log_path = quoted_path(target_path) if cut < 0 else ""
+        """The access log's ``path`` as JSON text, when ``cut`` is -1."""
 
     def charge_of(self, request: Request) -> Charge:
         """What ``request`` is charged: its endpoint class (by its path) and partition (by
@@ -252,7 +229,9 @@ class Route:
         if charge is None:
             if len(self._charges) >= CHARGES_MAX:  # partitions are the workers' credentials
                 self._charges.clear()
-            charge = Charge(self._deps, dataclasses.replace(match, endpoint=endpoint, partition=partition))
+            charge = Charge(
+                self._deps, dataclasses.replace(match, endpoint=endpoint, partition=partition), self._method, self.host
+            )
             self._charges[key] = charge
         return charge
 
@@ -263,13 +242,6 @@ class Route:
         if charge.endpoint is not None:
             rec.endpoint = charge.endpoint.name
         rec.partition = shown(charge.partition)
-
-    def answer_cell(self, status: int) -> Value:
-        """``http_client_responses_total`` of this vendor and ``status``."""
-        cell = self.answers.get(status)
-        if cell is None:
-            cell = self.answers[status] = self._deps.metrics.response_cell(self.vendor.name, status)
-        return cell
 
     def path_of(self, request: Request) -> str:
         """The path and query a request of this route names (the access log's ``path``)."""
@@ -333,3 +305,12 @@ class Routes:
         if len(table) >= ROUTES_MAX:
             table.clear()
         table[key] = route
+
+
+def proof_of(request: Request) -> bytes | None:
+    """The request's first ``Proxy-Authorization`` (the one a lookup by name finds): part of
+    its route's key when tenants come from proxy credentials."""
+    for name, value in request.raw:
+        if len(name) == 19 and name.lower() == b"proxy-authorization":
+            return value
+    return None

@@ -106,21 +106,17 @@ class _Value:
 
 
 Value = _Value
-"""A series' value as the straight path (lane.py) adds to it: ``cell._value += 1``, its own
-event loop's thread being the only one that changes it (the cells come from ``Metrics``)."""
+"""A series' value as the request paths add to it (pipeline/accounting.py), its own event
+loop's thread being the only one that changes it."""
 
 
 class HistogramCells(NamedTuple):
-    """A histogram series' values as the straight path observes into them:
+    """A histogram series' values as the request paths observe into them (accounting.py):
     ``sum._value += x; buckets[bisect_left(bounds, x)]._value += 1`` (``Histogram.observe``)."""
 
     sum: _Value
     buckets: list[_Value]
     bounds: list[float]
-
-
-def _cell(child: Any) -> _Value:
-    return _cell_of(child._value)
 
 
 def _cell_of(value: Any) -> _Value:
@@ -305,8 +301,6 @@ class Metrics:
         )
         self._learned_rates: dict[str, float] = {}
         self._children: dict[tuple[str, str, str], Counter] = {}
-        self._endpoint_children: dict[tuple[str, str, str], Counter] = {}
-        self._modes: dict[tuple[str, str], Counter] = {}
         self._tenants: set[str] = set()
 
     def declare_vendor(self, limiter: str) -> None:
@@ -343,24 +337,6 @@ class Metrics:
             self._children[key] = child
         child.inc()
 
-    def count_endpoint(self, limiter: str, endpoint: str, outcome: str) -> None:
-        """Count a request of an endpoint class (a name from the policy: bounded per policy;
-        a reload that renames classes adds series, as a renamed vendor does)."""
-        key = (limiter, endpoint, outcome)
-        child = self._endpoint_children.get(key)
-        if child is None:
-            child = self._endpoint_children[key] = self.endpoint_requests.labels(limiter, endpoint, outcome)
-        child.inc()
-
-    def count_mode(self, limiter: str, mode: str) -> None:
-        key = (limiter, mode)
-        child = self._modes.get(key)
-        if child is None:
-            child = self._modes[key] = self.by_mode.labels(limiter, mode)
-        child.inc()
-
-    # -- the straight path's cells (lane.py, routes.py) --------------------------------
-
     @property
     def cells_available(self) -> bool:
         """Are this registry's values plain ones the straight path may add to (not
@@ -371,34 +347,6 @@ class Metrics:
         """The ``ratelimit_requests_total`` series ``count_request(limiter, tenant, outcome)`` adds to."""
         return self.requests.labels(limiter, self._tenant_label(tenant), outcome)
 
-    def request_cell(self, limiter: str, tenant: str, outcome: str) -> _Value:
-        """What ``count_request(limiter, tenant, outcome)`` adds one to."""
-        key = (limiter, tenant, outcome)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(limiter, self._tenant_label(tenant), outcome)
-        return _cell(child)
-
-    def endpoint_cell(self, limiter: str, endpoint: str, outcome: str) -> _Value:
-        """What ``count_endpoint(limiter, endpoint, outcome)`` adds one to."""
-        key = (limiter, endpoint, outcome)
-        child = self._endpoint_children.get(key)
-        if child is None:
-            child = self._endpoint_children[key] = self.endpoint_requests.labels(limiter, endpoint, outcome)
-        return _cell(child)
-
-    def mode_cell(self, limiter: str, mode: str) -> _Value:
-        """What ``count_mode(limiter, mode)`` adds one to."""
-        key = (limiter, mode)
-        child = self._modes.get(key)
-        if child is None:
-            child = self._modes[key] = self.by_mode.labels(limiter, mode)
-        return _cell(child)
-
-    def response_cell(self, limiter: str, status: int) -> _Value:
-        """``http_client_responses_total{limiter, code}``."""
-        return _cell(self.responses.labels(limiter, str(status)))
-
     def upstream_cells(self, limiter: str) -> HistogramCells:
         """``http_client_request_duration_seconds{limiter}``."""
         child = self.upstream_seconds.labels(limiter)
@@ -406,7 +354,7 @@ class Metrics:
 
     def mode_total(self, limiter: str, mode: str) -> int:
         """Requests of ``limiter`` that came by ``mode`` since start (for /status)."""
-        child = self._modes.get((limiter, mode))
+        child: Any = self.by_mode._metrics.get((limiter, mode))  # (not labels(): no series made for a mode unseen)
         return 0 if child is None else int(child._value.get())
 
     def _tenant_label(self, tenant: str) -> str:

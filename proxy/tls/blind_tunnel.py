@@ -99,7 +99,7 @@ class BlindTunnels:
         bytes the worker sent right behind its CONNECT."""
         deps, vendor = tunnel.deps, tunnel.vendor
         deps.metrics.connects.labels(vendor, "tunnel", "established").inc()
-        deps.metrics.count_mode(vendor, "tunnel")
+        deps.tally(vendor).came("tunnel")
         down_pipe = _Pipe()
         idle = _Silence(tunnel.idle_after, down_pipe.close)
 
