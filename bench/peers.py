@@ -495,9 +495,9 @@ def profile(
         done = check_load("profile", load)
     under = w.figures(done, gen_cpu)["cpu_us_per_request"]
     print(
-        f"\n4. profile: quota-proxy (Redis) under the same load, py-spy --native at {args.profile_rate} Hz for "
-        f"{seconds} s ({under:.0f} µs/req while sampled, {cpu_us or float('nan'):.0f} µs/req unsampled: shares "
-        "priced at the latter)"
+        f"\n4. profile: quota-proxy ({args.profile_system}) under the same load, py-spy --native at "
+        f"{args.profile_rate} Hz for {seconds} s ({under:.0f} µs/req while sampled, "
+        f"{cpu_us or float('nan'):.0f} µs/req unsampled: shares priced at the latter)"
     )
     with open(out) as f:
         stacks = read_collapsed(f)
@@ -583,6 +583,9 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     )
     p.add_argument("--skip", default="", help="parts to skip, comma-separated: https, latency")
     p.add_argument("--profile", type=float, default=0.0, metavar="S", help="py-spy quota-proxy (redis) for S seconds")
+    p.add_argument(
+        "--profile-system", default="redis", help="which of ours --profile samples: redis (default), shapes, memory"
+    )
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second (default 250)")
     p.add_argument("--profile-out", metavar="FILE", help="keep py-spy's collapsed stacks here")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"venvs of the peer and tools ({DEFAULT_CACHE})")
@@ -721,10 +724,11 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
 
     result = report(args, names, rounds, start_load)
     if args.profile > 0:
-        if "redis" not in procs:
-            procs["redis"] = start_ours(fleet, "redis", upstream, redis, args.proxy_cpu)
-        cpu_us = result["saturation"].get("redis", {}).get("cpu_us_per_request")
-        result["profile"] = profile(fleet, args, procs["redis"], TARGET_URL, load_side, cpu_us)
+        which = args.profile_system
+        if which not in procs:
+            procs[which] = start_ours(fleet, which, upstream, redis, args.proxy_cpu)
+        cpu_us = result["saturation"].get(which, {}).get("cpu_us_per_request")
+        result["profile"] = profile(fleet, args, procs[which], TARGET_URL, load_side, cpu_us)
         peer_us = result["saturation"].get("proxypy", {}).get("cpu_us_per_request")
         if "proxypy" in procs and cpu_us and peer_us:
             peer_share = spy(fleet, args, procs["proxypy"], targets["proxypy"], "proxypy")

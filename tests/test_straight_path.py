@@ -25,6 +25,7 @@ from tests.test_lane import (
     HOST,
     REQUESTS,
     ScriptedVendor,
+    _comparable,
     _exchange,
     _general_only,
     _request,
@@ -66,6 +67,11 @@ STRAIGHT: dict[str, dict[str, str]] = {
         "extra_vendor": 'endpoints: [{name: charges, match: {path: "/v1/charges"}, concurrency: 3}]'
     },
     "Stripe-shaped": {"extra_vendor": STRIPE_SHAPED},
+    "learned limits": {"extra_vendor": "feedback: {headers: auto}"},
+    "RateLimit fields": {
+        "extra_vendor": "ratelimit_headers: true",
+        "tenant_limits": "tenant_limits: {default: [{rate: 500, per: 1s}]}",
+    },
     "local shares": {"store": "redis", "store_timeout": "250ms, on_failure: local"},
     "proxy credentials": {
         "extra_top": "tenant: {from: proxy_auth, credentials: "
@@ -74,9 +80,7 @@ STRAIGHT: dict[str, dict[str, str]] = {
 }
 """Policy features whose usual requests the straight path serves whole."""
 
-SLOW: dict[str, dict[str, str]] = {
-    "RateLimit fields": {"extra_vendor": "ratelimit_headers: true"},
-    "learned limits": {"extra_vendor": "feedback: {headers: auto}"},
+SLOW: dict[str, dict[str, str]] = {  # (none now: a feature added to the general path alone goes here)
 }
 """Policy features that still send every request the general way (their rules live
 there only): each is the next to bring onto the straight path."""
@@ -260,3 +264,70 @@ async def test_a_bug_in_learning_a_route_leaves_the_request_to_the_general_path(
     proxy = await start_proxy(vendor_policy(scripted.url))
     assert (await _exchange(proxy.address.port, REQUESTS["plain GET"])).startswith(b"HTTP/1.1 200 OK")
     assert general_calls == [ABSOLUTE]
+
+
+@pytest.mark.parametrize(
+    "own",
+    ["", 'RateLimit: "vendor";r=3;t=1\r\n', 'RateLimit: "vendor";r=900;t=1\r\n'],
+    ids=["vendor sends none", "the vendor's tighter", "the proxy's tighter"],
+)
+async def test_the_ratelimit_fields_are_those_the_general_path_writes(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+    redis_url: str,
+    own: str,
+) -> None:
+    """Beside the vendor's own RateLimit field (handed over: the general path compares them)
+    or alone (written here), the same bytes."""
+    scripted.answer = f"HTTP/1.1 200 OK\r\n{own}Content-Length: 2\r\n\r\nok".encode()
+    policy = _policy(scripted, redis_url, STRAIGHT["RateLimit fields"])
+    runs = []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "flight", _general_only)
+        stream = io.StringIO()
+        proxy = await start_proxy(policy, access_log=AccessLog(stream))
+        runs.append(await _run(proxy, scripted, stream, REQUESTS["plain GET"]))
+        if lane == "straight":
+            assert len(general_calls) == (1 if own else 0)
+    straight, general = runs
+    assert _comparable(straight.answer, scripted.answer) == _comparable(general.answer, scripted.answer)
+    ours = b'\r\nRateLimit: "quota-proxy-tenant-500-1s";r=499;t=1\r\n'
+    assert (ours in straight.answer) is ("r=3" not in own)
+    assert straight.log == general.log and straight.metrics == general.metrics
+
+
+LEARNING = (
+    b"HTTP/1.1 200 OK\r\nX-RateLimit-Limit: 2000\r\nX-RateLimit-Remaining: 1990\r\n"
+    b"X-RateLimit-Reset: 60\r\nContent-Length: 2\r\n\r\nok"
+)
+
+
+async def test_an_answer_that_teaches_what_is_known_already_is_relayed_straight(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+) -> None:
+    """feedback.headers: auto: the answer that teaches the buckets something new goes to the
+    general path (its store call); the same lesson again does not, and the buckets learn
+    the same either way. (The vendor allows more than the policy: the policy applies.)"""
+    scripted.answer = LEARNING
+    policy = vendor_policy(scripted.url, limits="[{rate: 1000, per: 1m}]", extra_vendor="feedback: {headers: auto}")
+    learned = []
+    answers = []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "flight", _general_only)
+        proxy = await start_proxy(policy)
+        general_calls.clear()
+        got = [await _exchange(proxy.address.port, REQUESTS["plain GET"]) for _ in range(5)]
+        answers.append([_comparable(a, LEARNING) for a in got])
+        limiter = proxy.runtime.deps.limiter
+        learned.append((limiter.learned_rate(proxy.runtime.deps.policy.vendors[0]), limiter.teacher.memory.reports))
+        if lane == "straight":
+            assert 1 <= len(general_calls) < 5, general_calls  # the first taught the store, not every one
+    assert answers[0] == answers[1]
+    assert learned[0] == learned[1] and learned[0][1] == 5  # every answer read, learnt the same

@@ -85,7 +85,7 @@ def cap_share(leases: Leases, replicas: int) -> Leases:
     """One replica's share of the caps a request's leases are in: each divided by ``replicas``,
     never below one request in flight."""
     sets = tuple(dataclasses.replace(ls, cap=max(ls.cap // replicas, 1)) for ls in leases.sets)
-    return dataclasses.replace(leases, sets=sets)
+    return leases._replace(sets=sets)
 
 
 def share(spec: BucketSpec, replicas: int) -> BucketSpec:

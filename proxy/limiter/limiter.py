@@ -439,6 +439,13 @@ class Limiter:
         raises; returns whether the store was called."""
         return await self.teacher.learn(vendor, reports, endpoint=endpoint, partition=partition)
 
+    def knows(
+        self, vendor: Vendor, reports: Sequence[QuotaReport], *, endpoint: Endpoint | None = None, partition: str = ""
+    ) -> bool:
+        """Would ``learn`` change nothing (no store call)? Then the reports are counted as
+        learnt (the straight path's answers: it hands the others to the general path)."""
+        return self.teacher.known(vendor, reports, endpoint=endpoint, partition=partition)
+
     def learned_rate(self, vendor: Vendor) -> float | None:
         """Requests/s of the vendor's tightest learned global bucket; None when none is learned."""
         return self.teacher.learned_rate(vendor)

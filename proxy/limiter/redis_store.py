@@ -86,6 +86,7 @@ class _AcquireShape:
     arguments between them (cost, max_wait...) packed per call."""
 
     __slots__ = (
+        "_around_lease",
         "_around_seen",
         "args",
         "buckets",
@@ -133,6 +134,7 @@ class _AcquireShape:
         # Per (cost, max_wait, debt), for a call with a state guard, no leases and no claim
         # (the usual): the whole command but the guard's ``seen``, before and after it.
         self._around_seen: dict[tuple[float, float, float], tuple[bytes, bytes]] = {}
+        self._around_lease: dict[tuple[float, float, float, float], tuple[bytes, bytes, bytes]] = {}
 
     def around_seen(self, cost: float, max_wait: float, debt: float) -> tuple[bytes, bytes]:
         """The command of a call with a state guard, no leases and no claim, packed but for
@@ -147,14 +149,31 @@ class _AcquireShape:
             parts = self._around_seen[key] = (before, after)
         return parts
 
+    def around_lease(self, cost: float, max_wait: float, debt: float, life: float) -> tuple[bytes, bytes, bytes]:
+        """The command of a call with a state guard and leases, no claim, packed but for the
+        guard's ``seen`` and the lease id (new in every call), which go between the three."""
+        key = (cost, max_wait, debt, life)
+        parts = self._around_lease.get(key)
+        if parts is None:
+            if len(self._around_lease) >= _AROUND_MAX:
+                self._around_lease.clear()
+            before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
+            between = b"".join((bulk(debt * _MS), self.count))
+            after = b"".join((bulk(life * _MS), _EMPTY, self.reserving, self.tail))
+            parts = self._around_lease[key] = (before, between, after)
+        return parts
+
     def packed(
         self, cost: float, max_wait: float, guard: StateGuard | None, leases: Leases | None, claim: str
     ) -> bytes:
         """The whole command of one call (the usual one, guarded, without leases or claim,
         from ``around_seen``)."""
-        if guard is not None and leases is None and not claim:
-            before, after = self.around_seen(cost, max_wait, guard.debt)
-            return before + bulk(guard.seen) + after
+        if guard is not None and not claim:
+            if leases is None:
+                before, after = self.around_seen(cost, max_wait, guard.debt)
+                return before + bulk(guard.seen) + after
+            before, between, after = self.around_lease(cost, max_wait, guard.debt, leases.life)
+            return b"".join((before, bulk(guard.seen), between, bulk(leases.id), after))
         return b"".join(
             (
                 self.head,

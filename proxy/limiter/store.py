@@ -62,9 +62,9 @@ class LeaseSet:
     """For people: e.g. ``concurrency 50`` or ``endpoint search concurrency 5``."""
 
 
-@dataclass(frozen=True, slots=True)
-class Leases:
-    """The leases one request asks for with its tokens (acquire.lua, "Leases")."""
+class Leases(NamedTuple):
+    """The leases one request asks for with its tokens (acquire.lua, "Leases"). (A tuple:
+    one is made per request with a cap, at half a frozen dataclass's cost.)"""
 
     id: str
     """Unique per request: what release and renew name."""

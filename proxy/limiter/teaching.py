@@ -11,7 +11,7 @@ from typing import Protocol, TypeVar
 
 from proxy.clock import Clock
 from proxy.limiter.buckets import endpoint_buckets, global_buckets
-from proxy.limiter.learning import LearnedLimits, plan
+from proxy.limiter.learning import LearnedLimits, Teaching, plan
 from proxy.limiter.observations import Observation, Observations
 from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import BucketSpec, BucketStore, StoreUnavailable
@@ -50,6 +50,28 @@ class Teacher:
     ) -> bool:
         """Teach the buckets a response counted against what the vendor's quota headers say
         (``Limiter.learn``). Never raises; returns whether the store was called."""
+        self.memory.reports += 1
+        buckets, todo, own = self._todo(vendor, reports, endpoint, partition)
+        if not todo:
+            return False
+        return await self._teach(vendor, buckets, todo, own)
+
+    def known(
+        self, vendor: Vendor, reports: Sequence[QuotaReport], *, endpoint: Endpoint | None = None, partition: str = ""
+    ) -> bool:
+        """Do the buckets know all ``reports`` teach already (``learn`` would not call the
+        store)? Then the reports are counted as ``learn`` counts them; else nothing is, and
+        ``learn`` is the caller's to call."""
+        if self._todo(vendor, reports, endpoint, partition)[1]:
+            return False
+        self.memory.reports += 1
+        return True
+
+    def _todo(
+        self, vendor: Vendor, reports: Sequence[QuotaReport], endpoint: Endpoint | None, partition: str
+    ) -> tuple[tuple[tuple[BucketSpec, Limit], ...], list[tuple[int, Teaching]], bool]:
+        """The buckets the reports are about, what to teach them (nothing that the store
+        knows already), and whether they are this replica's default partition's globals."""
         own = endpoint is None or not endpoint.limits
         buckets: tuple[tuple[BucketSpec, Limit], ...]
         if not own and endpoint is not None:
@@ -60,10 +82,9 @@ class Teacher:
             buckets = tuple(zip(global_buckets(self.key_prefix, vendor, partition), vendor.limits, strict=True))
         own = own and not partition  # this replica's view of the default partition's global levels
         memory = self.memory
-        memory.reports += 1
         teachings = plan(reports, [lim for _, lim in buckets])
         if not teachings:
-            return False
+            return buckets, [], own
         now = self.clock.monotonic()
         observed = self._levels_learned(vendor) if own else None
         todo = [
@@ -71,8 +92,16 @@ class Teacher:
             for i, t in sorted(teachings.items())
             if memory.needs_call(buckets[i][0], t, None if observed is None else observed[i], now)
         ]
-        if not todo:
-            return False
+        return buckets, todo, own
+
+    async def _teach(
+        self,
+        vendor: Vendor,
+        buckets: tuple[tuple[BucketSpec, Limit], ...],
+        todo: list[tuple[int, Teaching]],
+        own: bool,
+    ) -> bool:
+        memory = self.memory
         specs = tuple(buckets[i][0] for i, _ in todo)
         memory.calls += 1
         try:

@@ -116,6 +116,27 @@ def changes_nothing(vendor: Vendor, answer: Answer) -> bool:
     return remaining_watched(feedback) is None or not remaining_is_low(feedback, answer.headers)
 
 
+def learnt(
+    limiter: Limiter,
+    metrics: Metrics,
+    vendor: Vendor,
+    headers: Mapping[str, str],
+    endpoint: Endpoint | None,
+    partition: str,
+) -> bool:
+    """Would ``apply_feedback`` of an answer (not a 429) of a vendor that learns its limits
+    (``headers: auto``) change nothing: its remaining quota not low, what its quota headers
+    say known already? Then what it says is counted as learnt (the straight path relays it
+    itself); else nothing is, and the caller feeds it back."""
+    if remaining_is_low(vendor.feedback, headers):
+        return False
+    reports = read_quota(headers, time.time())
+    if reports and not limiter.knows(vendor, reports, endpoint=endpoint, partition=partition):
+        return False
+    metrics.set_learned_rate(vendor.name, limiter.learned_rate(vendor))
+    return True
+
+
 async def apply_feedback(
     limiter: Limiter,
     vendor: Vendor,

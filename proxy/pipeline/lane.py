@@ -43,6 +43,7 @@ from proxy.pipeline.forward import paced, ready
 from proxy.pipeline.handover import Carried, GeneralPath
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger
 from proxy.pipeline.pacing import Paced
+from proxy.pipeline.ratelimit_fields import quota_lines, tightest
 from proxy.pipeline.refusals import InternalError
 from proxy.pipeline.responses import write_answer
 from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes, proof_of
@@ -410,7 +411,8 @@ class Flight:
         charge = self.charge
         pace = Paced(charge.vendor_side, self.now, route.window, self.levels[charge.tenant_count :], charge.cost)
         match = route.match_for(self.request.target, charge)
-        admission = Admission("forwarded", None, pace)
+        quota = None if charge.limits is None else tightest(charge.limits, self.levels)  # (ratelimit_headers)
+        admission = Admission("forwarded", quota, pace)
         return Carried(match, None, admission, upstream, failure, self.upstream, self.sent, self.slot)
 
     # -- the answer ------------------------------------------------------------------------
@@ -433,12 +435,13 @@ class Flight:
             lines = None
             body = None
             route = self.route
+            charge = self.charge
             if status != 429 and status >= 200 and status != 204 and status != 304:
                 lines = answer_lines(response.block, route.answer_fields, True)
-                if lines is not None and lines[1] <= WHOLE_MAX:
-                    body = response.whole_exactly(lines[1])
-            if lines is None or body is None:  # one for the general path's relay (and feedback)
-                self._carry(self._sent(upstream=response))
+                if lines is not None and lines[1] <= WHOLE_MAX and route.learnt(charge, response):
+                    body = response.whole_exactly(lines[1])  # (taken: from here on the answer is this path's)
+            if lines is None or body is None:
+                self._carry(self._sent(upstream=response))  # the general path's relay (and feedback)
                 return
             kept, length, date = lines
             tally = route.tally
@@ -450,7 +453,10 @@ class Flight:
                 request.keep_alive = False
             head = status_line(status, response.reason)
             end = head_end(request.version, keep)
-            answer = b"".join((head, kept, b"" if date else date_line(), b"Content-Length: %d\r\n" % length, end, body))
+            extra = b"" if charge.limits is None else quota_lines(charge.limits, self.levels)
+            answer = b"".join(
+                (head, kept, extra, b"" if date else date_line(), b"Content-Length: %d\r\n" % length, end, body)
+            )
             slot = self.slot
             if slot is not None and slot.taken:
                 # Its leases go back before the worker has its answer: its next call, on any

@@ -92,6 +92,15 @@ def tightest(limits: Sequence[tuple[Limit, str]], levels: Sequence[float], index
     return min(items, key=lambda item: (item.remaining, -item.reset))
 
 
+def quota_lines(limits: Sequence[tuple[Limit, str]], levels: Sequence[float]) -> bytes:
+    """The fields of the tightest bucket as lines (``Name: value\r\n``): what the straight
+    path adds to a forwarded answer whose vendor sent no ``RateLimit`` of its own."""
+    item = tightest(limits, levels)
+    if item is None:
+        return b""
+    return "".join(f"{name}: {value}\r\n" for name, value in item.fields().items()).encode("latin-1")
+
+
 def blocked_item(vendor: Vendor, wait: float) -> QuotaItem | None:
     """The item while nothing is granted for ``wait`` seconds (a vendor block, a dead store):
     the vendor's narrowest global limit, nothing left, usable again after the wait."""

@@ -15,11 +15,9 @@ The key is what decides the route without parsing: for an absolute-form target
 header's value; inside an intercepted tunnel, where the tunnel leads; for an origin-form
 target (a vendor ``route`` or a ``Host``), the whole target and ``Host``.
 
-A route is *straight* unless its vendor asks for what only the general path does yet
-(``straight``: RateLimit fields, learned limits) or
-its method is HEAD; requests of any other route take the general path whole
-(tests/test_straight_path.py lists them). (A tenant the policy does not name takes its
-seat here as it would there: ``seats``.)
+A route is *straight* unless its method is HEAD: every policy feature is served here
+for the usual request (tests/test_straight_path.py lists them). (A tenant the policy does
+not name takes its seat here as it would there: ``seats``.)
 """
 
 from __future__ import annotations
@@ -31,11 +29,12 @@ from typing import TYPE_CHECKING, Final
 from proxy.limiter.partitions import DEFAULT, partition_hash, shown
 from proxy.limiter.store import Reserve
 from proxy.pipeline.accounting import Tally
-from proxy.pipeline.feedback import remaining_watched
+from proxy.pipeline.feedback import learnt, remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
 from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import longest_window
+from proxy.pipeline.ratelimit_fields import RATELIMIT, request_limits
 from proxy.pipeline.refusals import Refusal
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
@@ -47,11 +46,12 @@ if TYPE_CHECKING:
     from proxy.deps import Deps
     from proxy.limiter.buckets import Buckets
     from proxy.limiter.store import BucketSpec, StraightCall
-    from proxy.policy.model import Vendor
+    from proxy.policy.model import Endpoint, Vendor
     from proxy.telemetry.accesslog import AccessRecord
     from proxy.wire.pool import Pool
     from proxy.wire.request import Request
     from proxy.wire.upstream import Origin
+    from proxy.wire.vendor_answer import Response
 
 ROUTES_MAX: Final = 4096
 """Routes kept per table; past that it starts over (tenants and targets are the workers')."""
@@ -76,6 +76,7 @@ class Charge:
         "endpoint",
         "endpoint_name",
         "enqueue",
+        "limits",
         "line",
         "match",
         "max_wait",
@@ -121,6 +122,8 @@ class Charge:
         """The store call that takes its tokens and leases (None: the store has none, or
         the vendor has no state to guard: ``Limiter.acquire``, in a task)."""
         self.endpoint_name = None if endpoint is None else endpoint.name
+        self.limits = request_limits(vendor, match.tenant, endpoint) if vendor.ratelimit_headers else None
+        """Its buckets' limits, for the RateLimit fields of its answers (``ratelimit_headers``)."""
         self.line = ForwardedLine.of(method, host, vendor.name, match.tenant, self.endpoint_name, shown(self.partition))
         """Its requests' access-log line but for the path."""
 
@@ -130,6 +133,7 @@ class Route:
 
     __slots__ = (
         "_charges",
+        "_classes",
         "_deps",
         "_method",
         "answer_fields",
@@ -139,6 +143,7 @@ class Route:
         "head_start",
         "head_tail",
         "host",
+        "learns",
         "log",
         "log_path",
         "match",
@@ -175,14 +180,17 @@ class Route:
         """The host the target names (the access log's ``host``)."""
         self.target_path = target_path
         """The target's path and query (the access log's ``path``), when ``cut`` is -1."""
-        self.straight = method != "HEAD" and straight(deps, match)
+        self.straight = method != "HEAD"  # (an answer without its body: the general path's relay)
         if not self.straight:
             return
         self.window = longest_window(vendor)
         cap = deps.policy.tenant.max_active
         self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
         """The vendor's ``tenant.max_active`` when the tenant needs one of its seats (seats.py)."""
-        self._charges: dict[tuple[str | None, str], Charge] = {}
+        self._charges: dict[tuple[str | None, bytes], Charge] = {}
+        """By endpoint class and the partition field's value (b"": none)."""
+        self._classes: dict[str, Endpoint | None] = {}
+        """The endpoint class of each path (without its query) seen."""
         self.partition_header = None if vendor.partition is None else vendor.partition.header.lower().encode("latin-1")
         """The field whose value names the request's partition (None: the vendor has none)."""
         by_path = bool(vendor.endpoints) and cut >= 0
@@ -197,10 +205,17 @@ class Route:
         self.head_start = f"{method} ".encode("latin-1")
         self.head_end = f" HTTP/1.1\r\nHost: {self.origin.authority}\r\n".encode("latin-1")
         self.head_tail = b"Content-Length: 0\r\n\r\n" if method in _EMPTY_BODY_METHODS else b"\r\n"
-        watched = remaining_watched(vendor.feedback)
-        self.answer_fields = answer_fields(None if watched is None else watched.lower())
+        self.learns = vendor.feedback.headers == "auto"
+        """The vendor's answers teach its limits (``feedback.headers: auto``): each is read
+        whole (``Flight._learnt``)."""
+        remaining = None if self.learns else remaining_watched(vendor.feedback)
+        watched: tuple[str, ...] = () if remaining is None else (remaining.lower(),)
+        if vendor.ratelimit_headers:
+            watched += (RATELIMIT.lower(),)
+        self.answer_fields = answer_fields(*watched)
         """What the relay looks at in the vendor's answer head (headers.answer_lines): with
-        the field whose low value drains the buckets, which feedback must read."""
+        the field whose low value drains the buckets, which feedback must read, and the
+        vendor's own ``RateLimit``, which decides whether the proxy's goes beside it."""
         self.tally: Tally = deps.tally(vendor.name)
         """What its exchanges add to (accounting.py), as the general path's do."""
         self.log = deps.policy.access_log and deps.access_log.writes
@@ -209,30 +224,34 @@ class Route:
 
     def charge_of(self, request: Request) -> Charge:
         """What ``request`` is charged: its endpoint class (by its path) and partition (by
-        its partition field's value), each worked out once."""
+        its partition field's value), each worked out once per path and value."""
         vendor = self.vendor
-        match = self.match
-        endpoint = match.endpoint
+        endpoint = self.match.endpoint
         if vendor.endpoints and self.cut >= 0:
             path = request.target[self.cut :].split("?", 1)[0]
-            endpoint = endpoint_for(vendor, self._method, path)
-        partition = DEFAULT
+            classes = self._classes
+            if path in classes:
+                endpoint = classes[path]
+            else:
+                if len(classes) >= CHARGES_MAX:  # paths are the workers' (ids in them)
+                    classes.clear()
+                endpoint = classes[path] = endpoint_for(vendor, self._method, path)
+        value = b""
         name = self.partition_header
         if name is not None:
-            for field, value in request.raw:  # the first of its name counts, as a lookup finds it
+            for field, found in request.raw:  # the first of its name counts, as a lookup finds it
                 if field.lower() == name:
-                    if value:  # empty: the default partition
-                        partition = partition_hash(value.decode("latin-1"))
+                    value = found
                     break
-        key = (None if endpoint is None else endpoint.name, partition)
+        key = (None if endpoint is None else endpoint.name, value)
         charge = self._charges.get(key)
         if charge is None:
             if len(self._charges) >= CHARGES_MAX:  # partitions are the workers' credentials
                 self._charges.clear()
-            charge = Charge(
-                self._deps, dataclasses.replace(match, endpoint=endpoint, partition=partition), self._method, self.host
-            )
-            self._charges[key] = charge
+            # An empty value is the default partition, as an absent field is.
+            partition = partition_hash(value.decode("latin-1")) if value else DEFAULT
+            match = dataclasses.replace(self.match, endpoint=endpoint, partition=partition)
+            charge = self._charges[key] = Charge(self._deps, match, self._method, self.host)
         return charge
 
     def record(self, rec: AccessRecord, charge: Charge, request: Request) -> None:
@@ -243,6 +262,14 @@ class Route:
             rec.endpoint = charge.endpoint.name
         rec.partition = shown(charge.partition)
 
+    def learnt(self, charge: Charge, answer: Response) -> bool:
+        """Does ``answer`` teach nothing the buckets do not know (feedback.learnt), or its
+        vendor not learn its limits? Else the general path feeds it back."""
+        deps = self._deps
+        return not self.learns or learnt(
+            deps.limiter, deps.metrics, self.vendor, answer.headers, charge.endpoint, charge.partition
+        )
+
     def path_of(self, request: Request) -> str:
         """The path and query a request of this route names (the access log's ``path``)."""
         return self.target_path if self.cut < 0 else request.target[self.cut :]
@@ -252,16 +279,6 @@ class Route:
         if self.cut < 0:
             return charge.match
         return dataclasses.replace(charge.match, path_qs=target[self.cut :])
-
-
-def straight(deps: Deps, match: Match) -> bool:
-    """May the requests of ``match`` take the straight path (see the module's docstring)?"""
-    vendor = match.vendor
-    if vendor.ratelimit_headers:
-        return False
-    if vendor.feedback.headers == "auto":
-        return False
-    return deps.metrics.cells_available
 
 
 class Routes:

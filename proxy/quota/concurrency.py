@@ -307,7 +307,11 @@ class Concurrency:
                     then()
 
     async def _give_back_now(self, vendor: str, sets: tuple[LeaseSet, ...], group: list[Leases]) -> None:
-        ids: list[str] = []
+        if self._limiter.local is None:  # (no share granted any of them: no await per lease)
+            ids = [leases.id for leases in group]
+            group = []
+        else:
+            ids = []
         for leases in group:
             local = await self._limiter.release_local(leases)
             if local is None:

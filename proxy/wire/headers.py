@@ -158,19 +158,19 @@ class AnswerFields(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def answer_fields(watched: str | None = None) -> AnswerFields:
+def answer_fields(*watched: str) -> AnswerFields:
     """What ``answer_lines`` looks for in the lines of an answer head's field block
-    (``Response.block``), ``watched`` (lower case) being a field whose presence needs
-    feedback. The patterns run over the block lowered with a CRLF in front, so that they
-    start with a literal (the regex engine skips to each line's start) and need no case
-    folding."""
+    (``Response.block``), ``watched`` (lower case) being fields whose presence needs the
+    general path's relay (feedback reads them, or the proxy's fields go beside them). The
+    patterns run over the block lowered with a CRLF in front, so that they start with a
+    literal (the regex engine skips to each line's start) and need no case folding."""
 
     def pattern(names: set[str]) -> re.Pattern[bytes]:
         ordered = sorted(names, key=len, reverse=True)
         alternatives = b"|".join(re.escape(name.encode("latin-1")) for name in ordered)
         return re.compile(rb"\r\n(" + alternatives + rb"|x-quota-[^:\r\n]*):[ \t]*([^\r]*)")
 
-    others = {*HOP_BY_HOP, *([watched] if watched else [])}
+    others = {*HOP_BY_HOP, *watched}
     return AnswerFields(pattern({*_ANSWER_READ, *others}), pattern(others))
 
 
