@@ -23,19 +23,27 @@ from collections.abc import Iterable
 # matters only between patterns that can match the same frame.
 PARTS: tuple[tuple[str, str], ...] = (
     ("garbage collector", r"^gc_collect|^collect_generations|^_PyObject_GC_"),
-    ("access log", r"\(proxy/accesslog\.py|\(logging/|\(json/|\(_json\.c"),
-    ("metrics", r"prometheus_client/|\(proxy/metrics\.py|\(proxy/recent\.py|\(proxy/sizing\.py"),
+    ("access log", r"\(proxy/telemetry/accesslog\.py|\(logging/|\(json/|\(_json\.c"),
+    (
+        "metrics",
+        r"prometheus_client/|\(proxy/telemetry/(metrics|recent)\.py|\(proxy/ops/sizing\.py"
+        r"|\(proxy/pipeline/accounting\.py",
+    ),
     ("limiter: Redis round trip", r"\(proxy/limiter/pipelined\.py|hiredis|\(pack\.c|\(read\.c"),
-    ("limiter: buckets, decision", r"\(proxy/limiter/|\(proxy/decide\.py|\(proxy/ratelimit_fields\.py"),
+    (
+        "limiter: buckets, decision",
+        r"\(proxy/limiter/|\(proxy/pipeline/decide\.py|\(proxy/pipeline/ratelimit_fields\.py",
+    ),
+    ("concurrency: leases", r"\(proxy/quota/concurrency\.py"),
     ("HTTP parsing (llhttp)", r"\(llhttp|\(http\.c|\(api\.c|\(parser\.c|httptools/"),
-    ("data plane: worker side", r"\(proxy/dataplane/http1\.py"),
-    ("data plane: vendor side", r"\(proxy/dataplane/upstream\.py"),
-    ("forward: headers, relay", r"\(proxy/forward\.py|\(proxy/headers\.py"),
+    ("data plane: worker side", r"\(proxy/wire/(http1|parsing|request|body|responder)\.py"),
+    ("data plane: vendor side", r"\(proxy/wire/(upstream|pool|vendor_answer)\.py"),
+    ("forward: headers, relay", r"\(proxy/pipeline/forward\.py|\(proxy/wire/headers\.py"),
     # aiohttp is off the request path since issue 11; kept so an old profile still reads.
     ("aiohttp client (upstream)", r"aiohttp/client|aiohttp/connector\.py|aiohttp/tracing\.py|aiohttp/cookiejar"),
     ("aiohttp server", r"aiohttp/(web_|http_|streams|base_protocol|helpers)|_http_parser|_http_writer"),
     ("multidict, yarl", r"multidict|yarl/|\(_multidict|\(hashtable\.h|\(htkeys\.h|\(bulk_update\.h"),
-    ("the straight path (lane.py, routes.py)", r"\(proxy/lane\.py|\(proxy/routes\.py"),
+    ("the straight path (lane.py, routes.py)", r"\(proxy/pipeline/(lane|routes)\.py"),
     ("our request path", r"\(proxy/(?!cli\.py|__main__\.py)"),
 )
 LOOP = "event loop, sockets"
@@ -91,11 +99,11 @@ def breakdown(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
 
 # Functions whose inclusive share (on the stack at all) says what a step costs whole.
 STEPS: tuple[tuple[str, str], ...] = (
-    ("the straight path: a Flight's steps (lane.py), each whole", r"^Flight\.\w+ \(proxy/lane\.py"),
+    ("the straight path: a Flight's steps (lane.py), each whole", r"^Flight\.\w+ \(proxy/pipeline/lane\.py"),
     ("ProxyHandler: our request path, whole (its awaits' callees included)", r"^ProxyHandler\._handle \("),
     ("  admit: limiter.acquire, decide", r"^ProxyHandler\.admit \("),
-    ("  send: headers, write the request, await the answer's head", r"^send \(proxy/forward\.py"),
-    ("  relay: write the answer", r"^relay \(proxy/forward\.py"),
+    ("  send: headers, write the request, await the answer's head", r"^send \(proxy/pipeline/forward\.py"),
+    ("  relay: write the answer", r"^relay \(proxy/pipeline/forward\.py"),
     ("Ledger.close: outcome metric, access-log line", r"^Ledger\.close \("),
     ("data plane: Http1Connection.data_received (parse)", r"^Http1Connection\.data_received \("),
     ("data plane: Responder (head, body, socket writes)", r"^Responder\.(start|write|finish|send) \("),
