@@ -502,6 +502,18 @@ async def test_the_releases_of_one_loop_turn_reach_the_store_in_one_call(redis_u
             calls.append(lease_ids)
             return await super().release(sets, lease_ids, channel)
 
+        def release_then(
+            self,
+            sets: tuple[LeaseSet, ...],
+            lease_ids: tuple[str, ...],
+            channel: str,
+            then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+        ) -> bool:
+            sent = super().release_then(sets, lease_ids, channel, then)
+            if sent:
+                calls.append(lease_ids)
+            return sent
+
     store = Counting(redis_url, 1.0)
     limiter = Limiter(store, clock, key_prefix=f"qp-batch-{random.randrange(1 << 30)}", breaker=Breaker(clock, 3, 1.0))
     concurrency = Concurrency(limiter, clock, Sizing())

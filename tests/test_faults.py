@@ -102,6 +102,15 @@ class CountingStore:
     ) -> None:
         return None  # every acquire through ``acquire``, counted
 
+    def release_then(
+        self,
+        sets: tuple[LeaseSet, ...],
+        lease_ids: tuple[str, ...],
+        channel: str,
+        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+    ) -> bool:
+        return self.inner.release_then(sets, lease_ids, channel, then)
+
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:
         return await self.inner.block(buckets, seconds, channel)
 

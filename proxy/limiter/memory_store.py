@@ -393,6 +393,9 @@ class MemoryStore:
         return held
 
     async def release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str) -> tuple[int, ...]:
+        return self._release(sets, lease_ids)
+
+    def _release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...]) -> tuple[int, ...]:
         now = self._clock.monotonic()
         counts = []
         for ls in sets:
@@ -402,6 +405,16 @@ class MemoryStore:
             counts.append(len(held))
         self._forget_empty()
         return tuple(counts)
+
+    def release_then(
+        self,
+        sets: tuple[LeaseSet, ...],
+        lease_ids: tuple[str, ...],
+        channel: str,
+        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+    ) -> bool:
+        then(self._release(sets, lease_ids), None)
+        return True
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
         now = self._clock.monotonic()

@@ -474,6 +474,41 @@ class RedisStore:
             out = await self._call(lambda: self._release(keys=keys, args=args))
         return tuple(int(x) for x in out)
 
+    def release_then(
+        self,
+        sets: tuple[LeaseSet, ...],
+        lease_ids: tuple[str, ...],
+        channel: str,
+        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+    ) -> bool:
+        fast = self._release_fast
+        if fast is None:
+            return False
+        keys = [ls.key for ls in sets]
+        args: list[str | int] = ["EVALSHA", fast.sha, len(keys), *keys, channel, *(ls.cap for ls in sets), *lease_ids]
+        packed = hiredis.pack_command(tuple(args))  # type: ignore[arg-type]  # (hiredis's stub: one-item tuples)
+        waiter = Reply(functools.partial(self._released, then, sets, lease_ids, channel))
+        if isinstance(fast, PipelinedScript):
+            return fast.send_to(packed, waiter, self._timeout)
+        return fast.send_to(keys, packed, waiter, self._timeout)
+
+    def _released(
+        self,
+        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+        sets: tuple[LeaseSet, ...],
+        lease_ids: tuple[str, ...],
+        channel: str,
+        out: Any,
+        exc: BaseException | None,
+    ) -> None:
+        if exc is not None:
+            then(None, self._fast_failed(exc) if isinstance(exc, (PipelineError, OSError, TimeoutError)) else exc)
+        elif type(out) is _ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
+            task = spawn(self.release(sets, lease_ids, channel), name="release-leases")
+            task.add_done_callback(functools.partial(_settled, then))
+        else:
+            then(tuple(int(x) for x in out), None)
+
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
         keys = [ls.key for ls, _ in leases]
         args: list[float | str] = [life * _MS, *(lease_id for _, lease_id in leases)]
@@ -591,6 +626,14 @@ class RedisStore:
         if self._pipe is not None:
             self._pipe.close()
         await self._client.aclose()
+
+
+def _settled(then: Callable[[Any, BaseException | None], None], task: asyncio.Task[Any]) -> None:
+    if task.cancelled():
+        then(None, StoreUnavailable("cancelled"))
+        return
+    exc = task.exception()
+    then(None, exc) if exc is not None else then(task.result(), None)
 
 
 def _text(value: object) -> str:

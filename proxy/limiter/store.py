@@ -271,6 +271,18 @@ class BucketStore(Protocol):
         """Give the leases ``lease_ids`` (one or more) back in every set and announce it on
         ``channel`` (if the store can); live leases per set after."""
 
+    def release_then(
+        self,
+        sets: tuple[LeaseSet, ...],
+        lease_ids: tuple[str, ...],
+        channel: str,
+        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
+    ) -> bool:
+        """``release`` without a coroutine: ``then(counts, None)`` or ``then(None, why)``
+        from the callback that read the reply (maybe before this returns: a store in this
+        process). False: nothing was sent (no such call, or the connection is not open),
+        ``then`` is never called, and ``release`` is the caller's to await."""
+
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
         """Extend each (set, lease id) to ``life`` seconds from now; how many were still live."""
 

@@ -167,7 +167,7 @@ class Concurrency:
         self._releases: dict[str, int] = {}
         self._live: dict[str, dict[str, Slot]] = {}  # vendor -> lease id -> slot, renewed
         self._renewers: dict[str, asyncio.Task[None]] = {}
-        self._releasing: set[asyncio.Task[None]] = set()
+        self._releasing: set[asyncio.Future[None]] = set()
         # (vendor, sets) -> the leases given back this loop turn (with what to call once the
         # store has them): one store call for them all
         self._to_release: dict[tuple[str, tuple[LeaseSet, ...]], list[tuple[Leases, Callable[[], None] | None]]] = {}
@@ -292,9 +292,49 @@ class Concurrency:
         batches, self._to_release = self._to_release, {}
         for (vendor, sets), group in batches.items():
             for start in range(0, len(group), _RELEASE_MAX):
-                task = spawn(self._give_back(vendor, sets, group[start : start + _RELEASE_MAX]), name="release-leases")
+                part = group[start : start + _RELEASE_MAX]
+                if self._limiter.local is None and self._sent_back(vendor, sets, part):
+                    continue
+                task = spawn(self._give_back(vendor, sets, part), name="release-leases")
                 self._releasing.add(task)
                 task.add_done_callback(self._releasing.discard)
+
+    def _sent_back(
+        self, vendor: str, sets: tuple[LeaseSet, ...], group: list[tuple[Leases, Callable[[], None] | None]]
+    ) -> bool:
+        """The group's release sent without a task (``BucketStore.release_then``), its
+        waiters told from the callback that reads the reply; False: nothing sent."""
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()  # (what close() waits for)
+        ids = tuple(leases.id for leases, _ in group)
+        then = functools.partial(self._given_back, vendor, sets, group, done)
+        if not self._store.release_then(sets, ids, release_channel(self._prefix, vendor), then):
+            return False
+        if not done.done():
+            self._releasing.add(done)
+            done.add_done_callback(self._releasing.discard)
+        return True
+
+    def _given_back(
+        self,
+        vendor: str,
+        sets: tuple[LeaseSet, ...],
+        group: list[tuple[Leases, Callable[[], None] | None]],
+        done: asyncio.Future[None],
+        counts: tuple[int, ...] | None,
+        exc: BaseException | None,
+    ) -> None:
+        try:
+            if counts is not None:
+                self._saw(sets, counts)
+            else:  # the leases run out by themselves within their life
+                log.debug("could not release %d lease(s) of %s (%s)", len(group), vendor, exc)
+        finally:
+            if not done.done():
+                done.set_result(None)
+            for _, then in group:
+                if then is not None:
+                    then()
 
     async def _give_back(
         self, vendor: str, sets: tuple[LeaseSet, ...], group: list[tuple[Leases, Callable[[], None] | None]]
