@@ -399,6 +399,7 @@ def saturate(
 ) -> dict[str, Any]:
     before = outcomes(fetch_metrics(proxy.admin_url)) if proxy.admin_url else {}
     cmd0 = commandstats(redis.url) if redis is not None else {}
+    redis_cpu0 = cpu_seconds(redis.pid) if redis is not None else 0.0
     with Window(proxy, load_side, cpu_names(args.proxy_cpu)) as w:
         load, gen_cpu = generate(
             fleet, args.generator, proxy.url, args.connections, args.duration, args.load_cpu, target, args.body
@@ -408,6 +409,8 @@ def saturate(
     row: dict[str, Any] = {"system": name, "requests": done, "rps": done / load["elapsed"], **w.figures(done, gen_cpu)}
     if redis is not None:
         row["evalsha_per_request"] = script_calls(cmd0, commandstats(redis.url))[0] / done
+        # Redis serves this system alone while it is measured: its CPU is this system's.
+        row["redis_us_per_request"] = (cpu_seconds(redis.pid) - redis_cpu0) / done * 1e6
     if seen:
         row["outcomes"] = seen
     return row
@@ -749,6 +752,8 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
             for k in ("rps", "cpu_us_per_request", "sys_us_per_request", "proxy_core", "others_there", "load_core")
         }
         evalsha = med(mine, "evalsha_per_request") if name == "redis" else None
+        redis_us = med(mine, "redis_us_per_request") if all("redis_us_per_request" in m for m in mine) else None
+        summary[name]["redis_us_per_request"] = redis_us
         rows.append(
             [
                 name,
@@ -760,12 +765,18 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
                 "-" if math.isnan(summary[name]["others_there"]) else f"{summary[name]['others_there'] * 100:.0f}%",
                 f"{summary[name]['load_core'] * 100:.0f}%",
                 "-" if evalsha is None else f"{evalsha:.3f}",
+                "-" if redis_us is None else f"{redis_us:.0f}",
             ]
         )
     what = f"POSTs of {args.body} bytes" if args.body else "GETs"
     print(f"\n1. saturation, plain HTTP ({what}), medians of {len(rounds)} rounds")
     columns = ["system", "req/s", "CPU µs/req", "range", "of it sys", "proxy core", "others there", "load core"]
-    print(table(rows, [*columns, "evalsha/req"]))
+    print(table(rows, [*columns, "evalsha/req", "Redis µs/req"]))
+    if "redis" in summary and "shapes" in summary:
+        for what, key in (("CPU", "cpu_us_per_request"), ("Redis time", "redis_us_per_request")):
+            ours, simple = summary["shapes"][key], summary["redis"][key]
+            if ours and simple:
+                print(f"{what} per request shapes / redis: {ours / simple:.2f}x")
     missed: list[str] = []
     ratios: dict[str, Any] = {}
     if "proxypy" in names:
