@@ -772,11 +772,14 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
     print(f"\n1. saturation, plain HTTP ({what}), medians of {len(rounds)} rounds")
     columns = ["system", "req/s", "CPU µs/req", "range", "of it sys", "proxy core", "others there", "load core"]
     print(table(rows, [*columns, "evalsha/req", "Redis µs/req"]))
-    if "redis" in summary and "shapes" in summary:
+    if "redis" in summary and "shapes" in summary:  # a Stripe-shaped vendor against the simple one (issue 24)
         for what, key in (("CPU", "cpu_us_per_request"), ("Redis time", "redis_us_per_request")):
-            ours, simple = summary["shapes"][key], summary["redis"][key]
-            if ours and simple:
-                print(f"{what} per request shapes / redis: {ours / simple:.2f}x")
+            per_round = [
+                r["shapes"][key] / r["redis"][key] for r in sat if r["shapes"].get(key) and r["redis"].get(key)
+            ]
+            if per_round:
+                shown = ", ".join(f"{x:.2f}" for x in per_round)
+                print(f"{what} per request shapes / redis: {statistics.median(per_round):.2f}x (rounds: {shown})")
     missed: list[str] = []
     ratios: dict[str, Any] = {}
     if "proxypy" in names:
