@@ -57,7 +57,7 @@ from _common import LOOPBACK, ROOT, BenchError, Fleet, Proc, free_port, loadavg,
 from throughput import CREDENTIAL, TARGET_URL, product_policy
 
 BENCH = Path(__file__).resolve().parent
-SYSTEMS = ("redis", "memory", "floor", "floor_redis", "floor_async")
+SYSTEMS = ("redis", "memory", "shapes", "floor", "floor_redis", "floor_async")
 _TOTALS = re.compile(rb"^(?:summary|totals): (\d+)", re.M)
 _START_TIMEOUT = 180.0  # seconds for a system to answer its first request under valgrind (50x slower)
 
@@ -102,8 +102,8 @@ def _first_answer(proc: Proc, url: str) -> None:
 def command(name: str, spec: str | None, vendor: Proc, redis: Proc, port: int, policy: Path) -> tuple[list[str], Path]:
     """The argv of system ``name`` listening on ``port``, and the directory to run it in."""
     if name in SYSTEMS and spec is None:
-        if name in ("redis", "memory"):
-            policy = policy.with_name("policy-memory.yaml") if name == "memory" else policy
+        if name in ("redis", "memory", "shapes"):
+            policy = policy.with_name(f"policy-{name}.yaml") if name != "redis" else policy
             argv = [sys.executable, "-m", "proxy", "run", "-c", str(policy), "--listen", f"{LOOPBACK}:{port}"]
             return [*argv, "--admin-listen", f"{LOOPBACK}:0", "--log-level", "warning"], ROOT
         argv = [sys.executable, str(BENCH / "_floor_proxy.py"), "--port", str(port), "--upstream", vendor.url]
@@ -112,6 +112,8 @@ def command(name: str, spec: str | None, vendor: Proc, redis: Proc, port: int, p
     assert spec is not None
     kind, _, value = spec.partition(":")
     if kind == "tree":
+        if name.endswith("-shapes"):  # an older checkout with throughput.py's shapes policy
+            policy = policy.with_name("policy-shapes.yaml")
         argv = [sys.executable, "-m", "proxy", "run", "-c", str(policy), "--listen", f"{LOOPBACK}:{port}"]
         return [*argv, "--admin-listen", f"{LOOPBACK}:0", "--log-level", "warning"], Path(value)
     return shlex.split(value.format(port=port, upstream=vendor.url, redis=redis.url)), ROOT
@@ -152,7 +154,13 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument(
         "--systems", default="redis,floor_async", help=f"any of {','.join(SYSTEMS)} (default redis,floor_async)"
     )
-    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH", help="quota-proxy from another checkout")
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="quota-proxy from another checkout (a NAME ending -shapes: the shapes policy)",
+    )
     p.add_argument("--also", action="append", default=[], metavar="NAME=COMMAND", help="another forward proxy")
     p.add_argument("--requests", type=int, default=600, help="measured requests per system (default 600)")
     p.add_argument("--warmup", type=int, default=200, help="requests before the count starts (default 200)")
@@ -183,6 +191,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     vendor = fleet.vendor(1e9)
     (fleet.workdir / "policy.yaml").write_text(product_policy("redis", vendor.url, redis.url, store_timeout="5s"))
     (fleet.workdir / "policy-memory.yaml").write_text(product_policy("memory", vendor.url, None))
+    shapes = product_policy("shapes", vendor.url, redis.url, store_timeout="5s")
+    (fleet.workdir / "policy-shapes.yaml").write_text(shapes)
     counts: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, spec in systems.items():
