@@ -911,9 +911,9 @@ async def test_upstream_refused_is_502_json(start_proxy) -> None:
 @pytest.mark.parametrize(
     ("where", "path_headers"),
     [
-        # The general request path (an X-Quota-* header takes a request there), and the
+        # The general request path (an X-Quota-* header it does not read takes a request there), and the
         # straight one (lane.py), each with a bug in a step it takes before the vendor.
-        ((ProxyHandler, "admit"), {"X-Quota-On-Limit": "hold"}),
+        ((ProxyHandler, "admit"), {"X-Quota-Trace": "1"}),
         ((Limiter, "took"), {}),
     ],
     ids=["general", "straight"],

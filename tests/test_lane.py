@@ -206,10 +206,13 @@ REQUESTS = {
     "Host names the vendor": _request("GET", "/v1/charges"),
     "no Host, absolute form": _request("GET", ABSOLUTE, host=None),
     "fragment": _request("GET", f"http://{HOST}/v1/charges#top"),
-    # Not usual: the general path from the start.
     "X-Quota-On-Limit": _request("GET", ABSOLUTE, "X-Quota-On-Limit: hold"),
-    "Connection names a field": _request("GET", ABSOLUTE, "Connection: X-Private", "X-Private: 1"),
+    "a wish, spelled otherwise": _request("GET", ABSOLUTE, "x-quota-on-limit: Shed", "X-QUOTA-MAX-HOLD: 100ms"),
     "HEAD": _request("HEAD", ABSOLUTE),
+    # Not usual: the general path from the start.
+    "another X-Quota-* field": _request("GET", ABSOLUTE, "X-Quota-Something: 1"),
+    "a wish that cannot be read": _request("GET", ABSOLUTE, "X-Quota-On-Limit: later"),
+    "Connection names a field": _request("GET", ABSOLUTE, "Connection: X-Private", "X-Private: 1"),
     "Upgrade, not asked of this hop": _request("GET", ABSOLUTE, "Upgrade: websocket"),
     "Upgrade asked of this hop": _request("GET", ABSOLUTE, "Connection: Upgrade", "Upgrade: websocket"),
     "POST, a body over the limit": _request("POST", f"http://{HOST}/v1/files", "Content-Length: 65537") + b"b" * 65537,
@@ -239,7 +242,8 @@ ANSWERS = {
     "no length, closed": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the close",
 }
 CASES = [(r, "plain") for r in REQUESTS] + [("plain GET", a) for a in ANSWERS if a != "plain"]
-GENERAL_REQUESTS = {"fragment", "X-Quota-On-Limit", "Connection names a field", "HEAD", "Upgrade asked of this hop"}
+GENERAL_REQUESTS = {"fragment", "another X-Quota-* field", "Connection names a field", "Upgrade asked of this hop"}
+GENERAL_REQUESTS |= {"a wish that cannot be read"}
 GENERAL_REQUESTS |= {"POST, a body over the limit", "POST, a chunked body", "POST, Expect: 100-continue"}
 """Requests that are not usual: the general path serves them from the start."""
 HANDED_OVER = {"chunked", "204", "vendor 429", "large body", "Connection names a field", "watched remaining quota"}
@@ -277,10 +281,16 @@ async def test_the_straight_path_writes_what_the_general_path_writes(
             assert took == (0 if usual else 1), f"the general path served {took} of 1"
     straight, general = runs
     assert straight.vendor_got == general.vendor_got
+    if request_case == "a wish that cannot be read":  # the proxy's own answer: its Date is its own
+        straight.answer, general.answer = (_DATE.sub(b"\r\nDate: -", a) for a in (straight.answer, general.answer))
     assert _comparable(straight.answer, scripted.answer) == _comparable(general.answer, scripted.answer)
     assert straight.log == general.log
     assert straight.metrics == general.metrics
-    assert straight.log["outcome"] == "forwarded" and straight.metrics  # something was counted
+    assert straight.metrics  # something was counted
+    if request_case == "a wish that cannot be read":
+        assert straight.answer.startswith(b"HTTP/1.1 400 ")  # (the general path's answer, and log line)
+    else:
+        assert straight.log["outcome"] == "forwarded"
 
 
 async def _exchange_intercepted(port: int, ca: ProxyCA, data: bytes, connect_headers: str = "") -> bytes:
@@ -368,12 +378,13 @@ async def test_the_usual_request_never_enters_the_general_path(
     proxy = await start_proxy(policy)
     await _exchange(proxy.address.port, REQUESTS["plain GET"])  # the first opens the store's connection
     general_calls.clear()
-    for case in ("plain GET", "hop-by-hop fields", "tenant and credential", "DELETE", "route (origin form)"):
+    usual = ("plain GET", "hop-by-hop fields", "tenant and credential", "DELETE", "route (origin form)", "HEAD")
+    for case in (*usual, "X-Quota-On-Limit", "a wish, spelled otherwise"):
         answer = await _exchange(proxy.address.port, REQUESTS[case])
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
     assert general_calls == []
     # ...and what is not usual does.
-    answer = await _exchange(proxy.address.port, REQUESTS["X-Quota-On-Limit"])
+    answer = await _exchange(proxy.address.port, REQUESTS["another X-Quota-* field"])
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and general_calls == [ABSOLUTE]
 
 

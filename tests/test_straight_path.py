@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 from typing import Any
 
 import aiohttp
@@ -331,3 +332,43 @@ async def test_an_answer_that_teaches_what_is_known_already_is_relayed_straight(
             assert 1 <= len(general_calls) < 5, general_calls  # the first taught the store, not every one
     assert answers[0] == answers[1]
     assert learned[0] == learned[1] and learned[0][1] == 5  # every answer read, learnt the same
+
+
+@pytest.mark.parametrize(
+    ("on_limit", "wish", "outcome"),
+    [
+        ("{action: defer}", "X-Quota-On-Limit: hold", "held"),
+        ("{action: hold, max_hold: 1s}", "X-Quota-On-Limit: shed", "shed"),
+        ("{action: hold, max_hold: 1s}", "X-Quota-On-Limit: defer", "deferred"),
+        ("{action: hold, max_hold: 1s}", "X-Quota-Max-Hold: 1ms", "deferred"),
+    ],
+    ids=["hold", "shed", "defer", "a shorter hold"],
+)
+async def test_a_workers_wish_is_taken_on_the_straight_path(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    general_calls: list[str],
+    redis_url: str,
+    on_limit: str,
+    wish: str,
+    outcome: str,
+) -> None:
+    """X-Quota-On-Limit and X-Quota-Max-Hold decide the store call the straight path sends:
+    granted now, it never enters the general path; refused or held, the general path
+    answers as the wish says (with the store's answer the straight path had)."""
+    stream = io.StringIO()
+    policy = vendor_policy(scripted.url, store=redis_url, limits="[{rate: 2, per: 1s, burst: 2}]", on_limit=on_limit)
+    proxy = await start_proxy(policy, access_log=AccessLog(stream))
+    data = _request("GET", ABSOLUTE, wish)
+    await _exchange(proxy.address.port, data)  # the first opens the store's connection (and takes a token)
+    general_calls.clear()
+    assert (await _exchange(proxy.address.port, data)).startswith(b"HTTP/1.1 200 OK")  # the last token, at once
+    assert general_calls == []
+    answer = await _exchange(proxy.address.port, data)  # the bucket is empty
+    proxy.runtime.deps.access_log.flush()
+    logged = [json.loads(line)["outcome"] for line in stream.getvalue().splitlines()]
+    assert logged[-1] == outcome, logged
+    assert answer.startswith(b"HTTP/1.1 200 OK" if outcome == "held" else b"HTTP/1.1 ")
+    assert len(general_calls) == 1  # handed over with the store's answer
+    got = scripted.got[-1].lower()
+    assert b"x-quota" not in got  # the wish is the proxy's, never the vendor's

@@ -26,7 +26,7 @@ import hiredis
 from redis.asyncio.connection import parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from proxy.limiter.pipelined import PipelinedConnection, PipelineError, Reply, ReplyError
+from proxy.limiter.pipelined import PipelinedConnection, PipelineError, Replied, ReplyError
 
 Address = tuple[str, int]
 
@@ -257,7 +257,7 @@ class ClusterScript:
         packed = hiredis.pack_command(("EVALSHA", self.sha, len(keys), *keys, *args))
         return self.call_packed(keys, packed, reply_within)
 
-    def send_to(self, keys: list[str], packed: bytes, waiter: Reply, reply_within: float) -> bool:
+    def send_to(self, keys: list[str], packed: bytes, waiter: Replied, reply_within: float) -> bool:
         """The EVALSHA ``packed`` written on the connection of the primary the map says owns
         ``keys``, its reply to ``waiter`` (the straight path's, lane.py); False when that
         connection is not open (nothing sent). A reply that says it did not run there is

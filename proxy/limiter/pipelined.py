@@ -21,7 +21,7 @@ import math
 import ssl
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, parse_url
@@ -80,7 +80,20 @@ class Reply:
         return True
 
 
-Waiter = asyncio.Future[Any] | Reply
+class Replied(Protocol):
+    """What waits for a reply without a future: a ``Reply``, or the straight path's own
+    (redis_acquire.py), which decodes it as it comes."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, reply: Any) -> None: ...
+
+    def set_exception(self, error: BaseException) -> None: ...
+
+    def cancel(self) -> bool: ...
+
+
+Waiter = asyncio.Future[Any] | Replied
 
 
 class _Protocol(asyncio.Protocol):
@@ -372,7 +385,7 @@ class PipelinedScript:
         proto = self._conn.open_protocol()
         return None if proto is None else proto.send(packed, reply_within)
 
-    def send_to(self, packed: bytes, waiter: Reply, reply_within: float) -> bool:
+    def send_to(self, packed: bytes, waiter: Replied, reply_within: float) -> bool:
         """``send_now``, its reply to ``waiter``; False when the connection is not open."""
         proto = self._conn.open_protocol()
         if proto is None:

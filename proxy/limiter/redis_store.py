@@ -27,11 +27,10 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError, Reply
-from proxy.limiter.resp import bulk, bulks, header
+from proxy.limiter.redis_acquire import AcquireShape, StraightAcquire, acquire_result, reserve_spec
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
     AcquireResult,
-    Answered,
     BlockResult,
     BucketSpec,
     LearnResult,
@@ -54,6 +53,7 @@ _MS = 1000.0
 # redis-py's pools refuse the 101st connection outright (MaxConnectionsError), which
 # would surface as a store failure with Redis perfectly healthy.
 _MAX_IN_FLIGHT = 64
+_SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter keeps as many)
 
 
 def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
@@ -72,235 +72,6 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
     return aioredis.from_url(url, retry=Retry(NoBackoff(), 1), **options)
 
 
-_SHAPES_MAX = 10_000  # bucket sets whose acquire is kept packed (the limiter keeps as many)
-_tuple_new = tuple.__new__
-_AROUND_MAX = 64  # (cost, max_wait, debt) triples packed per bucket set
-_EMPTY = bulk("")
-_ReplyError = hiredis.ReplyError
-_ZERO = bulk(0.0)
-
-
-class _AcquireShape:
-    """The parts of acquire.lua's keys and arguments that one bucket set (with its queue,
-    state and lease sets) sends in every call; ``head`` and ``tail`` as RESP, the
-    arguments between them (cost, max_wait...) packed per call."""
-
-    __slots__ = (
-        "_around_lease",
-        "_around_seen",
-        "args",
-        "buckets",
-        "count",
-        "head",
-        "keys",
-        "n",
-        "queued",
-        "reserving",
-        "sets",
-        "state",
-        "tail",
-    )
-
-    def __init__(
-        self,
-        buckets: tuple[BucketSpec, ...],
-        queue: str | None,
-        state: str | None,
-        sets: tuple[LeaseSet, ...],
-        sha: str,
-        reserve: Reserve | None,
-    ) -> None:
-        self.buckets, self.state, self.sets = buckets, state, sets
-        keys = [b.key for b in buckets] + [ls.key for ls in sets]
-        if queue is not None:
-            keys.append(queue)
-            if reserve is not None:
-                keys.append(reserve.key)
-        if state is not None:
-            keys.append(state)
-        self.keys = keys
-        args: list[float | str] = []
-        for b in buckets:
-            args += (b.rate / _MS, b.burst, b.field)
-        args += [ls.cap for ls in sets]
-        self.args = args
-        self.n = len(buckets)
-        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life claim reserve | args...
-        self.head = header(3 + len(keys) + 10 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
-        self.queued = bulk("q" if queue is not None else "")
-        self.reserving = _EMPTY if queue is None or reserve is None else bulk(reserve_spec(reserve))
-        self.count = bulk(self.n)
-        self.tail = bulks(args)
-        # Per (cost, max_wait, debt), for a call with a state guard, no leases and no claim
-        # (the usual): the whole command but the guard's ``seen``, before and after it.
-        self._around_seen: dict[tuple[float, float, float], tuple[bytes, bytes]] = {}
-        self._around_lease: dict[tuple[float, float, float, float], tuple[bytes, bytes, bytes]] = {}
-
-    def around_seen(self, cost: float, max_wait: float, debt: float) -> tuple[bytes, bytes]:
-        """The command of a call with a state guard, no leases and no claim, packed but for
-        the guard's ``seen`` (a counter, new in every call), which goes between the two."""
-        key = (cost, max_wait, debt)
-        parts = self._around_seen.get(key)
-        if parts is None:
-            if len(self._around_seen) >= _AROUND_MAX:  # max_wait comes from a request header too
-                self._around_seen.clear()
-            before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
-            after = b"".join((bulk(debt * _MS), self.count, _EMPTY, _ZERO, _EMPTY, self.reserving, self.tail))
-            parts = self._around_seen[key] = (before, after)
-        return parts
-
-    def around_lease(self, cost: float, max_wait: float, debt: float, life: float) -> tuple[bytes, bytes, bytes]:
-        """The command of a call with a state guard and leases, no claim, packed but for the
-        guard's ``seen`` and the lease id (new in every call), which go between the three."""
-        key = (cost, max_wait, debt, life)
-        parts = self._around_lease.get(key)
-        if parts is None:
-            if len(self._around_lease) >= _AROUND_MAX:
-                self._around_lease.clear()
-            before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
-            between = b"".join((bulk(debt * _MS), self.count))
-            after = b"".join((bulk(life * _MS), _EMPTY, self.reserving, self.tail))
-            parts = self._around_lease[key] = (before, between, after)
-        return parts
-
-    def packed(
-        self, cost: float, max_wait: float, guard: StateGuard | None, leases: Leases | None, claim: str
-    ) -> bytes:
-        """The whole command of one call (the usual one, guarded, without leases or claim,
-        from ``around_seen``)."""
-        if guard is not None and not claim:
-            if leases is None:
-                before, after = self.around_seen(cost, max_wait, guard.debt)
-                return before + bulk(guard.seen) + after
-            before, between, after = self.around_lease(cost, max_wait, guard.debt, leases.life)
-            return b"".join((before, bulk(guard.seen), between, bulk(leases.id), after))
-        return b"".join(
-            (
-                self.head,
-                bulk(cost),
-                bulk(max_wait * _MS),
-                self.queued,
-                _EMPTY if guard is None else bulk(guard.seen),
-                _ZERO if guard is None else bulk(guard.debt * _MS),
-                self.count,
-                _EMPTY if leases is None else bulk(leases.id),
-                _ZERO if leases is None else bulk(leases.life * _MS),
-                bulk(claim),
-                self.reserving,
-                self.tail,
-            )
-        )
-
-
-def reserve_spec(reserve: Reserve) -> str:
-    """acquire.lua's ARGV[10]: ``<horizon>:<owner>:<life>`` in ms, ``:<tenants>``."""
-    return f"{reserve.horizon * _MS:.3f}:{reserve.owner * _MS:.3f}:{reserve.life * _MS:.3f}:{reserve.tenants}"
-
-
-def acquire_result(out: list[Any], n: int) -> AcquireResult:
-    """acquire.lua's reply to an acquire of ``n`` buckets (its fields in order, as strings)."""
-    wait = out[1]
-    waited = float(wait) / _MS
-    reserved = out[-2]
-    # Every field given, in order: the tuple made directly, without the NamedTuple's
-    # Python-level __new__ binding twelve arguments (once per request).
-    return _tuple_new(
-        AcquireResult,
-        (
-            out[0] == b"1",
-            waited,
-            int(out[2]) - 1,
-            tuple(map(float, out[8 : 8 + n])),
-            waited if out[3] == wait else float(out[3]) / _MS,  # granted: the hint is the wait
-            int(out[4]),
-            out[5] == b"1",
-            int(out[6]) - 1,
-            tuple(map(int, out[8 + n : -2])) if len(out) > 10 + n else (),
-            int(out[7]) / _MS,
-            reserved.decode() if reserved else "",
-            out[-1] == b"1",
-        ),
-    )
-
-
-class StraightAcquire:
-    """One bucket set's acquire as the straight path (lane.py) sends it (store.StraightCall):
-    written on the pipelined connection (on Redis Cluster, the one to the primary that owns
-    its slot), packed as ``RedisStore.acquire`` packs the same call, its reply decoded as
-    it is read (an error reply that says the script did not run, NOSCRIPT or a redirection,
-    gets it sent again first)."""
-
-    __slots__ = ("_cost", "_debt", "_key", "_max_wait", "_script", "_shape", "_store")
-
-    def __init__(
-        self,
-        store: RedisStore,
-        script: PipelinedScript | ClusterScript,
-        shape: _AcquireShape,
-        cost: float,
-        max_wait: float,
-        guard: StateGuard,
-    ) -> None:
-        self._store = store
-        self._script = script
-        self._shape = shape
-        self._cost = cost
-        self._max_wait = max_wait
-        self._key = guard.key
-        self._debt = guard.debt
-        shape.around_seen(cost, max_wait, guard.debt)  # (packed now, not by the first request)
-
-    def _packed(self, seen: int, leases: Leases | None) -> bytes:
-        return self._shape.packed(self._cost, self._max_wait, StateGuard(self._key, seen, self._debt), leases, "")
-
-    def send(self, seen: int, leases: Leases | None, then: Answered) -> Reply | None:
-        waiter = Reply(functools.partial(self._replied, then, seen, leases))
-        script = self._script
-        packed = self._packed(seen, leases)
-        if isinstance(script, PipelinedScript):
-            sent = script.send_to(packed, waiter, self._store._timeout)
-        else:
-            sent = script.send_to(self._shape.keys, packed, waiter, self._store._timeout)
-        return waiter if sent else None
-
-    def _replied(self, then: Answered, seen: int, leases: Leases | None, out: Any, exc: BaseException | None) -> None:
-        if exc is not None:
-            then(None, self._failed(exc))
-        elif type(out) is _ReplyError:
-            task = spawn(self._again(out, seen, leases), name="straight-acquire")
-            task.add_done_callback(functools.partial(self._reloaded, then))
-        else:
-            then(acquire_result(out, self._shape.n), None)
-
-    async def _again(self, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> AcquireResult:
-        """The reply after an error reply: one that says the acquire did not run gets it sent
-        again; any other, as any failure, is the store unavailable."""
-        script = self._script
-        packed = self._packed(seen, leases)
-        try:
-            if isinstance(script, PipelinedScript):
-                out = await script.reply_error(str(error), packed, self._store._timeout)
-            else:
-                out = await script.reply_error(str(error), self._shape.keys, packed, self._store._timeout)
-        except (PipelineError, OSError, TimeoutError) as exc:
-            raise self._store._fast_failed(exc) from exc
-        return acquire_result(out, self._shape.n)
-
-    @staticmethod
-    def _reloaded(then: Answered, task: asyncio.Task[AcquireResult]) -> None:
-        if task.cancelled():
-            then(None, StoreUnavailable("cancelled"))
-            return
-        exc = task.exception()
-        then(None, exc) if exc is not None else then(task.result(), None)
-
-    def _failed(self, exc: BaseException) -> BaseException:
-        """What an exception awaiting the reply means: the store unavailable, or not the store's."""
-        if isinstance(exc, (PipelineError, OSError, TimeoutError)):
-            return self._store._fast_failed(exc)
-        return exc
-
-
 class RedisStore:
     def __init__(self, url: str, timeout: float, *, pipelined: bool = True) -> None:
         """``pipelined=False`` sends acquire, release and presence through redis-py, like every
@@ -317,7 +88,7 @@ class RedisStore:
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
-        self._shapes: dict[tuple[int, str | None, tuple[float, float] | None], _AcquireShape] = {}
+        self._shapes: dict[tuple[int, str | None, tuple[float, float] | None], AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
         # The once-a-second announcement rides on the same connections as the requests'
@@ -387,7 +158,7 @@ class RedisStore:
         claim = "" if reserve is None or queue is None else reserve.claim
         fast = self._acquire_fast
         if fast is not None:
-            # The command's fixed parts were packed once (_AcquireShape): only what changes
+            # The command's fixed parts were packed once (AcquireShape): only what changes
             # per call is packed here, the bytes being those of the whole command packed.
             packed = shape.packed(cost, max_wait, guard, leases, claim)
             try:
@@ -433,7 +204,7 @@ class RedisStore:
         if fast is None:
             return None
         shape = self._shape(buckets, queue, guard, sets, reserve)
-        return StraightAcquire(self, fast, shape, cost, max_wait, guard)
+        return StraightAcquire(fast, shape, cost, max_wait, guard, self._timeout, self._fast_failed)
 
     def _shape(
         self,
@@ -442,7 +213,7 @@ class RedisStore:
         guard: StateGuard | None,
         sets: tuple[LeaseSet, ...],
         reserve: Reserve | None,
-    ) -> _AcquireShape:
+    ) -> AcquireShape:
         """What an acquire of these buckets sends whatever the call (keys, rates, bursts,
         fields, caps, how slots are kept), kept per bucket set: the limiter passes the same
         tuple every time."""
@@ -460,7 +231,7 @@ class RedisStore:
             return shape
         if len(self._shapes) >= _SHAPES_MAX:
             self._shapes.clear()
-        shape = self._shapes[key] = _AcquireShape(
+        shape = self._shapes[key] = AcquireShape(
             buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha, reserve
         )
         return shape
@@ -503,7 +274,7 @@ class RedisStore:
     ) -> None:
         if exc is not None:
             then(None, self._fast_failed(exc) if isinstance(exc, (PipelineError, OSError, TimeoutError)) else exc)
-        elif type(out) is _ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
+        elif type(out) is hiredis.ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
             task = spawn(self.release(sets, lease_ids, channel), name="release-leases")
             task.add_done_callback(functools.partial(_settled, then))
         else:

@@ -63,6 +63,42 @@ class Tally:
         self._endpoints: dict[tuple[str, str], Any] = {}
         self._rings: dict[str, Ring] = {}
 
+    def relayed(self, status: int, elapsed: float, mode: str, tenant: str, endpoint: str | None) -> None:
+        """A request forwarded without a hold whose answer (``status``, ``elapsed`` seconds
+        after the request's write) was relayed whole: ``recent``, ``answered``, ``timed``,
+        ``came`` and ``ended`` in one (the straight path's usual request)."""
+        if not self._plain:
+            self.recent("forwarded")
+            self.answered(status)
+            self.timed(elapsed)
+            self.came(mode)
+            self.ended(tenant, "forwarded", endpoint)
+            return
+        ring = self._rings.get("forwarded")
+        if ring is None:
+            ring = self._rings["forwarded"] = self._recent.ring(self.vendor, "forwarded")
+        ring.add(int(self._clock.monotonic()))
+        cell = self._answers.get(status)
+        if cell is None or status == 429:
+            self.answered(status)
+        else:
+            cell._value += 1
+        latency = self._latency
+        assert latency is not None
+        latency.sum._value += elapsed
+        latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
+        self._sizing.observe(self.vendor, elapsed)
+        cell = self._modes.get(mode)
+        if cell is None:
+            self.came(mode)
+        else:
+            cell._value += 1
+        cell = self._requests.get((tenant, "forwarded"))
+        if cell is None or endpoint is not None:
+            self.ended(tenant, "forwarded", endpoint)
+        else:
+            cell._value += 1
+
     def answered(self, status: int) -> None:
         """The vendor answered ``status`` (a 429 shows on the live page too)."""
         cell = self._answers.get(status)

@@ -41,18 +41,16 @@ from proxy.limiter.store import Pending
 from proxy.pipeline.decide import Admission
 from proxy.pipeline.forward import paced, ready
 from proxy.pipeline.handover import Carried, GeneralPath
-from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger
+from proxy.pipeline.ledger import Ledger, crashed
 from proxy.pipeline.pacing import Paced
 from proxy.pipeline.ratelimit_fields import quota_lines, tightest
-from proxy.pipeline.refusals import InternalError
-from proxy.pipeline.responses import write_answer
-from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes, proof_of
+from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes, Terms, proof_of
 from proxy.quota.concurrency import Slot
 from proxy.tasks import spawn
 from proxy.telemetry.accesslog import quoted_path
 from proxy.telemetry.loudly import Loudly
 from proxy.tls.intercept import Interception
-from proxy.wire.headers import answer_lines, idempotent, request_kinds
+from proxy.wire.headers import answer_lines, request_kinds
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder, date_line, head_end, keeps, status_line
 from proxy.wire.upstream import UpstreamConnection, UpstreamFailed
@@ -129,36 +127,12 @@ class Lane:
         charge = route.charge
         if charge is None:
             charge = route.charge_of(request)
-        if charge.reserve is not None and self.handler.kept.waiting(charge.reserve.key):
+        terms = charge.terms if request.on_limit is None and request.max_hold is None else charge.terms_for(request)
+        if terms is None:  # a wish that cannot be read: the general path answers it
+            return None
+        if terms.reserve is not None and self.handler.kept.waiting(terms.reserve.key):
             return None  # this bucket set's deferred calls have slots here: the general path claims them
-        return Flight(self, conn, request, route, charge, cut)
-
-    async def crashed(
-        self,
-        deps: Deps,
-        request: Request,
-        responder: Responder,
-        route: Route,
-        charge: Charge,
-        slot: Slot | None,
-        started: float,
-        exc: Exception,
-    ) -> None:
-        """A bug: logged, counted (outcome error), answered 500 unless the answer had begun
-        (then the connection is cut, never a spliced body); its leases given back."""
-        if slot is not None:
-            slot.close()
-        log.error("internal error on %s %s", request.method, request.target[:200], exc_info=exc)
-        ledger = Ledger(deps, request.method, request.target, started)
-        route.record(ledger.rec, charge, request)
-        ledger.rec.outcome, ledger.rec.detail = "error", INTERNAL_ERROR
-        try:
-            if responder.begun:
-                raise exc
-            answer = ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
-        finally:
-            ledger.close()
-        await write_answer(responder, answer)
+        return Flight(self, conn, request, route, charge, terms, cut)
 
 
 class Flight:
@@ -182,13 +156,14 @@ class Flight:
         "sent",
         "slot",
         "started",
+        "terms",
         "upstream",
         "waiting",
         "written",
     )
 
     def __init__(
-        self, lane: Lane, conn: Http1Connection, request: Request, route: Route, charge: Charge, cut: int
+        self, lane: Lane, conn: Http1Connection, request: Request, route: Route, charge: Charge, terms: Terms, cut: int
     ) -> None:
         self.lane = lane
         self.deps = deps = lane.deps  # one policy generation for the whole request
@@ -199,6 +174,7 @@ class Flight:
         self.written = 0  # the status of the answer written to the worker (0: none yet)
         self.route = route
         self.charge = charge
+        self.terms = terms
         self.slot: Slot | None = None
         self.cut = cut
         self.dead = False
@@ -236,7 +212,8 @@ class Flight:
             limiter.partitions.note(vendor.name, charge.partition)
         if charge.caps:
             self.slot = deps.concurrency.slot(vendor, charge.endpoint)
-        call = charge.call
+        terms = self.terms
+        call = terms.call
         if call is not None:
             breaker = limiter.breaker
             if not breaker.allow():  # open: the general path refuses it as the breaker says
@@ -256,14 +233,14 @@ class Flight:
         acquire = limiter.acquire(
             vendor,
             route.tenant,
-            charge.max_wait,
+            terms.max_wait,
             charge.cost,
-            enqueue=charge.enqueue,
+            enqueue=terms.enqueue,
             endpoint=charge.endpoint,
             partition=charge.partition,
             leases=None if slot is None else slot.leases,
             buckets=charge.b,
-            claim=None if charge.reserve is None else "",
+            claim=None if terms.reserve is None else "",
         )
         self._wait(_ACQUIRING, spawn(acquire, name="straight-acquire"), self._acquired)
         return True
@@ -439,14 +416,13 @@ class Flight:
             if status != 429 and status >= 200 and status != 204 and status != 304:
                 lines = answer_lines(response.block, route.answer_fields, True)
                 if lines is not None and lines[1] <= WHOLE_MAX and route.learnt(charge, response):
-                    body = response.whole_exactly(lines[1])  # (taken: from here on the answer is this path's)
+                    # (Taken: from here on the answer is this path's. A HEAD's has none: its
+                    # length is the one a GET would get.)
+                    body = response.whole_exactly(0 if route.bodiless else lines[1])
             if lines is None or body is None:
                 self._carry(self._sent(upstream=response))  # the general path's relay (and feedback)
                 return
             kept, length, date = lines
-            tally = route.tally
-            tally.recent("forwarded")
-            tally.answered(status)
             request = self.request
             keep = keeps(request, self.conn)
             if not keep:
@@ -513,13 +489,15 @@ class Flight:
         route = self.route
         tally = route.tally
         now = deps.clock.monotonic()
-        tally.timed(now - self.sent)
-        tally.came(route.mode)
+        charge = self.charge
         if broken is not None:
+            tally.recent("forwarded")
+            tally.answered(status)
+            tally.timed(now - self.sent)
+            tally.came(route.mode)
             self._account("error", broken, status)
             return
-        charge = self.charge
-        tally.ended(route.tenant, "forwarded", charge.endpoint_name)
+        tally.relayed(status, now - self.sent, route.mode, route.tenant, charge.endpoint_name)
         if route.log:
             cut = self.cut
             path = route.log_path if cut < 0 else quoted_path(self.request.target[cut:])
@@ -537,9 +515,10 @@ class Flight:
         if self.upstream is not None and self.waiting == 0:
             self.upstream.close()  # whatever state it was left in, it is not reused
         responder = self._responder()
-        work = functools.partial(
-            self.lane.crashed, self.deps, self.request, responder, self.route, self.charge, self.slot, self.started, exc
-        )
+        if self.slot is not None:
+            self.slot.close()
+        record = functools.partial(self.route.record, charge=self.charge, request=self.request)
+        work = functools.partial(crashed, self.deps, self.request, responder, self.started, exc, record)
         self.conn.carry(self.request, responder, work)
 
     def _responder(self) -> Responder:

@@ -10,16 +10,22 @@ status and detail); a bug, or a worker that went away, ends in outcome error.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
 
 from proxy.deps import Deps
-from proxy.pipeline.refusals import Refusal
-from proxy.pipeline.responses import refusal_response
+from proxy.pipeline.refusals import InternalError, Refusal
+from proxy.pipeline.responses import refusal_response, write_answer
 from proxy.telemetry.accesslog import AccessRecord
 from proxy.telemetry.metrics import NO_VENDOR
+from proxy.wire.headers import idempotent
+from proxy.wire.request import Request
+from proxy.wire.responder import Responder
+
+log = logging.getLogger("quota_proxy")
 
 T = TypeVar("T")
 
@@ -73,6 +79,30 @@ class Ledger:
                 deps.tally(rec.vendor).ended(tenant, rec.outcome, rec.endpoint)
         if deps.policy.access_log:
             deps.access_log.emit(rec)
+
+
+async def crashed(
+    deps: Deps,
+    request: Request,
+    responder: Responder,
+    started: float,
+    exc: Exception,
+    record: Callable[[AccessRecord], None],
+) -> None:
+    """A bug on the straight path (lane.py), in the connection's serving task: logged,
+    counted (outcome error, the record filled in by ``record``), answered 500 unless the
+    answer had begun (then the connection is cut, never a spliced body)."""
+    log.error("internal error on %s %s", request.method, request.target[:200], exc_info=exc)
+    ledger = Ledger(deps, request.method, request.target, started)
+    record(ledger.rec)
+    ledger.rec.outcome, ledger.rec.detail = "error", INTERNAL_ERROR
+    try:
+        if responder.begun:
+            raise exc
+        answer = ledger.refuse(InternalError(INTERNAL_ERROR, idempotent(request.method, request.headers)))
+    finally:
+        ledger.close()
+    await write_answer(responder, answer)
 
 
 async def accounted(

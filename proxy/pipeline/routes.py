@@ -15,20 +15,23 @@ The key is what decides the route without parsing: for an absolute-form target
 header's value; inside an intercepted tunnel, where the tunnel leads; for an origin-form
 target (a vendor ``route`` or a ``Host``), the whole target and ``Host``.
 
-A route is *straight* unless its method is HEAD: every policy feature is served here
-for the usual request (tests/test_straight_path.py lists them). (A tenant the policy does
-not name takes its seat here as it would there: ``seats``.)
+Every policy feature is served here for the usual request (tests/test_straight_path.py
+lists them). (A tenant the policy does not name takes its seat here as it would there:
+``seats``.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from multidict import CIMultiDict
 
 from proxy.limiter.partitions import DEFAULT, partition_hash, shown
 from proxy.limiter.store import Reserve
 from proxy.pipeline.accounting import Tally
+from proxy.pipeline.decide import Wish, request_wish
 from proxy.pipeline.feedback import learnt, remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
@@ -40,7 +43,7 @@ from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.accesslog import ForwardedLine, quoted_path
 from proxy.tls.intercept import interception_of
-from proxy.wire.headers import answer_fields
+from proxy.wire.headers import MAX_HOLD, ON_LIMIT, answer_fields
 
 if TYPE_CHECKING:
     from proxy.deps import Deps
@@ -55,11 +58,30 @@ if TYPE_CHECKING:
 
 ROUTES_MAX: Final = 4096
 """Routes kept per table; past that it starts over (tenants and targets are the workers')."""
+_WISHES_MAX: Final = 64
+"""Terms kept per charge for wishes other than the vendor's; past that it starts over."""
 CHARGES_MAX: Final = 1024
 """Charges (one per endpoint class and partition) kept per route; past that it starts over."""
 KEY_MAX: Final = 512
 """Longest target (origin form: the whole of it) a route is kept for."""
 _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 (upstream.py)
+
+
+class Terms(NamedTuple):
+    """How a request's tokens are asked for, by what its worker wishes when the bucket is
+    empty (decide.Wish: the vendor's ``on_limit``, or ``X-Quota-On-Limit`` and
+    ``X-Quota-Max-Hold``)."""
+
+    max_wait: float
+    """Seconds the store may make it wait (a hold's ``max_hold``; else 0)."""
+    enqueue: bool
+    """Refused, it takes a place in the deferral queue (not a shed)."""
+    reserve: Reserve | None
+    """How a refusal keeps its slot (a defer); the straight path takes only requests of
+    connections that hold none (handler.admit claims them)."""
+    call: StraightCall | None
+    """The store call that takes its tokens and leases (None: the store has none, or the
+    vendor has no state to guard: ``Limiter.acquire``, in a task)."""
 
 
 class Charge:
@@ -69,63 +91,83 @@ class Charge:
     depend on them. One per route for a vendor without classes or partitions."""
 
     __slots__ = (
+        "_deps",
+        "_wished",
         "b",
-        "call",
         "caps",
         "cost",
         "endpoint",
         "endpoint_name",
-        "enqueue",
         "limits",
         "line",
         "match",
-        "max_wait",
         "partition",
-        "reserve",
         "state_key",
         "tenant_count",
+        "terms",
         "vendor_side",
     )
 
     def __init__(self, deps: Deps, match: Match, method: str, host: str) -> None:
         vendor = match.vendor
         endpoint = match.endpoint
-        limiter = deps.limiter
+        self._deps = deps
         self.match = match
         self.endpoint = endpoint
         self.partition = match.partition
-        self.b: Buckets = limiter.buckets(vendor, match.tenant, endpoint, match.partition)
+        self.b: Buckets = deps.limiter.buckets(vendor, match.tenant, endpoint, match.partition)
         self.tenant_count = self.b.tenant_count
         self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
         self.cost = 1.0 if endpoint is None else endpoint.cost
-        on_limit = vendor.on_limit
-        self.max_wait = on_limit.max_hold if on_limit.action == "hold" else 0.0
-        self.enqueue = on_limit.action != "shed"
-        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
-        # here, which has no slot of its own: a retry of a call deferred on this replica
-        # takes the general path, which claims its slot.
-        self.reserve: Reserve | None = (
-            limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if on_limit.action == "defer" else None
-        )
-        """How a refusal keeps its slot (a deferring vendor); the straight path takes only
-        requests of connections that hold none (handler.admit claims them)."""
         self.state_key = self.b.state_key
         self.caps = bool(deps.concurrency.sets(vendor, endpoint))
         """Its requests take leases (concurrency caps): ``Concurrency.slot``."""
-        leases = deps.concurrency.slot(vendor, endpoint).leases if self.caps else None
-        queue = self.b.queue if self.enqueue else None
-        self.call: StraightCall | None = (
-            limiter.straight(vendor, self.b, self.cost, self.max_wait, queue, leases, self.reserve)
-            if self.state_key
-            else None
-        )
-        """The store call that takes its tokens and leases (None: the store has none, or
-        the vendor has no state to guard: ``Limiter.acquire``, in a task)."""
+        on_limit = vendor.on_limit
+        self.terms = self._terms(Wish(on_limit.action, on_limit.max_hold))
+        """Its requests' terms by the vendor's ``on_limit``."""
+        self._wished: dict[Wish, Terms] = {}
         self.endpoint_name = None if endpoint is None else endpoint.name
         self.limits = request_limits(vendor, match.tenant, endpoint) if vendor.ratelimit_headers else None
         """Its buckets' limits, for the RateLimit fields of its answers (``ratelimit_headers``)."""
         self.line = ForwardedLine.of(method, host, vendor.name, match.tenant, self.endpoint_name, shown(self.partition))
         """Its requests' access-log line but for the path."""
+
+    def terms_for(self, request: Request) -> Terms | None:
+        """The terms of a request whose worker wishes otherwise (``X-Quota-On-Limit``,
+        ``X-Quota-Max-Hold``); None for a wish that cannot be read (a 400)."""
+        fields = CIMultiDict[str]()
+        if request.on_limit is not None:
+            fields[ON_LIMIT] = request.on_limit.decode("latin-1")
+        if request.max_hold is not None:
+            fields[MAX_HOLD] = request.max_hold.decode("latin-1")
+        try:
+            wish = request_wish(self.match.vendor.on_limit, fields)
+        except Refusal:
+            return None
+        terms = self._wished.get(wish)
+        if terms is None:
+            if len(self._wished) >= _WISHES_MAX:  # max_hold is the workers' to choose
+                self._wished.clear()
+            terms = self._wished[wish] = self._terms(wish)
+        return terms
+
+    def _terms(self, wish: Wish) -> Terms:
+        deps = self._deps
+        vendor = self.match.vendor
+        limiter = deps.limiter
+        enqueue = wish.action != "shed"
+        # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
+        # here, which has no slot of its own: a retry of a call deferred on this replica
+        # takes the general path, which claims its slot.
+        reserve = limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if wish.action == "defer" else None
+        leases = deps.concurrency.slot(vendor, self.endpoint).leases if self.caps else None
+        queue = self.b.queue if enqueue else None
+        call = (
+            limiter.straight(vendor, self.b, self.cost, wish.max_wait, queue, leases, reserve)
+            if self.state_key
+            else None
+        )
+        return Terms(wish.max_wait, enqueue, reserve, call)
 
 
 class Route:
@@ -137,6 +179,7 @@ class Route:
         "_deps",
         "_method",
         "answer_fields",
+        "bodiless",
         "charge",
         "cut",
         "head_end",
@@ -153,7 +196,6 @@ class Route:
         "path",
         "pool",
         "seats",
-        "straight",
         "tally",
         "target_path",
         "tenant",
@@ -180,9 +222,8 @@ class Route:
         """The host the target names (the access log's ``host``)."""
         self.target_path = target_path
         """The target's path and query (the access log's ``path``), when ``cut`` is -1."""
-        self.straight = method != "HEAD"  # (an answer without its body: the general path's relay)
-        if not self.straight:
-            return
+        self.bodiless = method == "HEAD"
+        """Its answers end with their head (whatever length they announce)."""
         self.window = longest_window(vendor)
         cap = deps.policy.tenant.max_active
         self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
@@ -289,7 +330,8 @@ class Routes:
         self._table: dict[Hashable, Route | None] = {}
 
     def get(self, key: Hashable) -> Route | bool | None:
-        """The route of ``key``; False when it is not known yet; None when its requests cannot be straight."""
+        """The route of ``key``; False when it is not known yet; None when the general path
+        decides (its requests are refused, or read otherwise)."""
         return self._table.get(key, False)
 
     def learn(self, key: Hashable, request: Request, method: str, cut: int) -> Route | None:
@@ -313,9 +355,8 @@ class Routes:
             return None  # a fragment, a query right after the authority...: this target is not cut so
         mode = "plain" if tunnel is None else "intercept"
         route = Route(deps, match, method, mode, cut, target.host, target.path_qs)
-        found = route if route.straight else None
-        self._keep(key, found)
-        return found
+        self._keep(key, route)
+        return route
 
     def _keep(self, key: Hashable, route: Route | None) -> None:
         table = self._table

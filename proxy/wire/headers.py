@@ -251,7 +251,10 @@ _HOP_BYTES: Final = frozenset(name.encode("latin-1") for name in HOP_BY_HOP)
 # What the worker's parser notes of each request field (``request_kinds``): most are
 # ``PLAIN`` (forwarded as they came); the others the proxy reads, or drops, or both.
 PLAIN, HOST, LENGTH_FIELD, TRANSFER, EXPECT, CONNECTION_FIELD, HOP, QUOTA, TENANT = 0, 1, 2, 3, 4, 5, 6, 7, 8
+WISH_ACTION, WISH_HOLD = 9, 10  # X-Quota-On-Limit, X-Quota-Max-Hold: read, never forwarded
 
+_ON_LIMIT_LOW: Final = ON_LIMIT.lower()
+_MAX_HOLD_LOW: Final = MAX_HOLD.lower()
 _REQUEST_KINDS: dict[str, dict[bytes, int]] = {}
 """Per tenant header (lower case), what each request field name (as spelled) is."""
 
@@ -282,6 +285,10 @@ def learn_request_kind(kinds: dict[bytes, int], name: bytes, tenant_header: str)
         kind = EXPECT
     elif low == "connection":
         kind = CONNECTION_FIELD
+    elif low == _ON_LIMIT_LOW:
+        kind = WISH_ACTION
+    elif low == _MAX_HOLD_LOW:
+        kind = WISH_HOLD
     elif low.startswith(QUOTA_PREFIX):
         kind = QUOTA
     elif low == tenant_header.lower():

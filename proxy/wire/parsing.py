@@ -24,6 +24,8 @@ from proxy.wire.headers import (
     TENANT,
     THIS_HOP_VALUES,
     TRANSFER,
+    WISH_ACTION,
+    WISH_HOLD,
     learn_request_kind,
     only_this_hop,
     request_kinds,
@@ -187,7 +189,7 @@ class RequestParsing:
         # The fields the proxy reads (the first of each name counts, as a lookup by name
         # finds it; every one of those that frame the message) and whether any of them
         # needs the general request path.
-        host = tenant = expect = None
+        host = tenant = expect = on_limit = max_hold = None
         hosts = 0
         lengths: list[bytes] = []
         transfers: list[bytes] = []
@@ -211,6 +213,12 @@ class RequestParsing:
                 if expect is None:
                     expect = value
                 lean = False
+            elif kind == WISH_ACTION:
+                if on_limit is None:
+                    on_limit = value
+            elif kind == WISH_HOLD:
+                if max_hold is None:
+                    max_hold = value
             elif kind == QUOTA:
                 lean = False
         try:
@@ -233,6 +241,8 @@ class RequestParsing:
             req.kinds = self._kinds
             req.host = host
             req.tenant = tenant
+            req.on_limit = on_limit
+            req.max_hold = max_hold
             req.lines = b"".join(self._lines)
             if self._lane is not None and not self._serving and not self._queue and self.closed is False:
                 # Nothing before it on this connection: the straight path may take it now,

@@ -38,7 +38,9 @@ class Request:
         "lean",
         "length",
         "lines",
+        "max_hold",
         "method",
+        "on_limit",
         "raw",
         "raw_path",
         "tag",
@@ -83,8 +85,9 @@ class Request:
         self.tag = tag
         """What the connection was tagged with (an interception: where its tunnel leads)."""
         self.lean = False
-        """Nothing in the head needs the general request path (lane.py): no body, no
-        ``X-Quota-*``, ``Expect`` or other hop's ``Connection`` options, HTTP/1.1."""
+        """Nothing in the head needs the general request path (lane.py): no chunked body,
+        no ``Expect``, no other hop's ``Connection`` options, no ``X-Quota-*`` but the
+        worker's wish (``on_limit``, ``max_hold``)."""
         self.kinds: dict[bytes, int] | None = None
         """The field classifier the head was read with (headers.request_kinds)."""
         self.host: bytes | None = None
@@ -93,6 +96,10 @@ class Request:
         """The first tenant header field's value (the classifier's tenant header)."""
         self.lines = b""
         """The ``PLAIN`` fields as ``Name: value\r\n`` lines: what a vendor is sent of them."""
+        self.on_limit: bytes | None = None
+        """The first ``X-Quota-On-Limit`` field's value (a ``lean`` request's)."""
+        self.max_hold: bytes | None = None
+        """The first ``X-Quota-Max-Hold`` field's value (a ``lean`` request's)."""
 
     @property
     def fields(self) -> list[tuple[str, str]]:
@@ -191,6 +198,6 @@ def parsed_request(
     req.tag = tag
     req.lean = False
     req.kinds = None
-    req.host = req.tenant = None
+    req.host = req.tenant = req.on_limit = req.max_hold = None
     req.lines = b""
     return req

@@ -9,7 +9,7 @@ from typing import Any
 import hiredis
 import pytest
 
-from proxy.limiter import redis_store
+from proxy.limiter import redis_acquire
 from proxy.limiter.pipelined import PipelinedScript
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.resp import bulk, bulks
@@ -153,10 +153,34 @@ async def test_every_acquire_sends_the_command_it_sent_before(redis_url: str, mo
         await store.close()
 
 
+async def test_the_straight_call_packs_the_bytes_acquire_sends(redis_url: str) -> None:
+    """The straight path's call (redis_acquire.StraightAcquire) packs its fixed parts once:
+    the bytes are still those of the whole command, with leases and without."""
+    store = RedisStore(redis_url, timeout=1.0)
+    fast = store._acquire_fast
+    assert isinstance(fast, PipelinedScript)
+    try:
+        checked = 0
+        for buckets, cost, max_wait, queue, guard, leases in CALLS:
+            if guard is None:
+                continue
+            sets = () if leases is None else leases.sets
+            call = store.straight(buckets, cost, max_wait, queue, guard, sets, None)
+            assert call is not None
+            for _ in range(2):  # (the second from what the first kept)
+                assert call._packed(guard.seen, leases) == reference(
+                    fast.sha, buckets, cost, max_wait, queue, guard, leases, None
+                )
+            checked += 1
+        assert checked >= 2
+    finally:
+        await store.close()
+
+
 async def test_the_parts_packed_per_cost_and_wait_are_bounded(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """max_wait comes from a request header (X-Quota-Max-Hold) too: a worker spraying values
     cannot grow what is kept packed; each command is still the one it always was."""
-    monkeypatch.setattr(redis_store, "_AROUND_MAX", 3)
+    monkeypatch.setattr(redis_acquire, "_AROUND_MAX", 3)
     store = RedisStore(redis_url, timeout=1.0)
     fast = store._acquire_fast
     assert isinstance(fast, PipelinedScript)
