@@ -220,7 +220,9 @@ class Flight:
                 return False
             self.waiting = _STORE
             asked = call.send(
-                limiter.seen_seq(charge.state_key), None if self.slot is None else self.slot.leases, self._stored
+                limiter.observations.seen_seq(charge.state_key),
+                None if self.slot is None else self.slot.leases,
+                self._stored,
             )
             if asked is None:  # the store's connection is not open: the general path opens it
                 self.waiting = 0
@@ -415,7 +417,7 @@ class Flight:
             charge = self.charge
             if status != 429 and status >= 200 and status != 204 and status != 304:
                 lines = answer_lines(response.block, route.answer_fields, True)
-                if lines is not None and lines[1] <= WHOLE_MAX and route.learnt(charge, response):
+                if lines is not None and lines[1] <= WHOLE_MAX and (not route.learns or route.learnt(charge, response)):
                     # (Taken: from here on the answer is this path's. A HEAD's has none: its
                     # length is the one a GET would get.)
                     body = response.whole_exactly(0 if route.bodiless else lines[1])

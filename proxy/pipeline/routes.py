@@ -304,12 +304,10 @@ class Route:
         rec.partition = shown(charge.partition)
 
     def learnt(self, charge: Charge, answer: Response) -> bool:
-        """Does ``answer`` teach nothing the buckets do not know (feedback.learnt), or its
-        vendor not learn its limits? Else the general path feeds it back."""
+        """Does ``answer`` teach nothing the buckets do not know (feedback.learnt)? Else
+        the general path feeds it back. (Asked only when the vendor ``learns``.)"""
         deps = self._deps
-        return not self.learns or learnt(
-            deps.limiter, deps.metrics, self.vendor, answer.headers, charge.endpoint, charge.partition
-        )
+        return learnt(deps.limiter, deps.metrics, self.vendor, answer.headers, charge.endpoint, charge.partition)
 
     def path_of(self, request: Request) -> str:
         """The path and query a request of this route names (the access log's ``path``)."""

@@ -64,7 +64,10 @@ def keeps(request: Request, conn: AnswerSink) -> bool:
     must say)? Not when the worker or this side closes it, nor when a body the worker waits
     to be invited for was not, nor when a chunked body is not whole: where it ends is only
     known once it has parsed, and it may yet break."""
-    return request.keep_alive and conn.keep_alive and not request.waits_to_send and not request.chunk_pending
+    if not (request.keep_alive and conn.keep_alive):
+        return False
+    body = request._body  # (none: the usual request, on the straight path)
+    return body is None or (not request.waits_to_send and not request.chunk_pending)
 
 
 _CLOSE_END: Final = b"Connection: close\r\n\r\n"
