@@ -16,7 +16,7 @@ are files shared between processes: each change goes through the client's own me
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.telemetry.metrics import HistogramCells
 
@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     from proxy.ops.sizing import Sizing
     from proxy.telemetry.metrics import Metrics
     from proxy.telemetry.recent import Recent, Ring
+
+
+class Forwarded(NamedTuple):
+    """The series a route's forwarded requests add to (``Tally.forwarded``)."""
+
+    ring: Ring
+    mode: Any
+    request: Any
+
 
 _SERIES_MAX = 4096
 """Series kept per vendor and kind (tenants are the workers'); past that it starts over."""
@@ -67,17 +76,24 @@ class Tally:
         """A request forwarded without a hold whose answer (``status``, ``elapsed`` seconds
         after the request's write) was relayed whole: ``recent``, ``answered``, ``timed``,
         ``came`` and ``ended`` in one (the straight path's usual request)."""
+        self.recent("forwarded")
+        self.answered(status)
+        self.timed(elapsed)
+        self.came(mode)
+        self.ended(tenant, "forwarded", endpoint)
+
+    def forwarded(self, mode: str, tenant: str) -> Forwarded | None:
+        """The series a forwarded request of ``tenant`` that came by ``mode`` adds to,
+        resolved for a route to keep (``relayed_by``); None in multiprocess mode."""
         if not self._plain:
-            self.recent("forwarded")
-            self.answered(status)
-            self.timed(elapsed)
-            self.came(mode)
-            self.ended(tenant, "forwarded", endpoint)
-            return
-        ring = self._rings.get("forwarded")
-        if ring is None:
-            ring = self._rings["forwarded"] = self._recent.ring(self.vendor, "forwarded")
-        ring.add(int(self._clock.monotonic()))
+            return None
+        return Forwarded(
+            self._recent.ring(self.vendor, "forwarded"), self._mode(mode), self._request(tenant, "forwarded")
+        )
+
+    def relayed_by(self, counts: Forwarded, status: int, elapsed: float, endpoint: str | None) -> None:
+        """``relayed`` of a request whose series its route resolved (``forwarded``)."""
+        counts.ring.add(int(self._clock.monotonic()))
         cell = self._answers.get(status)
         if cell is None or status == 429:
             self.answered(status)
@@ -88,16 +104,10 @@ class Tally:
         latency.sum._value += elapsed
         latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
         self._sizing.observe(self.vendor, elapsed)
-        cell = self._modes.get(mode)
-        if cell is None:
-            self.came(mode)
-        else:
-            cell._value += 1
-        cell = self._requests.get((tenant, "forwarded"))
-        if cell is None or endpoint is not None:
-            self.ended(tenant, "forwarded", endpoint)
-        else:
-            cell._value += 1
+        counts.mode._value += 1
+        counts.request._value += 1
+        if endpoint is not None:
+            self._endpoint(endpoint, "forwarded")._value += 1
 
     def answered(self, status: int) -> None:
         """The vendor answered ``status`` (a 429 shows on the live page too)."""
@@ -120,28 +130,37 @@ class Tally:
 
     def came(self, mode: str) -> None:
         """A request came ``plain`` or ``intercept`` (inside a tunnel)."""
+        self._mode(mode).inc(1)
+
+    def _mode(self, mode: str) -> Any:
         cell = self._modes.get(mode)
         if cell is None:
             cell = self._modes[mode] = self._value(self._metrics.by_mode.labels(self.vendor, mode))
-        cell.inc(1)
+        return cell
 
     def ended(self, tenant: str, outcome: str, endpoint: str | None = None) -> None:
         """A request of ``tenant`` (of the class ``endpoint``) ended as ``outcome``."""
+        self._request(tenant, outcome).inc(1)
+        if endpoint is not None:
+            self._endpoint(endpoint, outcome).inc(1)
+
+    def _endpoint(self, endpoint: str, outcome: str) -> Any:
+        key = (endpoint, outcome)
+        cell = self._endpoints.get(key)
+        if cell is None:
+            cell = self._endpoints[key] = self._value(
+                self._metrics.endpoint_requests.labels(self.vendor, endpoint, outcome)
+            )
+        return cell
+
+    def _request(self, tenant: str, outcome: str) -> Any:
         key = (tenant, outcome)
         cell = self._requests.get(key)
         if cell is None:
             if len(self._requests) >= _SERIES_MAX:
                 self._requests.clear()
             cell = self._requests[key] = self._value(self._metrics.request_child(self.vendor, tenant, outcome))
-        cell.inc(1)
-        if endpoint is not None:
-            key = (endpoint, outcome)
-            cell = self._endpoints.get(key)
-            if cell is None:
-                cell = self._endpoints[key] = self._value(
-                    self._metrics.endpoint_requests.labels(self.vendor, endpoint, outcome)
-                )
-            cell.inc(1)
+        return cell
 
     def recent(self, event: str) -> None:
         """One ``event`` (forwarded, held, deferred, shed, vendor_429) on the live page."""

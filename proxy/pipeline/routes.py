@@ -181,6 +181,7 @@ class Route:
         "answer_fields",
         "bodiless",
         "charge",
+        "counts",
         "cut",
         "head_end",
         "head_start",
@@ -259,6 +260,8 @@ class Route:
         vendor's own ``RateLimit``, which decides whether the proxy's goes beside it."""
         self.tally: Tally = deps.tally(vendor.name)
         """What its exchanges add to (accounting.py), as the general path's do."""
+        self.counts = self.tally.forwarded(mode, match.tenant)
+        """The series its forwarded requests add to, resolved (None: multiprocess metrics)."""
         self.log = deps.policy.access_log and deps.access_log.writes
         self.log_path = quoted_path(target_path) if cut < 0 else ""
         """The access log's ``path`` as JSON text, when ``cut`` is -1."""
