@@ -691,12 +691,13 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         if "redis" not in procs:
             procs["redis"] = start_ours(fleet, "redis", upstream, redis, args.proxy_cpu)
 
+    uses_redis = {"redis", "shapes", *trees}  # (Redis serves only the system measured: its CPU is that system's)
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         rnd: dict[str, Any] = {"load_average_before": loadavg(), "saturation": {}, "https": {}, "latency": {}}
         for name in rotate(names, r):
             rnd["saturation"][name] = saturate(
-                fleet, args, name, procs[name], targets[name], load_side, redis if name == "redis" else None
+                fleet, args, name, procs[name], targets[name], load_side, redis if name in uses_redis else None
             )
         if tls_proxy is not None:
             tls_runs = [
@@ -751,7 +752,7 @@ def report(args: argparse.Namespace, names: list[str], rounds: list[dict[str, An
             k: med(mine, k)
             for k in ("rps", "cpu_us_per_request", "sys_us_per_request", "proxy_core", "others_there", "load_core")
         }
-        evalsha = med(mine, "evalsha_per_request") if name == "redis" else None
+        evalsha = med(mine, "evalsha_per_request") if all("evalsha_per_request" in m for m in mine) else None
         redis_us = med(mine, "redis_us_per_request") if all("redis_us_per_request" in m for m in mine) else None
         summary[name]["redis_us_per_request"] = redis_us
         rows.append(
