@@ -221,15 +221,14 @@ class Limiter:
         cost: float,
         max_wait: float,
         queue: str | None,
-        leases: Leases | None,
+        sets: tuple[LeaseSet, ...],
         reserve: Reserve | None,
     ) -> StraightCall | None:
-        """``acquire`` of ``b`` (no local shares, no claim), prepared for the straight path
-        to send per request (store.StraightCall: the state's counter and the leases are
-        each call's own); None when the store has no such call. Its answers go to ``took``
-        (or, none, ``not_taken``), as this limiter's own do."""
+        """``acquire`` of ``b`` (no local shares, no claim), with a lease in each of ``sets``,
+        prepared for the straight path to send per request (store.StraightCall: the state's
+        counter and the lease id are each call's own); None when the store has no such
+        call. Its answers go to ``took`` (or, none, ``not_taken``), as this limiter's own do."""
         guard = StateGuard(b.state_key, 0, vendor.on_limit.max_hold)
-        sets = () if leases is None else leases.sets
         return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve)
 
     def not_taken(self, exc: BaseException) -> None:

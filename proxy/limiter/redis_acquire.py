@@ -191,13 +191,13 @@ class StraightAcquire:
         "_before",
         "_cost",
         "_debt",
-        "_failed",
         "_key",
         "_leased",
         "_max_wait",
         "_script",
         "_shape",
         "_timeout",
+        "failure",
         "n",
     )
 
@@ -209,10 +209,11 @@ class StraightAcquire:
         max_wait: float,
         guard: StateGuard,
         timeout: float,
-        failed: Callable[[BaseException], StoreUnavailable],
+        failure: Callable[[BaseException], BaseException],
     ) -> None:
         self._timeout = timeout
-        self._failed = failed
+        self.failure = failure
+        """What an exception awaiting the reply means: the store unavailable, or not the store's."""
         self._script = script
         self._shape = shape
         self._cost = cost
@@ -248,7 +249,7 @@ class StraightAcquire:
     def again(self, then: Answered, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> None:
         """After an error reply: sent again, in a task, when it says the acquire did not run."""
         task = spawn(self._again(error, seen, leases), name="straight-acquire")
-        task.add_done_callback(functools.partial(_reloaded, then))
+        task.add_done_callback(functools.partial(settled, then))
 
     async def _again(self, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> AcquireResult:
         """The reply after an error reply: one that says the acquire did not run gets it sent
@@ -261,14 +262,8 @@ class StraightAcquire:
             else:
                 out = await script.reply_error(str(error), self._shape.keys, packed, self._timeout)
         except (PipelineError, OSError, TimeoutError) as exc:
-            raise self._failed(exc) from exc
+            raise self.failure(exc) from exc
         return acquire_result(out, self.n)
-
-    def failure(self, exc: BaseException) -> BaseException:
-        """What an exception awaiting the reply means: the store unavailable, or not the store's."""
-        if isinstance(exc, (PipelineError, OSError, TimeoutError)):
-            return self._failed(exc)
-        return exc
 
 
 class _Pending:
@@ -306,7 +301,8 @@ class _Pending:
             then(None, self._call.failure(error))
 
 
-def _reloaded(then: Answered, task: asyncio.Task[AcquireResult]) -> None:
+def settled(then: Callable[[Any, BaseException | None], None], task: asyncio.Task[Any]) -> None:
+    """Tell ``then`` what a task that asked again (after an error reply) came to."""
     if task.cancelled():
         then(None, StoreUnavailable("cancelled"))
         return

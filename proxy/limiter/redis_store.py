@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError, Reply
-from proxy.limiter.redis_acquire import AcquireShape, StraightAcquire, acquire_result, reserve_spec
+from proxy.limiter.redis_acquire import AcquireShape, StraightAcquire, acquire_result, reserve_spec, settled
 from proxy.limiter.scripts import script
 from proxy.limiter.store import (
     AcquireResult,
@@ -129,6 +129,11 @@ class RedisStore:
                 raise
             raise StoreUnavailable(f"redis-py cluster client: {exc}") from exc
 
+    def _failure(self, exc: BaseException) -> BaseException:
+        """What an exception awaiting a pipelined reply means: the store unavailable (its
+        connection's failures, a timeout), or not the store's."""
+        return self._fast_failed(exc) if isinstance(exc, (PipelineError, OSError, TimeoutError)) else exc
+
     def _fast_failed(self, exc: BaseException) -> StoreUnavailable:
         """A pipelined call failed: what to raise (and a stuck connection is dropped)."""
         assert self._pipe is not None
@@ -204,7 +209,7 @@ class RedisStore:
         if fast is None:
             return None
         shape = self._shape(buckets, queue, guard, sets, reserve)
-        return StraightAcquire(fast, shape, cost, max_wait, guard, self._timeout, self._fast_failed)
+        return StraightAcquire(fast, shape, cost, max_wait, guard, self._timeout, self._failure)
 
     def _shape(
         self,
@@ -273,10 +278,10 @@ class RedisStore:
         exc: BaseException | None,
     ) -> None:
         if exc is not None:
-            then(None, self._fast_failed(exc) if isinstance(exc, (PipelineError, OSError, TimeoutError)) else exc)
+            then(None, self._failure(exc))
         elif type(out) is hiredis.ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
             task = spawn(self.release(sets, lease_ids, channel), name="release-leases")
-            task.add_done_callback(functools.partial(_settled, then))
+            task.add_done_callback(functools.partial(settled, then))
         else:
             then(tuple(int(x) for x in out), None)
 
@@ -397,14 +402,6 @@ class RedisStore:
         if self._pipe is not None:
             self._pipe.close()
         await self._client.aclose()
-
-
-def _settled(then: Callable[[Any, BaseException | None], None], task: asyncio.Task[Any]) -> None:
-    if task.cancelled():
-        then(None, StoreUnavailable("cancelled"))
-        return
-    exc = task.exception()
-    then(None, exc) if exc is not None else then(task.result(), None)
 
 
 def _text(value: object) -> str:

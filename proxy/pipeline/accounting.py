@@ -72,42 +72,24 @@ class Tally:
         self._endpoints: dict[tuple[str, str], Any] = {}
         self._rings: dict[str, Ring] = {}
 
-    def relayed(self, status: int, elapsed: float, mode: str, tenant: str, endpoint: str | None) -> None:
+    def forwarded(self, mode: str, tenant: str) -> Forwarded:
+        """The series a forwarded request of ``tenant`` that came by ``mode`` adds to,
+        resolved for a route to keep (``relayed``)."""
+        ring = self._recent.ring(self.vendor, "forwarded")
+        return Forwarded(ring, self._mode(mode), self._request(tenant, "forwarded"))
+
+    def relayed(self, counts: Forwarded, status: int, elapsed: float, endpoint: str | None) -> None:
         """A request forwarded without a hold whose answer (``status``, ``elapsed`` seconds
-        after the request's write) was relayed whole: ``recent``, ``answered``, ``timed``,
-        ``came`` and ``ended`` in one (the straight path's usual request)."""
-        self.recent("forwarded")
+        after the request's write) was relayed whole (the straight path's usual request):
+        ``recent``, ``answered``, ``timed``, ``came`` and ``ended`` in one, on the series its
+        route resolved (``forwarded``)."""
+        counts.ring.add(int(self._clock.monotonic()))
         self.answered(status)
         self.timed(elapsed)
-        self.came(mode)
-        self.ended(tenant, "forwarded", endpoint)
-
-    def forwarded(self, mode: str, tenant: str) -> Forwarded | None:
-        """The series a forwarded request of ``tenant`` that came by ``mode`` adds to,
-        resolved for a route to keep (``relayed_by``); None in multiprocess mode."""
-        if not self._plain:
-            return None
-        return Forwarded(
-            self._recent.ring(self.vendor, "forwarded"), self._mode(mode), self._request(tenant, "forwarded")
-        )
-
-    def relayed_by(self, counts: Forwarded, status: int, elapsed: float, endpoint: str | None) -> None:
-        """``relayed`` of a request whose series its route resolved (``forwarded``)."""
-        counts.ring.add(int(self._clock.monotonic()))
-        cell = self._answers.get(status)
-        if cell is None or status == 429:
-            self.answered(status)
-        else:
-            cell._value += 1
-        latency = self._latency
-        assert latency is not None
-        latency.sum._value += elapsed
-        latency.buckets[bisect_left(latency.bounds, elapsed)]._value += 1
-        self._sizing.observe(self.vendor, elapsed)
-        counts.mode._value += 1
-        counts.request._value += 1
+        counts.mode.inc(1)
+        counts.request.inc(1)
         if endpoint is not None:
-            self._endpoint(endpoint, "forwarded")._value += 1
+            self._endpoint(endpoint, "forwarded").inc(1)
 
     def answered(self, status: int) -> None:
         """The vendor answered ``status`` (a 429 shows on the live page too)."""

@@ -499,11 +499,7 @@ class Flight:
             tally.came(route.mode)
             self._account("error", broken, status)
             return
-        counts = route.counts
-        if counts is not None:
-            tally.relayed_by(counts, status, now - self.sent, charge.endpoint_name)
-        else:
-            tally.relayed(status, now - self.sent, route.mode, route.tenant, charge.endpoint_name)
+        tally.relayed(route.counts, status, now - self.sent, charge.endpoint_name)
         if route.log:
             cut = self.cut
             path = route.log_path if cut < 0 else quoted_path(self.request.target[cut:])

@@ -120,8 +120,8 @@ class Charge:
         self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
         self.cost = 1.0 if endpoint is None else endpoint.cost
         self.state_key = self.b.state_key
-        self.caps = bool(deps.concurrency.sets(vendor, endpoint))
-        """Its requests take leases (concurrency caps): ``Concurrency.slot``."""
+        self.caps = deps.concurrency.sets(vendor, endpoint)
+        """The lease sets its requests take a lease in (concurrency caps: ``Concurrency.slot``)."""
         on_limit = vendor.on_limit
         self.terms = self._terms(Wish(on_limit.action, on_limit.max_hold))
         """Its requests' terms by the vendor's ``on_limit``."""
@@ -160,10 +160,9 @@ class Charge:
         # here, which has no slot of its own: a retry of a call deferred on this replica
         # takes the general path, which claims its slot.
         reserve = limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if wish.action == "defer" else None
-        leases = deps.concurrency.slot(vendor, self.endpoint).leases if self.caps else None
         queue = self.b.queue if enqueue else None
         call = (
-            limiter.straight(vendor, self.b, self.cost, wish.max_wait, queue, leases, reserve)
+            limiter.straight(vendor, self.b, self.cost, wish.max_wait, queue, self.caps, reserve)
             if self.state_key
             else None
         )
@@ -261,7 +260,7 @@ class Route:
         self.tally: Tally = deps.tally(vendor.name)
         """What its exchanges add to (accounting.py), as the general path's do."""
         self.counts = self.tally.forwarded(mode, match.tenant)
-        """The series its forwarded requests add to, resolved (None: multiprocess metrics)."""
+        """The series its forwarded requests add to, resolved."""
         self.log = deps.policy.access_log and deps.access_log.writes
         self.log_path = quoted_path(target_path) if cut < 0 else ""
         """The access log's ``path`` as JSON text, when ``cut`` is -1."""
