@@ -22,7 +22,9 @@
 --
 -- Leases. A lease set is a sorted set of the requests in flight to a vendor (or
 -- an endpoint class), fleet-wide: member = lease id, score = when the lease
--- expires (a replica that died never releases; its leases run out). A request
+-- expires, in whole ms (a replica that died never releases; its leases run out).
+-- Whole: a small sorted set keeps its scores in a listpack, where a fraction is
+-- text parsed again at every comparison (ZADD several times slower). A request
 -- gets a lease in each of its sets only if every set has fewer than its cap of
 -- live leases, in the same step as its tokens: a full set refuses, taking
 -- nothing. release.lua gives a lease back.
@@ -144,34 +146,74 @@ if ARGV[10] ~= '' then
   horizon_ms, owner_ms, life_ms, tenants = tonumber(h), tonumber(o), tonumber(l), tonumber(t)
 end
 
--- The state: seq, the window after a loss, and how long the hash must live.
+-- Reads and writes go one command per hash: every bucket kept in the state hash (and the
+-- state's own fields) in one HMGET, and in one HSET at the end (`flush`). A call into
+-- Redis costs more here than the Lua around it.
+local asks, replies, writes = {}, {}, {}
+local function ask(key, names) -- the offset of `names` in the key's HMGET reply
+  local a = asks[key]
+  if not a then
+    a = {}
+    asks[key] = a
+  end
+  local at = #a
+  for k = 1, #names do
+    a[at + k] = names[k]
+  end
+  return at
+end
+local function put(key, name, value) -- a field for the key's HSET (a later one wins)
+  local w = writes[key]
+  if not w then
+    w = {}
+    writes[key] = w
+  end
+  w[#w + 1] = name
+  w[#w + 1] = value
+end
+
 local state = nil
-local seq, lost, found_lost, horizon = 0, nil, 0, now
+local state_at = 0
 if ARGV[4] ~= '' then
   state = KEYS[#KEYS]
-  local seen = tonumber(ARGV[4])
-  local st = redis.call('HMGET', state, 'seq', 'lost', 'horizon')
-  if st[1] then
-    seq, lost, horizon = tonumber(st[1]), tonumber(st[2]), tonumber(st[3]) or now
+  state_at = ask(state, {'seq', 'lost', 'horizon'})
+end
+local fields, at = {}, {}
+for i = 1, n do
+  local field = ARGV[F + 3 * i]
+  local p = ''
+  if field ~= '' then
+    p = field .. ':'
   end
-  if seen > 0 and (not st[1] or seq < seen) then
+  fields[i] = {p .. 't', p .. 'ts', p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk'}
+  at[i] = ask(KEYS[i], fields[i])
+end
+for key, names in pairs(asks) do
+  replies[key] = redis.call('HMGET', key, unpack(names))
+end
+
+-- The state: seq, the window after a loss, and how long the hash must live.
+local seq, lost, found_lost, horizon = 0, nil, 0, now
+if state then
+  local seen = tonumber(ARGV[4])
+  local r = replies[state]
+  if r[state_at + 1] then
+    seq, lost, horizon = tonumber(r[state_at + 1]), tonumber(r[state_at + 2]), tonumber(r[state_at + 3]) or now
+  end
+  if seen > 0 and (not r[state_at + 1] or seq < seen) then
     found_lost, lost = 1, now
     seq = math.max(seq, seen)
-    redis.call('HSET', state, 'seq', tostring(seq), 'lost', string.format('%.3f', now))
+    put(state, 'seq', seq)
+    put(state, 'lost', string.format('%.3f', now))
   end
 end
 
-local levels, fields, rates, bursts = {}, {}, {}, {}
+local levels, rates, bursts = {}, {}, {}
 local void_before = lost or 0 -- reservations made before this are void (a loss, a vendor block)
 for i = 1, n do
-  local rate, burst, field = tonumber(ARGV[F + 3 * i - 2]), tonumber(ARGV[F + 3 * i - 1]), ARGV[F + 3 * i]
-  if field == '' then
-    fields[i] = {'t', 'ts'}
-  else
-    fields[i] = {field .. ':t', field .. ':ts'}
-  end
-  local p = fields[i][1]:sub(1, -2) -- '' or '<field>:'
-  local st = redis.call('HMGET', KEYS[i], fields[i][1], fields[i][2], p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk')
+  local rate, burst = tonumber(ARGV[F + 3 * i - 2]), tonumber(ARGV[F + 3 * i - 1])
+  local r, o = replies[KEYS[i]], at[i]
+  local st = {r[o + 1], r[o + 2], r[o + 3], r[o + 4], r[o + 5], r[o + 6]}
   if st[5] and tonumber(st[5]) > now then
     rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
   end
@@ -202,7 +244,14 @@ local refunded = false
 local held = nil -- the member this call claims
 local claim_wait = 0
 local early = nil -- this caller's own claim, not matured: refused with its slot
+-- Only a reservation past its owner's time can be stale or late: when the earliest is not,
+-- neither is looked for (one command where there would be two, on every call).
+local due = false
 if rset then
+  local first = redis.call('ZRANGE', rset, 0, 0, 'WITHSCORES')
+  due = first[2] ~= nil and tonumber(first[2]) <= now - math.min(owner_ms, life_ms)
+end
+if rset and due then
   local stale = redis.call('ZRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
   for _, member in ipairs(stale) do
     local created, taken = parse(member)
@@ -216,6 +265,8 @@ if rset then
   if #stale > 0 then
     redis.call('ZREMRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
   end
+end
+if rset then
   local weak = claim:sub(1, 1) == '?' -- a claim honoured only once its slot has matured
   if weak then
     claim = claim:sub(2)
@@ -236,7 +287,7 @@ if rset then
       claim = ''
     end
   end
-  if not held and not early then
+  if not held and not early and due then
     local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
       string.format('%.3f', now - owner_ms), 'LIMIT', 0, 1)
     if late[1] then
@@ -264,23 +315,32 @@ end
 
 local inflight, full = {}, 0
 for j = 1, m do
-  local set = KEYS[n + j]
-  redis.call('ZREMRANGEBYSCORE', set, '-inf', string.format('%.3f', now))
-  inflight[j] = redis.call('ZCARD', set)
-  if full == 0 and inflight[j] >= tonumber(ARGV[F + 3 * n + j]) then
+  local set, cap = KEYS[n + j], tonumber(ARGV[F + 3 * n + j])
+  local count = redis.call('ZCARD', set)
+  if count >= cap then
+    -- Expired leases (a replica that died) count until dropped: dropped where they would
+    -- refuse (release.lua drops them too), not on every grant.
+    redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
+    count = redis.call('ZCARD', set)
+  end
+  inflight[j] = count
+  if full == 0 and count >= cap then
     full = j
   end
 end
 
--- Write every bucket's level as of now (after a take, or a refund of unclaimed slots).
-local hashes = {} -- the hashes holding buckets by field (the state): they live until `horizon` + debt
+-- Write every bucket's level as of now (after a take, or a refund of unclaimed slots), in
+-- `flush`.
+local own, hashes = {}, {} -- a bucket's own key: its life; the hashes holding buckets by field
 local function write_levels()
+  local at_now = string.format('%.3f', now)
   for i = 1, n do
     local rate, burst, level = rates[i], bursts[i], levels[i]
-    redis.call('HSET', KEYS[i], fields[i][1], string.format('%.6f', level), fields[i][2], string.format('%.3f', now))
+    put(KEYS[i], fields[i][1], string.format('%.6f', level))
+    put(KEYS[i], fields[i][2], at_now)
     local refilled = math.ceil((burst - level) / rate)
     if ARGV[F + 3 * i] == '' then
-      redis.call('PEXPIRE', KEYS[i], refilled + 1000)
+      own[KEYS[i]] = refilled + 1000
     else
       hashes[KEYS[i]] = true
       if now + refilled > horizon then
@@ -288,28 +348,51 @@ local function write_levels()
       end
     end
   end
+end
+
+-- The writes, then the keys' lives: a bucket's own key until it would have refilled, a
+-- hash of buckets (the state) until the last of them would have, plus `debt`.
+local state_ttl = nil
+local function flush()
+  for key, w in pairs(writes) do
+    redis.call('HSET', key, unpack(w))
+  end
+  for key, life in pairs(own) do
+    redis.call('PEXPIRE', key, life)
+  end
   local life = math.ceil(horizon - now + debt) + 1000
   for key in pairs(hashes) do
-    if redis.call('PTTL', key) < life then
+    local ttl = redis.call('PTTL', key)
+    if ttl < life then
       redis.call('PEXPIRE', key, life)
+      ttl = life
+    end
+    if key == state then
+      state_ttl = ttl
     end
   end
 end
 
 local function take_leases(matures)
+  local expires = math.ceil(matures + lease_life)
   for j = 1, m do
     local set = KEYS[n + j]
-    redis.call('ZADD', set, string.format('%.3f', matures + lease_life), lease_id)
-    local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
-    redis.call('PEXPIRE', set, math.ceil(tonumber(last[2]) - now) + 1000)
+    redis.call('ZADD', set, expires, lease_id)
+    -- The set outlives its last lease: extended by a whole lease life more when needed,
+    -- so that most grants need not extend it.
+    local left = expires - now + 1000
+    if redis.call('PTTL', set) < left then
+      redis.call('PEXPIRE', set, math.ceil(left + lease_life))
+    end
     inflight[j] = inflight[j] + 1
   end
 end
 
 local function count_grant()
   if state then
-    seq = redis.call('HINCRBY', state, 'seq', 1)
-    redis.call('HSET', state, 'horizon', string.format('%.3f', horizon))
+    seq = seq + 1
+    put(state, 'seq', seq)
+    put(state, 'horizon', string.format('%.3f', horizon))
   end
 end
 
@@ -421,6 +504,8 @@ else
   end
 end
 
+flush()
+
 local ttl = 0
 if state then
   if found_lost == 1 then
@@ -434,7 +519,10 @@ if state then
       redis.call('PEXPIRE', state, keep)
     end
   end
-  ttl = math.max(redis.call('PTTL', state), 0)
+  if found_lost == 1 or not state_ttl then
+    state_ttl = redis.call('PTTL', state)
+  end
+  ttl = math.max(state_ttl, 0)
 end
 
 local out = {tostring(granted), string.format('%.3f', wait), tostring(binding), string.format('%.3f', hint),

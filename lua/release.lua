@@ -30,9 +30,10 @@ local released = {}
 for j = 1, #KEYS do
   local cap = tonumber(ARGV[1 + j])
   local before = redis.call('ZCARD', KEYS[j])
-  redis.call('ZREM', KEYS[j], unpack(ids))
-  redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', string.format('%.3f', now))
-  local after = redis.call('ZCARD', KEYS[j])
+  local after = before - redis.call('ZREM', KEYS[j], unpack(ids))
+  if after > 0 then
+    after = after - redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', now)
+  end
   if before >= cap and after < cap then
     released[#released + 1] = KEYS[j]
   end

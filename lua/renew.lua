@@ -13,10 +13,13 @@ local EPOCH = 1700000000
 local time = redis.call('TIME')
 local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 
-local expires = now + tonumber(ARGV[1])
+local life = tonumber(ARGV[1])
+local expires = math.ceil(now + life) -- whole ms, as acquire.lua writes them
 local renewed = 0
 for i = 1, #KEYS do
-  renewed = renewed + redis.call('ZADD', KEYS[i], 'XX', 'GT', 'CH', string.format('%.3f', expires), ARGV[1 + i])
-  redis.call('PEXPIRE', KEYS[i], math.ceil(tonumber(ARGV[1])) + 1000)
+  renewed = renewed + redis.call('ZADD', KEYS[i], 'XX', 'GT', 'CH', expires, ARGV[1 + i])
+  if redis.call('PTTL', KEYS[i]) < expires - now + 1000 then -- never shortened
+    redis.call('PEXPIRE', KEYS[i], math.ceil(expires - now) + 1000)
+  end
 end
 return renewed

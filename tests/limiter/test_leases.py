@@ -137,3 +137,25 @@ async def test_releases_are_announced_to_other_replicas(redis_url: str) -> None:
         await asyncio.gather(watch, return_exceptions=True)
         await a.close()
         await b.close()
+
+
+async def test_a_lease_set_keeps_whole_ms_and_outlives_its_last_lease(redis_url: str) -> None:
+    # Whole ms: a small sorted set keeps fractional scores as text in a listpack, parsed
+    # again at every comparison (ZADD several times slower). The set's TTL is only
+    # extended: a lease granted later with a shorter life never shortens it.
+    store = RedisStore(redis_url, 1.0)
+    try:
+        b = (bucket("lw"),)
+        lease_set = LeaseSet("test:{v}:c:whole", 5, "concurrency 5")
+        assert (await store.acquire(b, 1, 0, leases=leases("long", lease_set, life=20.0))).granted
+        assert (await store.acquire(b, 1, 0, leases=leases("short", lease_set, life=0.5))).granted
+        scores = await store.client.zrange(lease_set.key, 0, -1, withscores=True)
+        assert [name for name, _ in scores] == [b"short", b"long"]
+        assert all(score == int(score) for _, score in scores)
+        assert await store.client.object("encoding", lease_set.key) == b"listpack"
+        assert await store.client.pttl(lease_set.key) > 20_000
+        assert await store.release((lease_set,), ("long",), "") == (1,)
+        assert await store.renew(((lease_set, "short"),), 0.2) == 0  # GT: never shortened
+        assert await store.client.pttl(lease_set.key) > 19_000
+    finally:
+        await store.close()
