@@ -33,7 +33,7 @@ client sending ``GET http://api.bench.example/v1/ping`` through the proxy, as wi
 ``HTTP_PROXY``, one request at a time on one keep-alive connection.
 
     python bench/instructions.py [--systems redis,floor_async] [--tree before=/tmp/wt]
-        [--requests 600] [--warmup 200] [--rounds 1] [--json FILE]
+        [--requests 600] [--warmup 200] [--rounds 1] [--json FILE] [--keep-dumps DIR]
 
 Needs valgrind (``apt-get install valgrind``). A run of one system takes about a minute.
 """
@@ -144,6 +144,9 @@ def measure(fleet: Fleet, name: str, spec: str | None, vendor: Proc, redis: Proc
     found = _TOTALS.search(dumps[0].read_bytes())
     if found is None:
         raise BenchError(f"{name}: no totals in {dumps[0]}")
+    if args.keep_dumps:  # for callgrind_annotate: where the instructions go, by C function
+        Path(args.keep_dumps).mkdir(parents=True, exist_ok=True)
+        shutil.copy(dumps[0], Path(args.keep_dumps) / f"callgrind.{name}")
     for leftover in fleet.workdir.glob(f"callgrind.{name}.*"):
         leftover.unlink()
     return int(found.group(1)) / args.requests
@@ -168,6 +171,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="runs per system, interleaved; the median is shown")
     p.add_argument("--base", metavar="NAME", help="the system the others are compared with (default: the first)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument(
+        "--keep-dumps",
+        metavar="DIR",
+        help="keep each system's callgrind dump of the measured requests as DIR/callgrind.NAME "
+        "(callgrind_annotate DIR/callgrind.NAME: instructions by C function)",
+    )
     args = p.parse_args(argv)
     systems: dict[str, str | None] = {}
     for name in (s.strip() for s in args.systems.split(",") if s.strip()):
