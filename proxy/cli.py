@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a policy and print its summary")
     _config_arg(check)
+    check.add_argument(
+        "--answers",
+        action="store_true",
+        help="also print each kind of the proxy's own answers per vendor, as its workers will see it",
+    )
     check.set_defaults(handler=_check)
 
     mockvendor_cli.register(sub)
@@ -327,6 +332,12 @@ def _check(args: argparse.Namespace) -> int:
     for warning in policy.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(summarize(policy))
+    if args.answers:
+        from proxy.pipeline.answer_samples import describe
+
+        for vendor in policy.vendors:
+            print()
+            print(describe(vendor))
     return 0
 
 

@@ -23,7 +23,10 @@ from proxy.pipeline.refusals import (
     UpstreamFailed,
 )
 from proxy.pipeline.responses import refusal_response
-from proxy.policy.model import AnswerDialect, Vendor
+from proxy.policy.model import Vendor
+from proxy.policy.presets import BUILT_IN
+
+AnswerDialect = str
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))
 QUOTA = QuotaItem("quota-proxy-global-100-1s", 100, 1, 0, 1)
@@ -187,7 +190,7 @@ def error_object(dialect: AnswerDialect, kind: str) -> dict[str, object]:
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("kind", sorted(REFUSALS))
 def test_every_refusal_in_every_dialect(dialect: AnswerDialect, kind: str) -> None:
-    resp, body = rendered(REFUSALS[kind], replace(VENDOR, answers=dialect))
+    resp, body = rendered(REFUSALS[kind], replace(VENDOR, answers=BUILT_IN[dialect]))
     assert resp.status == STATUS[kind]
     assert body == {"error": error_object(dialect, kind), "message": MESSAGES[kind], **FIELDS[kind]}
     assert resp.headers["x-should-retry"] == RETRY[kind]
@@ -199,7 +202,7 @@ def test_every_refusal_in_every_dialect(dialect: AnswerDialect, kind: str) -> No
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_defer_says_when_to_come_back(dialect: AnswerDialect) -> None:
-    resp, _ = rendered(REFUSALS["defer"], replace(VENDOR, answers=dialect))
+    resp, _ = rendered(REFUSALS["defer"], replace(VENDOR, answers=BUILT_IN[dialect]))
     assert resp.headers["Retry-After"] == "1"  # whole seconds, at least the hint
     assert resp.headers["retry-after-ms"] == "420"  # the hint: this caller's slot
     assert resp.headers["X-Quota-Retry-After-Ms"] == "300"  # the real wait
@@ -212,7 +215,7 @@ def test_a_defer_says_when_to_come_back(dialect: AnswerDialect) -> None:
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_shed_never_invites_a_retry(dialect: AnswerDialect) -> None:
-    resp, _ = rendered(REFUSALS["shed"], replace(VENDOR, answers=dialect))
+    resp, _ = rendered(REFUSALS["shed"], replace(VENDOR, answers=BUILT_IN[dialect]))
     # urllib3 and other generic stacks retry a 503 that carries Retry-After.
     for name in ("Retry-After", "retry-after-ms", "X-Quota-Retry-After-Ms", "RateLimit", "RateLimit-Policy"):
         assert name not in resp.headers
@@ -221,7 +224,7 @@ def test_a_shed_never_invites_a_retry(dialect: AnswerDialect) -> None:
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_store_down_is_a_defer_with_its_reason(dialect: AnswerDialect) -> None:
-    resp, _ = rendered(REFUSALS["store-down"], replace(VENDOR, answers=dialect))
+    resp, _ = rendered(REFUSALS["store-down"], replace(VENDOR, answers=BUILT_IN[dialect]))
     assert resp.headers["X-Quota-Reason"] == "store-unavailable"
     assert resp.headers["X-Quota-Action"] == "defer"
     assert (resp.headers["Retry-After"], resp.headers["retry-after-ms"]) == ("1", "1000")
@@ -231,7 +234,7 @@ def test_store_down_is_a_defer_with_its_reason(dialect: AnswerDialect) -> None:
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("kind", ["deny", "bad-request", "refused", "timeout", "bug"])
 def test_answers_that_are_not_waits_carry_no_wait(dialect: AnswerDialect, kind: str) -> None:
-    resp, _ = rendered(REFUSALS[kind], replace(VENDOR, answers=dialect))
+    resp, _ = rendered(REFUSALS[kind], replace(VENDOR, answers=BUILT_IN[dialect]))
     for name in ("Retry-After", "retry-after-ms", "X-Quota-Retry-After-Ms", "RateLimit"):
         assert name not in resp.headers
     assert (resp.headers.get("X-Quota-Action") == "deny") == (kind == "deny")
@@ -240,7 +243,7 @@ def test_answers_that_are_not_waits_carry_no_wait(dialect: AnswerDialect, kind: 
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("kind", ["defer", "store-down"])
 def test_a_wait_beyond_answers_max_wait_says_do_not_retry_but_keeps_the_wait(dialect: AnswerDialect, kind: str) -> None:
-    vendor = replace(VENDOR, answers=dialect, answers_max_wait=0.4)  # shorter than either wait
+    vendor = replace(VENDOR, answers=BUILT_IN[dialect], answers_max_wait=0.4)  # shorter than either wait
     resp, body = rendered(REFUSALS[kind], vendor)
     assert resp.status == 429
     assert resp.headers["x-should-retry"] == "false"
@@ -296,6 +299,6 @@ def test_the_sentence_names_what_refused() -> None:
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_407_challenges_for_basic_proxy_credentials(dialect: AnswerDialect) -> None:
-    resp, _ = rendered(REFUSALS["proxy-auth"], replace(VENDOR, answers=dialect))
+    resp, _ = rendered(REFUSALS["proxy-auth"], replace(VENDOR, answers=BUILT_IN[dialect]))
     assert resp.headers["Proxy-Authenticate"] == 'Basic realm="quota-proxy"'
     assert resp.headers["X-Quota-Action"] == "deny"

@@ -1,38 +1,26 @@
-"""The dialects of the proxy's own answers (``vendors[].answers``, SPEC §5 and §9).
+"""The proxy's own answers, written as the vendor's preset says (``vendors[].answers``,
+SPEC §5 and §9; the presets themselves are data: policy/presets.py).
 
-A worker runs the vendor's official SDK, whose error classes and retries read the
-vendor's own error body and retry headers. An ``Answer`` says what the proxy means
-(status, error type and code, a sentence, whether to retry); a dialect writes it the
-way that SDK reads it:
-
-    dialect  error object                                        retry headers
-    generic  {type, code, message}                               x-should-retry, Stripe-Should-Retry
-    stripe   {type: invalid_request_error | api_error,           x-should-retry, Stripe-Should-Retry
-              code: rate_limit | <code>, message}
-    openai   {message, type: requests | invalid_request_error    x-should-retry
-              | server_error, param: null,
-              code: rate_limit_exceeded | <code>}
-
-Stripe's SDK raises ``RateLimitError`` for any 429, retries what ``Stripe-Should-Retry``
-says and, without it, every 5xx (it ignores ``Retry-After``). OpenAI's SDK, and the SDKs
-generated the same way (Anthropic's...), obey ``x-should-retry`` first and wait
-``retry-after-ms`` (then ``Retry-After``) when it is at most two minutes; its
-``RateLimitError`` is any 429, with ``error`` as the error's body. Every dialect keeps
-the generic top-level keys (``message``, ``action``, ``limiter``...) beside ``error``:
-SDKs read only ``error``, workers without one read the rest.
+An ``Answer`` says what the proxy means (status, error type and code, a sentence, whether
+to retry, the generic body keys, the headers every answer carries); ``render`` picks the
+preset's template for its kind (defer, long defer, shed, deny, bad request, upstream
+error) and fills it in: the status (a preset may answer a shed or a long defer with a
+status its SDK does not retry), the JSON body, and the retry headers the SDK reads.
+Every preset keeps the generic top-level keys (``action``, ``limiter``...) beside its own:
+SDKs read their own keys, workers without one read the rest.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
-from typing import Final, Protocol
 
 from aiohttp import web
 
 from proxy.pipeline.refusals import ErrorType
-from proxy.policy.model import AnswerDialect
-from proxy.wire import headers as h
+from proxy.policy import presets
+from proxy.policy.presets import GENERIC, AnswerKind, AnswerPreset
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,79 +37,77 @@ class Answer:
     fields: dict[str, object] = field(default_factory=dict)
     """The generic top-level body keys besides ``error`` and ``message``."""
     headers: dict[str, str] = field(default_factory=dict)
-    """Headers every dialect sends (X-Quota-*, Retry-After, retry-after-ms, RateLimit...)."""
+    """Headers every preset sends (X-Quota-*, Retry-After, retry-after-ms, RateLimit...)."""
+    kind: AnswerKind | None = None
+    """Which of a preset's templates writes it (None: by its type and status)."""
+    limiter: str | None = None
+    """The vendor's name (None without a vendor)."""
 
     @property
     def rate_limited(self) -> bool:
         return self.type == "rate_limited"
 
 
-class Dialect(Protocol):
-    def error(self, answer: Answer) -> dict[str, object]:
-        """The body's ``error`` object."""
-
-    def retry_headers(self, retry: bool) -> dict[str, str]:
-        """The headers that tell the SDK whether to retry."""
-
-
-def _flag(retry: bool) -> str:
-    return "true" if retry else "false"
-
-
-class Generic:
-    """Both retry headers: a vendor left on ``generic`` whose workers run Stripe's SDK must
-    not have its sheds retried (that SDK retries every 5xx it is not told otherwise)."""
-
-    def error(self, answer: Answer) -> dict[str, object]:
-        return {"type": answer.type, "code": answer.code, "message": answer.message}
-
-    def retry_headers(self, retry: bool) -> dict[str, str]:
-        return {h.SHOULD_RETRY: _flag(retry), h.STRIPE_SHOULD_RETRY: _flag(retry)}
+def kind_of(answer: Answer) -> AnswerKind:
+    """The preset template ``answer`` is written with."""
+    if answer.kind is not None:
+        return answer.kind
+    if answer.rate_limited:
+        return "defer" if answer.retry else "shed"
+    if answer.status in (403, 407):
+        return "deny"
+    return "upstream_error" if answer.status >= 500 else "bad_request"
 
 
-class Stripe:
-    """stripe-python: ``_api_requestor.specific_v1_api_error`` maps the status (429 →
-    RateLimitError, 400 → InvalidRequestError, 403 → PermissionError, else APIError) and
-    reads ``error.type``/``code``/``message``; ``_http_client._should_retry`` obeys
-    ``Stripe-Should-Retry``."""
-
-    def error(self, answer: Answer) -> dict[str, object]:
-        return {
-            "type": "invalid_request_error" if answer.status < 500 else "api_error",
-            "code": "rate_limit" if answer.rate_limited else answer.code,
-            "message": answer.message,
-        }
-
-    def retry_headers(self, retry: bool) -> dict[str, str]:
-        return {h.SHOULD_RETRY: _flag(retry), h.STRIPE_SHOULD_RETRY: _flag(retry)}
+@functools.cache
+def _template(body: str) -> object:
+    """A preset's body template, parsed once."""
+    return json.loads(body)
 
 
-class OpenAI:
-    """openai-python: ``_client._make_status_error`` picks the class by status and gives it
-    ``error`` as its body (``message``, ``type``, ``param``, ``code``); a real rate limit
-    is type ``requests``, code ``rate_limit_exceeded``."""
-
-    def error(self, answer: Answer) -> dict[str, object]:
-        if answer.rate_limited:
-            kind, code = "requests", "rate_limit_exceeded"
-        else:
-            kind, code = ("invalid_request_error" if answer.status < 500 else "server_error"), answer.code
-        return {"message": answer.message, "type": kind, "param": None, "code": code}
-
-    def retry_headers(self, retry: bool) -> dict[str, str]:
-        return {h.SHOULD_RETRY: _flag(retry)}
+def _filled(template: object, values: dict[str, object]) -> object:
+    if isinstance(template, str):
+        return presets.fill(template, values)
+    if isinstance(template, dict):
+        return {presets.fill_text(k, values): _filled(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_filled(v, values) for v in template]
+    return template
 
 
-DIALECTS: Final[dict[AnswerDialect, Dialect]] = {"generic": Generic(), "stripe": Stripe(), "openai": OpenAI()}
-
-
-def render(answer: Answer, dialect: AnswerDialect = "generic") -> web.Response:
-    """The answer as ``dialect``'s SDK reads it: JSON body and headers."""
-    speaker = DIALECTS[dialect]
-    body = {"error": speaker.error(answer), "message": answer.message, **answer.fields}
+def render(answer: Answer, preset: AnswerPreset = GENERIC) -> web.Response:
+    """The answer as ``preset`` says its SDK reads it: status, JSON body and headers."""
+    kind = kind_of(answer)
+    template = preset.kind(kind)
+    status = answer.status if template.status is None else template.status
+    fields = answer.fields
+    values: dict[str, object] = {
+        "message": answer.message,
+        "type": answer.type,
+        "code": answer.code,
+        "status": status,
+        "wait_s": fields.get("retry_after"),
+        "wait_ms": fields.get("retry_after_ms"),
+        "limiter": answer.limiter,
+        "action": fields.get("action"),
+        "retry": answer.retry,
+    }
+    body = _filled(_template(template.body), values)
+    if isinstance(body, dict):  # the generic keys, where the template has not used the name
+        for key, value in fields.items():
+            body.setdefault(key, value)
+    headers = dict(answer.headers)
+    if template.headers:
+        names = {name.lower(): name for name in headers}
+        for name, value in template.headers:
+            mine = names.pop(name.lower(), None)
+            if mine is not None:
+                del headers[mine]
+            if value is not None:
+                headers[name] = presets.fill_text(value, values)
     return web.Response(
-        status=answer.status,
+        status=status,
         body=json.dumps(body, separators=(",", ":")).encode(),
         content_type="application/json",
-        headers={**answer.headers, **speaker.retry_headers(answer.retry)},
+        headers=headers,
     )

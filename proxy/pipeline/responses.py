@@ -27,6 +27,7 @@ from proxy.pipeline.refusals import (
     UpstreamFailed,
 )
 from proxy.policy.model import Vendor
+from proxy.policy.presets import GENERIC, AnswerKind
 from proxy.wire import headers as h
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def _ms(seconds: float) -> int:
 def refusal_response(refusal: Refusal, vendor: Vendor | None) -> web.Response:
     """The answer to a refused request, in ``vendor``'s dialect (generic without a vendor)."""
     answer = _answer(refusal, vendor)
-    return render(answer, vendor.answers if vendor is not None else "generic")
+    return render(answer, vendor.answers if vendor is not None else GENERIC)
 
 
 def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
@@ -64,6 +65,7 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
                 message,
                 {"action": "shed", "limiter": limiter, "scope": refusal.scope, "bucket": refusal.bucket},
                 {h.ACTION: "shed", h.LIMITER: limiter or "", h.SCOPE: refusal.scope},
+                vendor,
             )
         case Limited():
             return _defer(
@@ -80,7 +82,7 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
             )
         case Denied():
             message = f"{refusal.detail} (the proxy sends only what its policy allows)"
-            return _plain(refusal, message, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"})
+            return _plain(refusal, message, {"action": "deny", "detail": refusal.detail}, {h.ACTION: "deny"}, vendor)
         case ProxyAuthRequired():
             message = (
                 f"{refusal.detail}: this proxy takes the tenant from proxy credentials "
@@ -91,12 +93,13 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
                 message,
                 {"action": "deny", "detail": refusal.detail},
                 {h.ACTION: "deny", h.PROXY_AUTHENTICATE: PROXY_CHALLENGE},
+                vendor,
             )
         case BadRequest():
-            return _plain(refusal, f"bad request: {refusal.detail}", {"detail": refusal.detail}, {})
+            return _plain(refusal, f"bad request: {refusal.detail}", {"detail": refusal.detail}, {}, vendor)
         case BodyTimeout():
             message = f"{refusal.detail}: the vendor never got the request whole; send it again"
-            return _plain(refusal, message, {"detail": refusal.detail}, {h.REASON: "request-timeout"})
+            return _plain(refusal, message, {"detail": refusal.detail}, {h.REASON: "request-timeout"}, vendor)
         case UpstreamFailed():
             if not refusal.reached:
                 advice = "the request was not sent (safe to retry)"
@@ -109,6 +112,7 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
                 f"{refusal.detail}: {advice}",
                 {"limiter": limiter, "detail": refusal.detail},
                 {h.ERROR: refusal.kind, **({h.LIMITER: limiter} if limiter else {})},
+                vendor,
             )
         case InternalError():
             return _plain(
@@ -116,8 +120,20 @@ def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:
                 f"{refusal.detail} (see the proxy's log); the request may have been sent",
                 {"limiter": limiter, "detail": refusal.detail},
                 {h.ERROR: "proxy-error"},
+                vendor,
             )
     raise TypeError(f"unknown refusal {refusal!r}")
+
+
+def _kind(refusal: Refusal) -> AnswerKind:
+    """The preset template a refusal that is not a defer is written with."""
+    if isinstance(refusal, Limited):
+        return "shed"
+    if isinstance(refusal, Denied | ProxyAuthRequired):
+        return "deny"
+    if isinstance(refusal, UpstreamFailed | InternalError):
+        return "upstream_error"
+    return "bad_request"
 
 
 def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
@@ -130,8 +146,20 @@ def _over_quota(limiter: str | None, scope: str, bucket: str) -> str:
     return f"{limiter or 'the vendor'} is over its quota ({bucket})"
 
 
-def _plain(refusal: Refusal, message: str, fields: dict[str, object], headers: dict[str, str]) -> Answer:
-    return Answer(refusal.status, refusal.error, refusal.code, message, refusal.retry, fields, headers)
+def _plain(
+    refusal: Refusal, message: str, fields: dict[str, object], headers: dict[str, str], vendor: Vendor | None
+) -> Answer:
+    return Answer(
+        refusal.status,
+        refusal.error,
+        refusal.code,
+        message,
+        refusal.retry,
+        fields,
+        headers,
+        _kind(refusal),
+        (vendor.name or None) if vendor is not None else None,
+    )
 
 
 def _defer(
@@ -165,6 +193,8 @@ def _defer(
             **headers,
             **quota,
         },
+        "defer" if retry else "long_defer",
+        limiter,
     )
 
 

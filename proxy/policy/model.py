@@ -10,11 +10,11 @@ from typing import Literal
 
 from proxy.names import format_authority, ip_or_none
 from proxy.policy.errors import ConfigError
+from proxy.policy.presets import GENERIC, AnswerPreset
 
 Action = Literal["hold", "defer", "shed"]
 ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open", "local"]
-AnswerDialect = Literal["generic", "stripe", "openai"]
 TenantFrom = Literal["header", "proxy_auth"]
 HeaderFeedback = Literal["auto", "none"]
 Workers = int | Literal["auto"]
@@ -22,7 +22,6 @@ Workers = int | Literal["auto"]
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
 CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
-ANSWER_DIALECTS: tuple[AnswerDialect, ...] = ("generic", "stripe", "openai")
 TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
 HEADER_FEEDBACK: tuple[HeaderFeedback, ...] = ("auto", "none")
 
@@ -166,9 +165,9 @@ class Vendor:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_tunnels: int = 100
     """Concurrent ``connect: tunnel`` connections allowed for this vendor."""
-    answers: AnswerDialect = "generic"
-    """The dialect of the proxy's own answers for this vendor (SPEC §9): body shape, error
-    type and code, and the retry headers its official SDK reads."""
+    answers: AnswerPreset = GENERIC
+    """How the proxy's own answers for this vendor are written (SPEC §9): a preset's status
+    codes, retry headers and JSON body per kind of answer, as its official SDK reads them."""
     answers_max_wait: float = 60.0
     """Seconds; a defer whose retry hint is longer tells the SDK not to retry (the job is
     re-enqueued instead of blocking a worker), the wait still readable."""

@@ -14,6 +14,7 @@ from typing import Final
 import yaml
 
 import proxy.policy.values as values
+from proxy.policy.answer_presets import build_answer_presets
 from proxy.policy.durations import show
 from proxy.policy.model import (
     FAILURE_MODES,
@@ -30,6 +31,7 @@ from proxy.policy.model import (
     Vendor,
     Workers,
 )
+from proxy.policy.presets import AnswerPreset
 from proxy.policy.vendors import build_vendors
 from proxy.policy.walker import CheckedMapping, Walk
 
@@ -44,7 +46,7 @@ _CONNECTIONS: Final = Connections()
 
 _ROOT_KEYS: Final = (
     "version", "listen", "admin_listen", "store", "tenant", "vendors", "tls", "drain_timeout", "access_log",
-    "connections", "admin_token", "admin_hosts", "workers",
+    "connections", "admin_token", "admin_hosts", "workers", "answer_presets",
 )  # fmt: skip
 _STORE_KEYS: Final = ("url", "timeout", "on_failure", "key_prefix", "breaker")
 _BREAKER_KEYS: Final = ("failures", "cooloff")
@@ -68,7 +70,10 @@ def build_policy(walk: Walk, root: yaml.Node) -> Policy:
         _check_listeners(m, listen, admin_listen)
     tls = m.section("tls", _tls, _TLS)
     tenant = m.section("tenant", _tenant, _TENANT)
-    vendors: tuple[Vendor, ...] = m.require_section("vendors", lambda w, n, p: build_vendors(w, n, p, tls, tenant), ())
+    presets: dict[str, AnswerPreset] = m.section("answer_presets", build_answer_presets, {})
+    vendors: tuple[Vendor, ...] = m.require_section(
+        "vendors", lambda w, n, p: build_vendors(w, n, p, tls, tenant, presets), ()
+    )
     _check_known_tenants(m, tenant, vendors)
     store = m.section("store", _store, _STORE)
     workers = m.get("workers", workers_value, _POLICY.workers)

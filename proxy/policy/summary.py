@@ -123,6 +123,7 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
     connect = vendor.connect + (f", at most {vendor.max_tunnels} tunnels" if vendor.connect == "tunnel" else "")
     rows.append(_row("connect", connect, indent))
     rows.append(_row("answers", _answers(vendor), indent))
+    rows.append(_row("", f"{_rate_limit_statuses(vendor)} (check --answers shows each answer)", indent))
     timeouts = vendor.timeouts
     rows.append(
         _row(
@@ -213,9 +214,19 @@ def _learned(feedback: Feedback) -> str:
 
 
 def _answers(vendor: Vendor) -> str:
-    """The dialect of the proxy's own answers, and what they tell an SDK (SPEC §9)."""
+    """The preset of the proxy's own answers, and what they tell an SDK (SPEC §9)."""
     ratelimit = "RateLimit fields on forwarded answers" if vendor.ratelimit_headers else "RateLimit fields on 429s only"
-    return f"{vendor.answers}, no SDK retry beyond {format_duration(vendor.answers_max_wait)}; {ratelimit}"
+    name = vendor.answers.name
+    return f"{name}, no SDK retry beyond {format_duration(vendor.answers_max_wait)}; {ratelimit}"
+
+
+def _rate_limit_statuses(vendor: Vendor) -> str:
+    """The status each rate-limit answer goes out with (a preset may change them)."""
+    preset = vendor.answers
+    defer, long_defer, shed = (
+        preset.status_of(k, own) for k, own in (("defer", 429), ("long_defer", 429), ("shed", 503))
+    )
+    return f"defer {defer}, long defer {long_defer}, shed {shed}"
 
 
 def _workers(policy: Policy) -> str:

@@ -16,11 +16,11 @@ import yaml
 import proxy.policy.shapes as shapes
 import proxy.policy.values as values
 from proxy.names import host_caution, split_host_port
+from proxy.policy.answer_presets import Presets, build_answers
 from proxy.policy.durations import format_duration
 from proxy.policy.limits import optional_limits, required_limits
 from proxy.policy.model import (
     ACTIONS,
-    ANSWER_DIALECTS,
     CONNECT_MODES,
     HEADER_FEEDBACK,
     Action,
@@ -72,22 +72,29 @@ class _Owner:
 
 
 def build_vendors(
-    walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, tenant: TenantSettings
+    walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, tenant: TenantSettings, presets: Presets
 ) -> tuple[Vendor, ...]:
-    """The ``vendors:`` list; ``tls`` decides the default ``connect`` mode, and ``tenant``
-    names the tenant header (stripped, so it cannot be a partition header)."""
+    """The ``vendors:`` list; ``tls`` decides the default ``connect`` mode, ``tenant``
+    names the tenant header (stripped, so it cannot be a partition header), and
+    ``presets`` are the policy's own answer presets."""
     items = walk.sequence(node, path)
     if items is None:
         return ()
     if not items:
         walk.error(node, path, "at least one vendor is required")
     claims = _Claims()
-    vendors = (_vendor(walk, item, f"{path}[{i}]", tls, tenant, claims) for i, item in enumerate(items))
+    vendors = (_vendor(walk, item, f"{path}[{i}]", tls, tenant, presets, claims) for i, item in enumerate(items))
     return tuple(v for v in vendors if v is not None)
 
 
 def _vendor(
-    walk: Walk, node: yaml.Node, path: str, tls: TlsSettings, tenant: TenantSettings, claims: _Claims
+    walk: Walk,
+    node: yaml.Node,
+    path: str,
+    tls: TlsSettings,
+    tenant: TenantSettings,
+    presets: Presets,
+    claims: _Claims,
 ) -> Vendor | None:
     m = walk.mapping(node, path, _VENDOR_KEYS)
     if m is None:
@@ -113,7 +120,7 @@ def _vendor(
         connect=connect,
         timeouts=m.section("timeouts", _timeouts, _TIMEOUTS),
         max_tunnels=m.get("max_tunnels", values.integer_at_least(1), _VENDOR.max_tunnels),
-        answers=m.get("answers", values.choice(ANSWER_DIALECTS), _VENDOR.answers),
+        answers=m.section("answers", lambda w, n, p: build_answers(w, n, p, presets), _VENDOR.answers),
         answers_max_wait=m.get("answers_max_wait", values.positive_duration, _VENDOR.answers_max_wait),
         ratelimit_headers=m.get("ratelimit_headers", values.boolean, _VENDOR.ratelimit_headers),
         endpoints=m.section("endpoints", lambda w, n, p: shapes.build_endpoints(w, n, p, enclosing), ()),

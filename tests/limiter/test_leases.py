@@ -6,6 +6,7 @@ Same contract for memory:// (ManualClock) and Redis (its own TIME, real short sl
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -149,7 +150,7 @@ async def test_a_lease_set_keeps_whole_ms_and_outlives_its_last_lease(redis_url:
         lease_set = LeaseSet("test:{v}:c:whole", 5, "concurrency 5")
         assert (await store.acquire(b, 1, 0, leases=leases("long", lease_set, life=20.0))).granted
         assert (await store.acquire(b, 1, 0, leases=leases("short", lease_set, life=0.5))).granted
-        scores = await store.client.zrange(lease_set.key, 0, -1, withscores=True)
+        scores: Any = await store.client.zrange(lease_set.key, 0, -1, withscores=True)
         assert [name for name, _ in scores] == [b"short", b"long"]
         assert all(score == int(score) for _, score in scores)
         assert await store.client.object("encoding", lease_set.key) == b"listpack"

@@ -33,7 +33,7 @@ def test_check_accepts_the_example_without_warnings(path: str, capsys: pytest.Ca
 def test_llm_example_is_per_key_with_streams_capped_and_embeddings_weighed():
     vendor = load_policy("config/llm.yaml").vendor("llm-api")
     assert vendor.partition is not None and vendor.partition.header == "Authorization"
-    assert vendor.answers == "openai" and vendor.feedback.headers == "auto"
+    assert vendor.answers.name == "openai" and vendor.feedback.headers == "auto"
     assert vendor.concurrency == 64
     by_name = {e.name: e for e in vendor.endpoints}
     assert by_name["chat"].concurrency == 32 and by_name["embeddings"].cost == 4

@@ -103,14 +103,14 @@ def test_payments_policy_loads_with_overrides_and_several_vendors():
     assert payments.tenant_limits.for_tenant("someone-else") == (Limit(8, 1, 8),)
     assert payments.feedback.max_retry_after == 600
     assert payments.timeouts == Timeouts(connect=3, read=30)
-    assert (payments.answers, payments.answers_max_wait, payments.ratelimit_headers) == ("stripe", 30, True)
+    assert (payments.answers.name, payments.answers_max_wait, payments.ratelimit_headers) == ("stripe", 30, True)
 
     assert policy.vendor("crm").on_limit.action == "defer"
     mail = policy.vendor("mail-api")
     assert (mail.on_limit.action, mail.connect, mail.max_tunnels) == ("shed", "tunnel", 20)
     assert mail.feedback.remaining_header is None
     assert mail.upstream is None and mail.route is None
-    assert (mail.answers, mail.answers_max_wait, mail.ratelimit_headers) == ("generic", 60, False)
+    assert (mail.answers.name, mail.answers_max_wait, mail.ratelimit_headers) == ("generic", 60, False)
 
 
 def test_spec_example_with_a_ca_defaults_connect_to_intercept():
@@ -436,7 +436,10 @@ BAD_FILES = {
     ),
     "intercept_without_ca": "6: vendors[0].connect: connect: intercept needs tls.ca_cert and tls.ca_key",
     "ca_cert_without_key": "7: tls.ca_cert: ca_cert and ca_key must be set together",
-    "bad_answers": '6: vendors[0].answers: answers must be generic, stripe or openai, got "anthropic"',
+    "bad_answers": (
+        '6: vendors[0].answers: unknown answer preset "antropic" (did you mean "anthropic"?): '
+        "one of generic, stripe, openai, anthropic, github, slack"
+    ),
     "bad_answers_max_wait": "7: vendors[0].answers_max_wait: answers_max_wait must be greater than 0",
     "bad_ratelimit_headers": '6: vendors[0].ratelimit_headers: expected true or false, got "yes"',
     "bad_connections_max": "3: connections.max: max must be at least 1",

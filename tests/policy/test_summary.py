@@ -37,6 +37,7 @@ def test_example_summary_is_one_screen_with_effective_values():
         "  on_limit    hold, max_hold 500ms",
         "  connect     deny",
         "  answers     generic, no SDK retry beyond 1m; RateLimit fields on 429s only",
+        "              defer 429, long defer 429, shed 503 (check --answers shows each answer)",
         "connections   at most 4096 open (then 503), request head within 10s (then 408), idle keep-alive 1m",
         "admin access  no admin_token: /status and POST /reload are open unless QUOTA_PROXY_ADMIN_TOKEN is set",
         "              Host must be an IP address or localhost",
