@@ -223,9 +223,9 @@ def _answers(vendor: Vendor) -> str:
 def _rate_limit_statuses(vendor: Vendor) -> str:
     """The status each rate-limit answer goes out with (a preset may change them)."""
     preset = vendor.answers
-    defer, long_defer, shed = (
-        preset.status_of(k, own) for k, own in (("defer", 429), ("long_defer", 429), ("shed", 503))
-    )
+    defer = preset.status_of("defer", 429)
+    long_defer = preset.status_of("long_defer", 429)
+    shed = preset.status_of("shed", 503)
     return f"defer {defer}, long defer {long_defer}, shed {shed}"
 
 

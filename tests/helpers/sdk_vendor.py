@@ -1,4 +1,4 @@
-"""A local vendor that speaks the wire formats of Stripe, OpenAI and Anthropic, so their
+"""A local vendor that speaks the wire formats of Stripe, OpenAI, Anthropic, GitHub and Slack, so their
 real SDKs can be pointed at it (through the proxy, which maps each vendor's host name to
 this one HTTPS origin with ``upstream:``).
 
@@ -6,6 +6,8 @@ this one HTTPS origin with ``upstream:``).
     GET  /v1/customers/{id}    Stripe: a customer
     POST /v1/chat/completions  OpenAI: a chat completion
     POST /v1/messages          Anthropic: a message
+    GET  /users/{login}        GitHub: a user (PyGithub's get_user)
+    POST /api/{method}         Slack: a Web API method (slack_sdk's WebClient)
     anything else              {"ok": true} (for load that is not an SDK's)
 
 It enforces its own quota (a sliding window, answered with a 429 in the vendor's own
@@ -58,6 +60,8 @@ class SdkVendor:
         app.router.add_get("/v1/customers/{id}", self._stripe_customer)
         app.router.add_post("/v1/chat/completions", self._openai_chat)
         app.router.add_post("/v1/messages", self._anthropic_message)
+        app.router.add_get("/users/{login}", self._github_user)
+        app.router.add_post("/api/{method}", self._slack_method)
         app.router.add_route("*", "/{tail:.*}", self._other)
         return app
 
@@ -121,6 +125,14 @@ class SdkVendor:
             | {"stop_reason": "end_turn", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 4}},
         )
 
+    async def _github_user(self, request: web.Request) -> web.Response:
+        login, number = request.match_info["login"], len(self.seen)
+        user = {"login": login, "id": number, "type": "User", "name": "The Mock", "url": f"/users/{login}"}
+        return self._answer("X-GitHub-Request-Id", user)
+
+    async def _slack_method(self, request: web.Request) -> web.Response:
+        return self._answer("x-slack-req-id", {"ok": True, "args": {}})
+
     async def _other(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "path": request.path})
 
@@ -132,6 +144,12 @@ def _vendor_429(path: str) -> web.Response:
         body: object = {"error": {"type": "invalid_request_error", "code": "rate_limit", "message": message}}
     elif path == "/v1/messages":
         body = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    elif path.startswith("/users/"):  # GitHub: a 403 whose message says it
+        return web.json_response(
+            {"message": f"API rate limit exceeded: {message}"}, status=403, headers={"Retry-After": "1"}
+        )
+    elif path.startswith("/api/"):
+        body = {"ok": False, "error": "ratelimited"}
     else:
         body = {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
     return web.json_response(body, status=429, headers={"Retry-After": "1"})

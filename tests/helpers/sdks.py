@@ -26,12 +26,18 @@ from proxy.server import ProxyServer
 from tests.conftest import make_policy
 from tests.helpers.intercept import INTERCEPT_HEAD
 
-HOSTS = {"stripe": "api.stripe.example", "openai": "api.openai.example", "anthropic": "api.anthropic.example"}
+HOSTS = {
+    "stripe": "api.stripe.example",
+    "openai": "api.openai.example",
+    "anthropic": "api.anthropic.example",
+    "github": "api.github.example",
+    "slack": "slack.example",
+}
 """Where each SDK is pointed (its base URL): names that resolve nowhere, so a request that
 arrives anywhere came through the proxy, which maps them to the mock vendor."""
 
-DIALECTS = {"stripe": "stripe", "openai": "openai", "anthropic": "openai"}
-"""``answers:`` per vendor: Anthropic's SDK is generated like OpenAI's (x-should-retry, retry-after-ms)."""
+DIALECTS = {name: name for name in HOSTS}
+"""``answers:`` per vendor: each SDK's own built-in preset."""
 
 SDK_VENDOR = """
       - name: $name
@@ -56,11 +62,12 @@ def sdk_policy(
     on_limit: str = "{action: defer}",
     read: str = "30s",
     vendor_extra: str = "",
+    answers: dict[str, str] | None = None,
 ) -> Policy:
     """The three SDK vendors, intercepted, each in its dialect, all sent to ``upstream``
     (the mock vendor) with the same limits."""
     vendors = "".join(
-        string.Template(SDK_VENDOR).substitute(name=name, host=host, dialect=DIALECTS[name])
+        string.Template(SDK_VENDOR).substitute(name=name, host=host, dialect={**DIALECTS, **(answers or {})}[name])
         for name, host in HOSTS.items()
     )
     return make_policy(

@@ -105,7 +105,7 @@ def test_the_bundle_is_the_public_cas_plus_the_proxys(guide: GuideWorker) -> Non
 def test_the_stripe_policy_fragment_is_a_valid_policy() -> None:
     text = "version: 1\n" + snippets()["stripe-policy"].code
     (vendor,) = parse_policy(text, "docs/clients.md", base_dir=ROOT).vendors
-    assert (vendor.name, vendor.answers, vendor.hosts) == ("stripe", "stripe", ("api.stripe.com",))
+    assert (vendor.name, vendor.answers.name, vendor.hosts) == ("stripe", "stripe", ("api.stripe.com",))
 
 
 # -- Python HTTP clients ----------------------------------------------------------------------------
