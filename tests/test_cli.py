@@ -455,3 +455,33 @@ def test_the_command_line_lists_the_developer_tools_without_importing_them() -> 
         "proxy.devtools.demo_report",
         "proxy.server",
     }
+
+
+def test_check_answers_prints_each_answer_as_the_worker_sees_it(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "version: 1\n"
+        "vendors:\n"
+        "  - name: gh\n"
+        "    hosts: [api.github.example]\n"
+        "    limits: [{rate: 10}]\n"
+        "    answers: {preset: github, shed: {status: 422}}\n"
+    )
+    result = run_cli("check", "-c", str(path), "--answers")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "  answers     github+, no SDK retry beyond 1m; RateLimit fields on 429s only" in out
+    assert "              defer 403, long defer 409, shed 422 (check --answers shows each answer)" in out
+    assert "vendor gh: answers github+" in out
+    blocks = out.split("vendor gh: answers github+", 1)[1]
+    for kind, status in [
+        ("defer", "403 Forbidden"),
+        ("long defer", "409 Conflict"),
+        ("shed", "422 Unprocessable Entity"),
+        ("deny", "403 Forbidden"),
+        ("bad request", "400 Bad Request"),
+        ("upstream error", "504 Gateway Timeout"),
+    ]:
+        assert f"\n  {kind} (" in blocks
+        assert f"HTTP/1.1 {status}" in blocks
+    assert '{"message":"API rate limit exceeded (gh is over its quota (global 10/1s); retry in 0.25 s)"' in blocks

@@ -35,7 +35,13 @@ _BLOCK = re.compile(
     r"(?:<!-- (?P<kind>snippet|untested): (?P<name>[\w-]+) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S
 )
 _CLIENT_ENV = (*TRUST_VARS, "NODE_OPTIONS", "CELERY_BROKER_URL")
-_REAL_HOSTS = {"stripe": "api.stripe.com", "openai": "api.openai.com", "anthropic": "api.anthropic.com"}
+_REAL_HOSTS = {
+    "stripe": "api.stripe.com",
+    "openai": "api.openai.com",
+    "anthropic": "api.anthropic.com",
+    "github": "api.github.com",
+    "slack": "slack.com",
+}
 
 SITECUSTOMIZE = f"""
 # Test stand-in (tests/helpers/guide.py): Stripe's SDK has no base-URL variable, so its
@@ -101,6 +107,8 @@ class GuideWorker:
             OPENAI_API_KEY="sk-test-guide",
             ANTHROPIC_API_KEY="sk-ant-test-guide",
             STRIPE_API_KEY="sk_test_guide",
+            GITHUB_TOKEN="ghp_test_guide",
+            SLACK_BOT_TOKEN="xoxb-test-guide",
             CELERY_BROKER_URL="memory://",
         )
         return env

@@ -15,6 +15,8 @@ from pathlib import Path
 import certifi
 import pytest
 
+from proxy.pipeline.refusals import Limited
+from proxy.pipeline.responses import refusal_response
 from proxy.policy import parse_policy
 from proxy.server import ProxyServer
 from tests.conftest import client_session
@@ -40,6 +42,9 @@ TESTED = {
     "stripe-ca-bundle",
     "openai-env",
     "anthropic-env",
+    "answers-override",
+    "github-sdk",
+    "slack-sdk",
     "celery-task",
     "curl-env",
     "curl-retry-shed",
@@ -187,6 +192,34 @@ async def test_the_openai_and_anthropic_sdks_need_nothing_but_the_environment(gu
     (line,) = ok(await run(guide, name, proxy))
     assert line.startswith("rate limited; come back in ") and line.endswith(" s"), line
     assert 3000 < int(line.split()[-2]) <= 3600
+    assert outcomes(proxy, vendor) == {"forwarded": 1, "deferred": 1}
+
+
+def test_the_answers_override_fragment_sheds_with_its_status_and_body() -> None:
+    text = "version: 1\n" + snippets()["answers-override"].code
+    (vendor,) = parse_policy(text, "docs/clients.md", base_dir=ROOT).vendors
+    shed = refusal_response(Limited("shed", 0.5, "global", "global 50/1s"), vendor)
+    assert shed.status == 409
+    body = json.loads(shed.body)  # type: ignore[arg-type]
+    (error,) = body["errors"]
+    assert (error["code"], error["retry_after"]) == ("shed", None) and "was shed" in error["message"]
+    assert body["action"] == "shed"  # the generic keys follow the template's
+    defer = refusal_response(Limited("defer", 1.5, "global", "global 50/1s", hint=1.5), vendor)
+    assert defer.status == 429
+    assert json.loads(defer.body)["errors"][0]["retry_after"] == 2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "vendor"), [("github-sdk", "github"), ("slack-sdk", "slack")])
+async def test_pygithub_and_slack_sdk_with_their_presets(guide, sdk_proxies, name, vendor) -> None:
+    proxy = await sdk_proxies.start(limits=SPENT)
+    assert ok(await run(guide, name, proxy)) == ["The Mock" if vendor == "github" else "True"]
+    # The bucket is spent for an hour: a long defer, raised at once by either SDK (their
+    # retries would have slept it out as a 403 or a 429), the wait readable.
+    (line,) = ok(await run(guide, name, proxy))
+    if vendor == "github":
+        assert line.startswith("not now: 409 defer for ") and 3000 < int(line.split()[-2]) <= 3600, line
+    else:
+        assert line.startswith("rate limited; come back in ") and 3000 < int(line.split()[-2]) <= 3600, line
     assert outcomes(proxy, vendor) == {"forwarded": 1, "deferred": 1}
 
 
