@@ -224,3 +224,24 @@ async def test_a_wait_too_long_for_one_call_raises_at_once_with_the_wait_readabl
     headers = error.headers if name == "stripe" else error.response.headers
     assert headers["Retry-After"] == answer.headers["retry-after"]  # readable on the SDK's own error
     assert outcomes(proxy, name) == {"forwarded": 1, "deferred": 1}
+
+
+@pytest.mark.parametrize("name", ["openai", "anthropic"])
+async def test_a_defer_once_the_retries_are_spent_is_the_sdks_own_rate_limit_error(name, sdk_proxies):
+    """With no retry left, a defer surfaces as the SDK's own rate-limit error, in its own
+    error body (the ``openai`` and ``anthropic`` presets), its wait readable."""
+    sdk = SDKS[name]
+    await sdk_proxies.start(limits="[{rate: 1, per: 3s, burst: 1}]")
+    assert (await asyncio.to_thread(sdk.call)).error is None
+
+    call = await asyncio.to_thread(sdk.call, max_retries=0)
+
+    assert isinstance(call.error, sdk.rate_limit_error), repr(call.error)
+    (answer,) = call.attempts
+    assert answer.status == 429 and answer.headers["x-should-retry"] == "true"
+    assert 0 < int(answer.headers["retry-after-ms"]) <= 3000
+    error: Any = call.error
+    if name == "openai":
+        assert (error.type, error.code) == ("requests", "rate_limit_exceeded")
+    else:
+        assert error.body["type"] == "error" and error.body["error"]["type"] == "rate_limit_error"
