@@ -86,6 +86,36 @@ async def test_a_deny_vendor_is_told_how_to_reach_it(https_vendor, start_proxy) 
     assert "upstream: https://" in json.loads(body)["detail"]
 
 
+@pytest.mark.parametrize(
+    ("authority", "shown"),
+    [
+        ("api.closed.example:443", "403 CONNECT denied by policy (connect: deny)"),
+        ("elsewhere.example:443", "403 CONNECT denied: no vendor in the policy has this host and port"),
+    ],
+)
+async def test_requests_and_httpx_show_why_a_connect_was_refused(
+    https_vendor, start_proxy, authority: str, shown: str
+) -> None:
+    """They never read a refused CONNECT's body: the status line carries the reason."""
+    import requests
+
+    proxy = await tunnel_proxy(start_proxy, https_vendor)
+    url = f"https://{authority.removesuffix(':443')}/v1/x"
+
+    def with_requests() -> str:
+        try:
+            requests.get(url, proxies={"https": proxy.url}, timeout=5)
+        except requests.exceptions.ProxyError as exc:
+            return str(exc)
+        return "no error"
+
+    assert shown in await asyncio.to_thread(with_requests)
+    async with httpx.AsyncClient(proxy=proxy.url, timeout=5) as client:
+        with pytest.raises(httpx.ProxyError) as raised:
+            await client.get(url)
+    assert shown.split(" ", 1)[1] in str(raised.value)
+
+
 @pytest.mark.parametrize("authority", ["api.payments.example", "user@api.payments.example:443", "[::1:443"])
 async def test_malformed_connect_targets_are_400(https_vendor, start_proxy, authority: str) -> None:
     proxy = await tunnel_proxy(start_proxy, https_vendor)

@@ -53,6 +53,9 @@ class Refusal(Exception):
     detail: str | None
     tls_error: str | None = None
     """The ``ratelimit_tls_errors_total`` reason this refusal counts as, if it is a TLS failure."""
+    reason_phrase: str | None = None
+    """The status line's reason, when the standard one says too little: a refused CONNECT,
+    whose body HTTP clients do not show (``Tunnel connection failed: 403 ...``)."""
 
 
 @dataclass

@@ -51,7 +51,10 @@ def _ms(seconds: float) -> int:
 def refusal_response(refusal: Refusal, vendor: Vendor | None) -> web.Response:
     """The answer to a refused request, in ``vendor``'s dialect (generic without a vendor)."""
     answer = _answer(refusal, vendor)
-    return render(answer, vendor.answers if vendor is not None else GENERIC)
+    response = render(answer, vendor.answers if vendor is not None else GENERIC)
+    if refusal.reason_phrase:
+        response.set_status(response.status, refusal.reason_phrase)
+    return response
 
 
 def _answer(refusal: Refusal, vendor: Vendor | None) -> Answer:

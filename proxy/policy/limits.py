@@ -55,4 +55,16 @@ def _limit(walk: Walk, node: yaml.Node, path: str) -> Limit | None:
     per = m.get("per", values.positive_duration, _DEFAULT_PER)
     # Burst defaults to the rate, but a bucket below one token would never grant.
     burst = m.get("burst", values.burst, max(rate, 1.0))
-    return Limit(rate=rate, per=per, burst=burst)
+    return Limit(rate=rate, per=per, burst=burst, per_text=_as_written(walk, m.node_of("per")))
+
+
+def _as_written(walk: Walk, node: yaml.Node | None) -> str:
+    """A ``per`` written with its unit (``24h``), as written; "" otherwise (a bare number of
+    seconds, or none: the canonical form serves)."""
+    if node is None:
+        return ""
+    try:
+        value = walk.value(node)
+    except ValueError:
+        return ""
+    return value.strip() if isinstance(value, str) else ""

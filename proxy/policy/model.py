@@ -44,6 +44,8 @@ class Limit:
     rate: float
     per: float
     burst: float
+    per_text: str = field(default="", compare=False)
+    """``per`` as the policy wrote it (``24h``, not ``1d``), for what ``check`` prints; "" = canonical."""
 
     @property
     def per_second(self) -> float:
@@ -53,7 +55,12 @@ class Limit:
     @property
     def label(self) -> str:
         """Short human form, e.g. ``80/1s burst 40``."""
-        return f"{_num(self.rate)}/{_duration(self.per)} burst {_num(self.burst)}"
+        return f"{_num(self.rate)}/{self.window} burst {_num(self.burst)}"
+
+    @property
+    def window(self) -> str:
+        """``per`` as written (``24h``), else its shortest form."""
+        return self.per_text or _duration(self.per)
 
     @property
     def key(self) -> str:
@@ -168,6 +175,10 @@ class Vendor:
     answers: AnswerPreset = GENERIC
     """How the proxy's own answers for this vendor are written (SPEC §9): a preset's status
     codes, retry headers and JSON body per kind of answer, as its official SDK reads them."""
+    vendor_limit: tuple[Limit, ...] = ()
+    """What the vendor itself allows, as the policy states it (``check`` only): a warning
+    when the fleet's worst case in one of its windows is more (bursts are ignored: a vendor
+    counts requests in a window)."""
     answers_max_wait: float = 60.0
     """Seconds; a defer whose retry hint is longer tells the SDK not to retry (the job is
     re-enqueued instead of blocking a worker), the wait still readable."""
@@ -297,8 +308,12 @@ class Policy:
         raise KeyError(name)
 
 
-def _num(x: float) -> str:
+def format_number(x: float) -> str:
+    """A count or rate as written: ``100``, ``0.5``."""
     return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+_num = format_number
 
 
 def _duration(seconds: float) -> str:

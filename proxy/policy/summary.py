@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Connections, Endpoint, Feedback, Limit, Policy, TenantLimits, Vendor
+from proxy.policy.model import Connections, Endpoint, Feedback, Limit, Policy, TenantLimits, Vendor, format_number
 from proxy.policy.values import mask_password
-from proxy.policy.worst_case import WorstCase, worst_cases
+from proxy.policy.worst_case import WorstCase, most_requests, worst_cases
 
 _WIDTH = 14  # label column, so values line up
 
@@ -110,12 +110,16 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
         _row("route", vendor.route or "(none)", indent),
         _row("upstream", vendor.upstream or "(the requested origin)", indent),
         _row("limits", _limits(vendor.limits), indent),
+        *([_row("vendor says", _limits(vendor.vendor_limit), indent)] if vendor.vendor_limit else []),
         _row("worst case", _vendor_worst_case(vendor, fail_open), indent),
+        *[_row("", text, indent) for text in _beyond(vendor)],
+        _row("sustained", _sustained(vendor.limits), indent),
         _row("partition", _partition(vendor), indent),
         _row("concurrency", _concurrency(vendor.concurrency), indent),
     ]
     rows += [_row("endpoints" if i == 0 else "", text, indent) for i, text in enumerate(_endpoints(vendor))]
-    rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(_tenants(vendor.tenant_limits))]
+    tenants = _tenants(vendor.tenant_limits, vendor)
+    rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(tenants)]
     on_limit = vendor.on_limit
     rows.append(_row("on_limit", f"{on_limit.action}, max_hold {format_duration(on_limit.max_hold)}", indent))
     rows.append(_row("feedback", _feedback(vendor.feedback), indent))
@@ -138,7 +142,7 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
 def _worst_case(cases: Iterable[WorstCase], vendor: Vendor) -> str:
     """What a vendor counting requests in a sliding window may see from the whole fleet."""
     counts = [
-        f"{case.requests}{' requests' if i == 0 else ''} in any {format_duration(case.window)}"
+        f"{case.requests}{' requests' if i == 0 else ''} in any {_window(case.window, vendor)}"
         for i, case in enumerate(cases)
     ]
     where = f"per value of {vendor.partition.header}" if vendor.partition is not None else "fleet-wide"
@@ -150,6 +154,58 @@ def _vendor_worst_case(vendor: Vendor, fail_open: bool) -> str:
     cheapest = min((1.0, *(endpoint.cost for endpoint in vendor.endpoints)))
     text = _worst_case(worst_cases(vendor.limits, cost=cheapest), vendor)
     return f"{text}; unbounded while the store is down (on_failure open)" if fail_open else text
+
+
+def _window(seconds: float, vendor: Vendor) -> str:
+    """A window as the policy wrote it (``24h``, not ``1d``), when a limit of it did."""
+    for limit in (*vendor.limits, *vendor.vendor_limit, *(lim for e in vendor.endpoints for lim in e.limits)):
+        if limit.per == seconds and limit.per_text:
+            return limit.per_text
+    return format_duration(seconds)
+
+
+def _beyond(vendor: Vendor) -> list[str]:
+    """Warnings: a window in which the fleet may send more than the vendor allows (its
+    ``vendor_limit``; the loader warns too), or, without one, at least twice a limit's own
+    count (a burst as large as the rate, the default, fills on top of it: ``100000/24h``
+    lets 200000 through in a day)."""
+    rows: list[str] = []
+    stated = vendor.vendor_limit
+    for allowed in stated:
+        worst = most_requests(vendor.limits, allowed.per)
+        if worst is not None and worst > allowed.rate + 1e-9:
+            rows.append(
+                f"WARNING: up to {worst} in any {allowed.window}, above the vendor's "
+                f"{format_number(allowed.rate)}/{allowed.window} (vendor_limit)"
+            )
+    if stated:
+        return rows
+    for limit in vendor.limits:
+        worst = most_requests(vendor.limits, limit.per)
+        if worst is not None and worst >= 2 * limit.rate:
+            rows.append(
+                f"WARNING: up to {worst} in any {limit.window}, twice {format_number(limit.rate)}/{limit.window} "
+                f"(its burst {format_number(limit.burst)} comes on top): a vendor allowing "
+                f"{format_number(limit.rate)} per {limit.window} would refuse the rest; "
+                "set a smaller burst, or state vendor_limit"
+            )
+    return rows
+
+
+def _sustained(limits: Iterable[Limit]) -> str:
+    """The rate the buckets allow in the long run: the slowest refill, and which limit it is."""
+    slowest = min(limits, key=lambda limit: limit.per_second, default=None)
+    if slowest is None:
+        return "unbounded"
+    return f"{_rate(slowest.per_second)} in the long run ({format_number(slowest.rate)}/{slowest.window} binds)"
+
+
+def _rate(per_second: float) -> str:
+    for unit, seconds in (("s", 1.0), ("min", 60.0), ("h", 3600.0)):
+        value = per_second * seconds
+        if value >= 1 or unit == "h":
+            return f"{value:.3g}/{unit}"
+    raise AssertionError("unreachable")
 
 
 def _partition(vendor: Vendor) -> str:
@@ -190,10 +246,21 @@ def _limits(limits: Iterable[Limit]) -> str:
     return "; ".join(limit.label for limit in limits) or "(none)"
 
 
-def _tenants(tenant_limits: TenantLimits) -> list[str]:
-    rows = [f"default {_limits(tenant_limits.default)}"]
-    rows += [f"{tenant}: {_limits(limits)}" for tenant, limits in tenant_limits.overrides]
+def _tenants(tenant_limits: TenantLimits, vendor: Vendor) -> list[str]:
+    """Each tenant's limits, and what it may sustain: its own slowest refill, or the vendor's."""
+    rows = [f"default {_limits(tenant_limits.default)}{_tenant_sustained(tenant_limits.default, vendor)}"]
+    rows += [
+        f"{tenant}: {_limits(limits)}{_tenant_sustained(limits, vendor)}" for tenant, limits in tenant_limits.overrides
+    ]
     return rows
+
+
+def _tenant_sustained(limits: tuple[Limit, ...], vendor: Vendor) -> str:
+    if not limits:
+        return ""
+    own = min(limit.per_second for limit in limits)
+    whole = min((limit.per_second for limit in vendor.limits), default=own)
+    return f"; sustained {_rate(min(own, whole))}" + (" (the vendor's quota binds)" if whole < own else "")
 
 
 def _feedback(feedback: Feedback) -> str:

@@ -33,8 +33,10 @@ from proxy.policy.model import (
     Timeouts,
     TlsSettings,
     Vendor,
+    format_number,
 )
 from proxy.policy.walker import CheckedMapping, Walk, is_null
+from proxy.policy.worst_case import most_requests
 
 _VENDOR: Final = Vendor(name="")
 _ON_LIMIT: Final = OnLimit()
@@ -44,7 +46,7 @@ _TIMEOUTS: Final = Timeouts()
 _VENDOR_KEYS: Final = (
     "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
     "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers", "endpoints", "concurrency",
-    "partition",
+    "partition", "vendor_limit",
 )  # fmt: skip
 _TENANT_LIMITS_KEYS: Final = ("default", "overrides")
 _ON_LIMIT_KEYS: Final = ("action", "max_hold")
@@ -105,6 +107,8 @@ def _vendor(
     if connect == "intercept":
         _check_constraints(m, hosts)
     limits: tuple[Limit, ...] = m.require_section("limits", required_limits, ())
+    vendor_limit: tuple[Limit, ...] = m.section("vendor_limit", required_limits, ())
+    _warn_worst_cases(m, limits, vendor_limit)
     tenant_limits = m.section("tenant_limits", _tenant_limits, TenantLimits())
     cap = m.get("concurrency", shapes.concurrency, _VENDOR.concurrency)
     enclosing = shapes.Enclosing(limits, tenant_limits, cap)
@@ -114,6 +118,7 @@ def _vendor(
         route=route,
         upstream=m.get("upstream", values.nullable(values.upstream), None),
         limits=limits,
+        vendor_limit=vendor_limit,
         tenant_limits=tenant_limits,
         on_limit=m.section("on_limit", _on_limit, _ON_LIMIT),
         feedback=m.section("feedback", _feedback, _FEEDBACK),
@@ -127,6 +132,22 @@ def _vendor(
         concurrency=cap,
         partition=m.section("partition", lambda w, n, p: shapes.build_partition(w, n, p, tenant.header), None),
     )
+
+
+def _warn_worst_cases(m: CheckedMapping, limits: tuple[Limit, ...], stated: tuple[Limit, ...]) -> None:
+    """What a vendor counting requests in a sliding window may see from the whole fleet,
+    against what the policy says it allows (``vendor_limit``): any excess is a warning (the
+    limits' bursts fill on top of their rates)."""
+    for allowed in stated:
+        worst = most_requests(limits, allowed.per)
+        if worst is not None and worst > allowed.rate + 1e-9:
+            m.walk.warn(
+                m.node_of("vendor_limit") or m.node,
+                m.child("vendor_limit"),
+                f"the fleet may send {worst} requests in any {allowed.window}, more than the vendor's "
+                f"{format_number(allowed.rate)} (the limits' bursts fill on top of their rates): "
+                "lower a burst or a rate",
+            )
 
 
 def _targets(m: CheckedMapping, owner: _Owner, claims: _Claims) -> tuple[tuple[str, ...], str | None]:

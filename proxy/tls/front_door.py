@@ -30,7 +30,17 @@ from proxy.names import parse_authority
 from proxy.pipeline.answers import Answer, render
 from proxy.pipeline.handler import ProxyHandler
 from proxy.pipeline.ledger import Ledger, accounted
-from proxy.pipeline.refusals import BadRequest, Denied, ErrorType, Refusal
+from proxy.pipeline.refusals import (
+    BadRequest,
+    Denied,
+    ErrorType,
+    Limited,
+    ProxyAuthRequired,
+    Refusal,
+    StoreDown,
+    UpstreamFailed,
+)
+from proxy.policy.model import Vendor
 from proxy.tasks import spawn
 from proxy.tls.blind_tunnel import BlindTunnels
 from proxy.tls.intercept import Interception, Interceptor, LeafSource
@@ -226,6 +236,14 @@ class ConnectGate:
         await accounted(ledger, self._dispatch(deps, ledger, door, head, early), answer, crashed)
 
     async def _dispatch(self, deps: Deps, ledger: Ledger, door: FrontDoor, head: bytes, early: bytes) -> None:
+        try:
+            await self._connect(deps, ledger, door, head, early)
+        except Refusal as refusal:  # its reason, where requests and httpx show it: the status line
+            vendor = next((v for v in deps.policy.vendors if v.name == ledger.rec.vendor), None)
+            refusal.reason_phrase = connect_reason(refusal, vendor)
+            raise
+
+    async def _connect(self, deps: Deps, ledger: Ledger, door: FrontDoor, head: bytes, early: bytes) -> None:
         rec = ledger.rec
         parsed = parse_connect_head(head)
         rec.host = rec.path = parsed.authority
@@ -273,6 +291,34 @@ class ConnectGate:
         except Refusal:
             deps.metrics.connects.labels(vendor.name, vendor.connect, "refused").inc()
             raise
+
+
+def connect_reason(refusal: Refusal, vendor: Vendor | None) -> str:
+    """A refused CONNECT's reason phrase: what ``requests`` and ``httpx`` show of it
+    (``ProxyError: Tunnel connection failed: 403 CONNECT denied by policy (connect: deny)``),
+    since they never read the body. Made of fixed words and the vendor's name (the policy's,
+    a token), never of what the client sent."""
+    if isinstance(refusal, Denied):
+        if vendor is None:
+            return "CONNECT denied: no vendor in the policy has this host and port"
+        if vendor.connect == "deny":
+            return "CONNECT denied by policy (connect: deny)"
+        return f"CONNECT denied: cannot intercept {vendor.name} (see the body)"
+    name = vendor.name if vendor is not None else "the vendor"
+    match refusal:
+        case ProxyAuthRequired():
+            return "Proxy credentials required"
+        case BadRequest():
+            return "Bad CONNECT request"
+        case Limited(action="shed"):
+            return f"Shed: {name} is over its quota (do not retry now)"
+        case Limited():
+            return f"Deferred: {name} is over its quota (retry after Retry-After)"
+        case StoreDown():
+            return "Deferred: the quota store is unavailable"
+        case UpstreamFailed():
+            return f"Cannot reach {name}"
+    return "CONNECT refused"
 
 
 class FrontDoor(asyncio.Protocol):

@@ -394,7 +394,7 @@ BAD_FILES = {
     "bad_duration": '7: vendors[0].limits[1].per: "1x" is not a duration',
     "nonpositive_rate": "6: vendors[0].limits[0].rate: rate must be a positive number",
     "burst_below_one": "6: vendors[0].limits[0].burst: burst must be at least 1",
-    "duplicate_limit": "7: vendors[0].limits[1]: limit 10/1s burst 10 is listed twice",
+    "duplicate_limit": "7: vendors[0].limits[1]: limit 10/1000ms burst 10 is listed twice",  # as written
     "duplicate_vendor_name": '6: vendors[1].name: duplicate vendor name "a" (first at line 3)',
     "duplicate_host": '7: vendors[1].hosts[1]: host "api.a.example:443" already belongs to vendor "a"',
     "duplicate_route": '8: vendors[1].route: route "/api" already belongs to vendor "a"',

@@ -33,7 +33,7 @@ def test_example_summary_is_one_screen_with_effective_values():
         "  concurrency no cap",
         "  endpoints   none: every request takes the vendor's buckets, cost 1",
         "  learned     off (feedback.headers none): only 429s and the low watermark",
-        "  tenants     default 40/1s burst 40",
+        "  tenants     default 40/1s burst 40; sustained 40/s",
         "  on_limit    hold, max_hold 500ms",
         "  connect     deny",
         "  answers     generic, no SDK retry beyond 1m; RateLimit fields on 429s only",
@@ -69,7 +69,7 @@ tls: {upstream_verify: false}
     assert "store         redis://app:***@redis.internal:6379/0" in text
     assert "on_failure open (store down = NO LIMITS)" in text
     assert "upstream_verify OFF" in text
-    assert "              acme: 2/1s burst 2" in text.splitlines()
+    assert "              acme: 2/1s burst 2; sustained 2/s" in text.splitlines()
     assert "              exempt: (none)" in text.splitlines()
     assert "  on_limit    defer, max_hold 500ms" in text.splitlines()
     assert "  answers     stripe, no SDK retry beyond 90s; RateLimit fields on forwarded answers" in text.splitlines()
@@ -158,10 +158,11 @@ vendors:
     )
     lines = summarize(policy).splitlines()
     start = lines.index("vendor stripe")
-    assert lines[start + 4 : start + 20] == [
+    assert lines[start + 4 : start + 21] == [
         "  limits      95/1s burst 10; 5000/1m burst 5000",
         # 95 + 10 in the first second: a vendor allowing 100 in any second would refuse some.
         "  worst case  at most 105 requests in any 1s, 5710 in any 1m, per value of Authorization",
+        "  sustained   83.3/s in the long run (5000/1m binds)",
         "  partition   Authorization: global and endpoint buckets per value (hashed), requests without it share one",
         "  concurrency at most 50 in flight, fleet-wide",
         "  endpoints   search: GET,HEAD /v1/*/search",
@@ -219,3 +220,44 @@ vendors:
   - {{name: payments, hosts: [api.payments.example], limits: [{{rate: 5, per: 1s}}]}}
 """
     assert f"workers       {shown}" in summarize(parse_policy(text, "w.yaml")).splitlines()
+
+
+def test_check_tells_the_long_run_and_warns_where_a_window_lets_through_more_than_the_vendor_allows():
+    policy = parse_policy(
+        """\
+version: 1
+vendors:
+  - name: crm
+    hosts: [api.crm.example]
+    limits:
+      - {rate: 10, per: 1s, burst: 10}
+      - {rate: 100000, per: 24h}
+    tenant_limits:
+      default: [{rate: 5, per: 1s}]
+  - name: mail
+    hosts: [api.mail.example]
+    vendor_limit: [{rate: 14, per: 1s}]
+    limits: [{rate: 14, per: 1s, burst: 2}]
+""",
+        "p.yaml",
+    )
+    lines = summarize(policy).splitlines()
+    # Windows as written (24h, not 1d); the binding rate in the long run, for the vendor
+    # and its tenants (the vendor's 1.16/s binds the tenant's 5/s).
+    assert "  limits      10/1s burst 10; 100000/24h burst 100000" in lines
+    assert "  worst case  at most 20 requests in any 1s, 200000 in any 24h, fleet-wide" in lines
+    assert "  sustained   1.16/s in the long run (100000/24h binds)" in lines
+    assert "  tenants     default 5/1s burst 5; sustained 1.16/s (the vendor's quota binds)" in lines
+    warnings = [line.strip() for line in lines if "WARNING" in line]
+    assert warnings[:2] == [
+        "WARNING: up to 20 in any 1s, twice 10/1s (its burst 10 comes on top): a vendor allowing 10 per 1s "
+        "would refuse the rest; set a smaller burst, or state vendor_limit",
+        "WARNING: up to 200000 in any 24h, twice 100000/24h (its burst 100000 comes on top): a vendor allowing "
+        "100000 per 24h would refuse the rest; set a smaller burst, or state vendor_limit",
+    ]
+    # A stated vendor_limit: any excess is a warning of the loader too (check prints it, run logs it).
+    assert "WARNING: up to 16 in any 1s, above the vendor's 14/1s (vendor_limit)" in warnings
+    assert "  vendor says 14/1s burst 14" in lines
+    (loaded,) = policy.warnings
+    assert (loaded.line, loaded.path) == (12, "vendors[1].vendor_limit")
+    assert "the fleet may send 16 requests in any 1s, more than the vendor's 14" in loaded.message

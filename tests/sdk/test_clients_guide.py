@@ -33,6 +33,7 @@ SPENT = "[{rate: 1, per: 1h, burst: 1}]"
 TESTED = {
     "bundle",
     "env",
+    "plain-http",
     "requests-env",
     "requests-session-verify",
     "requests-urllib3-retry",
@@ -193,6 +194,23 @@ async def test_the_openai_and_anthropic_sdks_need_nothing_but_the_environment(gu
     assert line.startswith("rate limited; come back in ") and line.endswith(" s"), line
     assert 3000 < int(line.split()[-2]) <= 3600
     assert outcomes(proxy, vendor) == {"forwarded": 1, "deferred": 1}
+
+
+async def test_the_plain_http_section_runs_against_the_example_policy(guide, vendor, start_proxy) -> None:
+    """config/example.yaml as written, but for its ports (free ones, the mock vendor's)."""
+    text = (ROOT / "config" / "example.yaml").read_text()
+    for fixed, free in [
+        ("listen: 127.0.0.1:8080", "listen: 127.0.0.1:0"),
+        ("admin_listen: 127.0.0.1:9090", "admin_listen: 127.0.0.1:0"),
+        ("upstream: http://127.0.0.1:8081", f"upstream: {vendor.url}"),
+    ]:
+        assert fixed in text
+        text = text.replace(fixed, free)
+    proxy = await start_proxy(parse_policy(text, "config/example.yaml", base_dir=ROOT))
+    code = snippets()["plain-http"].code.replace("http://127.0.0.1:8080", proxy.url)
+    ran = await guide.run(code, "python", proxy.url)
+    assert ok(ran) == ["200 forwarded"]
+    assert outcomes(proxy, "mock-vendor") == {"forwarded": 1}
 
 
 def test_the_answers_override_fragment_sheds_with_its_status_and_body() -> None:
