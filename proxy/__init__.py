@@ -1,3 +1,3 @@
 """quota-proxy: one quota for the whole fleet."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
