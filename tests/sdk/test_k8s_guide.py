@@ -149,7 +149,9 @@ def test_the_worker_goes_through_the_proxy_service_and_trusts_the_bundle_its_ini
             assert f"{name}, value: {value}" in page or f'{name}, value: "{value}"' in page, name
 
 
-def test_the_guide_policy_checks_clean_with_a_ca_from_ca_init(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_guide_policy_checks_clean_with_a_ca_from_ca_init(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     commands = [shlex.split(line) for line in snippet("check").splitlines()]
     assert [c[:3] for c in commands] == [["quota-proxy", "ca", "init"], ["quota-proxy", "check", "-c"]]
     out = tmp_path / "ca"
