@@ -113,7 +113,7 @@ class Runtime:
             grace = grace_for(settings.breaker.cooloff, settings.timeout)
             local = LocalShares(self.clock, Presence(self.clock), grace)
         return Limiter(
-            store or open_store(settings.url, settings.timeout, self.clock),
+            store if store is not None else open_store(settings.url, settings.timeout, self.clock),
             self.clock,
             key_prefix=settings.key_prefix,
             breaker=Breaker(self.clock, settings.breaker.failures, settings.breaker.cooloff),

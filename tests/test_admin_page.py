@@ -38,7 +38,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
 
 
 def two_vendors(upstream: str, extra_top: str = "") -> Any:
-    """payments holds (6 a minute, burst 4: the fifth request waits 10 s), search defers."""
+    """payments holds (6 a minute, burst 4: the fifth request waits 10 s), search defers (its
+    2/1s bucket binds now, its 60/1m one in the long run)."""
     return make_policy(
         """
         version: 1
@@ -58,7 +59,7 @@ def two_vendors(upstream: str, extra_top: str = "") -> Any:
             hosts: [api.search.example]
             route: /search
             upstream: $upstream
-            limits: [{rate: 2, per: 1s, burst: 3}]
+            limits: [{rate: 2, per: 1s, burst: 3}, {rate: 60, per: 1m}]
             on_limit: {action: defer}
         """,
         upstream=upstream,
@@ -67,7 +68,8 @@ def two_vendors(upstream: str, extra_top: str = "") -> Any:
 
 
 class Scenario:
-    """Traffic at a frozen instant: forwarded, held (still waiting), a vendor 429, deferred."""
+    """Traffic at a frozen instant: forwarded, held (still waiting), shed by the vendor's
+    quota (tenant acme), a vendor 429, deferred by the block it caused (tenant crawler)."""
 
     def __init__(self, proxy: ProxyServer, vendor: Vendor, clock: ManualClock, token: str | None = None) -> None:
         self.proxy, self.vendor, self.clock = proxy, vendor, clock
@@ -75,13 +77,13 @@ class Scenario:
         self.session = aiohttp.ClientSession()
         self.held: list[asyncio.Future[int]] = []
 
-    async def get(self, path: str) -> int:
-        async with self.session.get(f"{self.proxy.url}{path}") as r:
+    async def get(self, path: str, **headers: str) -> int:
+        async with self.session.get(f"{self.proxy.url}{path}", headers=headers) as r:
             await r.read()
             return r.status
 
-    async def status(self) -> Any:
-        async with self.session.get(f"{self.proxy.admin_url}/status", headers=self.headers) as r:
+    async def status(self, path: str = "/status") -> Any:
+        async with self.session.get(f"{self.proxy.admin_url}{path}", headers=self.headers) as r:
             assert r.status == 200
             return await r.json()
 
@@ -91,10 +93,12 @@ class Scenario:
         self.held = [asyncio.ensure_future(self.get("/payments/v1/charges")) for _ in range(2)]
         deps = self.proxy.runtime.deps
         await eventually(lambda: deps.held.get("payments") == 2, "two payments requests held")
+        shed = {"X-Tenant-Id": "acme", "X-Quota-On-Limit": "shed"}
+        assert await self.get("/payments/v1/charges", **shed) == 503  # the quota is spent: shed
         self.vendor.mock.script(status=429, retry_after="30")
         assert await self.get("/search/v1/q") == 429  # the vendor's own 429: search is blocked for 30 s
         for _ in range(2):
-            assert await self.get("/search/v1/q") == 429  # deferred by the proxy
+            assert await self.get("/search/v1/q", **{"X-Tenant-Id": "crawler"}) == 429  # deferred: the block
         # One second on: the rates (over complete seconds) count what just happened; the holds
         # (10 s, 20 s) and the block (30 s) go on.
         await self.clock.advance(1.0)
@@ -124,10 +128,13 @@ READ_PAGE = """(() => {
     return b.width > 0 && b.height > 0 && b.left >= 0 && b.right <= innerWidth + 0.5
       && getComputedStyle(e).visibility === "visible";
   };
+  const texts = (node, selector) => [...node.querySelectorAll(selector)].map((e) => e.textContent);
   const out = {state: root.dataset.state, renders: Number(root.dataset.renders || 0),
                scrollWidth: root.scrollWidth, innerWidth: innerWidth, vendors: {},
                tokenForm: visible(document.getElementById("token-form")),
-               tokenProblem: document.getElementById("token-problem").textContent};
+               tokenProblem: document.getElementById("token-problem").textContent,
+               breaker: document.getElementById("store-breaker").textContent,
+               breakerLabel: document.getElementById("store-breaker").previousElementSibling.textContent};
   for (const card of document.querySelectorAll("[data-vendor]")) {
     const box = card.getBoundingClientRect();
     const fields = {};
@@ -135,14 +142,39 @@ READ_PAGE = """(() => {
       (fields[f.dataset.field] ||= []).push({value: f.dataset.value ?? null, text: f.textContent, visible: visible(f),
                                              lines: f.getClientRects().length});
     }
-    const sparks = {};
-    for (const tile of card.querySelectorAll("[data-metric]")) {
-      const line = tile.querySelector("svg.spark polyline");
-      sparks[tile.dataset.metric] = line ? line.getAttribute("points").trim().split(/\\s+/).length : 0;
+    const charts = {};
+    for (const plot of card.querySelectorAll("[data-chart]")) {
+      const series = {};
+      for (const line of plot.querySelectorAll("polyline[data-series]")) {
+        series[line.dataset.series] = {points: line.getAttribute("points").trim().split(/\\s+/).length,
+                                       max: Number(line.dataset.max)};
+      }
+      const axes = {};
+      for (const t of plot.querySelectorAll(".axis-title")) axes[t.dataset.axis] = t.textContent;
+      charts[plot.dataset.chart] = {
+        series, axes, ticks: texts(plot, "text.tick"), ref: !!plot.querySelector("line.ref"),
+        legend: texts(plot.parentElement, "ul.legend li"), visible: visible(plot.querySelector("svg")),
+        events: [...plot.querySelectorAll("g.event")].map((g) => ({kinds: g.dataset.kind, text: g.textContent}))};
     }
+    const buckets = [...card.querySelectorAll("ul.buckets li")].map(
+      (li) => ({bucket: li.dataset.bucket, binds: li.dataset.binds, text: li.textContent}));
+    const binds = {};
+    for (const b of card.querySelectorAll("[data-field^=binds_]")) {
+      binds[b.dataset.field] = {bucket: b.dataset.bucket, text: b.textContent};
+    }
+    const reasons = {};
+    for (const row of card.querySelectorAll("tr[data-reason]")) {
+      reasons[row.dataset.reason] = {text: row.cells[0].textContent, deferred: Number(row.cells[1].textContent),
+                                     shed: Number(row.cells[2].textContent)};
+    }
+    const tenants = [...card.querySelectorAll("li[data-tenant]")].map(
+      (li) => ({tenant: li.dataset.tenant, text: li.textContent}));
+    const events = [...card.querySelectorAll("ul.events li")].map(
+      (li) => ({kinds: li.dataset.event, text: li.textContent}));
     const generic = {};
     for (const g of card.querySelectorAll(".generic")) generic[g.dataset.kind] = g.innerText;
-    out.vendors[card.dataset.vendor] = {left: box.left, top: box.top, right: box.right, fields, sparks, generic};
+    out.vendors[card.dataset.vendor] = {left: box.left, top: box.top, right: box.right, fields, charts, buckets, binds,
+                                        reasons, tenants, events, generic};
   }
   return out;
 })()"""
@@ -265,7 +297,9 @@ async def test_page_shows_the_numbers_status_gives_and_follows_them(
         )
         assert_page_shows(page, status)
         assert page["renders"] >= 2
-        assert page["vendors"]["payments"]["sparks"]["rate"] == page["renders"]
+        # The graphs are the proxy's five minutes (5-second averages), whatever the tab has seen.
+        assert page["vendors"]["payments"]["charts"]["requests"]["series"]["forwarded"]["points"] == 60
+        assert page["vendors"]["search"]["reasons"]["vendor_block"]["deferred"] == 3
         assert tab.problems == []  # no console error, no CSP violation, no failed load
 
 
@@ -332,12 +366,18 @@ async def test_page_renders_endpoints_concurrency_and_learned_limits_when_status
     ]
     payments["learned"] = {"rate_per_second": 0.07, "remaining": 12, "source": "x-ratelimit"}
 
+    past = await scenario.status("/status/history")
+
     async def extended(request: web.Request) -> web.Response:
         return web.json_response(status)
+
+    async def history(request: web.Request) -> web.Response:
+        return web.json_response(past)
 
     app = web.Application()
     add_page_routes(app)
     app.router.add_get("/status", extended)
+    app.router.add_get("/status/history", history)
     server = await aiohttp_server(app)
     async with open_tab(browser) as tab:
         await tab.viewport(1000, 900)
@@ -389,9 +429,139 @@ async def test_page_files_are_static_strict_and_self_contained(vendor: Vendor, s
     js = (PAGE_DIR / "ui.js").read_text()
     assert re.findall(r"https?://[^\"']*", js) == ["http://www.w3.org/2000/svg"]  # a namespace, not a fetch
     assert ".innerHTML" not in js and ".outerHTML" not in js and "eval(" not in js
-    assert re.findall(r'fetch\("([^"]*)"', js) == ["status"]
+    assert re.findall(r'fetch\("([^"]*)"', js) == ["status", "status/history"]
     css = (PAGE_DIR / "ui.css").read_text()
     assert "url(" not in css and "@import" not in css
+
+
+def five_second_peak(values: list[int]) -> float:
+    """The highest 5-second average of per-second counts, as the requests graph bins them
+    (the newest bin ending now)."""
+    return max(sum(values[end - 5 : end]) / 5 for end in range(len(values), 4, -5))
+
+
+async def test_page_explains_what_it_shows(scenario: Scenario, browser: Browser) -> None:
+    """A new user's questions, answered on the page: which breaker, which limit binds, why
+    requests were refused and whose, what the vendor said and when, what the axes mean, and
+    what happened before the page was opened (drawn at the first render)."""
+    async with open_tab(browser) as tab:
+        await tab.viewport(1280, 900)
+        await tab.goto(f"{scenario.proxy.admin_url}/")
+        page = await tab.evaluate(rendered_when("true"))
+        status = await scenario.status()
+        past = await scenario.status("/status/history")
+        assert page["renders"] == 1  # all of it on the first render: nothing was seen in this tab before
+        assert await tab.evaluate("Object.keys(sessionStorage)") == []
+
+        # The breaker is labelled and its state explained.
+        assert page["breakerLabel"] == "store circuit breaker"
+        assert page["breaker"] == "closed (normal)"
+
+        payments, search = (page["vendors"][name] for name in ("payments", "search"))
+        by_name = {v["name"]: v for v in status["vendors"]}
+        # Every bucket with its rate; the slowest refill binds in the long run, the fewest tokens now.
+        for name, card in (("payments", payments), ("search", search)):
+            vendor = by_name[name]
+            quota = vendor["quota"]
+            assert [b["bucket"] for b in card["buckets"]] == [b["bucket"] for b in vendor["buckets"]]
+            for shown_bucket, bucket in zip(card["buckets"], vendor["buckets"], strict=True):
+                assert f"refills {shown(bucket['rate_per_second'])}/s" in shown_bucket["text"], shown_bucket
+                assert f"{shown(round(bucket['fill'] * 100, 1))}% full" in shown_bucket["text"], shown_bucket
+            binds = {b["bucket"]: b["binds"].split() for b in card["buckets"]}
+            assert "long_run" in binds[quota["long_run"]["bucket"]] and "now" in binds[quota["now"]["bucket"]]
+            assert card["binds"]["binds_long_run"]["bucket"] == quota["long_run"]["bucket"]
+            assert card["binds"]["binds_now"]["bucket"] == quota["now"]["bucket"]
+        assert by_name["search"]["quota"]["long_run"] == {"bucket": "global 60/1m burst 60", "rate_per_second": 1.0}
+        assert by_name["search"]["quota"]["now"]["bucket"] == "global 2/1s burst 3"  # blocked: the fewest tokens
+        long_run = next(b for b in search["buckets"] if b["bucket"] == "global 60/1m burst 60")
+        assert "binds in the long run: 1/s" in long_run["text"]
+        assert "In the long run 60/1m burst 60 binds: 1/s" in search["binds"]["binds_long_run"]["text"]
+
+        # Refusals by reason (two reasons, both actions) and the tenants refused.
+        assert payments["reasons"] == {
+            "global": {"text": payments["reasons"]["global"]["text"], "deferred": 0, "shed": 1}
+        }
+        assert payments["reasons"]["global"]["text"].startswith("vendor quota")
+        assert search["reasons"]["vendor_block"]["deferred"] == 2
+        assert search["reasons"]["vendor_block"]["text"].startswith("vendor block")
+        assert [t["tenant"] for t in payments["tenants"]] == ["acme"]
+        assert search["tenants"] == [{"tenant": "crawler", "text": "crawler 2 refused (last: vendor block)"}]
+
+        # The vendor's 429 (and the block it caused) on the timeline, with a label and a time.
+        requests = search["charts"]["requests"]
+        (event,) = requests["events"]
+        assert event["kinds"] == "vendor_429 vendor_block"
+        assert event["text"].startswith("vendor 429 · blocked 30 s ")
+        assert re.search(r"\d{1,2}:\d{2}:\d{2}", event["text"])
+        ((kinds, text),) = [(e["kinds"], e["text"]) for e in search["events"]]
+        assert kinds == "vendor_429 vendor_block" and "s ago) vendor 429 · blocked 30 s" in text
+        assert payments["charts"]["requests"]["events"] == [] and payments["events"] == []
+
+        # Axes with units, a legend, on every graph.
+        for card in (payments, search):
+            assert set(card["charts"]) == {"requests", "tokens", "waiting"}
+            for name, chart in card["charts"].items():
+                assert chart["axes"] == {"x": "seconds ago", "y": UNITS[name]}, name
+                assert chart["ticks"][-1] == "now" or "now" in chart["ticks"], chart["ticks"]
+                assert len(chart["legend"]) >= len(chart["series"]) >= 1, chart
+                assert chart["visible"], name
+        assert "300" in requests["ticks"] and "long-run quota 1/s" in requests["legend"]
+        assert {"sent to the vendor", "deferred (429)", "shed (503)"} <= set(requests["legend"])
+
+        # What happened before the page was opened is drawn at once, from the proxy's history.
+        for name, card in (("payments", payments), ("search", search)):
+            (history,) = [v for v in past["vendors"] if v["name"] == name]
+            series = card["charts"]["requests"]["series"]
+            for key in ("forwarded", "deferred", "shed"):
+                assert series[key]["points"] == 60, (name, key)
+                assert series[key]["max"] == pytest.approx(five_second_peak(history["series"][key])), (name, key)
+        assert payments["charts"]["requests"]["series"]["forwarded"]["max"] == pytest.approx(4 / 5)
+        assert search["charts"]["requests"]["series"]["deferred"]["max"] == pytest.approx(2 / 5)
+        assert payments["charts"]["waiting"]["series"]["held"]["max"] == 2  # the two held requests, sampled
+        assert tab.problems == []
+
+
+UNITS = {"requests": "requests/s", "tokens": "tokens", "waiting": "requests"}
+
+
+async def test_page_explains_an_open_breaker_and_a_store_it_cannot_ask(
+    scenario: Scenario, browser: Browser, aiohttp_server: Any
+) -> None:
+    """The store failing: the breaker's state says what it means, the quota what is known
+    without the store (the policy's limits, which binds in the long run)."""
+    status = await scenario.status()
+    past = await scenario.status("/status/history")
+    status["store"]["breaker"] = "open"
+    payments = status["vendors"][0]
+    payments.update(breaker="open", buckets=None, tokens_available=None, store_error="ConnectionError: refused")
+    payments["quota"]["now"] = None
+
+    async def extended(request: web.Request) -> web.Response:
+        return web.json_response(status)
+
+    async def history(request: web.Request) -> web.Response:
+        return web.json_response(past)
+
+    app = web.Application()
+    add_page_routes(app)
+    app.router.add_get("/status", extended)
+    app.router.add_get("/status/history", history)
+    server = await aiohttp_server(app)
+    async with open_tab(browser) as tab:
+        await tab.viewport(1000, 900)
+        await tab.goto(str(server.make_url("/")))
+        page = await tab.evaluate(rendered_when("true"))
+        assert page["breaker"] == "open (store failing)"
+        title = await tab.evaluate('document.querySelector("[data-field=store_breaker]").title')
+        assert "on_failure decides" in title
+        card = page["vendors"]["payments"]
+        assert card["fields"]["breaker"][0]["text"] == "store circuit breaker open"
+        assert card["buckets"] == [] and "binds_now" not in card["binds"]
+        assert card["binds"]["binds_long_run"]["bucket"] == "global 6/1m burst 4"
+        quota = await tab.evaluate('document.querySelector("[data-vendor=payments] [data-part=quota]").innerText')
+        assert "levels unknown" in quota and "(0.1/s)" in quota
+        assert "tokens" not in card["charts"]  # no buckets to draw
+        assert tab.problems == []
 
 
 def test_page_routes_and_files_agree() -> None:

@@ -516,3 +516,39 @@ async def test_merged_status_keeps_the_shape_of_one_process_status(
     for key in ("buckets", "limits", "tokens_available", "breaker", "learned", "sizing"):
         assert two[key] == one[key], key
     assert merged["connections"]["max"] == 2 * doc["connections"]["max"]
+
+
+async def test_the_supervisor_merges_refusals_and_the_history(
+    tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
+) -> None:
+    """The live page's fields through one admin port: refusals by reason and tenant, and
+    /status/history, each worker's added up."""
+    _, ready = await start(policy_file(tmp_path / "p.yaml", vendor.url, redis_url))
+
+    async def one(i: int) -> int:
+        headers = {"X-Tenant-Id": "batch" if i % 3 else "web"}
+        async with session.get(f"{ready.url}/payments/v1/item/{i}", headers=headers) as response:
+            await response.read()
+            return response.status
+
+    codes = await asyncio.gather(*(one(i) for i in range(60)))
+    assert sorted(codes) == [200] * 30 + [429] * 30
+    status = await get_json(session, f"{ready.admin_url}/status")
+    served = [w["requests"] for w in status["workers"]]
+    assert min(served) > 0, f"both workers served requests: {served}"
+    (payments,) = status["vendors"]
+    refusals = payments["refusals"]
+    assert refusals["by_reason"]["global"] == {"deferred": 30, "shed": 0}
+    assert sum(counts["deferred"] + counts["shed"] for counts in refusals["by_reason"].values()) == 30
+    top = {t["tenant"]: t["refused"] for t in refusals["top_tenants"]}
+    assert set(top) <= {"batch", "web"} and sum(top.values()) == 30
+
+    async def counted() -> bool:  # the second of the requests has to end to be in the series
+        (past,) = (await get_json(session, f"{ready.admin_url}/status/history"))["vendors"]
+        return sum(past["series"]["deferred"]) == 30
+
+    await eventually(counted, "the deferrals in the merged history")
+    history = await get_json(session, f"{ready.admin_url}/status/history")
+    (past,) = history["vendors"]
+    assert sum(past["series"]["forwarded"]) == 30 and len(past["series"]["forwarded"]) == history["seconds"]
+    assert past["gauges"]["held_now"][-1] == 0 and past["events"] == []

@@ -1,5 +1,12 @@
-"""The admin listener: /metrics, /healthz, /readyz, /status, POST /reload, and the live page
-at / (static files from admin_page/ that poll /status in the browser).
+"""The admin listener: /metrics, /healthz, /readyz, /status, /status/history, POST /reload,
+and the live page at / (static files from admin_page/ that poll /status and
+/status/history in the browser).
+
+/status/history is the last five minutes, second by second, of what the page graphs:
+counts (requests sent, held, deferred, shed, vendor 429s; telemetry/recent.py's rings),
+readings sampled each second by this app and at each /status/history (tokens, requests
+held, in flight: what the process knows without asking the store) and the vendor's own
+signals as events (429s, blocks, drains). A page opened now draws them at once.
 
 /readyz is what a load balancer routes on: 503 while the store is unreachable
 (the proxy would only defer) and while draining for shutdown. Who may use which
@@ -10,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from importlib.resources import files
 from typing import Any, Final, Protocol
@@ -24,8 +32,13 @@ from proxy import __version__
 from proxy.deps import Deps
 from proxy.limiter import BucketSpec, Limiter, StoreUnavailable
 from proxy.ops.admin_access import admin_access
+from proxy.pipeline.refusals import REASONS
 from proxy.policy import Policy, mask_password
 from proxy.policy.model import Endpoint, Vendor
+from proxy.tasks import cancel_and_wait, spawn
+from proxy.telemetry.recent import HISTORY_SECONDS, Recent
+
+log = logging.getLogger("quota_proxy.admin")
 
 DepsGetter = Callable[[], Deps]
 
@@ -101,11 +114,57 @@ def _finite(x: float) -> float | None:
     return round(x, 3) if math.isfinite(x) else None
 
 
+def _fill(level: float, burst: float) -> float | None:
+    """How full a bucket is, 0 to 1 (a level below zero, reserved by holds: 0)."""
+    if not math.isfinite(level) or burst <= 0:
+        return None
+    return round(min(max(level / burst, 0.0), 1.0), 4)
+
+
 def _buckets(specs: tuple[BucketSpec, ...], levels: tuple[float, ...]) -> list[dict[str, Any]]:
     return [
-        {"bucket": b.label, "key": b.ident, "rate_per_second": b.rate, "burst": b.burst, "tokens": _finite(level)}
+        {
+            "bucket": b.label,
+            "key": b.ident,
+            "rate_per_second": b.rate,
+            "burst": b.burst,
+            "tokens": _finite(level),
+            "fill": _fill(level, b.burst),
+        }
         for b, level in zip(specs, levels, strict=True)
     ]
+
+
+def _quota(vendor: Vendor, buckets: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Which of the vendor's global limits binds: in the long run the one with the slowest
+    refill (the policy's), now the bucket nearest empty, the one with the fewest tokens (the
+    store's levels; None without them)."""
+    slowest = min(vendor.limits, key=lambda lim: lim.per_second, default=None)
+    long_run = None
+    if slowest is not None:
+        long_run = {"bucket": f"global {slowest.label}", "rate_per_second": round(slowest.per_second, 6)}
+    now = None
+    filled = [b for b in buckets or () if b["fill"] is not None]
+    if filled:
+        nearest = min(filled, key=lambda b: (b["tokens"], b["fill"]))
+        now = {key: nearest[key] for key in ("bucket", "tokens", "burst", "fill")}
+    return {"long_run": long_run, "now": now}
+
+
+TOP_TENANTS: Final = 5
+"""Tenants /status lists as refused most in the last minute, per vendor."""
+
+
+def _refusals(recent: Recent, vendor: str) -> dict[str, Any]:
+    """The last minute's deferrals and sheds by reason, and the tenants refused most."""
+    return {
+        "window_seconds": 60,
+        "by_reason": {
+            reason: {outcome: recent.total(vendor, f"{outcome}:{reason}") for outcome in ("deferred", "shed")}
+            for reason in REASONS
+        },
+        "top_tenants": recent.top_tenants(vendor, TOP_TENANTS),
+    }
 
 
 async def _endpoint(limiter: Limiter, vendor: Vendor, endpoint: Endpoint) -> dict[str, Any]:
@@ -168,6 +227,7 @@ async def status(request: web.Request) -> web.Response:
         except StoreUnavailable as exc:
             entry["buckets"] = None
             entry["store_error"] = str(exc)
+        entry["quota"] = _quota(vendor, entry["buckets"])
         if vendor.endpoints:
             entry["endpoints"] = [await _endpoint(limiter, vendor, e) for e in vendor.endpoints]
         if vendor.partition is not None:
@@ -203,7 +263,11 @@ async def status(request: web.Request) -> web.Response:
             "shed_per_second": recent.rate(vendor.name, "shed"),
             "vendor_429_last_minute": recent.total(vendor.name, "vendor_429"),
             "deferred_last_minute": recent.total(vendor.name, "deferred"),
+            "shed_last_minute": recent.total(vendor.name, "shed"),
+            "vendor_blocks_last_minute": recent.total(vendor.name, "vendor_block"),
+            "drains_last_minute": recent.total(vendor.name, "drain"),
         }
+        entry["refusals"] = _refusals(recent, vendor.name)
         vendors.append(entry)
     return _json(
         {
@@ -217,6 +281,80 @@ async def status(request: web.Request) -> web.Response:
             },
             **({"connections": state.connections()} if state.connections is not None else {}),
             "vendors": vendors,
+        }
+    )
+
+
+HISTORY_SERIES: Final = ("forwarded", "held", "deferred", "shed", "vendor_429")
+"""The per-second series of /status/history (``forwarded`` counts the held too: every
+request sent to the vendor, as ``recent.forwarded_per_second`` does)."""
+
+
+def _ago(seconds: float) -> str:
+    return datetime.fromtimestamp(time.time() - seconds, UTC).isoformat(timespec="milliseconds")
+
+
+GAUGES: Final = ("tokens", "held_now", "inflight")
+"""The readings of /status/history, sampled once a second (``sample_gauges``): the scarcest
+global bucket's tokens (``tokens_available``), requests held here, requests in flight
+fleet-wide (vendors with a concurrency cap)."""
+
+
+def sample_gauges(deps: Deps) -> None:
+    """This second's readings, from what this process knows without asking the store: the
+    last store answer's levels extrapolated by refill, its own holds, the last lease count."""
+    recent = deps.recent
+    for vendor in deps.policy.vendors:
+        tokens = deps.limiter.tokens_available(vendor)
+        recent.gauge(vendor.name, "tokens", None if tokens is None else _finite(tokens))
+        recent.gauge(vendor.name, "held_now", deps.held.get(vendor.name, 0))
+        inflight = deps.concurrency.inflight_seen(vendor) if vendor.concurrency is not None else None
+        recent.gauge(vendor.name, "inflight", inflight)
+
+
+async def _sampling(state: AdminState) -> None:
+    """``sample_gauges`` at each whole second, until cancelled. Paced by real time, not by
+    the proxy's clock (the same one in production; a test's hand-moved clock is left alone:
+    a reading is also taken at each /status/history)."""
+    while True:
+        try:
+            sample_gauges(state.deps())
+        except Exception:  # a bug here must not end the history
+            log.exception("sampling the live page's readings failed")
+        await asyncio.sleep(1.0 - time.monotonic() % 1.0)
+
+
+async def _sampler(app: web.Application) -> AsyncIterator[None]:
+    task = spawn(_sampling(app[ADMIN]), name="admin-history-sampler")
+    yield
+    await cancel_and_wait(task)
+
+
+def vendor_history(recent: Recent, vendor: str) -> dict[str, Any]:
+    """One vendor's last ``HISTORY_SECONDS``: counts and readings per second, and its events."""
+    series = {name: recent.series(vendor, name) for name in HISTORY_SERIES}
+    series["forwarded"] = [a + b for a, b in zip(series["forwarded"], series["held"], strict=True)]
+    gauges = {name: recent.gauge_series(vendor, name) for name in GAUGES}
+    events = []
+    for ago, event in recent.events(vendor):
+        item: dict[str, Any] = {"kind": event.kind, "seconds_ago": round(ago, 3), "at": _ago(ago)}
+        if event.seconds is not None:
+            item["seconds"] = round(event.seconds, 3)
+        events.append(item)
+    return {"name": vendor, "series": series, "gauges": gauges, "events": events}
+
+
+async def history(request: web.Request) -> web.Response:
+    """GET /status/history: the last five minutes of what the live page graphs, per second."""
+    deps = request.app[ADMIN].deps()
+    sample_gauges(deps)  # the newest reading: now
+    return _json(
+        {
+            "version": __version__,
+            "seconds": HISTORY_SECONDS,
+            "step_seconds": 1,
+            "now": _ago(0.0),
+            "vendors": [vendor_history(deps.recent, v.name) for v in deps.policy.vendors],
         }
     )
 
@@ -236,7 +374,8 @@ PAGE_CSP: Final = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-"""No inline script or style, nothing from elsewhere, no framing: the page only reads /status."""
+"""No inline script or style, nothing from elsewhere, no framing: the page only reads /status
+and /status/history."""
 
 
 def add_page_routes(app: web.Application) -> None:
@@ -270,6 +409,8 @@ def admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
+    app.router.add_get("/status/history", history)
     app.router.add_post("/reload", reload)
     add_page_routes(app)
+    app.cleanup_ctx.append(_sampler)
     return app

@@ -1,9 +1,9 @@
 """Who may use the admin listener (SPEC §12), checked before any admin endpoint runs.
 
 - **Token.** With ``admin_token`` set (``QUOTA_PROXY_ADMIN_TOKEN`` wins over the file),
-  ``GET /status`` and ``POST /reload`` need ``Authorization: Bearer <token>``, compared in
-  constant time; else 401 with ``WWW-Authenticate: Bearer``. ``/metrics``, ``/healthz`` and
-  ``/readyz`` stay open for scrapers and probes.
+  ``GET /status``, ``GET /status/history`` and ``POST /reload`` need ``Authorization:
+  Bearer <token>``, compared in constant time; else 401 with ``WWW-Authenticate: Bearer``.
+  ``/metrics``, ``/healthz`` and ``/readyz`` stay open for scrapers and probes.
 - **Host.** Every endpoint but ``/healthz`` and ``/readyz`` answers only a request whose
   ``Host`` names this listener: any IP address, ``localhost``, its own listen name, or one of
   ``admin_hosts``; else 421. A page a browser loaded from another name cannot read
@@ -33,7 +33,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
 """Served whatever the Host: probes read nothing there."""
-TOKEN_PATHS: Final = frozenset({"/status", "/reload"})
+TOKEN_PATHS: Final = frozenset({"/status", "/status/history", "/reload"})
 """Guarded by the admin token when one is set."""
 _REALM: Final = 'Bearer realm="quota-proxy admin"'
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})

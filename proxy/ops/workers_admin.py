@@ -9,8 +9,11 @@ running worker and adds their answers up, so a scraper or the live page sees one
   rates, in-flight leases, breaker state); reloads counted once, here. Plus
   ``ratelimit_workers_running`` and ``ratelimit_worker_restarts_total``.
 - ``/status``: the first worker's document (buckets and leases are the store's, the same
-  for all) with the per-process counts summed, and a ``workers`` list (pid, state,
-  restarts, requests, open connections, its policy's vendors).
+  for all) with the per-process counts summed (recent rates, refusals by reason; the top
+  tenants refused summed by tenant over what each worker lists), and a ``workers`` list
+  (pid, state, restarts, requests, open connections, its policy's vendors).
+- ``/status/history``: the workers' per-second series summed second by second, their
+  events (vendor 429s, blocks, drains) together in time order.
 - ``/readyz``: ready when every worker is; ``/healthz``: the supervisor is alive.
 """
 
@@ -31,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from proxy import __version__
-from proxy.ops.admin import add_page_routes
+from proxy.ops.admin import TOP_TENANTS, add_page_routes
 from proxy.ops.admin_access import admin_access
 from proxy.ops.workers import Supervisor, Worker
 from proxy.policy.model import Address
@@ -49,7 +52,7 @@ SUMMED_GAUGES: Final = frozenset(
 store's, or the policy's) and is reported once, as its highest."""
 OWN_FAMILIES: Final = frozenset({"ratelimit_config_reload"})
 """Counted by the supervisor (a reload is one event however many workers apply it)."""
-_BREAKER_ORDER: Final = ("closed", "half_open", "open")
+_BREAKER_ORDER: Final = ("closed", "half-open", "open")
 
 
 class AdminServer:
@@ -92,6 +95,7 @@ def admin_app(supervisor: Supervisor) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
+    app.router.add_get("/status/history", history)
     app.router.add_post("/reload", reload)
     add_page_routes(app)
     return app
@@ -164,6 +168,14 @@ async def status(request: web.Request) -> web.Response:
     return _json(merged)
 
 
+async def history(request: web.Request) -> web.Response:
+    supervisor = request.app[SUPERVISOR]
+    docs = [json.loads(body) for _, _, code, body in await _ask_all(supervisor, "/status/history") if code == 200]
+    if not docs:
+        return _json({"status": "no worker is running"}, 503)
+    return _json(merge_history(docs))
+
+
 async def reload(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     outcome = await supervisor.reload("POST /reload")
@@ -225,12 +237,74 @@ def _merge_vendor(vendor: dict[str, Any], peers: list[dict[str, Any]]) -> None:
         if vendor.get("partitions") and peer.get("partitions"):
             for key in ("seen_recently", "blocked_now"):  # each saw the same partitions, or some of them
                 vendor["partitions"][key] = max(vendor["partitions"][key], peer["partitions"][key])
+        if isinstance(vendor.get("refusals"), dict) and isinstance(peer.get("refusals"), dict):
+            _merge_refusals(vendor["refusals"], peer["refusals"])
         vendor["blocked_for_seconds"] = max(vendor["blocked_for_seconds"], peer.get("blocked_for_seconds", 0))
         if peer.get("blocked_for_seconds", 0) >= vendor["blocked_for_seconds"] and peer.get("blocked_until"):
             vendor["blocked_until"] = peer["blocked_until"]
         if vendor.get("learned") is None and peer.get("learned") is not None:
             vendor["learned"] = peer["learned"]
     vendor["breaker"] = _worst([vendor["breaker"], *(p.get("breaker", "closed") for p in peers)])
+
+
+def _merge_refusals(into: dict[str, Any], peer: dict[str, Any]) -> None:
+    """A worker's refusals by reason added in; its top tenants summed with ours by tenant
+    (a tenant another worker did not list counts there as 0: a lower bound), the reason
+    the one of the worker that refused it most."""
+    for reason, counts in peer.get("by_reason", {}).items():
+        mine = into["by_reason"].setdefault(reason, {})
+        for outcome, n in counts.items():
+            mine[outcome] = mine.get(outcome, 0) + n
+    tenants = {t["tenant"]: dict(t) for t in into.get("top_tenants", [])}
+    for theirs in peer.get("top_tenants", []):
+        mine = tenants.get(theirs["tenant"])
+        if mine is None:
+            tenants[theirs["tenant"]] = dict(theirs)
+            continue
+        if theirs["refused"] > mine["refused"]:
+            mine["reason"] = theirs["reason"]
+        mine["refused"] += theirs["refused"]
+    ranked = sorted(tenants.values(), key=lambda t: (-t["refused"], t["tenant"]))
+    into["top_tenants"] = ranked[:TOP_TENANTS]
+
+
+SUMMED_READINGS: Final = frozenset({"held_now"})
+"""/status/history readings each worker holds a part of; the others (tokens, in flight) are
+fleet-wide figures every worker reads: the highest is kept."""
+
+
+def merge_history(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' /status/history documents as one: each vendor's counts summed second by
+    second (aligned on their ends: the workers answered within the same moment), its
+    readings summed or the highest (``SUMMED_READINGS``), its events from every worker,
+    oldest first."""
+    merged = copy.deepcopy(docs[0])
+    for vendor in merged["vendors"]:
+        for doc in docs[1:]:
+            peer = next((v for v in doc.get("vendors", []) if v["name"] == vendor["name"]), None)
+            if peer is None:
+                continue
+            for name, values in peer.get("series", {}).items():
+                _combine(vendor["series"].setdefault(name, [0] * len(values)), values, True)
+            for name, values in peer.get("gauges", {}).items():
+                _combine(
+                    vendor.setdefault("gauges", {}).setdefault(name, [None] * len(values)),
+                    values,
+                    name in SUMMED_READINGS,
+                )
+            vendor["events"].extend(peer.get("events", []))
+        vendor["events"].sort(key=lambda e: -e["seconds_ago"])
+    return merged
+
+
+def _combine(mine: list[Any], theirs: list[Any], summed: bool) -> None:
+    """``theirs`` into ``mine``, element by element from the ends; None (no reading) yields."""
+    for i in range(1, min(len(mine), len(theirs)) + 1):
+        a, b = mine[-i], theirs[-i]
+        if a is None or b is None:
+            mine[-i] = b if a is None else a
+        else:
+            mine[-i] = round(a + b, 3) if summed else max(a, b)
 
 
 def _worst(states: Iterable[str]) -> str:

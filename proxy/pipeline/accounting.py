@@ -5,9 +5,11 @@ things: the vendor's answer (``http_client_responses_total``; a 429 on the live 
 time the vendor took (``http_client_request_duration_seconds`` and the sizing estimate),
 how the request came (``ratelimit_requests_by_mode_total``), its outcome
 (``ratelimit_requests_total``, ``ratelimit_endpoint_requests_total``) and the live page's
-recent counts. A vendor's ``Tally`` holds the series it adds to, resolved once, so
-that a request adds to them without looking its labels up (prometheus-client's
-``labels()`` took a microsecond or more each).
+recent counts. A refusal (deferred or shed, never the forwarded request) is also counted by
+its reason and its tenant (``refused``); a vendor 429, a block and a drain are kept as
+events (``answered``, ``blocked``, ``drained``). A vendor's ``Tally`` holds the series it
+adds to, resolved once, so that a request adds to them without looking its labels up
+(prometheus-client's ``labels()`` took a microsecond or more each).
 
 With prometheus-client's multiprocess mode (``Metrics.cells_available`` false) the values
 are files shared between processes: each change goes through the client's own methods.
@@ -45,6 +47,7 @@ class Tally:
     __slots__ = (
         "_answers",
         "_clock",
+        "_drained_at",
         "_endpoints",
         "_latency",
         "_metrics",
@@ -71,6 +74,8 @@ class Tally:
         self._requests: dict[tuple[str, str], Any] = {}
         self._endpoints: dict[tuple[str, str], Any] = {}
         self._rings: dict[str, Ring] = {}
+        self._drained_at: dict[str, float] = {}
+        """Per partition ("" the default one): when its global buckets were last drained."""
 
     def forwarded(self, mode: str, tenant: str) -> Forwarded:
         """The series a forwarded request of ``tenant`` that came by ``mode`` adds to,
@@ -105,7 +110,7 @@ class Tally:
         else:
             cell.inc(1)
         if status == 429:
-            self.recent("vendor_429")
+            self._recent.event(self.vendor, "vendor_429")
 
     def timed(self, elapsed: float) -> None:
         """The vendor took ``elapsed`` seconds, from the request's write to the end of its answer."""
@@ -157,6 +162,30 @@ class Tally:
         if ring is None:
             ring = self._rings[event] = self._recent.ring(self.vendor, event)
         ring.add(int(self._clock.monotonic()))
+
+    def refused(self, outcome: str, reason: str, tenant: str | None) -> None:
+        """A request of ``tenant`` deferred or shed (``outcome``) for ``reason``
+        (refusals.REASONS): the live page's counts by reason and its top tenants."""
+        self.recent(outcome)
+        self.recent(f"{outcome}:{reason}")
+        self._recent.refused_by(self.vendor, "-" if tenant is None else tenant, reason)
+
+    def blocked(self, seconds: float) -> None:
+        """The vendor's 429 blocked its global buckets for ``seconds`` (an event on the page)."""
+        self._recent.event(self.vendor, "vendor_block", seconds)
+
+    def drained(self, partition: str = "") -> None:
+        """The vendor's remaining quota fell below ``low_watermark``: its (``partition``'s)
+        global buckets were emptied (an event on the page; later refusals say ``drain``)."""
+        if partition not in self._drained_at and len(self._drained_at) >= _SERIES_MAX:
+            self._drained_at.clear()
+        self._drained_at[partition] = self._clock.monotonic()
+        self._recent.event(self.vendor, "drain")
+
+    def drained_within(self, partition: str, seconds: float) -> bool:
+        """Were the (``partition``'s) global buckets drained in the last ``seconds``?"""
+        at = self._drained_at.get(partition)
+        return at is not None and self._clock.monotonic() - at <= seconds
 
     def _value(self, child: Any) -> Any:
         """What a change of the series ``child`` goes to: its value, or itself (multiprocess)."""

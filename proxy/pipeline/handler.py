@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from proxy.deps import Deps
-from proxy.limiter import AcquireResult, BlockMark, StoreUnavailable
+from proxy.limiter import AcquireResult, BlockMark, BucketSpec, StoreUnavailable
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.partitions import shown
 from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
@@ -70,6 +70,16 @@ def _give_back(
     if deps.limiter.mark(vendor.name, partition) == mark:
         refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition)
         spawn(refund, name=f"refund-{vendor.name}")
+
+
+def _global_reason(deps: Deps, vendor: str, bucket: BucketSpec, partition: str) -> str:
+    """Why a global bucket refused (refusals.REASONS): the vendor is blocked after its 429,
+    or the bucket is still refilling after a drain, or it is simply empty."""
+    if deps.limiter.blocked_for(vendor, partition) > 0:
+        return "vendor_block"
+    if bucket.rate > 0 and deps.tally(vendor).drained_within(partition, bucket.burst / bucket.rate):
+        return "drain"
+    return "global"
 
 
 def _count_answer(deps: Deps, vendor: Vendor, status: int) -> None:
@@ -301,6 +311,7 @@ class ProxyHandler:
                 bucket.label,
                 hint,
                 tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
+                reason=_global_reason(deps, vendor.name, bucket, partition) if bucket.scope == "global" else "",
             )
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
         wait = result.wait
@@ -374,7 +385,7 @@ class ProxyHandler:
         blocked = deps.limiter.blocked_since(name, mark, partition)
         if blocked > 0:  # nothing to give back: the block absorbed the reservation
             why = "vendor block: the vendor answered 429"
-            raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked))
+            raise Limited("defer", blocked, "global", why, quota=blocked_item(vendor, blocked), reason="vendor_block")
 
     async def _forward(
         self,
@@ -448,6 +459,7 @@ class ProxyHandler:
         )
         if applied.blocked_for > 0:
             deps.metrics.vendor_blocks.labels(vendor.name).inc()
+            deps.tally(vendor.name).blocked(applied.blocked_for)
             log.warning(
                 "vendor %s answered 429: its global buckets%s are blocked for %.3fs fleet-wide",
                 vendor.name,
@@ -467,6 +479,7 @@ class ProxyHandler:
                 )
         elif applied.drained:
             deps.metrics.drains.labels(vendor.name).inc()
+            deps.tally(vendor.name).drained(match.partition)
         return applied
 
     def heard_out(self, deps: Deps, match: Match, release: Callable[[], None], response: Response | None) -> None:

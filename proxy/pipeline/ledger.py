@@ -53,7 +53,7 @@ class Ledger:
             rec.detail = refusal.detail
         if vendor is not None:
             if refusal.outcome in ("deferred", "shed"):  # the buckets, or the store, said no
-                deps.tally(vendor).recent(refusal.outcome)
+                deps.tally(vendor).refused(refusal.outcome, refusal.reason, rec.tenant)
                 (deps.metrics.shed if refusal.outcome == "shed" else deps.metrics.deferred).labels(vendor).inc()
             if refusal.tls_error is not None:
                 deps.metrics.tls_errors.labels(vendor, refusal.tls_error).inc()

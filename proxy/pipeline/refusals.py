@@ -17,15 +17,16 @@ Each refusal carries what the rest of the proxy needs to know about it, so nothi
 else has to ask which kind it is: ``status``, the ``outcome`` it is counted and
 logged as (SPEC §7), the ``error`` type and ``code`` its answer names (SPEC §5),
 whether a client may ``retry`` it (SPEC §9), and ``detail``, the sentence for the
-access log (None for Limited, whose answer names its bucket instead).
-``responses.refusal_response`` renders the answer; ``ledger.Ledger.refuse`` does the
-accounting.
+access log (None for Limited, whose answer names its bucket instead). A deferral or a
+shed also says its ``reason`` (``REASONS``: which limit said no), by which the live page
+counts them. ``responses.refusal_response`` renders the answer; ``ledger.Ledger.refuse``
+does the accounting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from proxy.pipeline.ratelimit_fields import QuotaItem
 from proxy.policy.model import Action
@@ -35,6 +36,14 @@ Outcome = Literal["deferred", "shed", "denied", "error"]
 
 ErrorType = Literal["rate_limited", "forbidden", "bad_request", "upstream_error", "proxy_error"]
 """The ``error.type`` of an answer the proxy writes itself (SPEC §5)."""
+
+REASONS: Final = ("tenant", "global", "endpoint", "concurrency", "vendor_block", "drain", "store_unavailable")
+"""Why a request was deferred or shed (/status ``refusals``): its tenant's limits (or no free
+``tenant.max_active`` seat), the vendor's global limits, its endpoint class's limits, a
+concurrency cap (or ``max_tunnels``), a block after a vendor 429, the global buckets
+refilling after a drain (the vendor's remaining quota fell below ``low_watermark``), the
+store unavailable with ``on_failure: closed``."""
+_BY_SCOPE: Final = {"tenants": "tenant", "tunnels": "concurrency"}
 
 
 class Refusal(Exception):
@@ -56,6 +65,8 @@ class Refusal(Exception):
     reason_phrase: str | None = None
     """The status line's reason, when the standard one says too little: a refused CONNECT,
     whose body HTTP clients do not show (``Tunnel connection failed: 403 ...``)."""
+    reason: str = ""
+    """Of a deferral or a shed: one of ``REASONS``."""
 
 
 @dataclass
@@ -131,6 +142,9 @@ class Limited(Refusal):
     retry (never before ``retry_after``). None: the real wait is the hint."""
     quota: QuotaItem | None = None
     """The refusing bucket as the RateLimit fields describe it, if it is a bucket."""
+    reason: str = ""
+    """One of ``REASONS``; by default the ``scope``'s (a global bucket's refusal may be a
+    vendor block's or a drain's: the caller says so)."""
     error = "rate_limited"
     detail = None
 
@@ -139,6 +153,8 @@ class Limited(Refusal):
         self.status, self.outcome, self.code, self.retry = (
             (503, "shed", "shed", False) if shed else (429, "deferred", "deferred", True)
         )
+        if not self.reason:
+            self.reason = _BY_SCOPE.get(self.scope, self.scope)
         if self.hint is None or self.hint < self.retry_after:
             self.hint = self.retry_after
 
@@ -156,6 +172,7 @@ class StoreDown(Refusal):
     error = "rate_limited"
     code = "store_unavailable"
     retry = True
+    reason = "store_unavailable"
 
 
 @dataclass
