@@ -263,6 +263,23 @@ def assert_sane_png(png: bytes, width: int, height: int) -> None:
     assert share((246, 247, 249), 1) > 0.05 and share((255, 255, 255), 1) > 0.2  # ui.css applied
 
 
+async def stand_in(aiohttp_server: Any, status: dict[str, Any], past: dict[str, Any]) -> Any:
+    """The page's files, and a /status and /status/history that answer ``status`` and
+    ``past`` as given (what a test made of a real proxy's answers)."""
+
+    async def extended(request: web.Request) -> web.Response:
+        return web.json_response(status)
+
+    async def history(request: web.Request) -> web.Response:
+        return web.json_response(past)
+
+    app = web.Application()
+    add_page_routes(app)
+    app.router.add_get("/status", extended)
+    app.router.add_get("/status/history", history)
+    return await aiohttp_server(app)
+
+
 # -- the tests --------------------------------------------------------------------------------------
 
 
@@ -368,17 +385,7 @@ async def test_page_renders_endpoints_concurrency_and_learned_limits_when_status
 
     past = await scenario.status("/status/history")
 
-    async def extended(request: web.Request) -> web.Response:
-        return web.json_response(status)
-
-    async def history(request: web.Request) -> web.Response:
-        return web.json_response(past)
-
-    app = web.Application()
-    add_page_routes(app)
-    app.router.add_get("/status", extended)
-    app.router.add_get("/status/history", history)
-    server = await aiohttp_server(app)
+    server = await stand_in(aiohttp_server, status, past)
     async with open_tab(browser) as tab:
         await tab.viewport(1000, 900)
         await tab.goto(str(server.make_url("/")))
@@ -536,17 +543,7 @@ async def test_page_explains_an_open_breaker_and_a_store_it_cannot_ask(
     payments.update(breaker="open", buckets=None, tokens_available=None, store_error="ConnectionError: refused")
     payments["quota"]["now"] = None
 
-    async def extended(request: web.Request) -> web.Response:
-        return web.json_response(status)
-
-    async def history(request: web.Request) -> web.Response:
-        return web.json_response(past)
-
-    app = web.Application()
-    add_page_routes(app)
-    app.router.add_get("/status", extended)
-    app.router.add_get("/status/history", history)
-    server = await aiohttp_server(app)
+    server = await stand_in(aiohttp_server, status, past)
     async with open_tab(browser) as tab:
         await tab.viewport(1000, 900)
         await tab.goto(str(server.make_url("/")))

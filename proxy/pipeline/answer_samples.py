@@ -44,15 +44,6 @@ def sample(vendor: Vendor, kind: AnswerKind) -> tuple[str, Refusal]:
     )
 
 
-def statuses(vendor: Vendor) -> str:
-    """One line: the status of each rate-limit answer, e.g. ``defer 429, long defer 429, shed 503``."""
-    parts = []
-    for kind in ("defer", "long_defer", "shed"):
-        _, refusal = sample(vendor, kind)
-        parts.append(f"{_KIND_NAMES[kind]} {refusal_response(refusal, vendor).status}")
-    return ", ".join(parts)
-
-
 def describe(vendor: Vendor) -> str:
     """Every kind of answer for ``vendor``, as its workers will see it."""
     lines = [f"vendor {vendor.name}: answers {vendor.answers.name}"]

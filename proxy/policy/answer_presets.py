@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Final
 
 import yaml
 
+import proxy.policy.values as values
 from proxy.policy.durations import show
 from proxy.policy.presets import (
     BUILT_IN,
@@ -45,8 +45,6 @@ from proxy.wire.headers import HOP_BY_HOP, QUOTA_PREFIX
 
 _PRESET_KEYS: Final = ("preset", "headers", "body", *KINDS)
 _KIND_KEYS: Final = ("status", "headers", "body")
-_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_TOKEN_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _FRAMING: Final = frozenset({"content-length", "content-type", "transfer-encoding", *HOP_BY_HOP})
 """Fields the proxy writes for the body it sends: a preset cannot set or remove them."""
 
@@ -68,8 +66,10 @@ def build_answer_presets(walk: Walk, node: yaml.Node, path: str) -> dict[str, An
                 f'"{name}" is a built-in preset: pick another name, or change it in a vendor\'s answers',
             )
             continue
-        if not _NAME_RE.fullmatch(name):
-            walk.error(entry.key_node, where, f"a preset name is letters, digits, '_', '.' and '-', got {show(name)}")
+        try:
+            values.preset_name(name, name)
+        except ValueError as exc:
+            walk.error(entry.key_node, where, str(exc))
             continue
         preset = _preset(walk, entry.value_node, where, name, found)
         if preset is not None:
@@ -164,9 +164,12 @@ def _headers(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, str | N
     for name, entry in m.entries.items():
         where = m.child(name)
         lower = name.lower()
-        if not _TOKEN_RE.fullmatch(name):
-            walk.error(entry.key_node, where, f"{show(name)} is not a header name")
-        elif lower.startswith(QUOTA_PREFIX):
+        try:
+            values.header_name(name, name)
+        except ValueError as exc:
+            walk.error(entry.key_node, where, str(exc))
+            continue
+        if lower.startswith(QUOTA_PREFIX):
             walk.error(entry.key_node, where, f"{name} is the proxy's own header: a preset cannot set or remove it")
         elif lower in _FRAMING:
             walk.error(entry.key_node, where, f"{name} frames the answer: the proxy writes it")

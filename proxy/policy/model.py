@@ -55,7 +55,7 @@ class Limit:
     @property
     def label(self) -> str:
         """Short human form, e.g. ``80/1s burst 40``."""
-        return f"{_num(self.rate)}/{self.window} burst {_num(self.burst)}"
+        return f"{format_number(self.rate)}/{self.window} burst {format_number(self.burst)}"
 
     @property
     def window(self) -> str:
@@ -65,7 +65,7 @@ class Limit:
     @property
     def key(self) -> str:
         """The part of a store key that names this limit; a changed limit gets a fresh bucket."""
-        return f"{_num(self.rate)}/{_num(self.per)}/{_num(self.burst)}"
+        return f"{format_number(self.rate)}/{format_number(self.per)}/{format_number(self.burst)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,11 +313,8 @@ def format_number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-_num = format_number
-
-
 def _duration(seconds: float) -> str:
     for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
         if seconds >= size and (seconds / size).is_integer():
             return f"{int(seconds / size)}{unit}"
-    return f"{_num(seconds * 1000)}ms"
+    return f"{format_number(seconds * 1000)}ms"

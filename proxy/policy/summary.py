@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Connections, Endpoint, Feedback, Limit, Policy, TenantLimits, Vendor, format_number
 from proxy.policy.values import mask_password
-from proxy.policy.worst_case import WorstCase, most_requests, worst_cases
+from proxy.policy.worst_case import WorstCase, beyond, doubled, worst_cases
 
 _WIDTH = 14  # label column, so values line up
 
@@ -167,29 +167,20 @@ def _window(seconds: float, vendor: Vendor) -> str:
 def _beyond(vendor: Vendor) -> list[str]:
     """Warnings: a window in which the fleet may send more than the vendor allows (its
     ``vendor_limit``; the loader warns too), or, without one, at least twice a limit's own
-    count (a burst as large as the rate, the default, fills on top of it: ``100000/24h``
-    lets 200000 through in a day)."""
-    rows: list[str] = []
-    stated = vendor.vendor_limit
-    for allowed in stated:
-        worst = most_requests(vendor.limits, allowed.per)
-        if worst is not None and worst > allowed.rate + 1e-9:
-            rows.append(
-                f"WARNING: up to {worst} in any {allowed.window}, above the vendor's "
-                f"{format_number(allowed.rate)}/{allowed.window} (vendor_limit)"
-            )
-    if stated:
-        return rows
-    for limit in vendor.limits:
-        worst = most_requests(vendor.limits, limit.per)
-        if worst is not None and worst >= 2 * limit.rate:
-            rows.append(
-                f"WARNING: up to {worst} in any {limit.window}, twice {format_number(limit.rate)}/{limit.window} "
-                f"(its burst {format_number(limit.burst)} comes on top): a vendor allowing "
-                f"{format_number(limit.rate)} per {limit.window} would refuse the rest; "
-                "set a smaller burst, or state vendor_limit"
-            )
-    return rows
+    count (worst_case.doubled)."""
+    if vendor.vendor_limit:
+        return [
+            f"WARNING: up to {worst} in any {allowed.window}, above the vendor's "
+            f"{format_number(allowed.rate)}/{allowed.window} (vendor_limit)"
+            for allowed, worst in beyond(vendor.limits, vendor.vendor_limit)
+        ]
+    return [
+        f"WARNING: up to {worst} in any {limit.window}, twice {format_number(limit.rate)}/{limit.window} "
+        f"(its burst {format_number(limit.burst)} comes on top): a vendor allowing "
+        f"{format_number(limit.rate)} per {limit.window} would refuse the rest; "
+        "set a smaller burst, or state vendor_limit"
+        for limit, worst in doubled(vendor.limits)
+    ]
 
 
 def _sustained(limits: Iterable[Limit]) -> str:

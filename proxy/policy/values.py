@@ -262,6 +262,7 @@ tenant_name: Final = matching(
     TENANT_NAME, "{value} is not a valid tenant name (letters, digits and ._:@-, at most 128)"
 )
 vendor_name: Final = matching(_NAME_RE, "{value} is not a valid vendor name (letters, digits and _.-, at most 64)")
+preset_name: Final = matching(_NAME_RE, "{value} is not a valid preset name (letters, digits and _.-, at most 64)")
 endpoint_name: Final = matching(_NAME_RE, "{value} is not a valid endpoint name (letters, digits and _.-, at most 64)")
 
 

@@ -36,7 +36,7 @@ from proxy.policy.model import (
     format_number,
 )
 from proxy.policy.walker import CheckedMapping, Walk, is_null
-from proxy.policy.worst_case import most_requests
+from proxy.policy.worst_case import beyond
 
 _VENDOR: Final = Vendor(name="")
 _ON_LIMIT: Final = OnLimit()
@@ -138,16 +138,14 @@ def _warn_worst_cases(m: CheckedMapping, limits: tuple[Limit, ...], stated: tupl
     """What a vendor counting requests in a sliding window may see from the whole fleet,
     against what the policy says it allows (``vendor_limit``): any excess is a warning (the
     limits' bursts fill on top of their rates)."""
-    for allowed in stated:
-        worst = most_requests(limits, allowed.per)
-        if worst is not None and worst > allowed.rate + 1e-9:
-            m.walk.warn(
-                m.node_of("vendor_limit") or m.node,
-                m.child("vendor_limit"),
-                f"the fleet may send {worst} requests in any {allowed.window}, more than the vendor's "
-                f"{format_number(allowed.rate)} (the limits' bursts fill on top of their rates): "
-                "lower a burst or a rate",
-            )
+    for allowed, worst in beyond(limits, stated):
+        m.walk.warn(
+            m.node_of("vendor_limit") or m.node,
+            m.child("vendor_limit"),
+            f"the fleet may send {worst} requests in any {allowed.window}, more than the vendor's "
+            f"{format_number(allowed.rate)} (the limits' bursts fill on top of their rates): "
+            "lower a burst or a rate",
+        )
 
 
 def _targets(m: CheckedMapping, owner: _Owner, claims: _Claims) -> tuple[tuple[str, ...], str | None]:

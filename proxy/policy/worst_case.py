@@ -39,6 +39,29 @@ def most_requests(limits: Iterable[Limit], window: float, cost: float = 1.0) -> 
     return math.floor(min(tokens) / cost + _EPSILON)
 
 
+def beyond(limits: Sequence[Limit], allowed: Iterable[Limit]) -> tuple[tuple[Limit, int], ...]:
+    """Each of ``allowed`` (what the vendor says it allows: ``vendor_limit``, its bursts
+    ignored) that ``limits`` may exceed in its window, with the worst case there."""
+    found = []
+    for limit in allowed:
+        worst = most_requests(limits, limit.per)
+        if worst is not None and worst > limit.rate + _EPSILON:
+            found.append((limit, worst))
+    return tuple(found)
+
+
+def doubled(limits: Sequence[Limit]) -> tuple[tuple[Limit, int], ...]:
+    """Each of ``limits`` that lets at least twice its own count through in its window (a
+    burst as large as the rate, the default, fills on top of it: ``100000/24h`` lets 200000
+    through in a day), with the worst case there."""
+    found = []
+    for limit in limits:
+        worst = most_requests(limits, limit.per)
+        if worst is not None and worst >= 2 * limit.rate:
+            found.append((limit, worst))
+    return tuple(found)
+
+
 def worst_cases(own: Sequence[Limit], bounding: Sequence[Limit] = (), cost: float = 1.0) -> tuple[WorstCase, ...]:
     """The worst case for each distinct window length (``per``) of ``own``, shortest first,
     counting every bucket a request also takes from (``bounding``: an endpoint's requests

@@ -167,9 +167,8 @@ class Recent:
         ring = self._rings.get((vendor, event))
         if ring is None:
             return 0.0
-        now = int(self._clock.monotonic())
-        total = sum(c for c, s in zip(ring.counts, ring.stamps, strict=True) if 1 <= now - s <= window)
-        return total / window
+        # The ``window`` seconds that ended before this one began.
+        return ring.total(int(self._clock.monotonic()) - 1, window) / window
 
     def series(self, vendor: str, event: str, seconds: int = HISTORY_SECONDS) -> list[int]:
         """Counts of the last ``seconds`` complete seconds, oldest first (the last one ended

@@ -239,8 +239,8 @@ class ConnectGate:
         try:
             await self._connect(deps, ledger, door, head, early)
         except Refusal as refusal:  # its reason, where requests and httpx show it: the status line
-            vendor = next((v for v in deps.policy.vendors if v.name == ledger.rec.vendor), None)
-            refusal.reason_phrase = connect_reason(refusal, vendor)
+            name = ledger.rec.vendor  # (set once the target named a vendor of this policy)
+            refusal.reason_phrase = connect_reason(refusal, deps.policy.vendor(name) if name else None)
             raise
 
     async def _connect(self, deps: Deps, ledger: Ledger, door: FrontDoor, head: bytes, early: bytes) -> None:

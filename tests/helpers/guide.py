@@ -156,3 +156,27 @@ class GuideWorker:
             cwd=cwd,
         )
         return Ran(status, out, err)
+
+
+def celery_driver(task: str, *args: str) -> str:
+    """A script that runs a guide's Celery task module (its path, the first argument) as a
+    worker runs a delivered job, once per item of ``args``: with a request of its own, and
+    prints its result or the countdown of its re-enqueue."""
+    return f"""
+import importlib.util
+import sys
+
+from celery.exceptions import Retry
+
+spec = importlib.util.spec_from_file_location("jobs", sys.argv[1])
+jobs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(jobs)
+for arg in {list(args)!r}:
+    jobs.{task}.push_request(id=f"job-{{arg}}", args=[arg], kwargs={{}}, retries=0, called_directly=False)
+    try:
+        print("result:", jobs.{task}.run(arg))
+    except Retry as retry:
+        print("re-enqueued, countdown:", retry.when)
+    finally:
+        jobs.{task}.pop_request()
+"""

@@ -21,7 +21,7 @@ from proxy.policy import parse_policy
 from proxy.server import ProxyServer
 from tests.conftest import client_session
 from tests.helpers.cli import ROOT
-from tests.helpers.guide import GUIDE, GuideWorker, Ran, blocks, snippets
+from tests.helpers.guide import GUIDE, GuideWorker, Ran, blocks, celery_driver, snippets
 from tests.helpers.sdks import HOSTS, connects, outcomes
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
@@ -241,31 +241,12 @@ async def test_pygithub_and_slack_sdk_with_their_presets(guide, sdk_proxies, nam
     assert outcomes(proxy, vendor) == {"forwarded": 1, "deferred": 1}
 
 
-CELERY_DRIVER = """
-import importlib.util
-import sys
-
-from celery.exceptions import Retry
-
-spec = importlib.util.spec_from_file_location("jobs", sys.argv[1])
-jobs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(jobs)
-for text in ("first", "second"):
-    # What a worker does for a delivered job: the task runs with a request of its own.
-    jobs.summarize.push_request(id=f"job-{text}", args=[text], kwargs={}, retries=0, called_directly=False)
-    try:
-        print("result:", jobs.summarize.run(text))
-    except Retry as retry:
-        print("re-enqueued, countdown:", retry.when)
-    finally:
-        jobs.summarize.pop_request()
-"""
-
-
 async def test_the_celery_task_re_enqueues_a_long_defer(guide, sdk_proxies) -> None:
     proxy = await sdk_proxies.start(limits=SPENT)
     snippet = snippets()["celery-task"]
-    first, second = ok(await guide.run(snippet.code, "python", proxy.url, driver=CELERY_DRIVER))
+    first, second = ok(
+        await guide.run(snippet.code, "python", proxy.url, driver=celery_driver("summarize", "first", "second"))
+    )
     assert first == "result: hello from the mock"
     assert second.startswith("re-enqueued, countdown: ")
     countdown = float(second.split()[-1])

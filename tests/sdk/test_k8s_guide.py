@@ -18,7 +18,7 @@ import yaml
 from proxy.cli import main as cli_main
 from proxy.policy import load_policy, parse_policy
 from tests.helpers.cli import ROOT
-from tests.helpers.guide import blocks
+from tests.helpers.guide import blocks, celery_driver
 from tests.helpers.sdks import HOSTS, outcomes
 from tests.sdk.test_clients_guide import guide  # noqa: F401  (the fixture: a worker set up as the guides say)
 
@@ -26,24 +26,6 @@ PAGE = ROOT / "docs" / "guides" / "stripe-on-kubernetes.md"
 BASE = ROOT / "deploy" / "k8s"
 OVERLAY = BASE / "stripe"
 K8S_VERSION = "1.31"
-CELERY_DRIVER = """
-import importlib.util
-import sys
-
-from celery.exceptions import Retry
-
-spec = importlib.util.spec_from_file_location("jobs", sys.argv[1])
-jobs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(jobs)
-for email in ("first@example.com", "second@example.com"):
-    jobs.create_customer.push_request(id=email, args=[email], kwargs={}, retries=0, called_directly=False)
-    try:
-        print("result:", jobs.create_customer.run(email))
-    except Retry as retry:
-        print("re-enqueued, countdown:", retry.when)
-    finally:
-        jobs.create_customer.pop_request()
-"""
 
 
 def snippet(name: str) -> str:
@@ -204,7 +186,7 @@ async def test_the_workers_task_creates_a_customer_and_re_enqueues_a_long_defer(
         snippet("jobs"),
         "python",
         proxy.url,
-        driver=CELERY_DRIVER,
+        driver=celery_driver("create_customer", "first@example.com", "second@example.com"),
         env={"STRIPE_CA_BUNDLE": str(guide.etc / "bundle.pem")},
     )
     assert ran.status == 0, ran.err
