@@ -86,6 +86,8 @@
 -- KEYS[n + 1 .. n + m]  the lease sets
 -- KEYS[n + m + 1]       the deferral queue of this bucket set, when ARGV[3] = "q"
 -- KEYS[n + m + 2]       its reservation set, when ARGV[10] ~= "" (with a queue)
+-- KEYS[.. + 1 ..]       with a share (ARGV[11] ~= ""): its hash, its expiry set, then per class
+--                       its waiting sets and then its tag sets ("Share")
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
 -- ARGV[1]               cost: tokens to take from every bucket
 -- ARGV[2]               max_wait: ms the caller will hold; 0 = grant only if available now
@@ -99,11 +101,14 @@
 --                       one it may claim only once it has matured (else it is a new caller)
 -- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>" (ms, and how many of the buckets
 --                       are the tenant's own): refusals keep their slot; "" = they do not
--- ARGV[8 + 3i]          rate of bucket i, tokens per ms
--- ARGV[9 + 3i]          burst of bucket i, tokens
--- ARGV[10 + 3i]         field: "" = the bucket is KEYS[i] itself; else its fields' prefix
+-- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<g>"
+--                       (class 1-based, highest first; ms; g: the first global bucket), "" = no share
+-- ARGV[12]              the tenant's member in the share's sets, "<weight>|<tenant>"
+-- ARGV[10 + 3i]         rate of bucket i, tokens per ms
+-- ARGV[11 + 3i]         burst of bucket i, tokens
+-- ARGV[12 + 3i]         field: "" = the bucket is KEYS[i] itself; else its fields' prefix
 --                       in the hash KEYS[i] (the state hash)
--- ARGV[10 + 3n + j]     cap of lease set j
+-- ARGV[12 + 3n + j]     cap of lease set j
 --
 -- Returns {granted, wait, binding, hint, seq, lost, full, ttl, level_1..level_n,
 -- inflight_1..inflight_m, reserved, claimed}, as strings:
@@ -133,7 +138,7 @@ local debt = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local lease_id, lease_life = ARGV[7], tonumber(ARGV[8])
 local claim = ARGV[9]
-local F = 10 -- fixed arguments before the buckets'
+local F = 12 -- fixed arguments before the buckets'
 local m = #ARGV - F - 3 * n
 local queue = nil
 if ARGV[3] == 'q' then
@@ -144,6 +149,24 @@ if ARGV[10] ~= '' then
   rset = KEYS[n + m + 2]
   local h, o, l, t = string.match(ARGV[10], '^([^:]+):([^:]+):([^:]+):([^:]+)$')
   horizon_ms, owner_ms, life_ms, tenants = tonumber(h), tonumber(o), tonumber(l), tonumber(t)
+end
+
+local share = nil -- SPEC §13: this request's place in the vendor's schedule (see "Share")
+if ARGV[11] ~= '' then
+  local c, k, w, ms, h, tau, grace, cgrace, g = string.match(ARGV[11],
+    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
+  k = tonumber(k)
+  local base = #KEYS - 2 - 2 * k
+  if ARGV[4] ~= '' then
+    base = base - 1
+  end
+  share = {c = tonumber(c), k = k, w = tonumber(w), min = tonumber(ms), horizon = tonumber(h),
+    tau = tonumber(tau), grace = tonumber(grace), cgrace = tonumber(cgrace), g = tonumber(g),
+    member = ARGV[12], hash = KEYS[base + 1], exp = KEYS[base + 2], waiting = {}, tags = {}}
+  for i = 1, k do
+    share.waiting[i] = KEYS[base + 2 + i]
+    share.tags[i] = KEYS[base + 2 + k + i]
+  end
 end
 
 -- Reads and writes go one command per hash: every bucket kept in the state hash (and the
@@ -298,6 +321,194 @@ if rset then
       end
     end
   end
+end
+
+-- Share (SPEC §13): the vendor's global buckets divided among whoever is waiting. A
+-- tenant waits in its class with a tag (start-time fair queuing): each grant moves its tag
+-- on by cost / weight, and a tenant may take only while its tag is at most one of its own
+-- requests ahead of the lowest tag of its class's waiting tenants; so over any stretch the
+-- tenants waiting receive in proportion to their weights, and whoever is alone (no one
+-- else waiting) receives everything. A tenant waits from a refusal (by the gate or a
+-- vendor-side bucket, never its own tenant bucket: its own cap is not the quota) until it
+-- is expected back (its retry, at most `tau` ahead) plus `grace`: a tenant that stopped
+-- holds the others back no longer than that. Its tag outlives its wait while anyone of the
+-- class waits (a precise retrier keeps its place); the tags go once none does. A class
+-- with a request refused is busy until that request is expected back (plus `cgrace`):
+-- meanwhile lower classes take a token only on credit, min_share of the quota accrued
+-- while they ask. A grant under a share reserves at most `horizon` ahead: a request that
+-- must wait longer is refused with its turn, and (a hold) asks again then, so that a
+-- later request of a higher class or a tenant further behind is not queued behind it;
+-- one on credit reserves as far as it holds (its class's min_share is its due, whatever
+-- the higher class asks meanwhile).
+-- Keys: the schedule's hash (per class i: `w<i>` the waiting tenants' weights summed,
+-- `b<i>` busy until, `c<i>`/`u<i>` credit and when it accrued; `x` the first expiry), the
+-- expiry set (`<i>|<member>` by when its wait ends), per class the waiting set and the
+-- tag set (`<weight>|<tenant>` by tag). All in the vendor's slot: no extra round trip.
+local gate_ok, gate_wait, gate_step, credit_used = true, 0, nil, false
+local sh = nil
+if share then
+  local names = {'x'}
+  for i = 1, share.k do
+    names[#names + 1] = 'w' .. i
+    names[#names + 1] = 'b' .. i
+    names[#names + 1] = 'c' .. i
+    names[#names + 1] = 'u' .. i
+  end
+  local r = redis.call('HMGET', share.hash, unpack(names))
+  sh = {x = tonumber(r[1]), w = {}, b = {}, cr = {}, u = {}, dirty = false}
+  for i = 1, share.k do
+    local o = 1 + 4 * (i - 1)
+    sh.w[i], sh.b[i] = tonumber(r[o + 1]) or 0, tonumber(r[o + 2]) or 0
+    sh.cr[i], sh.u[i] = tonumber(r[o + 3]) or 0, tonumber(r[o + 4])
+  end
+  if sh.x and sh.x <= now then -- tenants whose wait ended leave their class's waiting set
+    local at_now = string.format('%.3f', now)
+    local gone = redis.call('ZRANGEBYSCORE', share.exp, '-inf', at_now)
+    for _, member in ipairs(gone) do
+      local i, rest = string.match(member, '^(%d+)|(.*)$')
+      i = tonumber(i)
+      if i and i <= share.k then
+        if redis.call('ZREM', share.waiting[i], rest) == 1 then
+          sh.w[i] = sh.w[i] - (tonumber(string.match(rest, '^([^|]+)|')) or 0)
+        end
+        if sh.w[i] <= 1e-9 or redis.call('ZCARD', share.waiting[i]) == 0 then
+          sh.w[i] = 0
+          redis.call('DEL', share.waiting[i], share.tags[i])
+        end
+      end
+    end
+    redis.call('ZREMRANGEBYSCORE', share.exp, '-inf', at_now)
+    local first = redis.call('ZRANGE', share.exp, 0, 0, 'WITHSCORES')
+    sh.x = tonumber(first[2])
+    sh.dirty = true
+  end
+  local rate = nil
+  for i = share.g, n do
+    if not rate or rates[i] < rate then
+      rate = rates[i]
+    end
+  end
+  share.rate = rate
+  local c = share.c
+  local busy = 0
+  for i = 1, c - 1 do
+    if sh.b[i] > busy then
+      busy = sh.b[i]
+    end
+  end
+  local class_rate = rate
+  if busy <= now and sh.cr[c] > 0 then -- credit is for while a higher class waits, not to keep
+    sh.cr[c], sh.dirty = 0, true
+  end
+  if busy > now then -- a higher class is waiting: this one takes only on credit
+    local credit = sh.cr[c]
+    if sh.u[c] and now - sh.u[c] < 1000 then
+      credit = credit + (now - sh.u[c]) * share.min * rate
+    end
+    credit = math.min(credit, math.max(cost, 1) + share.min * rate * 50) -- (50 ms of it: asks come late)
+    sh.cr[c], sh.u[c], sh.dirty = credit, now, true
+    class_rate = share.min * rate
+    if credit >= cost then
+      credit_used = true
+    else
+      gate_ok = false
+      gate_wait = math.max(gate_wait, busy - now)
+      if share.min > 0 then
+        gate_wait = math.min(gate_wait, (cost - credit) / class_rate)
+      end
+    end
+  end
+  share.F, share.V = 0, nil
+  if sh.w[c] > 0 then
+    local first = redis.call('ZRANGE', share.waiting[c], 0, 0, 'WITHSCORES')
+    share.V = tonumber(first[2])
+  end
+  if share.V then
+    local f = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or share.V
+    share.F = math.max(f, share.V)
+    local ahead = share.F - share.V - cost / share.w
+    if ahead > 0 then -- the tenants behind it take theirs first
+      local behind = ahead * sh.w[c] / math.max(class_rate, 1e-9)
+      if gate_ok then
+        gate_ok, gate_wait = false, math.max(gate_wait, behind)
+      elseif behind > gate_wait then
+        gate_wait = behind
+      end
+    end
+    gate_step = cost * sh.w[c] / (share.w * math.max(class_rate, 1e-9)) -- its fair interval
+  end
+  if not gate_ok and share.min > 0 and busy > now then
+    gate_step = math.max(gate_step or 0, cost / class_rate)
+  end
+end
+
+local function share_granted(held_for)
+  local c = share.c
+  if credit_used then
+    sh.cr[c], sh.dirty = sh.cr[c] - cost, true
+  end
+  if held_for > 0 and now + held_for + share.cgrace > sh.b[c] then -- a hold waits: its class is busy
+    sh.b[c], sh.dirty = now + held_for + share.cgrace, true
+  end
+  if share.V then
+    local tag = string.format('%.6f', share.F + cost / share.w)
+    redis.call('ZADD', share.tags[c], tag, share.member)
+    redis.call('ZADD', share.waiting[c], 'XX', tag, share.member) -- still waiting: its place moves on
+  end
+end
+
+local function share_waits(retry, kept) -- (kept: a slot is kept for it, it comes back then)
+  local c = share.c
+  if not share.V then
+    share.F = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or 0
+  end
+  local tag = string.format('%.6f', share.F)
+  if redis.call('ZADD', share.waiting[c], 'GT', tag, share.member) == 1 then
+    sh.w[c] = sh.w[c] + share.w
+  end
+  redis.call('ZADD', share.tags[c], 'GT', tag, share.member)
+  local back = math.max(retry, 0)
+  if not kept then
+    back = math.min(back, share.tau)
+  end
+  local ends = now + back + share.grace
+  redis.call('ZADD', share.exp, 'GT', string.format('%.3f', ends), c .. '|' .. share.member)
+  if not sh.x or ends < sh.x then
+    sh.x = ends
+  end
+  if now + back + share.cgrace > sh.b[c] then
+    sh.b[c] = now + back + share.cgrace
+  end
+  for _, key in ipairs({share.waiting[c], share.tags[c], share.exp}) do
+    redis.call('PEXPIRE', key, 60000)
+  end
+  sh.dirty = true
+end
+
+local function share_flush()
+  if not sh.dirty then
+    return
+  end
+  local w = {}
+  local function field(name, value)
+    w[#w + 1] = name
+    w[#w + 1] = value
+  end
+  if sh.x then
+    field('x', string.format('%.3f', sh.x))
+  else
+    redis.call('HDEL', share.hash, 'x')
+  end
+  for i = 1, share.k do
+    field('w' .. i, string.format('%.6f', math.max(sh.w[i], 0)))
+    field('b' .. i, string.format('%.3f', sh.b[i]))
+    field('c' .. i, string.format('%.6f', sh.cr[i]))
+    if sh.u[i] then
+      field('u' .. i, string.format('%.3f', sh.u[i]))
+    end
+  end
+  redis.call('HSET', share.hash, unpack(w))
+  redis.call('PEXPIRE', share.hash, 60000)
 end
 
 -- The wait over every bucket, and over the vendor-side ones alone (what a slot kept on
@@ -463,13 +674,17 @@ elseif early then
   if refunded then
     write_levels()
   end
-elseif wait <= max_wait and full == 0 then
+elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, share.horizon) or max_wait)
+    and full == 0 then
   granted = 1
   take(1, n)
   write_levels()
   take_leases(now + wait)
   count_grant()
-elseif rset and full == 0 and wait <= horizon_ms then
+  if share then
+    share_granted(wait)
+  end
+elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
   -- Refused, the slot kept: taken as a hold's, claimed when the caller comes back. When
   -- the tenant's own buckets bind, only they are taken now: a vendor-side token taken
   -- now would stand idle until the tenant's bucket lets the request go, and meanwhile
@@ -484,9 +699,21 @@ elseif rset and full == 0 and wait <= horizon_ms then
     reserved = keep(now + wait, 'a')
   end
   count_grant()
+  if share then -- its turn, taken; it waits for it, as a tenant refused does
+    share_waits(wait, true)
+    share.V = share.V or share.F
+    share_granted(wait)
+  end
 else
   if refunded then
     write_levels()
+  end
+  if share and not gate_ok then -- refused by the schedule: its turn, on the vendor's quota
+    if gate_wait > wait or binding == 0 then
+      wait = math.max(wait, gate_wait)
+      binding = share.g
+    end
+    hint = wait
   end
   if full ~= 0 then
     -- How long the set's oldest lease has been out (its score is when it expires): when
@@ -500,8 +727,17 @@ else
       hint = tail
     end
     local step = cost / rates[binding]
+    if share and gate_step and binding >= share.g then
+      step = gate_step
+    end
     redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
   end
+  if share and full == 0 and (not gate_ok or binding >= share.g) then
+    share_waits(hint, false)
+  end
+end
+if share then
+  share_flush()
 end
 
 flush()

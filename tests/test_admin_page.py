@@ -9,6 +9,7 @@ for the module; each test opens its own tab (its own browser context: no shared 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from proxy.clock import ManualClock
 from proxy.ops.admin import PAGE_CSP, PAGE_FILES, add_page_routes
+from proxy.policy.model import Share
 from proxy.server import ProxyServer
 from tests.conftest import Vendor, eventually, make_policy
 from tests.helpers.browser import Browser, launch, open_tab, png_size
@@ -563,3 +565,105 @@ async def test_page_explains_an_open_breaker_and_a_store_it_cannot_ask(
 
 def test_page_routes_and_files_agree() -> None:
     assert sorted(PAGE_FILES.values()) == sorted(p.name for p in PAGE_DIR.iterdir())
+
+
+READ_SHARE = """(() => {
+  const out = {};
+  for (const card of document.querySelectorAll("[data-vendor]")) {
+    const part = card.querySelector('[data-part="share"]');
+    if (!part) continue;
+    const value = (row, name) => {
+      const f = row.querySelector(`[data-field="${name}"]`);
+      return f ? {value: f.dataset.value, text: f.textContent} : null;
+    };
+    const box = part.getBoundingClientRect();
+    out[card.dataset.vendor] = {
+      title: part.querySelector("h4").textContent,
+      within: box.left >= card.getBoundingClientRect().left && box.right <= card.getBoundingClientRect().right + 0.5,
+      classes: [...part.querySelectorAll("table.classes tbody tr")].map((r) => ({
+        name: r.dataset.class, text: r.cells[0].textContent, rate: value(r, "share_class_rate"),
+        share: value(r, "share_class_share"), min: value(r, "share_class_min"), minText: r.cells[3].textContent})),
+      subtitle: (part.querySelector(".sub-title") || {}).textContent || null,
+      tenants: [...part.querySelectorAll("table.tenants tbody tr")].map((r) => ({
+        tenant: r.dataset.shareTenant, klass: r.dataset.class, text: r.cells[0].textContent,
+        rate: value(r, "share_tenant_rate"), fair: value(r, "share_tenant_fair"), ratio: value(r, "share_tenant_ratio"),
+        meter: r.querySelector("meter") ? Number(r.querySelector("meter").value) : null})),
+    };
+  }
+  return out;
+})()"""
+
+
+def percent(x: float) -> str:
+    """The page's percentages (ui.js ``pct``): one decimal at most."""
+    return f"{shown(round(x * 1000) / 10)}%"
+
+
+async def test_page_shows_a_shared_quota_by_class_and_tenant_against_fair_shares(
+    vendor: Vendor, start_proxy: Any, browser: Browser
+) -> None:
+    """A vendor with ``share:`` (SPEC §13): its classes' rates and parts of the quota, and its
+    tenants' rates against their fair shares, as /status gives them; none for the others."""
+    share = Share(
+        weights=(("acme", 4.0),),
+        classes=("checkout", "batch"),
+        default_class="batch",
+        tenant_class=(("acme", "checkout"),),
+        min_share=0.1,
+    )
+    policy = two_vendors(vendor.url)
+    payments, search = policy.vendors
+    policy = dataclasses.replace(policy, vendors=(dataclasses.replace(payments, share=share), search))
+    clock = ManualClock()
+    proxy = await start_proxy(policy, clock=clock)
+    tally = proxy.runtime.deps.tally("payments")
+    for tenant, klass, outcome, times in (
+        ("acme", 0, "forwarded", 42),
+        ("beta", 0, "forwarded", 8),
+        ("beta", 0, "deferred", 5),
+        ("gamma", 1, "forwarded", 5),
+        ("delta", 1, "shed", 8),
+    ):
+        for _ in range(times):
+            tally.shared(share, klass, tenant, outcome)
+    await clock.advance(1.0)
+    async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/status") as r:
+        status = await r.json()
+    expected = status["vendors"][0]["share"]
+    assert expected["classes"][1]["share"] == round(0.5 / 5.5, 3) and expected["tenants"][0]["tenant"] == "acme"
+
+    async with open_tab(browser) as tab:
+        await tab.viewport(390, 844, mobile=True, scale=2)  # the narrowest: the tables stay in the card
+        await tab.goto(f"{proxy.admin_url}/")
+        page = await tab.evaluate(rendered_when("true"))
+        assert_page_shows(page, status)
+        assert page["scrollWidth"] <= page["innerWidth"]
+        shares = await tab.evaluate(READ_SHARE)
+        assert list(shares) == ["payments"]  # search shares nothing: no section
+        card = shares["payments"]
+        assert card["title"] == "Sharing the quota, last 10 s" and card["within"]
+        assert [c["name"] for c in card["classes"]] == ["checkout", "batch"]
+        for row, c in zip(card["classes"], expected["classes"], strict=True):
+            assert float(row["rate"]["value"]) == c["granted_per_second"]
+            assert row["rate"]["text"] == shown(c["granted_per_second"])
+            assert float(row["share"]["value"]) == c["share"] and row["share"]["text"] == percent(c["share"])
+            assert ("waiting" in row["text"]) == c["waiting"]
+        assert card["classes"][0]["min"] is None and card["classes"][0]["minText"] == "—"
+        assert card["classes"][1]["min"]["text"] == "10%"
+        assert [(t["tenant"], t["klass"]) for t in card["tenants"]] == [
+            (t["tenant"], t["class"]) for t in expected["tenants"]
+        ]
+        for row, t in zip(card["tenants"], expected["tenants"], strict=True):
+            assert float(row["rate"]["value"]) == t["granted_per_second"]
+            assert float(row["fair"]["value"]) == t["fair_per_second"] and row["fair"]["text"] == shown(
+                t["fair_per_second"]
+            )
+            if t["ratio"] is None:
+                assert row["ratio"]["text"] == "—" and row["meter"] is None
+            else:
+                assert row["ratio"]["text"] == percent(t["ratio"])
+                assert row["meter"] == pytest.approx(min(t["ratio"], 1.0))
+            assert f"weight {shown(t['weight'])}" in row["text"] and ("waiting" in row["text"]) == t["waiting"]
+        beta = next(row for row in card["tenants"] if row["tenant"] == "beta")
+        assert beta["ratio"]["text"] == "80%" and "waiting" in beta["text"]  # 0.8/s of a fair 1/s, deferred
+        assert tab.problems == []

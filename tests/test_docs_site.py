@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 import proxy.policy
-from proxy.policy import answer_presets, limits, model, sections, shapes, vendors
+from proxy.policy import answer_presets, limits, model, sections, shapes, share_policy, vendors
 from proxy.policy.durations import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[tuple[str, ...], type | None]] = {
     "`vendors[].feedback`": (vendors._FEEDBACK_KEYS, model.Feedback),
     "`vendors[].timeouts`": (vendors._TIMEOUTS_KEYS, model.Timeouts),
     "`vendors[].partition`": (shapes._PARTITION_KEYS, None),
+    "`vendors[].share`": (share_policy._SHARE_KEYS, model.Share),
     "`vendors[].answers` and `answer_presets`": (answer_presets._PRESET_KEYS, None),
     "Answer kinds": (answer_presets._KIND_KEYS, None),
     "`vendors[].endpoints[]`": (shapes._ENDPOINT_KEYS, model.Endpoint),

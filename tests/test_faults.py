@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.limiter.redis_store import RedisStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, ShareAsk, StateGuard
 from proxy.server import ProxyServer
 from tests.conftest import RedisServer, Samples, eventually, metric_samples, value
 from tests.helpers.faults import fault_policy
@@ -86,9 +86,10 @@ class CountingStore:
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
+        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share)
 
     def straight(
         self,
@@ -99,6 +100,7 @@ class CountingStore:
         guard: StateGuard,
         sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> None:
         return None  # every acquire through ``acquire``, counted
 

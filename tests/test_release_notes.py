@@ -65,12 +65,18 @@ def _subsections(entry: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def test_unreleased_comes_first_and_holds_no_items() -> None:
+def test_unreleased_comes_first_with_items_under_its_kinds() -> None:
+    """Unreleased says "Nothing yet." right after a release, and from then on what changed
+    since, each item under one of Keep a Changelog's kinds."""
     text = _text()
     headings = _headings(text)
     assert headings[0] == "## [Unreleased]", headings[:2]
     body = [line for line in _entry(text, "## [Unreleased]") if line.strip() and not line.startswith("[")]
-    assert body == ["Nothing yet."], "items under Unreleased: move them into a release, or keep 'Nothing yet.'"
+    if body == ["Nothing yet."]:
+        return
+    kinds = {"### Added", "### Changed", "### Deprecated", "### Removed", "### Fixed", "### Security"}
+    assert body[0] in kinds, body[:2]
+    assert all(line in kinds or line.startswith(("- ", "  ")) for line in body), body
 
 
 def test_the_latest_release_is_the_package_version() -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.limiter.store import BucketSpec, LeaseSet
+from proxy.limiter.share import share_ask
+from proxy.limiter.store import BucketSpec, LeaseSet, ShareAsk
 from proxy.policy.model import Endpoint, Limit, Vendor
 
 
@@ -37,6 +38,8 @@ class Buckets:
     """The partition's hash; "" = the default partition."""
     endpoint: str | None = None
     """The endpoint class's name, None for a request of none."""
+    share: ShareAsk | None = None
+    """Its place in the vendor's schedule (``share:``, SPEC §13; share.py); None: first come."""
     vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
     """The buckets the vendor counts itself: the endpoint class's and the global ones (the
     pacer keeps a lag per bucket: pacing.py)."""
@@ -159,20 +162,34 @@ def kept_key(queue: str) -> str:
 
 
 def buckets_for(
-    prefix: str, vendor: Vendor, tenant: str, endpoint: Endpoint | None = None, partition: str = ""
+    prefix: str,
+    vendor: Vendor,
+    tenant: str,
+    endpoint: Endpoint | None = None,
+    partition: str = "",
+    klass: int | None = None,
 ) -> Buckets:
+    """``klass``: the request's class (an index of ``vendor.share.classes``; None: the
+    tenant's own)."""
     tenant_part = tenant_buckets(prefix, vendor, tenant)
     endpoint_part = endpoint_buckets(prefix, vendor, endpoint, partition) if endpoint is not None else ()
     queue = queue_key(prefix, vendor.name, tenant, endpoint, partition)
+    state = state_key(prefix, vendor.name, partition)
+    share = vendor.share
+    ask = None
+    if share is not None:
+        index = share.class_of(tenant) if klass is None else klass
+        ask = share_ask(share, state, tenant, index or 0, len(tenant_part) + len(endpoint_part))
     return Buckets(
         tenant_part + endpoint_part + global_buckets(prefix, vendor, partition),
         len(tenant_part),
         queue,
         kept_key(queue),
         len(endpoint_part),
-        state_key(prefix, vendor.name, partition),
+        state,
         partition,
         None if endpoint is None else endpoint.name,
+        ask,
     )
 
 

@@ -104,7 +104,7 @@ class Limiter:
                 blocks=self.blocks,
                 on_grant=on_local_grant,
             )
-        self._cache: dict[tuple[str, str, str | None, str], _Cached] = {}
+        self._cache: dict[tuple[str, str, str | None, str, int | None], _Cached] = {}
         self.partitions = RecentPartitions(clock)
         """Partitions seen lately, per vendor (/status shows how many, never which)."""
 
@@ -127,16 +127,25 @@ class Limiter:
 
     # -- buckets ---------------------------------------------------------------
 
-    def buckets(self, vendor: Vendor, tenant: str, endpoint: Endpoint | None = None, partition: str = "") -> Buckets:
+    def buckets(
+        self,
+        vendor: Vendor,
+        tenant: str,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+        klass: int | None = None,
+    ) -> Buckets:
         """The buckets of a request: the tenant's, the endpoint class's (if any) and the
-        vendor's global ones (of the partition, "" = the default one), in that order."""
-        key = (vendor.name, tenant, None if endpoint is None else endpoint.name, partition)
+        vendor's global ones (of the partition, "" = the default one), in that order; under
+        a share, with its place in the vendor's schedule in class ``klass`` (None: the
+        tenant's class)."""
+        key = (vendor.name, tenant, None if endpoint is None else endpoint.name, partition, klass)
         hit = self._cache.get(key)
         if hit is not None and hit[0] is vendor:
             return hit[1]
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
-        b = buckets_for(self.key_prefix, vendor, tenant, endpoint, partition)
+        b = buckets_for(self.key_prefix, vendor, tenant, endpoint, partition, klass)
         self._cache[key] = (vendor, b)
         return b
 
@@ -208,7 +217,10 @@ class Limiter:
             raise StoreUnavailable("circuit breaker open")
         try:
             guard = self.observations.guard(vendor, b.state_key)
-            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve)
+            if b.share is None:
+                result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve)
+            else:
+                result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share)
         except BaseException as exc:
             self._not_taken(exc)
             raise
@@ -229,7 +241,9 @@ class Limiter:
         counter and the lease id are each call's own); None when the store has no such
         call. Its answers go to ``took`` (or, none, ``not_taken``), as this limiter's own do."""
         guard = StateGuard(b.state_key, 0, vendor.on_limit.max_hold)
-        return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve)
+        if b.share is None:
+            return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve)
+        return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve, b.share)
 
     def not_taken(self, exc: BaseException) -> None:
         """A store call the breaker let through ended without an answer (see ``_not_taken``)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from proxy.clock import Clock
+from proxy.limiter.share_memory import Schedules, horizon
 from proxy.limiter.store import (
     AcquireResult,
     Answered,
@@ -22,6 +23,7 @@ from proxy.limiter.store import (
     LeaseSet,
     Lesson,
     Reserve,
+    ShareAsk,
     StateGuard,
     StraightCall,
 )
@@ -55,7 +57,7 @@ class TakeNow:
     """A bucket set's acquire as the straight path sends it (store.StraightCall): ``take``,
     answered at once."""
 
-    __slots__ = ("_args", "_guard", "_reserve", "_take")
+    __slots__ = ("_args", "_guard", "_reserve", "_share", "_take")
 
     def __init__(
         self,
@@ -66,15 +68,17 @@ class TakeNow:
         queue: str | None,
         guard: StateGuard,
         reserve: Reserve | None,
+        share: ShareAsk | None = None,
     ) -> None:
         self._take = store.take
         self._args = (buckets, cost, max_wait, queue)
         self._guard = guard
         self._reserve = reserve
+        self._share = share
 
     def send(self, seen: int, leases: Leases | None, then: Answered) -> _Done:
         try:
-            result = self._take(*self._args, self._guard._replace(seen=seen), leases, self._reserve)
+            result = self._take(*self._args, self._guard._replace(seen=seen), leases, self._reserve, self._share)
         except Exception as exc:  # (a bug: the caller's to report)
             then(None, exc)
         else:
@@ -104,6 +108,8 @@ class MemoryStore:
         self._kept: dict[str, dict[str, _Slot]] = {}
         # bucket ident -> when it was last blocked (feedback.lua's bk)
         self._blocked_at: dict[str, float] = {}
+        # share hash key -> a vendor's schedule (acquire.lua, "Share")
+        self._schedules = Schedules()
         self._ops = 0
 
     def __len__(self) -> int:
@@ -148,6 +154,7 @@ class MemoryStore:
             self._live(key, now)
         for key in [k for k, kept in self._kept.items() if all(m.matures + _KEPT_GRACE <= now for m in kept.values())]:
             del self._kept[key]  # (a refund then: the buckets, long full again, take none of it)
+        self._schedules.sweep(now)
         for key in [k for k, at in self._blocked_at.items() if at + _KEPT_GRACE <= now]:
             del self._blocked_at[key]  # (no slot kept lives that long)
         self._forget_empty()
@@ -161,8 +168,9 @@ class MemoryStore:
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
-        return self.take(buckets, cost, max_wait, queue, guard, leases, reserve)
+        return self.take(buckets, cost, max_wait, queue, guard, leases, reserve, share)
 
     def straight(
         self,
@@ -173,8 +181,9 @@ class MemoryStore:
         guard: StateGuard,
         sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> StraightCall | None:
-        return TakeNow(self, buckets, cost, max_wait, queue, guard, reserve)
+        return TakeNow(self, buckets, cost, max_wait, queue, guard, reserve, share)
 
     def take(
         self,
@@ -185,6 +194,7 @@ class MemoryStore:
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
         """``acquire``, answered at once: the state is this process's (the straight path,
         lane.py, asks without a coroutine)."""
@@ -192,7 +202,7 @@ class MemoryStore:
         self._tick(now)
         if queue is None:
             reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
-        if leases is None and reserve is None and not self._learned:
+        if leases is None and reserve is None and share is None and not self._learned:
             return self._take_plain(buckets, cost, max_wait, queue, guard, now)
         levels = [self._level(b, now) for b in buckets]
         limits = [self._limits(b, now) for b in buckets]
@@ -246,6 +256,11 @@ class MemoryStore:
                 wait, binding = need, i
             if i >= tenants and need > vendor_wait:
                 vendor_wait = need
+        # The vendor's schedule (share_memory.py; acquire.lua, "Share").
+        schedule = None if share is None else self._schedules.of(share, now)
+        gate = None
+        if share is not None and schedule is not None:
+            gate = Schedules.gate(schedule, share, cost, min(rates[share.first_global :]), now)
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]
         full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
@@ -319,18 +334,23 @@ class MemoryStore:
             if refunded:
                 write()
             return refused(early, early, reserve.claim)
-        if wait <= max_wait and full < 0:
+        if (gate is None or gate.ok) and wait <= (max_wait if gate is None else horizon(gate, max_wait)) and full < 0:
             take(0, len(buckets))
             write()
             take_leases(now + wait)
             seq = counted_grant()
+            if gate is not None and share is not None and schedule is not None:
+                Schedules.granted(schedule, share, gate, cost, wait, now)
             return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
-        if reserve is not None and full < 0 and wait <= reserve.horizon:
+        if reserve is not None and (gate is None or gate.ok) and full < 0 and wait <= reserve.horizon:
             tenant_bound = binding < tenants  # (acquire.lua: only the tenant's buckets, then)
             take(0, tenants if tenant_bound else len(buckets))
             write()
             member = keep(now + wait, "t" if tenant_bound else "a")
             seq = counted_grant()
+            if gate is not None and share is not None and schedule is not None:  # its turn, taken
+                Schedules.waits(schedule, share, gate, wait, now, kept=True)  # it waits for it
+                Schedules.granted(schedule, share, gate, cost, wait, now)
             return refused(wait, wait, member)
         if refunded:
             write()
@@ -338,7 +358,16 @@ class MemoryStore:
             assert leases is not None
             oldest = min(self._live(sets[full].key, now).values())
             return refused(wait, max(0.0, now - (oldest - leases.life)))
-        return refused(wait, self._slot(queue, now, wait, cost / rates[binding]))
+        if gate is None or share is None or schedule is None:
+            return refused(wait, self._slot(queue, now, wait, cost / rates[binding]))
+        g0 = share.first_global
+        if not gate.ok and (gate.wait > wait or binding < 0):  # refused by the schedule: its turn
+            wait, binding = max(wait, gate.wait), g0
+        step = gate.step if gate.step is not None and binding >= g0 else cost / rates[binding]
+        hint = self._slot(queue, now, wait, step)
+        if not gate.ok or binding >= g0:
+            Schedules.waits(schedule, share, gate, hint, now)
+        return refused(wait, hint)
 
     def _take_plain(
         self,

@@ -16,6 +16,7 @@ import hiredis
 from proxy.limiter.cluster_pipelined import ClusterScript
 from proxy.limiter.pipelined import PipelinedScript, PipelineError
 from proxy.limiter.resp import bulk, bulks, header
+from proxy.limiter.share import share_spec
 from proxy.limiter.store import (
     AcquireResult,
     Answered,
@@ -23,6 +24,7 @@ from proxy.limiter.store import (
     Leases,
     LeaseSet,
     Reserve,
+    ShareAsk,
     StateGuard,
     StoreUnavailable,
 )
@@ -53,6 +55,8 @@ class AcquireShape:
         "queued",
         "reserving",
         "sets",
+        "share",
+        "sharing",
         "state",
         "tail",
     )
@@ -65,13 +69,16 @@ class AcquireShape:
         sets: tuple[LeaseSet, ...],
         sha: str,
         reserve: Reserve | None,
+        share: ShareAsk | None = None,
     ) -> None:
-        self.buckets, self.state, self.sets = buckets, state, sets
+        self.buckets, self.state, self.sets, self.share = buckets, state, sets, share
         keys = [b.key for b in buckets] + [ls.key for ls in sets]
         if queue is not None:
             keys.append(queue)
             if reserve is not None:
                 keys.append(reserve.key)
+        if share is not None:
+            keys += share.keys
         if state is not None:
             keys.append(state)
         self.keys = keys
@@ -81,10 +88,13 @@ class AcquireShape:
         args += [ls.cap for ls in sets]
         self.args = args
         self.n = len(buckets)
-        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life claim reserve | args...
-        self.head = header(3 + len(keys) + 10 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
+        # EVALSHA sha numkeys keys... | cost max_wait q seen debt n lease_id life claim reserve share member
+        # | args...
+        self.head = header(3 + len(keys) + 12 + len(args)) + bulks(("EVALSHA", sha, len(keys), *keys))
         self.queued = bulk("q" if queue is not None else "")
         self.reserving = _EMPTY if queue is None or reserve is None else bulk(reserve_spec(reserve))
+        self.sharing = _EMPTY + _EMPTY if share is None else bulks((share_spec(share), share.member))
+        """acquire.lua's ARGV[11] and ARGV[12] (RESP)."""
         self.count = bulk(self.n)
         self.tail = bulks(args)
         # Per (cost, max_wait, debt), for a call with a state guard, no leases and no claim
@@ -101,7 +111,9 @@ class AcquireShape:
             if len(self._around_seen) >= _AROUND_MAX:  # max_wait comes from a request header too
                 self._around_seen.clear()
             before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
-            after = b"".join((bulk(debt * _MS), self.count, _EMPTY, _ZERO, _EMPTY, self.reserving, self.tail))
+            after = b"".join(
+                (bulk(debt * _MS), self.count, _EMPTY, _ZERO, _EMPTY, self.reserving, self.sharing, self.tail)
+            )
             parts = self._around_seen[key] = (before, after)
         return parts
 
@@ -115,7 +127,7 @@ class AcquireShape:
                 self._around_lease.clear()
             before = b"".join((self.head, bulk(cost), bulk(max_wait * _MS), self.queued))
             between = b"".join((bulk(debt * _MS), self.count))
-            after = b"".join((bulk(life * _MS), _EMPTY, self.reserving, self.tail))
+            after = b"".join((bulk(life * _MS), _EMPTY, self.reserving, self.sharing, self.tail))
             parts = self._around_lease[key] = (before, between, after)
         return parts
 
@@ -143,6 +155,7 @@ class AcquireShape:
                 _ZERO if leases is None else bulk(leases.life * _MS),
                 bulk(claim),
                 self.reserving,
+                self.sharing,
                 self.tail,
             )
         )

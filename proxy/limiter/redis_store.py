@@ -29,6 +29,7 @@ from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError, Reply
 from proxy.limiter.redis_acquire import AcquireShape, StraightAcquire, acquire_result, reserve_spec, settled
 from proxy.limiter.scripts import script
+from proxy.limiter.share import share_spec
 from proxy.limiter.store import (
     AcquireResult,
     BlockResult,
@@ -38,6 +39,7 @@ from proxy.limiter.store import (
     LeaseSet,
     Lesson,
     Reserve,
+    ShareAsk,
     StateGuard,
     StoreUnavailable,
 )
@@ -88,7 +90,7 @@ class RedisStore:
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
-        self._shapes: dict[tuple[int, str | None, tuple[float, float] | None], AcquireShape] = {}
+        self._shapes: dict[tuple[int, str | None, tuple[float, float] | None, ShareAsk | None], AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
         # The once-a-second announcement rides on the same connections as the requests'
@@ -156,9 +158,10 @@ class RedisStore:
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
         sets = leases.sets if leases is not None else ()
-        shape = self._shape(buckets, queue, guard, sets, reserve)
+        shape = self._shape(buckets, queue, guard, sets, reserve, share)
         n = shape.n
         claim = "" if reserve is None or queue is None else reserve.claim
         fast = self._acquire_fast
@@ -187,6 +190,8 @@ class RedisStore:
                 0.0 if leases is None else leases.life * _MS,
                 claim,
                 "" if reserve is None or queue is None else reserve_spec(reserve),
+                "" if share is None else share_spec(share),
+                "" if share is None else share.member,
                 *shape.args,
             ]
             keys = shape.keys
@@ -202,13 +207,14 @@ class RedisStore:
         guard: StateGuard,
         sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> StraightAcquire | None:
         """(store.BucketStore.straight) None when the acquire does not go over pipelined
         connections (redis-py's clients)."""
         fast = self._acquire_fast
         if fast is None:
             return None
-        shape = self._shape(buckets, queue, guard, sets, reserve)
+        shape = self._shape(buckets, queue, guard, sets, reserve, share)
         return StraightAcquire(fast, shape, cost, max_wait, guard, self._timeout, self._failure)
 
     def _shape(
@@ -218,6 +224,7 @@ class RedisStore:
         guard: StateGuard | None,
         sets: tuple[LeaseSet, ...],
         reserve: Reserve | None,
+        share: ShareAsk | None = None,
     ) -> AcquireShape:
         """What an acquire of these buckets sends whatever the call (keys, rates, bursts,
         fields, caps, how slots are kept), kept per bucket set: the limiter passes the same
@@ -225,19 +232,20 @@ class RedisStore:
         state = None if guard is None else guard.key
         # (A bucket set's slots are kept under the vendor's horizon, or none for a caller
         # that only claims, and a new vendor after a reload has new buckets.)
-        key = (id(buckets), queue, None if reserve is None else (reserve.horizon, reserve.owner))
+        key = (id(buckets), queue, None if reserve is None else (reserve.horizon, reserve.owner), share)
         shape = self._shapes.get(key)
         if (
             shape is not None
             and shape.buckets is buckets
             and shape.state == state
             and (shape.sets is sets or shape.sets == sets)
+            and shape.share == share
         ):
             return shape
         if len(self._shapes) >= _SHAPES_MAX:
             self._shapes.clear()
         shape = self._shapes[key] = AcquireShape(
-            buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha, reserve
+            buckets, queue, state, sets, "" if self._acquire_fast is None else self._acquire_fast.sha, reserve, share
         )
         return shape
 

@@ -101,6 +101,25 @@ class Reserve(NamedTuple):
     only they are taken for the slot (the vendor-side ones when it is claimed)."""
 
 
+class ShareAsk(NamedTuple):
+    """A request of a vendor with ``share:`` (SPEC §13; acquire.lua, "Share"): its class and
+    tenant weight, and the keys of the vendor's (partition's) schedule, which every replica's
+    grants follow. Made once per (bucket set, class): the limiter's ``Buckets.share``."""
+
+    keys: tuple[str, ...]
+    """The schedule's hash, its expiry set, then per class its waiting set and its tag set."""
+    klass: int
+    """0-based index in the vendor's classes, 0 = the highest priority."""
+    classes: int
+    member: str
+    """``<weight>|<tenant>``: the tenant's name in the class's sets."""
+    weight: float
+    min_share: float
+    """Fraction of the quota a lower class with requests waiting always receives."""
+    first_global: int
+    """0-based index of the first of the request's buckets that is a vendor's global one."""
+
+
 class AcquireResult(NamedTuple):
     granted: bool
     """True: ``cost`` was taken from every bucket. False: from none."""
@@ -218,6 +237,7 @@ class BucketStore(Protocol):
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
         """Take ``cost`` from every bucket and a lease in every lease set, or nothing.
 
@@ -230,7 +250,10 @@ class BucketStore(Protocol):
         never full. With ``leases``, a lease set at its cap refuses (``full``), taking nothing.
         With ``reserve`` (and a ``queue``), a refusal within its horizon keeps the caller's
         slot (``reserved``), and a claim or a slot whose owner is late is granted without
-        taking tokens again (``claimed``); see ``Reserve``.
+        taking tokens again (``claimed``); see ``Reserve``. With ``share``, the vendor's
+        schedule (SPEC §13, acquire.lua "Share") decides too: a request that is not its
+        tenant's or class's turn is refused with its turn, taking nothing, and a grant is
+        reserved at most ``share.HORIZON`` ahead.
         """
 
     def straight(
@@ -242,6 +265,7 @@ class BucketStore(Protocol):
         guard: StateGuard,
         sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> StraightCall | None:
         """``acquire`` of this bucket set, guarded by ``guard``'s state, with leases in
         ``sets``, no claim, prepared for the straight path to send per request; None when

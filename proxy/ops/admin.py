@@ -37,6 +37,7 @@ from proxy.policy import Policy, mask_password
 from proxy.policy.model import Endpoint, Vendor
 from proxy.tasks import cancel_and_wait, spawn
 from proxy.telemetry.recent import HISTORY_SECONDS, Recent
+from proxy.telemetry.shares import TENANTS_KEPT, TENANTS_SHOWN
 
 log = logging.getLogger("quota_proxy.admin")
 
@@ -167,6 +168,15 @@ def _refusals(recent: Recent, vendor: str) -> dict[str, Any]:
     }
 
 
+def share_tenants(request: web.Request) -> int:
+    """How many tenants /status lists per vendor with ``share:``: ``?share_tenants=N`` (``all``:
+    every one followed), else ``TENANTS_SHOWN``."""
+    asked = request.query.get("share_tenants", "")
+    if asked == "all":
+        return TENANTS_KEPT
+    return min(int(asked), TENANTS_KEPT) if asked.isdigit() else TENANTS_SHOWN
+
+
 async def _endpoint(limiter: Limiter, vendor: Vendor, endpoint: Endpoint) -> dict[str, Any]:
     """An endpoint class and its buckets' levels (of the default partition), as the store says now."""
     entry: dict[str, Any] = {
@@ -205,6 +215,7 @@ async def status(request: web.Request) -> web.Response:
     state = request.app[ADMIN]
     deps = state.deps()
     limiter = deps.limiter
+    shown = share_tenants(request)
     vendors: list[dict[str, Any]] = []
     for vendor in deps.policy.vendors:
         entry: dict[str, Any] = {
@@ -268,6 +279,8 @@ async def status(request: web.Request) -> web.Response:
             "drains_last_minute": recent.total(vendor.name, "drain"),
         }
         entry["refusals"] = _refusals(recent, vendor.name)
+        if vendor.share is not None:  # SPEC §13: how the quota was divided, the last 10 s
+            entry["share"] = recent.share_book(vendor.name).status(vendor.share, shown)
         vendors.append(entry)
     return _json(
         {

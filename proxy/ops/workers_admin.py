@@ -10,8 +10,10 @@ running worker and adds their answers up, so a scraper or the live page sees one
   ``ratelimit_workers_running`` and ``ratelimit_worker_restarts_total``.
 - ``/status``: the first worker's document (buckets and leases are the store's, the same
   for all) with the per-process counts summed (recent rates, refusals by reason; the top
-  tenants refused summed by tenant over what each worker lists), and a ``workers`` list
-  (pid, state, restarts, requests, open connections, its policy's vendors).
+  tenants refused summed by tenant over what each worker lists; a shared quota's rates by
+  class and tenant, summed over every tenant each worker follows, fair shares computed
+  again from the sums), and a ``workers`` list (pid, state, restarts, requests, open
+  connections, its policy's vendors).
 - ``/status/history``: the workers' per-second series summed second by second, their
   events (vendor 429s, blocks, drains) together in time order.
 - ``/readyz``: ready when every worker is; ``/healthz``: the supervisor is alive.
@@ -34,10 +36,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from proxy import __version__
-from proxy.ops.admin import TOP_TENANTS, add_page_routes
+from proxy.ops.admin import TOP_TENANTS, add_page_routes, share_tenants
 from proxy.ops.admin_access import admin_access
 from proxy.ops.workers import Supervisor, Worker
 from proxy.policy.model import Address
+from proxy.telemetry.shares import TENANTS_SHOWN, finish
 
 SUMMED_GAUGES: Final = frozenset(
     {
@@ -160,10 +163,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
-    answers = [(w, json.loads(body)) for w, _, code, body in await _ask_all(supervisor, "/status") if code == 200]
+    # Every tenant each worker follows: a fair share needs the weights of all the active ones.
+    asked = await _ask_all(supervisor, "/status?share_tenants=all")
+    answers = [(w, json.loads(body)) for w, _, code, body in asked if code == 200]
     if not answers:
         return _json({"status": "no worker is running", "workers": _workers(supervisor, {})}, 503)
-    merged = merge_status([doc for _, doc in answers])
+    merged = merge_status([doc for _, doc in answers], share_tenants(request))
     merged["workers"] = _workers(supervisor, {w.index: doc for w, doc in answers})
     return _json(merged)
 
@@ -207,8 +212,9 @@ def _workers(supervisor: Supervisor, docs: dict[int, dict[str, Any]]) -> list[di
     return entries
 
 
-def merge_status(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' /status documents as one: the first's, with per-process counts summed."""
+def merge_status(docs: list[dict[str, Any]], shown: int = TENANTS_SHOWN) -> dict[str, Any]:
+    """The workers' /status documents as one: the first's, with per-process counts summed
+    (``shown``: the tenants listed per vendor with ``share:``, of all the workers list)."""
     merged = copy.deepcopy(docs[0])
     others = docs[1:]
     if "connections" in merged:
@@ -219,6 +225,10 @@ def merge_status(docs: list[dict[str, Any]]) -> dict[str, Any]:
     for vendor in merged["vendors"]:
         peers = [names[vendor["name"]] for names in by_name if vendor["name"] in names]
         _merge_vendor(vendor, peers)
+        if isinstance(vendor.get("share"), dict):
+            vendor["share"] = merge_share(
+                vendor["share"], [p["share"] for p in peers if isinstance(p.get("share"), dict)], shown
+            )
     return merged
 
 
@@ -266,6 +276,42 @@ def _merge_refusals(into: dict[str, Any], peer: dict[str, Any]) -> None:
         mine["refused"] += theirs["refused"]
     ranked = sorted(tenants.values(), key=lambda t: (-t["refused"], t["tenant"]))
     into["top_tenants"] = ranked[:TOP_TENANTS]
+
+
+def merge_share(mine: dict[str, Any], peers: list[dict[str, Any]], shown: int) -> dict[str, Any]:
+    """A vendor's ``share`` over the workers: each class's and each (tenant, class)'s rates
+    summed (waiting if it waited in any worker), over the classes of the first (the policy's);
+    then the shares of the vendor's grants, the active tenants and weights and each tenant's
+    fair share as one process computes them (shares.finish), from the sums. Exact as long as
+    each worker listed every tenant it follows (``?share_tenants=all``)."""
+    classes = [dict(c) for c in mine.get("classes", [])]
+    by_name = {c["name"]: c for c in classes}
+    tenants: dict[tuple[str, str], dict[str, Any]] = {}
+    for index, doc in enumerate([mine, *peers]):
+        if index:
+            for theirs in doc.get("classes", []):
+                c = by_name.get(theirs["name"])
+                if c is not None:
+                    _add_rates(c, theirs)
+        for theirs in doc.get("tenants", []):
+            if theirs["class"] not in by_name:
+                continue  # a class another policy had (a reload under way)
+            key = (theirs["tenant"], theirs["class"])
+            t = tenants.get(key)
+            if t is None:
+                tenants[key] = {k: theirs[k] for k in _TENANT_KEYS}
+            else:
+                _add_rates(t, theirs)
+    return finish(mine.get("min_share", 0.0), classes, list(tenants.values()), shown)
+
+
+_TENANT_KEYS: Final = ("tenant", "class", "weight", "granted_per_second", "waiting", "refused_per_second")
+
+
+def _add_rates(into: dict[str, Any], theirs: dict[str, Any]) -> None:
+    for key in ("granted_per_second", "refused_per_second"):
+        into[key] = into.get(key, 0.0) + theirs.get(key, 0.0)
+    into["waiting"] = bool(into.get("waiting")) or bool(theirs.get("waiting"))
 
 
 SUMMED_READINGS: Final = frozenset({"held_now"})

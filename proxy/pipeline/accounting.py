@@ -4,9 +4,10 @@ The general path (handler.py, ledger.py) and the straight one (lane.py) count th
 things: the vendor's answer (``http_client_responses_total``; a 429 on the live page), the
 time the vendor took (``http_client_request_duration_seconds`` and the sizing estimate),
 how the request came (``ratelimit_requests_by_mode_total``), its outcome
-(``ratelimit_requests_total``, ``ratelimit_endpoint_requests_total``) and the live page's
-recent counts. A refusal (deferred or shed, never the forwarded request) is also counted by
-its reason and its tenant (``refused``); a vendor 429, a block and a drain are kept as
+(``ratelimit_requests_total``, ``ratelimit_endpoint_requests_total``; for a vendor with
+``share:`` also ``ratelimit_class_requests_total`` and its share book, ``shared``) and the
+live page's recent counts. A refusal (deferred or shed, never the forwarded request) is also
+counted by its reason and its tenant (``refused``); a vendor 429, a block and a drain are kept as
 events (``answered``, ``blocked``, ``drained``). A vendor's ``Tally`` holds the series it
 adds to, resolved once, so that a request adds to them without looking its labels up
 (prometheus-client's ``labels()`` took a microsecond or more each).
@@ -25,8 +26,10 @@ from proxy.telemetry.metrics import HistogramCells
 if TYPE_CHECKING:
     from proxy.clock import Clock
     from proxy.ops.sizing import Sizing
+    from proxy.policy.model import Share
     from proxy.telemetry.metrics import Metrics
     from proxy.telemetry.recent import Recent, Ring
+    from proxy.telemetry.shares import ShareBook
 
 
 class Forwarded(NamedTuple):
@@ -46,6 +49,8 @@ class Tally:
 
     __slots__ = (
         "_answers",
+        "_book",
+        "_classes",
         "_clock",
         "_drained_at",
         "_endpoints",
@@ -74,6 +79,9 @@ class Tally:
         self._requests: dict[tuple[str, str], Any] = {}
         self._endpoints: dict[tuple[str, str], Any] = {}
         self._rings: dict[str, Ring] = {}
+        self._classes: dict[str, dict[str, Any]] = {}
+        """``ratelimit_class_requests_total``'s series: by class name, then outcome."""
+        self._book: ShareBook | None = None
         self._drained_at: dict[str, float] = {}
         """Per partition ("" the default one): when its global buckets were last drained."""
 
@@ -137,6 +145,29 @@ class Tally:
         self._request(tenant, outcome).inc(1)
         if endpoint is not None:
             self._endpoint(endpoint, outcome).inc(1)
+
+    def shared(self, share: Share, klass: int, tenant: str, outcome: str, cost: float = 1.0) -> None:
+        """A request of ``tenant`` in the class ``share.classes[klass]`` of this vendor's shared
+        quota (SPEC §13) ended as ``outcome`` (as for ``ended``), having taken ``cost`` tokens
+        if it was forwarded: ``ratelimit_class_requests_total`` and the share book /status
+        reads (telemetry/shares.py)."""
+        name = share.classes[klass]
+        cells = self._classes.get(name)
+        if cells is None:
+            if len(self._classes) >= _SERIES_MAX:
+                self._classes.clear()
+            cells = self._classes[name] = {}
+        cell = cells.get(outcome)
+        if cell is None:
+            cell = cells[outcome] = self._value(self._metrics.class_requests.labels(self.vendor, name, outcome))
+        if self._plain:  # (the value itself: see answered)
+            cell._value += 1
+        else:
+            cell.inc(1)
+        book = self._book
+        if book is None:
+            book = self._book = self._recent.share_book(self.vendor)
+        book.add(name, tenant, outcome, cost)
 
     def _endpoint(self, endpoint: str, outcome: str) -> Any:
         key = (endpoint, outcome)

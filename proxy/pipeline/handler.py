@@ -33,6 +33,7 @@ from proxy.pipeline.pacing import Paced, longest_window
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.pipeline.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.pipeline.responses import write_answer
+from proxy.pipeline.share_lines import ShareLines
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -94,6 +95,8 @@ class ProxyHandler:
         self.seats = Seats(deps.clock)
         """The tenant seats of vendors (``tenant.max_active``): the straight path takes them too."""
         self.kept = KeptSlots(deps.clock)
+        self.lines = ShareLines()
+        """Held requests waiting for their turn under ``share:`` (share_lines.py)."""
         """The slots kept for deferred calls, by call (kept_slots.py)."""
         self.lane = Lane(self)
         """The usual request's straight way through (lane.py), handing the rest to this handler."""
@@ -183,6 +186,7 @@ class ProxyHandler:
                 partition=match.partition,
                 taken=None if carried is None else carried.taken,
                 caller=Caller(request.kept_slots, request.method, request.target, request.headers, request.follows),
+                klass=match.klass,
             )
             await self._go(deps, request, responder, match, rec, admission, slot)
         finally:
@@ -226,20 +230,24 @@ class ProxyHandler:
         partition: str = "",
         taken: AcquireResult | StoreUnavailable | None = None,
         caller: Caller | None = None,
+        klass: int | None = None,
     ) -> Admission:
         """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
         touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
         leases, holding if the decision says so; returns the outcome to record once it is
         sent (forwarded or held), or raises the refusal. ``taken``: the store's answer
         already had (or why there was none), from the straight path. ``caller``: who asks,
-        so that a deferred call keeps its slot and its retry claims it (kept_slots.py)."""
+        so that a deferred call keeps its slot and its retry claims it (kept_slots.py).
+        ``klass``: under ``share:``, the class ``X-Quota-Priority`` named (None: the tenant's)."""
         limiter = deps.limiter
         seats = deps.policy.tenant.max_active
         if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
             self._seat(deps, vendor, tenant, seats)
         cost = 1.0 if endpoint is None else endpoint.cost
         enqueue = wish.action != "shed"
-        b = limiter.buckets(vendor, tenant, endpoint, partition)
+        b = limiter.buckets(vendor, tenant, endpoint, partition, klass)
+        if b.share is not None and vendor.share is not None:
+            rec.shared = (vendor.share, b.share.klass, cost)
         # A caller that defers comes back: its refusal keeps its slot (store.Reserve), which
         # its retry claims (kept_slots.py), or holds for when it asks to hold.
         call = caller.call(b.kept) if caller is not None and b.kept is not None else None
@@ -283,7 +291,74 @@ class ProxyHandler:
         if call is not None and caller is not None and (claim is not None or taken is not None):
             reserve = limiter.reserve(vendor, b) if result.reserved else None
             self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
-        return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition)
+        lined = 0.0
+        if b.share is not None and wish.action == "hold" and not result.granted and result.full < 0:
+            result, lined = await self._turn(deps, vendor, tenant, wish, slot, b, result, cost, endpoint, partition)
+        return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined)
+
+    async def _turn(
+        self,
+        deps: Deps,
+        vendor: Vendor,
+        tenant: str,
+        wish: Wish,
+        slot: Slot,
+        b: Buckets,
+        result: AcquireResult,
+        cost: float,
+        endpoint: Endpoint | None,
+        partition: str,
+    ) -> tuple[AcquireResult, float]:
+        """A hold under ``share:`` refused with its turn (SPEC §13): wait in the tenant's line
+        (share_lines.py) and ask again on the turn, until granted or ``max_hold`` is spent;
+        returns the last answer and the seconds waited. Nothing is taken while it waits."""
+        clock = deps.clock
+        start = clock.monotonic()
+        deadline = start + wish.max_hold
+        if result.wait > wish.max_hold:  # (not its deferral slot: the line spaces the tenant's holds)
+            return result, 0.0
+        limiter = deps.limiter
+        assert b.share is not None
+
+        def ask(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
+            return limiter.acquire(
+                vendor,
+                tenant,
+                max_wait,
+                cost,
+                enqueue=False,
+                endpoint=endpoint,
+                partition=partition,
+                leases=slot.leases,
+                buckets=b,
+            )
+
+        name = vendor.name
+        deps.held[name] = deps.held.get(name, 0) + 1
+        gauge = deps.metrics.held_now.labels(name)
+        gauge.inc()
+        try:
+            async with self.lines.first((b.state_key, b.share.klass, tenant), wish.max_hold) as first:
+                if not first:
+                    return result, clock.monotonic() - start
+                wait = result.wait if clock.monotonic() - start < 0.001 else 0.0  # (a turn just freed)
+                while True:
+                    left = deadline - clock.monotonic()
+                    if wait > left:
+                        return result, clock.monotonic() - start
+                    if wait > 0:
+                        await clock.sleep(wait)
+                    left = max(deadline - clock.monotonic(), 0.0)
+                    if slot.leases is None:
+                        result = await ask(left)
+                    else:
+                        result = await deps.concurrency.acquire(slot, Wish("hold", left), ask)
+                    if result.granted or result.full >= 0:
+                        return result, clock.monotonic() - start
+                    wait = result.retry_after
+        finally:
+            deps.held[name] -= 1
+            gauge.dec()
 
     async def _admitted(
         self,
@@ -298,8 +373,10 @@ class ProxyHandler:
         cost: float,
         endpoint: Endpoint | None,
         partition: str,
+        lined: float = 0.0,
     ) -> Admission:
-        """What the store's ``result`` makes of the request: refused (raised), held, or let go."""
+        """What the store's ``result`` makes of the request: refused (raised), held, or let go.
+        ``lined``: seconds it waited for its turn already (``_turn``)."""
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = b.all[result.binding]
@@ -322,12 +399,13 @@ class ProxyHandler:
         pace = Paced(b.vendor_side, deps.clock.monotonic() + wait, longest_window(vendor), room, cost)
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
+        waited = slot.waited + lined
         if isinstance(decision, Hold):
-            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, slot.waited)
+            await self._hold(deps, vendor, tenant, decision.wait, rec, cost, endpoint, partition, waited)
             return Admission("held", quota, pace)
-        if slot.waited:
-            rec.hold = slot.waited
-            deps.metrics.hold_seconds.labels(vendor.name).observe(slot.waited)
+        if waited:
+            rec.hold = waited
+            deps.metrics.hold_seconds.labels(vendor.name).observe(waited)
             return Admission("held", quota, pace)
         return Admission("forwarded", quota, pace)
 

@@ -500,6 +500,9 @@ class Flight:
             self._account("error", broken, status)
             return
         tally.relayed(route.counts, status, now - self.sent, charge.endpoint_name)
+        shared = charge.shared
+        if shared is not None:  # (share:) counted by class too
+            tally.shared(shared[0], shared[1], route.tenant, "forwarded", charge.cost)
         if route.log:
             cut = self.cut
             path = route.log_path if cut < 0 else quoted_path(self.request.target[cut:])

@@ -76,7 +76,11 @@ class Ledger:
             if rec.vendor is None:
                 deps.metrics.count_request(NO_VENDOR, tenant, rec.outcome)
             else:
-                deps.tally(rec.vendor).ended(tenant, rec.outcome, rec.endpoint)
+                tally = deps.tally(rec.vendor)
+                tally.ended(tenant, rec.outcome, rec.endpoint)
+                shared = rec.shared
+                if shared is not None:  # (share:) counted by class too
+                    tally.shared(shared[0], shared[1], tenant, rec.outcome, shared[2])
         if deps.policy.access_log:
             deps.access_log.emit(rec)
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from proxy.limiter.partitions import DEFAULT, partition_hash
 from proxy.names import default_port, format_origin, parse_authority
-from proxy.pipeline.refusals import Denied, Refusal
+from proxy.pipeline.refusals import BadRequest, Denied, Refusal
 from proxy.pipeline.target import RequestTarget
 from proxy.policy.model import Endpoint, Policy, Vendor
 from proxy.quota.endpoints import endpoint_for
 from proxy.quota.tenancy import NO_CLAIM, Claim, Tenancy
+from proxy.wire.headers import PRIORITY
 
 _MATCHES_MAX = 4096
 _KEY_MAX = 512
@@ -34,6 +35,9 @@ class Match:
     """The vendor's endpoint class the request belongs to (first match), None for none."""
     partition: str = DEFAULT
     """The hash of the vendor's partition header's value (partitions.py); "" = the default partition."""
+    klass: int | None = None
+    """Under ``share:`` (SPEC §13), the class ``X-Quota-Priority`` names (an index of the
+    vendor's classes); None: the tenant's class (or no share)."""
 
 
 class Router:
@@ -121,8 +125,19 @@ class Router:
             value = headers.get(vendor.partition.header)
             if value:  # absent or empty: the default partition
                 partition = partition_hash(value)
-        match = Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition)
-        if vendor.partition is None and len(target.path_qs) <= _KEY_MAX:
+        klass = None
+        share = vendor.share
+        if share is not None:
+            asked = headers.get(PRIORITY)
+            if asked is not None:
+                klass = share.class_of(tenant, asked.strip())
+                if klass is None:
+                    raise BadRequest(
+                        f"unknown {PRIORITY} {asked.strip()[:40]!r}: expected one of {', '.join(share.classes)}"
+                    )
+        match = Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition, klass)
+        # (Not kept when the request's own fields change it: a partition, a class.)
+        if vendor.partition is None and share is None and len(target.path_qs) <= _KEY_MAX:
             if len(self._matches) >= _MATCHES_MAX:
                 self._matches.clear()
             self._matches[(target, method, tenant)] = match

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from proxy.deps import Deps
     from proxy.limiter.buckets import Buckets
     from proxy.limiter.store import BucketSpec, StraightCall
-    from proxy.policy.model import Endpoint, Vendor
+    from proxy.policy.model import Endpoint, Share, Vendor
     from proxy.telemetry.accesslog import AccessRecord
     from proxy.wire.pool import Pool
     from proxy.wire.request import Request
@@ -102,6 +102,7 @@ class Charge:
         "line",
         "match",
         "partition",
+        "shared",
         "state_key",
         "tenant_count",
         "terms",
@@ -115,7 +116,12 @@ class Charge:
         self.match = match
         self.endpoint = endpoint
         self.partition = match.partition
-        self.b: Buckets = deps.limiter.buckets(vendor, match.tenant, endpoint, match.partition)
+        self.b: Buckets = deps.limiter.buckets(vendor, match.tenant, endpoint, match.partition, match.klass)
+        share = self.b.share
+        self.shared: tuple[Share, int] | None = (
+            None if share is None or vendor.share is None else (vendor.share, share.klass)
+        )
+        """Under ``share:``: the vendor's share and its requests' class (counted by class)."""
         self.tenant_count = self.b.tenant_count
         self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
         self.cost = 1.0 if endpoint is None else endpoint.cost

@@ -154,6 +154,43 @@ class Partition:
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """How a vendor's global buckets are divided among whoever is waiting (SPEC §13):
+    work-conserving, by tenant weight within a priority class, classes in order."""
+
+    weights: tuple[tuple[str, float], ...] = ()
+    """Per tenant (``weights:`` less its ``default`` key); unlisted tenants get ``default_weight``."""
+    default_weight: float = 1.0
+    classes: tuple[str, ...] = ("default",)
+    """Priority order, highest first (``classes:``; one class named ``default`` without it)."""
+    default_class: str = "default"
+    """A request's class when neither ``X-Quota-Priority`` nor ``tenant_class`` names one
+    (the lowest class when the YAML leaves it out)."""
+    tenant_class: tuple[tuple[str, str], ...] = ()
+    """A tenant's class when its request names none."""
+    min_share: float = 0.1
+    """Fraction of the quota a lower class with requests waiting always receives."""
+
+    def weight(self, tenant: str) -> float:
+        for name, weight in self.weights:
+            if name == tenant:
+                return weight
+        return self.default_weight
+
+    def class_of(self, tenant: str, asked: str | None = None) -> int | None:
+        """The index in ``classes`` of a request's class: ``asked`` (X-Quota-Priority, as
+        sent), else the tenant's, else ``default_class``; None when ``asked`` names no class."""
+        if asked is not None:
+            return self.classes.index(asked) if asked in self.classes else None
+        name = self.default_class
+        for who, cls in self.tenant_class:
+            if who == tenant:
+                name = cls
+                break
+        return self.classes.index(name)
+
+
+@dataclass(frozen=True, slots=True)
 class Vendor:
     name: str
     """The ``limiter`` label in metrics and the namespace of its store keys."""
@@ -191,6 +228,8 @@ class Vendor:
     """Requests in flight to this vendor at once, fleet-wide (leases); None: no cap."""
     partition: Partition | None = None
     """Keep the global and endpoint buckets per value of a request header; None: one quota."""
+    share: Share | None = None
+    """Divide the global buckets among waiting tenants and classes (SPEC §13); None: first come."""
 
 
 @dataclass(frozen=True, slots=True)

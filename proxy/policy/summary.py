@@ -11,7 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Connections, Endpoint, Feedback, Limit, Policy, TenantLimits, Vendor, format_number
+from proxy.policy.model import (
+    Connections,
+    Endpoint,
+    Feedback,
+    Limit,
+    Policy,
+    Share,
+    TenantLimits,
+    Vendor,
+    format_number,
+)
 from proxy.policy.values import mask_password
 from proxy.policy.worst_case import WorstCase, beyond, doubled, worst_cases
 
@@ -120,6 +130,7 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
     rows += [_row("endpoints" if i == 0 else "", text, indent) for i, text in enumerate(_endpoints(vendor))]
     tenants = _tenants(vendor.tenant_limits, vendor)
     rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(tenants)]
+    rows += [_row("share" if i == 0 else "", text, indent) for i, text in enumerate(_share(vendor.share))]
     on_limit = vendor.on_limit
     rows.append(_row("on_limit", f"{on_limit.action}, max_hold {format_duration(on_limit.max_hold)}", indent))
     rows.append(_row("feedback", _feedback(vendor.feedback), indent))
@@ -252,6 +263,47 @@ def _tenant_sustained(limits: tuple[Limit, ...], vendor: Vendor) -> str:
     own = min(limit.per_second for limit in limits)
     whole = min((limit.per_second for limit in vendor.limits), default=own)
     return f"; sustained {_rate(min(own, whole))}" + (" (the vendor's quota binds)" if whole < own else "")
+
+
+def _share(share: Share | None) -> list[str]:
+    """The classes in priority order, where a request without a class goes, and each listed
+    tenant's weight, class and fair share of its class when every listed tenant of the class
+    is waiting (SPEC §13); nothing without ``share``."""
+    if share is None:
+        return []
+    listed = [name for name, _ in share.weights]
+    listed += [name for name, _ in share.tenant_class if name not in listed]
+    if len(share.classes) == 1:
+        rows = [f"one class, {share.classes[0]}: tenants by weight, no priorities"]
+    else:
+        keeps = (
+            f"a lower class waiting keeps at least {_percent(share.min_share)} of the quota"
+            if share.min_share > 0
+            else "a lower class gets only what higher classes leave (min_share 0)"
+        )
+        rows = [f"classes {' > '.join(share.classes)}, highest first (X-Quota-Priority picks; unknown: 400)", keeps]
+    others = "other tenants" if listed else "every tenant"
+    rows.append(f"{others}: weight {format_number(share.default_weight)}, class {share.default_class}")
+    if not listed:
+        return rows
+    classes = {name: _class_index(share, name) for name in listed}
+    totals = [sum(share.weight(name) for name in listed if classes[name] == i) for i in range(len(share.classes))]
+    rows.append("fair share with every listed tenant of its class waiting:")
+    for name in sorted(listed, key=lambda name: classes[name]):  # by class, then as listed
+        cls = share.classes[classes[name]]
+        fair = _percent(share.weight(name) / totals[classes[name]])
+        rows.append(f"{name}: weight {format_number(share.weight(name))}, {cls} → {fair} of {cls}")
+    return rows
+
+
+def _class_index(share: Share, tenant: str) -> int:
+    index = share.class_of(tenant)
+    assert index is not None, "a tenant's own class is always one of the classes"
+    return index
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
 
 
 def _feedback(feedback: Feedback) -> str:

@@ -1,6 +1,7 @@
 """The ``vendors:`` section: each vendor's hosts, route, limits, tenant limits, answers
 when limited, feedback, CONNECT mode, timeouts, the dialect of the proxy's own answers, and
-its quota shapes (endpoint classes, concurrency cap, partition: built in ``shapes``).
+its quota shapes (endpoint classes, concurrency cap, partition: built in ``shapes``) and
+how its quota is shared among waiting tenants and priority classes (``share_policy``).
 
 Names, hosts and routes are claimed as they are read (``_Claims``), so a second vendor
 that reuses one is reported on its own line, naming the vendor that had it first.
@@ -35,6 +36,7 @@ from proxy.policy.model import (
     Vendor,
     format_number,
 )
+from proxy.policy.share_policy import build_share
 from proxy.policy.walker import CheckedMapping, Walk, is_null
 from proxy.policy.worst_case import beyond
 
@@ -46,7 +48,7 @@ _TIMEOUTS: Final = Timeouts()
 _VENDOR_KEYS: Final = (
     "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
     "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers", "endpoints", "concurrency",
-    "partition", "vendor_limit",
+    "partition", "vendor_limit", "share",
 )  # fmt: skip
 _TENANT_LIMITS_KEYS: Final = ("default", "overrides")
 _ON_LIMIT_KEYS: Final = ("action", "max_hold")
@@ -131,6 +133,7 @@ def _vendor(
         endpoints=m.section("endpoints", lambda w, n, p: shapes.build_endpoints(w, n, p, enclosing), ()),
         concurrency=cap,
         partition=m.section("partition", lambda w, n, p: shapes.build_partition(w, n, p, tenant.header), None),
+        share=m.section("share", lambda w, n, p: build_share(w, n, p, not _absent(m.node_of("limits"))), None),
     )
 
 

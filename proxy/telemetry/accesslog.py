@@ -13,7 +13,10 @@ import asyncio
 import json
 import time
 from json.encoder import encode_basestring_ascii
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
+
+if TYPE_CHECKING:
+    from proxy.policy.model import Share
 
 FLUSH_INTERVAL = 0.1  # seconds a line may wait in the buffer
 _MAX_BUFFERED = 256  # lines; a full buffer is written at once
@@ -103,6 +106,7 @@ class AccessRecord:
         "outcome",
         "partition",
         "path",
+        "shared",
         "status",
         "tenant",
         "upstream_status",
@@ -123,6 +127,9 @@ class AccessRecord:
         self.detail: str | None = None
         self.endpoint: str | None = None
         self.partition: str | None = None
+        self.shared: tuple[Share, int, float] | None = None
+        """Under ``share:``: the vendor's share, the request's class and cost (counted by
+        class when it ends, not logged)."""
 
     def line(self) -> str:
         """The record as one JSON line: exactly what ``json.dumps`` makes of ``fields``

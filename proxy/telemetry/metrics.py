@@ -187,6 +187,13 @@ class Metrics:
             ["limiter", "endpoint", "outcome"],
             registry=registry,
         )
+        self.class_requests = Counter(
+            "ratelimit_class_requests",
+            "Requests of a vendor with share: by priority class (SPEC §13) and outcome (each counted once, and "
+            "also in ratelimit_requests_total); class names are the policy's, so the labels are bounded.",
+            ["limiter", "class", "outcome"],
+            registry=registry,
+        )
         self.deferred = Counter(
             "ratelimit_deferred", "Requests answered 429 + Retry-After by the proxy.", ["limiter"], registry=registry
         )

@@ -1,12 +1,14 @@
 """Per-second event counts of the last minutes, for /status ("recent rates") and the live
 page's history (/status/history); the refusals of the last minute by reason and by tenant;
 the vendor's own signals (429s, blocks, drains) as timestamped events; readings (tokens,
-requests held, in flight) sampled once a second by the admin side (``gauge``).
+requests held, in flight) sampled once a second by the admin side (``gauge``); how a shared
+quota was divided (``share_book``: shares.py).
 
 A fixed ring of one-second slots per (vendor, event): O(1) per event, no timers. The
 rings of what the page graphs keep ``HISTORY_SECONDS``; the others a minute. Every memory
 here is bounded: rings per (vendor, event) of a fixed set of events, a ring per (vendor,
-reading), ``EVENTS_KEPT`` events per vendor, ``TENANTS_KEPT`` tenants per vendor.
+reading), ``EVENTS_KEPT`` events per vendor, ``TENANTS_KEPT`` tenants per vendor, a
+``ShareBook`` per vendor (bounded itself).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import deque
 from typing import Final, NamedTuple
 
 from proxy.clock import Clock
+from proxy.telemetry.shares import ShareBook
 
 _SLOTS: Final = 60
 """A minute: the rings nothing graphs (the refusals by reason)."""
@@ -143,6 +146,7 @@ class Recent:
         self._events: dict[str, deque[Event]] = {}
         self._tenants: dict[str, RefusedTenants] = {}
         self._gauges: dict[tuple[str, str], GaugeRing] = {}
+        self._shares: dict[str, ShareBook] = {}
 
     def add(self, vendor: str, event: str) -> None:
         self.ring(vendor, event).add(int(self._clock.monotonic()))
@@ -226,3 +230,12 @@ class Recent:
         ``TENANTS_KEPT`` counted)."""
         tenants = self._tenants.get(vendor)
         return [] if tenants is None else tenants.top(int(self._clock.monotonic()), n)
+
+    # -- a shared quota's division (SPEC §13) -----------------------------------------------
+
+    def share_book(self, vendor: str) -> ShareBook:
+        """``vendor``'s grants and waits by class and tenant (shares.py), made at its first use."""
+        book = self._shares.get(vendor)
+        if book is None:
+            book = self._shares[vendor] = ShareBook(self._clock)
+        return book

@@ -12,6 +12,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 ON_LIMIT = "X-Quota-On-Limit"
 MAX_HOLD = "X-Quota-Max-Hold"
+PRIORITY = "X-Quota-Priority"
 QUOTA_PREFIX = "x-quota-"
 
 ACTION = "X-Quota-Action"

@@ -15,7 +15,7 @@ import redis as sync_redis
 from proxy.clock import ManualClock
 from proxy.limiter import StoreUnavailable
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, StateGuard
+from proxy.limiter.store import AcquireResult, BlockResult, BucketSpec, Leases, LeaseSet, Reserve, ShareAsk, StateGuard
 from tests.conftest import RedisServer, free_port
 
 
@@ -56,10 +56,11 @@ class FlakyStore(MemoryStore):
         guard: StateGuard | None = None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> AcquireResult:
         await self._enter()
         self.acquires += 1
-        return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve)
+        return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share)
 
     def straight(
         self,
@@ -70,6 +71,7 @@ class FlakyStore(MemoryStore):
         guard: StateGuard,
         sets: tuple[LeaseSet, ...] = (),
         reserve: Reserve | None = None,
+        share: ShareAsk | None = None,
     ) -> None:
         return None  # every acquire through ``acquire``, where failures are injected
 

@@ -177,10 +177,11 @@ async def test_the_clock_is_redis_time_never_the_replicas(
         _, _sha, nkeys, *rest = entry["command"].split(b" ")
         argv = rest[int(nkeys) :]
         # ARGV is cost, max_wait, the queue flag, seq seen, the debt window, the bucket count,
-        # lease id and lease life, the claim and how slots are kept, then rate, burst and
-        # field per bucket: durations, rates, counts and names, nothing that could be a time.
-        assert argv[2:4] == [b"", b""] and argv[6] == b"" and argv[8:10] == [b"", b""] and argv[12] == b""
-        assert [float(x) for x in argv[:2] + argv[4:6] + argv[7:8] + argv[10:12]] == [
+        # lease id and lease life, the claim and how slots are kept, the share and its member,
+        # then rate, burst and field per bucket: durations, rates, counts and names, nothing
+        # that could be a time.
+        assert argv[2:4] == [b"", b""] and argv[6] == b"" and argv[8:12] == [b""] * 4 and argv[14] == b""
+        assert [float(x) for x in argv[:2] + argv[4:6] + argv[7:8] + argv[12:14]] == [
             1.0,
             0.0,
             0.0,

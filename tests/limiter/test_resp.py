@@ -82,7 +82,7 @@ def reference(
     """The command as RedisStore packed it before it kept parts packed."""
     sets = leases.sets if leases is not None else ()
     keys = [b.key for b in buckets] + [ls.key for ls in sets]
-    args: list[Any] = [cost, max_wait * 1000.0, "", "", 0.0, len(buckets), "", 0.0, "", ""]
+    args: list[Any] = [cost, max_wait * 1000.0, "", "", 0.0, len(buckets), "", 0.0, "", "", "", ""]
     if queue is not None:
         keys.append(queue)
         args[2] = "q"

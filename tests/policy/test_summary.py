@@ -261,3 +261,82 @@ vendors:
     (loaded,) = policy.warnings
     assert (loaded.line, loaded.path) == (12, "vendors[1].vendor_limit")
     assert "the fleet may send 16 requests in any 1s, more than the vendor's 14" in loaded.message
+
+
+def test_summary_shows_how_a_shared_quota_is_divided():
+    policy = parse_policy(
+        """\
+version: 1
+vendors:
+  - name: stripe
+    hosts: [api.stripe.com]
+    limits: [{rate: 100, per: 1s, burst: 20}]
+    share:
+      weights: {default: 2, acme: 4, beta: 1, gamma: 3}
+      classes: [checkout, batch]
+      default_class: batch
+      tenant_class: {acme: checkout, beta: checkout, delta: checkout}
+      min_share: 12.5%
+  - name: plain
+    hosts: [api.plain.example]
+    limits: [{rate: 1}]
+""",
+        "p.yaml",
+    )
+    lines = summarize(policy).splitlines()
+    start = lines.index("  tenants     default (none)")
+    # Listed tenants by class: acme 4, beta 1 and delta (the default weight, 2) share checkout.
+    assert lines[start + 1 : start + 10] == [
+        "  share       classes checkout > batch, highest first (X-Quota-Priority picks; unknown: 400)",
+        "              a lower class waiting keeps at least 12.5% of the quota",
+        "              other tenants: weight 2, class batch",
+        "              fair share with every listed tenant of its class waiting:",
+        "              acme: weight 4, checkout → 57.1% of checkout",
+        "              beta: weight 1, checkout → 14.3% of checkout",
+        "              delta: weight 2, checkout → 28.6% of checkout",
+        "              gamma: weight 3, batch → 100% of batch",
+        "  on_limit    hold, max_hold 500ms",
+    ]
+    plain = lines[lines.index("vendor plain") :]
+    assert not any(line.startswith("  share") for line in plain), "no share row without share"
+
+
+@pytest.mark.parametrize(
+    ("share", "rows"),
+    [
+        (
+            "{}",
+            [
+                "  share       one class, default: tenants by weight, no priorities",
+                "              every tenant: weight 1, class default",
+            ],
+        ),
+        (
+            "{weights: {acme: 4}}",
+            [
+                "  share       one class, default: tenants by weight, no priorities",
+                "              other tenants: weight 1, class default",
+                "              fair share with every listed tenant of its class waiting:",
+                "              acme: weight 4, default → 100% of default",
+            ],
+        ),
+        (
+            "{classes: [hi, lo], min_share: 0}",
+            [
+                "  share       classes hi > lo, highest first (X-Quota-Priority picks; unknown: 400)",
+                "              a lower class gets only what higher classes leave (min_share 0)",
+                "              every tenant: weight 1, class lo",
+            ],
+        ),
+    ],
+)
+def test_summary_of_a_share_without_tenants_or_classes(share: str, rows: list[str]) -> None:
+    text = summarize(
+        parse_policy(
+            f"version: 1\nvendors:\n  - {{name: a, hosts: [a.example], limits: [{{rate: 1}}], share: {share}}}\n",
+            "p.yaml",
+        )
+    )
+    lines = text.splitlines()
+    start = lines.index(rows[0])
+    assert lines[start : start + len(rows) + 1] == [*rows, "  on_limit    hold, max_hold 500ms"]

@@ -259,6 +259,7 @@
     article.append(quotaSection(v));
     article.append(requestsChart(v, past, quota));
     article.append(refusalsSection(v));
+    if (v.share && typeof v.share === "object") article.append(shareSection(v.share));
     article.append(eventsSection(past));
     article.append(readingCharts(v, c, past, tightest));
     if (v.endpoints !== undefined && v.endpoints !== null) article.append(generic("Endpoints", v.endpoints, "endpoints"));
@@ -406,6 +407,76 @@
       );
       box.append(el("p", { class: "sub-title" }, "Tenants refused most"), el("ol", { class: "tenants" }, ...items));
     }
+    return box;
+  }
+
+  // -- a shared quota (share:): each class's and each tenant's part, the last 10 s --------------
+
+  // A fraction as a percentage the test can read back (the raw value in data-value).
+  function fraction(name, value) {
+    return el("span", { "data-field": name, "data-value": num(value) === null ? "" : String(value) }, pct(value));
+  }
+
+  function waitingTag(waiting) {
+    return waiting ? el("span", { class: "tag wait", title: "had requests held, deferred or shed in the window" }, "waiting") : null;
+  }
+
+  function shareSection(sh) {
+    const window_s = num(sh.window_seconds) ?? 10;
+    const box = section("share", `Sharing the quota, last ${fmt(window_s)} s`);
+    const classes = Array.isArray(sh.classes) ? sh.classes : [];
+    const rows = classes.map((c, i) =>
+      el(
+        "tr",
+        { "data-class": String(c.name) },
+        el("td", {}, el("span", { class: "reason" }, String(c.name)), " ", waitingTag(c.waiting), el("small", {}, i === 0 ? "highest priority" : `priority ${i + 1}`)),
+        el("td", {}, field("share_class_rate", c.granted_per_second)),
+        el("td", {}, fraction("share_class_share", c.share)),
+        el("td", {}, c.min_share === null || c.min_share === undefined ? "—" : fraction("share_class_min", c.min_share)),
+      ),
+    );
+    const head = el(
+      "tr",
+      {},
+      el("th", {}, "class"),
+      el("th", { title: "tokens granted per second (requests/s when each costs 1)" }, "sent /s"),
+      el("th", { title: "its part of what the vendor's shared quota granted" }, "share"),
+      el("th", { title: "min_share: what a lower class with requests waiting always receives" }, "min share"),
+    );
+    box.append(el("div", { class: "scroll" }, el("table", { class: "share classes" }, el("thead", {}, head), el("tbody", {}, ...rows))));
+
+    const tenants = Array.isArray(sh.tenants) ? sh.tenants : [];
+    if (!tenants.length) {
+      box.append(el("p", { class: "muted", "data-field": "no_share_tenants" }, `No request of a shared class in the last ${fmt(window_s)} s.`));
+      return box;
+    }
+    const trows = tenants.map((t) => {
+      const ratio = num(t.ratio);
+      const meter = ratio === null ? null : el("meter", { min: "0", max: "1", low: "0.9", optimum: "1", value: String(Math.min(ratio, 1)) });
+      if (meter) meter.title = `${pct(ratio)} of its fair share`;
+      return el(
+        "tr",
+        { "data-share-tenant": String(t.tenant), "data-class": String(t.class) },
+        el("td", {}, el("code", {}, String(t.tenant)), " ", waitingTag(t.waiting), el("small", {}, `${t.class} · weight ${fmt(num(t.weight))}`)),
+        el("td", {}, field("share_tenant_rate", t.granted_per_second)),
+        el("td", {}, field("share_tenant_fair", t.fair_per_second)),
+        el("td", {}, fraction("share_tenant_ratio", t.ratio), meter),
+      );
+    });
+    const thead = el(
+      "tr",
+      {},
+      el("th", {}, "tenant"),
+      el("th", { title: "tokens granted per second" }, "sent /s"),
+      el("th", { title: "its class's rate × its weight ÷ the weights of the class's active tenants" }, "fair /s"),
+      el("th", { title: "sent ÷ fair share: below 100% matters while it is waiting" }, "of fair"),
+    );
+    const active = num(sh.active_tenants);
+    const title = active !== null && active > tenants.length ? `Tenants, the ${tenants.length} most active of ${fmt(active)}` : "Tenants";
+    box.append(
+      el("p", { class: "sub-title" }, title),
+      el("div", { class: "scroll" }, el("table", { class: "share tenants" }, el("thead", {}, thead), el("tbody", {}, ...trows))),
+    );
     return box;
   }
 
