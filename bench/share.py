@@ -71,6 +71,7 @@ from _common import (
     Fleet,
     Limit,
     Proc,
+    commandstats,
     cpu_seconds,
     dump_json,
     fetch_metrics,
@@ -81,6 +82,7 @@ from _common import (
     percentile,
     policy,
     run_main,
+    script_calls,
     unclean_exits,
     wait_cpu,
     watchdog,
@@ -102,7 +104,8 @@ TARGET_EXTRA_WAIT_S = 0.020  # C: checkout p99 <= 1/rate + this
 TARGET_CPU_RATIO = 1.10  # D
 HUGE = 1_000_000_000
 D_TENANTS = ("t1", "t2", "t5")
-HINT = "X-Quota-Retry-After-Ms"
+HINT_HEADERS = ("X-Quota-Retry-After-Ms", "retry-after-ms", "Retry-After")
+HINTS = list(HINT_HEADERS)  # the workers' order of preference; --hint-header puts one first
 
 _VENDOR_READY = re.compile(r"mock-vendor listening on http://([^\s]+)")
 
@@ -193,11 +196,11 @@ class Tally:
 
 
 def hint_seconds(headers: Mapping[str, str]) -> float:
-    for name, scale in ((HINT, 1e-3), ("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+    for name in HINTS:
         raw = headers.get(name)
         if raw is not None:
             with contextlib.suppress(ValueError):
-                return max(float(raw) * scale, 0.0)
+                return max(float(raw) * (1.0 if name == "Retry-After" else 1e-3), 0.0)
     return 1.0
 
 
@@ -345,6 +348,18 @@ async def drive(proxies: Sequence[str], groups: Sequence[Group], seconds: float)
     return tallies, t0
 
 
+async def idle_latency(proxies: Sequence[str], probe: Group, calls: int = 20, gap: float = 0.05) -> list[float]:
+    """``calls`` of ``probe``'s tenant one at a time, ``gap`` s apart (well inside the quota, so
+    nothing waits for a token), through the replicas in turn: sorted latencies, seconds."""
+    tally = Tally()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session:
+        for i in range(calls):
+            await job(session, proxies[i % len(proxies)], probe.tenant, probe.extra, tally, time.monotonic() + 10)
+            await asyncio.sleep(gap)
+    await asyncio.sleep(0.5)  # the bucket refills before the load
+    return sorted(lat for _, lat in tally.latencies[calls // 2 :])  # the first half warms the pools
+
+
 def run_async(coro: Any) -> Any:
     try:
         import uvloop
@@ -370,6 +385,7 @@ class Run:
     class_counts: dict[str, float]
     exits: list[int | None]
     window_max: int | None
+    idle: list[float] = field(default_factory=list)
 
     @property
     def end(self) -> float:
@@ -407,7 +423,10 @@ def run_once(
     share: list[str] | None,
     groups: Sequence[Group],
     seconds: float,
+    probe: Group | None = None,
 ) -> Run:
+    """``probe``: before the load, that tenant's calls one at a time through the idle proxy
+    (the hop's own latency, ``Run.idle``)."""
     redis = fleet.redis()
     vendor = start_vendor(fleet, args.vendor_window_limit)
     yaml = policy(
@@ -422,6 +441,7 @@ def run_once(
     procs: list[Proc] = []
     try:
         procs = [fleet.proxy(yaml, name=f"proxy{i}") for i in range(args.replicas)]
+        idle = run_async(idle_latency([p.url for p in procs], probe)) if probe is not None else []
         http_json(vendor.url + "/__share/reset", "POST")
         before = [fetch_metrics(p.admin_url) for p in procs]
         tallies, start = run_async(drive([p.url for p in procs], groups, seconds))
@@ -450,6 +470,7 @@ def run_once(
         class_counts={k: v for k, v in classes.items() if v},
         exits=exits,
         window_max=vstats.get("window_max"),
+        idle=idle,
     )
 
 
@@ -554,6 +575,12 @@ def scenario_b(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
             break
         s += 0.010
     others_last = max((v[-1] for t, v in run.accepted.items() if t != "t5" and v), default=None)
+    # once t1 and t2 have nothing waiting any more (their last held call has left)
+    t5_after_others = (
+        run.count("t5", others_last, others_last + VENDOR_WINDOW) / (VENDOR_WINDOW * q)
+        if others_last is not None and others_last + VENDOR_WINDOW <= run.end
+        else None
+    )
     lo = run.first_arrival() + WARMUP
     before_rate = run.count("t5", lo, stop) / max(stop - lo, 1e-9)
     after_rate = run.count("t5", stop + 1.0, run.end) / max(run.end - stop - 1.0, 1e-9)
@@ -570,6 +597,7 @@ def scenario_b(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
         "seconds_t5_alone": alone,
         "switch_s": None if switch is None else round(switch, 3),
         "others_last_arrival_after_stop_s": None if others_last is None else round(others_last - stop, 3),
+        "t5_pct_in_1s_after_others_last": None if t5_after_others is None else round(t5_after_others * 100, 2),
         "t5_pct_before_stop": round(before_rate / q * 100, 2),
         "t5_pct_after_first_second_alone": round(after_rate / q * 100, 2),
         "t5_per_100ms_from_0_5s_before_stop": bins,
@@ -588,7 +616,13 @@ def scenario_c(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
         Group("batch", BATCH_DEMAND * q, batch_workers, args.seconds),
     ]
     run = run_once(
-        fleet, args, action="hold", share=SHARE_CLASSES if share else None, groups=groups, seconds=args.seconds
+        fleet,
+        args,
+        action="hold",
+        share=SHARE_CLASSES if share else None,
+        groups=groups,
+        seconds=args.seconds,
+        probe=groups[0],
     )
     first = run.first_arrival()
     lo, hi = first + WARMUP, run.end
@@ -611,6 +645,10 @@ def scenario_c(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
             "p99": round(percentile(waits, 99) * 1000, 2) if waits else None,
             "max": round(waits[-1] * 1000, 2) if waits else None,
             "n": len(waits),
+        },
+        "checkout_idle_ms": {
+            "p50": round(percentile(run.idle, 50) * 1000, 2) if run.idle else None,
+            "max": round(run.idle[-1] * 1000, 2) if run.idle else None,
         },
         "checkout_deferred": checkout.deferred,
         "checkout_pct_of_quota": round(co * 100, 2),
@@ -659,7 +697,7 @@ def scenario_d(fleet: Fleet, args: argparse.Namespace, share_ok: bool) -> dict[s
     loads = {"free": Limit(HUGE, "1s", HUGE), "binding": Limit(args.d_rate, "1s", max(args.d_rate / 10, 1))}
     variants = ["share", "plain"] if share_ok else ["plain"]
     procs: dict[tuple[str, str], Proc] = {}
-    samples: dict[tuple[str, str], list[dict[str, float]]] = {}
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     try:
         db = 0
         for load, limit in loads.items():
@@ -684,11 +722,14 @@ def scenario_d(fleet: Fleet, args: argparse.Namespace, share_ok: bool) -> dict[s
                 order.reverse()
             for key in order:
                 proc = procs[key]
+                cmd0 = commandstats(redis.url)
                 cpu0 = cpu_seconds(proc.pid)
                 t0 = time.monotonic()
                 done, non2xx, errors = loadgens(fleet, proc, args.d_connections, args.d_seconds, load_cpu)
                 cpu = cpu_seconds(proc.pid) - cpu0
                 wall = time.monotonic() - t0
+                scripts, delta = script_calls(cmd0, commandstats(redis.url))
+                calls = sum(v for k, v in delta.items() if k not in ("info", "hello"))
                 if done == 0:
                     raise BenchError(f"D {key}: no request answered\n{proc.tail()}")
                 samples[key].append(
@@ -698,6 +739,9 @@ def scenario_d(fleet: Fleet, args: argparse.Namespace, share_ok: bool) -> dict[s
                         "proxy_core": cpu / wall,
                         "non2xx": non2xx,
                         "errors": errors,
+                        "scripts_per_request": scripts / done,
+                        "redis_calls_per_request": calls / done,
+                        "redis_commands": {k: round(v / done, 3) for k, v in sorted(delta.items())},
                     }
                 )
     finally:
@@ -715,8 +759,11 @@ def scenario_d(fleet: Fleet, args: argparse.Namespace, share_ok: bool) -> dict[s
                 "rps": round(statistics.median(s["rps"] for s in rounds), 1),
                 "proxy_core": round(statistics.median(s["proxy_core"] for s in rounds), 3),
                 "non2xx": sum(int(s["non2xx"]) for s in rounds),
+                "scripts_per_request": round(statistics.median(s["scripts_per_request"] for s in rounds), 3),
+                "redis_calls_per_request": round(statistics.median(s["redis_calls_per_request"] for s in rounds), 3),
                 "errors": sum(int(s["errors"]) for s in rounds),
                 "rounds_cpu_us": [round(s["cpu_us_per_request"], 1) for s in rounds],
+                "redis_commands_per_request_last_round": rounds[-1]["redis_commands"],
             }
         if "share" in row:
             row["ratio"] = round(row["share"]["cpu_us_per_request"] / row["plain"]["cpu_us_per_request"], 3)
@@ -810,9 +857,14 @@ def table_b(results: list[dict[str, Any]]) -> str | None:
             *(f"{r['t5_pct_after_first_second_alone']:.1f} %" for _, r in runs),
         ],
         [
-            "t1/t2's last arrival after the stop",
+            "t1/t2's last (held) call reached the vendor",
             "",
-            *(_f(r["others_last_arrival_after_stop_s"], "{:.2f}", " s") for _, r in runs),
+            *(_f(r["others_last_arrival_after_stop_s"], "{:.2f}", " s after the stop") for _, r in runs),
+        ],
+        [
+            "t5 in the 1 s after that",
+            f">= {TARGET_USED:.0%}",
+            *(_f(r["t5_pct_in_1s_after_others_last"], "{:.1f}", " %") for _, r in runs),
         ],
         ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for _, r in runs)],
     ]
@@ -833,6 +885,11 @@ def table_c(results: list[dict[str, Any]]) -> str | None:
             *(f"{_f(r['checkout_wait_ms']['p50'])} / {_f(r['checkout_wait_ms']['p99'])} ms" for _, r in runs),
         ],
         ["checkout wait max", "", *(f"{_f(r['checkout_wait_ms']['max'])} ms" for _, r in runs)],
+        [
+            "checkout alone through the idle proxy p50 / max",
+            "",
+            *(f"{_f(r['checkout_idle_ms']['p50'])} / {_f(r['checkout_idle_ms']['max'])} ms" for _, r in runs),
+        ],
         ["checkout requests deferred", "0", *(str(r["checkout_deferred"]) for _, r in runs)],
         ["checkout: % of quota", f"{CHECKOUT_SHARE:.0%}", *(f"{r['checkout_pct_of_quota']:.1f} %" for _, r in runs)],
         ["batch: % of quota", f">= {MIN_SHARE:.0%}", *(f"{r['batch_pct_of_quota']:.1f} %" for _, r in runs)],
@@ -853,6 +910,7 @@ def table_d(results: list[dict[str, Any]]) -> str | None:
         f"share/plain (per round) <= {TARGET_CPU_RATIO:g}",
         "req/s share/plain",
         "non-2xx share/plain",
+        "EVALSHA/req (Redis commands/req) share / plain",
     ]
     rows = []
     for load in ("free", "binding"):
@@ -866,6 +924,10 @@ def table_d(results: list[dict[str, Any]]) -> str | None:
                 f"{x['ratio']:.3f} ({x['ratio_paired_median']:.3f})" if "ratio" in x else "-",
                 f"{share['rps']:.0f} / {x['plain']['rps']:.0f}" if share else f"- / {x['plain']['rps']:.0f}",
                 f"{share['non2xx']} / {x['plain']['non2xx']}" if share else f"- / {x['plain']['non2xx']}",
+                " / ".join(
+                    f"{v['scripts_per_request']:.2f} ({v['redis_calls_per_request']:.1f})" if v else "-"
+                    for v in (share, x["plain"])
+                ),
             ]
         )
     return ltable(rows, header)
@@ -975,6 +1037,12 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     )
     p.add_argument("--replicas", type=int, default=2, help="proxy replicas sharing Redis (default 2)")
     p.add_argument("--workers", type=int, default=30, help="workers per tenant (default 30; batch in C gets 5/3 of it)")
+    p.add_argument(
+        "--hint-header",
+        choices=HINT_HEADERS,
+        default=HINT_HEADERS[0],
+        help="the proxy's retry hint the workers sleep on a defer (default X-Quota-Retry-After-Ms, the real wait)",
+    )
     p.add_argument("--store-timeout", default="250ms", help="store.timeout (default 250ms: a busy 2-core box)")
     p.add_argument("--only", default="A,B,C,D", help="scenarios to run (default A,B,C,D)")
     p.add_argument("--no-baseline", action="store_true", help="skip the runs without share:")
@@ -990,6 +1058,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)  # stop the children by PID on a kill too, as on Ctrl-C
     if args.seconds < 5:
         p.error("--seconds must be at least 5")
+    HINTS.remove(args.hint_header)
+    HINTS.insert(0, args.hint_header)
     if args.vendor_window_limit is None:
         args.vendor_window_limit = math.floor(args.rate + args.burst)
     only = {s.strip().upper() for s in args.only.split(",") if s.strip()}

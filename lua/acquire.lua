@@ -101,7 +101,7 @@
 --                       one it may claim only once it has matured (else it is a new caller)
 -- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>" (ms, and how many of the buckets
 --                       are the tenant's own): refusals keep their slot; "" = they do not
--- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<g>"
+-- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<slack>:<g>"
 --                       (class 1-based, highest first; ms; g: the first global bucket), "" = no share
 -- ARGV[12]              the tenant's member in the share's sets, "<weight>|<tenant>"
 -- ARGV[10 + 3i]         rate of bucket i, tokens per ms
@@ -153,15 +153,16 @@ end
 
 local share = nil -- SPEC §13: this request's place in the vendor's schedule (see "Share")
 if ARGV[11] ~= '' then
-  local c, k, w, ms, h, tau, grace, cgrace, g = string.match(ARGV[11],
-    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
+  local c, k, w, ms, h, tau, grace, cgrace, slack, g = string.match(ARGV[11],
+    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
   k = tonumber(k)
   local base = #KEYS - 2 - 2 * k
   if ARGV[4] ~= '' then
     base = base - 1
   end
   share = {c = tonumber(c), k = k, w = tonumber(w), min = tonumber(ms), horizon = tonumber(h),
-    tau = tonumber(tau), grace = tonumber(grace), cgrace = tonumber(cgrace), g = tonumber(g),
+    tau = tonumber(tau), grace = tonumber(grace), cgrace = tonumber(cgrace), slack = tonumber(slack),
+    g = tonumber(g),
     member = ARGV[12], hash = KEYS[base + 1], exp = KEYS[base + 2], waiting = {}, tags = {}}
   for i = 1, k do
     share.waiting[i] = KEYS[base + 2 + i]
@@ -326,7 +327,8 @@ end
 -- Share (SPEC §13): the vendor's global buckets divided among whoever is waiting. A
 -- tenant waits in its class with a tag (start-time fair queuing): each grant moves its tag
 -- on by cost / weight, and a tenant may take only while its tag is at most one of its own
--- requests ahead of the lowest tag of its class's waiting tenants; so over any stretch the
+-- requests (or `slack` ms of the quota, if more) ahead of the lowest tag of its class's
+-- waiting tenants (one a few ms from asking again holds no one back); so over any stretch the
 -- tenants waiting receive in proportion to their weights, and whoever is alone (no one
 -- else waiting) receives everything. A tenant waits from a refusal (by the gate or a
 -- vendor-side bucket, never its own tenant bucket: its own cap is not the quota) until it
@@ -374,6 +376,9 @@ if share then
         if sh.w[i] <= 1e-9 or redis.call('ZCARD', share.waiting[i]) == 0 then
           sh.w[i] = 0
           redis.call('DEL', share.waiting[i], share.tags[i])
+        else -- a tag below the lowest waiting one counts as that one: not kept (tenants sprayed)
+          local low = redis.call('ZRANGE', share.waiting[i], 0, 0, 'WITHSCORES')
+          redis.call('ZREMRANGEBYSCORE', share.tags[i], '-inf', '(' .. low[2])
         end
       end
     end
@@ -426,7 +431,7 @@ if share then
   if share.V then
     local f = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or share.V
     share.F = math.max(f, share.V)
-    local ahead = share.F - share.V - cost / share.w
+    local ahead = share.F - share.V - math.max(cost, rate * share.slack) / share.w
     if ahead > 0 then -- the tenants behind it take theirs first
       local behind = ahead * sh.w[c] / math.max(class_rate, 1e-9)
       if gate_ok then
@@ -457,20 +462,25 @@ local function share_granted(held_for)
   end
 end
 
+local function share_load() -- its tag, when no one of its class was waiting (not read then)
+  if not share.V then
+    share.F = tonumber(redis.call('ZSCORE', share.tags[share.c], share.member)) or 0
+  end
+end
+
+-- It waits: in its class's waiting set by its tag, until it is expected back.
 local function share_waits(retry, kept) -- (kept: a slot is kept for it, it comes back then)
   local c = share.c
-  if not share.V then
-    share.F = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or 0
-  end
-  local tag = string.format('%.6f', share.F)
-  if redis.call('ZADD', share.waiting[c], 'GT', tag, share.member) == 1 then
-    sh.w[c] = sh.w[c] + share.w
-  end
-  redis.call('ZADD', share.tags[c], 'GT', tag, share.member)
+  share_load()
   local back = math.max(retry, 0)
   if not kept then
     back = math.min(back, share.tau)
   end
+  if redis.call('ZSCORE', share.waiting[c], share.member) == false then
+    sh.w[c] = sh.w[c] + share.w
+  end
+  redis.call('ZADD', share.waiting[c], string.format('%.6f', share.F), share.member)
+  redis.call('ZADD', share.tags[c], 'GT', string.format('%.6f', share.F), share.member)
   local ends = now + back + share.grace
   redis.call('ZADD', share.exp, 'GT', string.format('%.3f', ends), c .. '|' .. share.member)
   if not sh.x or ends < sh.x then
@@ -483,6 +493,18 @@ local function share_waits(retry, kept) -- (kept: a slot is kept for it, it come
     redis.call('PEXPIRE', key, 60000)
   end
   sh.dirty = true
+end
+
+local function share_leaves() -- held by its own limit (or its endpoint's), not by the quota
+  local c = share.c
+  if sh.w[c] > 0 and redis.call('ZREM', share.waiting[c], share.member) == 1 then
+    redis.call('ZREM', share.exp, c .. '|' .. share.member)
+    sh.w[c], sh.dirty = sh.w[c] - share.w, true
+    if sh.w[c] <= 1e-9 then
+      sh.w[c] = 0
+      redis.call('DEL', share.waiting[c], share.tags[c])
+    end
+  end
 end
 
 local function share_flush()
@@ -683,6 +705,12 @@ elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, sha
   count_grant()
   if share then
     share_granted(wait)
+    for i = 1, share.g - 1 do -- its own limit (or its endpoint's) holds its next: it waits on that
+      if levels[i] < cost then
+        share_leaves()
+        break
+      end
+    end
   end
 elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
   -- Refused, the slot kept: taken as a hold's, claimed when the caller comes back. When
@@ -700,9 +728,11 @@ elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
   end
   count_grant()
   if share then -- its turn, taken; it waits for it, as a tenant refused does
-    share_waits(wait, true)
+    share_load()
     share.V = share.V or share.F
     share_granted(wait)
+    share.F = share.F + cost / share.w
+    share_waits(wait, true)
   end
 else
   if refunded then
@@ -727,13 +757,15 @@ else
       hint = tail
     end
     local step = cost / rates[binding]
-    if share and gate_step and binding >= share.g then
+    if share and gate_step and not gate_ok then -- (its turn under its share: its fair interval)
       step = gate_step
     end
     redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
   end
   if share and full == 0 and (not gate_ok or binding >= share.g) then
     share_waits(hint, false)
+  elseif share and full == 0 then
+    share_leaves()
   end
 end
 if share then

@@ -27,6 +27,7 @@ TARGET = "http://api.payments.example/v1/charges"
 VENDOR = 40  # the vendor's quota: at most 40 in any 1-s window
 RATE = 36  # the policy's: 36/s burst 4, never more than 40 in a second
 WEIGHTS = "weights: {default: 1, t2: 2, t5: 5}"
+CLASSES = "classes: [checkout, batch], default_class: batch, min_share: 10%"
 
 
 @pytest.fixture
@@ -50,15 +51,21 @@ async def _proxies(
     return [await start_proxy(policy) for _ in range(1 if store == "memory://" else 2)]
 
 
-async def _flood(proxies: list[Any], tenants: dict[str, int], seconds: float, since: float = 0.0) -> Counter[str]:
+async def _flood(
+    proxies: list[Any],
+    tenants: dict[str, int],
+    seconds: float,
+    since: float = 0.0,
+    stop: dict[str, float] | None = None,
+) -> Counter[str]:
     """``tenants[t]`` workers per tenant, each calling without pause (a deferral: again after
-    its retry-after-ms) for ``seconds``; returns the outcomes of the calls answered from
-    ``since`` seconds on (the first second is the fleet's start)."""
+    its retry-after-ms) for ``seconds`` (tenant t: ``stop[t]``); returns the outcomes of the
+    calls answered from ``since`` seconds on (the first second is the fleet's start)."""
     seen: Counter[str] = Counter()
     start = time.monotonic()
-    end = start + seconds
 
     async def worker(t: str, i: int) -> None:
+        end = start + (seconds if stop is None else stop.get(t, seconds))
         async with aiohttp.ClientSession() as s:
             while time.monotonic() < end:
                 async with s.get(TARGET, proxy=proxies[i % len(proxies)].url, headers={"X-Tenant-Id": t}) as r:
@@ -80,34 +87,73 @@ def _shares(seen: Counter[str]) -> dict[str, float]:
     return {t: n / total for t, n in served.items()}
 
 
-@pytest.fixture(params=["memory://", "redis"])
-def store(request: pytest.FixtureRequest) -> str:
+def _store(request: pytest.FixtureRequest, which: str) -> str:
     """One replica on memory://, or two replicas on one Redis."""
-    return "memory://" if request.param == "memory://" else str(request.getfixturevalue("redis_url"))
+    return "memory://" if which == "memory" else str(request.getfixturevalue("redis_url"))
 
 
-@pytest.mark.parametrize("on_limit", ["{action: hold, max_hold: 1s}", "{action: defer}"])
-@pytest.mark.parametrize("share", [WEIGHTS, None], ids=["share", "first-come"])
+HOLD, DEFER = "{action: hold, max_hold: 1s}", "{action: defer}"
+
+
+@pytest.mark.parametrize(
+    ("which", "on_limit", "share"),
+    [
+        ("memory", HOLD, WEIGHTS),
+        ("memory", DEFER, WEIGHTS),
+        ("redis", HOLD, WEIGHTS),
+        ("redis", DEFER, WEIGHTS),
+        ("memory", HOLD, None),  # the same without share: each tenant gets about a third
+        ("redis", DEFER, None),
+    ],
+    ids=["memory-hold", "memory-defer", "redis-hold", "redis-defer", "first-come-hold", "first-come-defer"],
+)
 async def test_weights_divide_the_quota(
-    window_vendor: VendorProcess, start_proxy: Any, store: str, on_limit: str, share: str | None
+    window_vendor: VendorProcess,
+    start_proxy: Any,
+    request: pytest.FixtureRequest,
+    which: str,
+    on_limit: str,
+    share: str | None,
 ) -> None:
+    store = _store(request, which)
     proxies = await _proxies(start_proxy, window_vendor, store, share, on_limit)
     began = time.monotonic()
-    seen = await _flood(proxies, {"t1": 6, "t2": 6, "t5": 6}, 5.0, since=1.5)
+    seen = await _flood(proxies, {"t1": 6, "t2": 6, "t5": 6}, 4.5, since=1.5)
     stats = await window_vendor.stats()
     shares = _shares(seen)
     print(f"{store} {on_limit} share={share}: shares {shares}; {seen}")
     assert not [t for t in stats["rejections"] if t > began + 1.0]
-    accepted = sum(1 for t in stats["arrivals"] if began + 1.5 <= t <= began + 5.0)
-    assert accepted >= 0.9 * RATE * 3.5, accepted  # the quota is spent
+    accepted = sum(1 for t in stats["arrivals"] if began + 1.5 <= t <= began + 4.5)
+    assert accepted >= 0.9 * RATE * 3.0, accepted  # the quota is spent
     weighted = all(abs(shares.get(t, 0) - w / 8) <= 0.05 for t, w in (("t1", 1), ("t2", 2), ("t5", 5)))
     assert weighted == (share is not None), shares  # a first-come limiter gives each about a third
 
 
-@pytest.mark.parametrize("share", ["classes: [checkout, batch], default_class: batch, min_share: 10%", None])
-async def test_checkout_goes_before_a_batch_flood(
-    window_vendor: VendorProcess, start_proxy: Any, store: str, share: str | None
+@pytest.mark.parametrize(
+    ("which", "on_limit"), [("memory", HOLD), ("redis", DEFER)], ids=["memory-hold", "redis-defer"]
+)
+async def test_the_one_left_takes_the_whole_quota_within_a_second(
+    window_vendor: VendorProcess, start_proxy: Any, request: pytest.FixtureRequest, which: str, on_limit: str
 ) -> None:
+    store = _store(request, which)
+    proxies = await _proxies(start_proxy, window_vendor, store, WEIGHTS, on_limit)
+    began = time.monotonic()
+    seen = await _flood(proxies, {"t1": 6, "t2": 6, "t5": 6}, 4.5, stop={"t1": 2.0, "t2": 2.0})
+    arrivals = (await window_vendor.stats())["arrivals"]
+    alone = sum(1 for t in arrivals if began + 3.0 <= t < began + 4.5)  # from 1 s after they stopped
+    print(f"{store} {on_limit}: t5 alone {alone / 1.5:.1f}/s of {RATE}; {seen}")
+    assert alone >= 0.9 * RATE * 1.5, alone
+
+
+@pytest.mark.parametrize(
+    ("which", "share"),
+    [("memory", CLASSES), ("redis", CLASSES), ("redis", None)],
+    ids=["memory", "redis", "first-come"],
+)
+async def test_checkout_goes_before_a_batch_flood(
+    window_vendor: VendorProcess, start_proxy: Any, request: pytest.FixtureRequest, which: str, share: str | None
+) -> None:
+    store = _store(request, which)
     proxies = await _proxies(start_proxy, window_vendor, store, share, "{action: hold, max_hold: 1s}")
     began = time.monotonic()
     waits: list[float] = []

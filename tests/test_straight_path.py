@@ -74,6 +74,9 @@ STRAIGHT: dict[str, dict[str, str]] = {
         "tenant_limits": "tenant_limits: {default: [{rate: 500, per: 1s}]}",
     },
     "local shares": {"store": "redis", "store_timeout": "250ms, on_failure: local"},
+    "share: weights and classes (X-Quota-Priority)": {
+        "extra_vendor": "share: {weights: {default: 1, acme: 4}, classes: [checkout, batch], default_class: batch}"
+    },
     "proxy credentials": {
         "extra_top": "tenant: {from: proxy_auth, credentials: "
         "{acme: {sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b}}}"
@@ -96,6 +99,8 @@ def _policy(scripted: ScriptedVendor, redis_url: str, feature: dict[str, str]) -
 def _headers(feature: str) -> tuple[str, ...]:
     if feature == "proxy credentials":
         return ("Proxy-Authorization: Basic YWNtZTpzZWNyZXQ=",)  # acme:secret
+    if feature.startswith("share"):
+        return ("Authorization: Bearer sk_test_1", "X-Quota-Priority: checkout")
     return ("Authorization: Bearer sk_test_1",)
 
 
@@ -147,6 +152,11 @@ PARITY: dict[str, tuple[str, bytes]] = {
         "proxy credentials",
         _request("GET", ABSOLUTE, "Proxy-Authorization: Basic YWNtZTpzZWNyZXQ="),
     ),
+    "share, a class asked": (
+        "share: weights and classes (X-Quota-Priority)",
+        _request("GET", ABSOLUTE, "X-Quota-Priority: checkout"),
+    ),
+    "share, the tenant's class": ("share: weights and classes (X-Quota-Priority)", REQUESTS["plain GET"]),
     "Stripe-shaped, by route": (
         "Stripe-shaped",
         _request("GET", "/payments/v1/customers/search", "Authorization: Bearer sk_test_1", host="127.0.0.1"),

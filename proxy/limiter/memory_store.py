@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from proxy.clock import Clock
-from proxy.limiter.share_memory import Schedules, horizon
+from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
     AcquireResult,
     Answered,
@@ -257,10 +257,8 @@ class MemoryStore:
             if i >= tenants and need > vendor_wait:
                 vendor_wait = need
         # The vendor's schedule (share_memory.py; acquire.lua, "Share").
-        schedule = None if share is None else self._schedules.of(share, now)
-        gate = None
-        if share is not None and schedule is not None:
-            gate = Schedules.gate(schedule, share, cost, min(rates[share.first_global :]), now)
+        turn = None if share is None else Turn(self._schedules, share, cost, min(rates[share.first_global :]), now)
+        mine = turn is None or turn.gate.ok
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]
         full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
@@ -334,23 +332,22 @@ class MemoryStore:
             if refunded:
                 write()
             return refused(early, early, reserve.claim)
-        if (gate is None or gate.ok) and wait <= (max_wait if gate is None else horizon(gate, max_wait)) and full < 0:
+        if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             take(0, len(buckets))
             write()
             take_leases(now + wait)
             seq = counted_grant()
-            if gate is not None and share is not None and schedule is not None:
-                Schedules.granted(schedule, share, gate, cost, wait, now)
+            if turn is not None:
+                turn.granted(wait, levels[: turn.ask.first_global])
             return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
-        if reserve is not None and (gate is None or gate.ok) and full < 0 and wait <= reserve.horizon:
+        if reserve is not None and mine and full < 0 and wait <= reserve.horizon:
             tenant_bound = binding < tenants  # (acquire.lua: only the tenant's buckets, then)
             take(0, tenants if tenant_bound else len(buckets))
             write()
             member = keep(now + wait, "t" if tenant_bound else "a")
             seq = counted_grant()
-            if gate is not None and share is not None and schedule is not None:  # its turn, taken
-                Schedules.waits(schedule, share, gate, wait, now, kept=True)  # it waits for it
-                Schedules.granted(schedule, share, gate, cost, wait, now)
+            if turn is not None:
+                turn.kept(wait)
             return refused(wait, wait, member)
         if refunded:
             write()
@@ -358,15 +355,11 @@ class MemoryStore:
             assert leases is not None
             oldest = min(self._live(sets[full].key, now).values())
             return refused(wait, max(0.0, now - (oldest - leases.life)))
-        if gate is None or share is None or schedule is None:
+        if turn is None:
             return refused(wait, self._slot(queue, now, wait, cost / rates[binding]))
-        g0 = share.first_global
-        if not gate.ok and (gate.wait > wait or binding < 0):  # refused by the schedule: its turn
-            wait, binding = max(wait, gate.wait), g0
-        step = gate.step if gate.step is not None and binding >= g0 else cost / rates[binding]
+        wait, binding, step = turn.refused(wait, binding, cost / rates[binding])
         hint = self._slot(queue, now, wait, step)
-        if not gate.ok or binding >= g0:
-            Schedules.waits(schedule, share, gate, hint, now)
+        turn.refused_with(binding, hint)
         return refused(wait, hint)
 
     def _take_plain(

@@ -22,6 +22,9 @@ TAU: Final = 0.25
 """Seconds ahead, at most, that a refused tenant is expected back (its retry)."""
 GRACE: Final = 0.05
 """Seconds a refused tenant still counts as waiting after it was expected back."""
+SLACK: Final = 0.025
+"""Seconds of the quota a tenant may be ahead of the lowest waiting tag (at least one of its
+requests): one that is a few ms from asking again holds no one back."""
 CLASS_GRACE: Final = 0.01
 """Seconds a class still counts as busy after its refused request was expected back."""
 
@@ -56,5 +59,5 @@ def share_spec(ask: ShareAsk) -> str:
     """acquire.lua's ARGV[11] (its ARGV[12] is ``ask.member``)."""
     return (
         f"{ask.klass + 1}:{ask.classes}:{ask.weight:g}:{ask.min_share:g}:{HORIZON * 1000:g}:"
-        f"{TAU * 1000:g}:{GRACE * 1000:g}:{CLASS_GRACE * 1000:g}:{ask.first_global + 1}"
+        f"{TAU * 1000:g}:{GRACE * 1000:g}:{CLASS_GRACE * 1000:g}:{SLACK * 1000:g}:{ask.first_global + 1}"
     )

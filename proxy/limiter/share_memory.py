@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.limiter.share import CLASS_GRACE, GRACE, HORIZON, TAU
+from proxy.limiter.share import CLASS_GRACE, GRACE, HORIZON, SLACK, TAU
 from proxy.limiter.store import ShareAsk
 
 _LIFE = 60.0  # seconds a schedule nobody touched is kept (acquire.lua's PEXPIRE)
@@ -81,6 +81,9 @@ class Schedules:
                     s.weights[i] = 0.0
                     s.waiting[i].clear()
                     s.tags[i].clear()
+                else:  # a tag below the lowest waiting one counts as that one: not kept
+                    low = min(s.waiting[i].values())
+                    s.tags[i] = {m: tag for m, tag in s.tags[i].items() if tag >= low}
         return s
 
     @staticmethod
@@ -112,7 +115,7 @@ class Schedules:
             low = min(waiting.values())
             g.low = low
             g.tag = max(s.tags[c].get(ask.member, low), low)
-            ahead = g.tag - low - cost / ask.weight
+            ahead = g.tag - low - max(cost, rate * SLACK) / ask.weight
             if ahead > 0:
                 behind = ahead * s.weights[c] / max(class_rate, 1e-9)
                 g.wait = max(g.wait, behind)
@@ -129,35 +132,92 @@ class Schedules:
             s.credit[c] -= cost
         if wait > 0:  # a hold waits: its class is busy
             s.busy[c] = max(s.busy[c], now + wait + CLASS_GRACE)
-        if g.low is not None or ask.member in s.waiting[c]:
+        if g.low is not None:
             tag = g.tag + cost / ask.weight
             s.tags[c][ask.member] = tag
             if ask.member in s.waiting[c]:  # still waiting: its place moves on
                 s.waiting[c][ask.member] = tag
 
     @staticmethod
+    def load(s: Schedule, ask: ShareAsk, g: Gate) -> None:
+        """Its tag, when no one of its class was waiting (not read then)."""
+        if g.low is None:
+            g.tag = s.tags[ask.klass].get(ask.member, 0.0)
+
+    @staticmethod
     def waits(s: Schedule, ask: ShareAsk, g: Gate, retry: float, now: float, kept: bool = False) -> None:
-        """A refusal by the schedule or the vendor's quota: the tenant waits (acquire.lua's
-        ``share_waits``; ``kept``: a slot is kept for it, it comes back then)."""
+        """A refusal by the schedule or the vendor's quota: the tenant waits by its tag until
+        it is expected back (acquire.lua's ``share_waits``; ``kept``: a slot is kept for it,
+        it comes back then)."""
         c = ask.klass
         member = ask.member
-        tag = g.tag if g.low is not None else s.tags[c].get(member, 0.0)
-        g.tag = tag
+        Schedules.load(s, ask, g)
+        back = max(retry, 0.0) if kept else min(max(retry, 0.0), TAU)
         waiting = s.waiting[c]
         if member not in waiting:
-            waiting[member] = tag
             s.weights[c] += ask.weight
-        elif tag > waiting[member]:
-            waiting[member] = tag
-        if tag > s.tags[c].get(member, -1.0):
-            s.tags[c][member] = tag
-        back = max(retry, 0.0) if kept else min(max(retry, 0.0), TAU)
+        waiting[member] = g.tag
+        if g.tag > s.tags[c].get(member, -1.0):
+            s.tags[c][member] = g.tag
         key = (c, member)
         s.ends[key] = max(s.ends.get(key, 0.0), now + back + GRACE)
         s.busy[c] = max(s.busy[c], now + back + CLASS_GRACE)
 
+    @staticmethod
+    def leaves(s: Schedule, ask: ShareAsk) -> None:
+        """Refused by its own limit (or its endpoint's), not by the quota: not waiting on it."""
+        c = ask.klass
+        if s.waiting[c].pop(ask.member, None) is not None:
+            s.ends.pop((c, ask.member), None)
+            s.weights[c] -= ask.weight
+            if s.weights[c] <= 1e-9 or not s.waiting[c]:
+                s.weights[c] = 0.0
+                s.waiting[c].clear()
+                s.tags[c].clear()
 
-def horizon(gate: Gate, max_wait: float) -> float:
-    """How far ahead a grant under a share may be reserved, for a caller that holds
-    ``max_wait``: a request on credit (its class's min_share) as far as it holds."""
-    return max_wait if gate.on_credit else min(max_wait, HORIZON)
+
+class Turn:
+    """One request's dealings with its vendor's schedule, in the order the store's ``take``
+    meets them (acquire.lua's ``share_granted``, ``share_waits``, ``share_leaves``)."""
+
+    __slots__ = ("ask", "cost", "gate", "now", "schedule")
+
+    def __init__(self, schedules: Schedules, ask: ShareAsk, cost: float, rate: float, now: float) -> None:
+        """``rate``: the slowest of the vendor's global buckets, tokens per second."""
+        self.ask, self.cost, self.now = ask, cost, now
+        self.schedule = schedules.of(ask, now)
+        self.gate = Schedules.gate(self.schedule, ask, cost, rate, now)
+
+    def horizon(self, max_wait: float) -> float:
+        """How far ahead a grant may be reserved, for a caller that holds ``max_wait``: a
+        request on credit (its class's min_share) as far as it holds."""
+        return max_wait if self.gate.on_credit else min(max_wait, HORIZON)
+
+    def granted(self, wait: float, own: list[float]) -> None:
+        """Granted (``own``: its tenant's and endpoint's levels after the take)."""
+        Schedules.granted(self.schedule, self.ask, self.gate, self.cost, wait, self.now)
+        if any(level < self.cost for level in own):  # its own limit holds its next: it waits on that
+            Schedules.leaves(self.schedule, self.ask)
+
+    def kept(self, wait: float) -> None:
+        """A slot kept for it: its turn, taken; it waits for it as a tenant refused does."""
+        s, ask, g = self.schedule, self.ask, self.gate
+        Schedules.load(s, ask, g)
+        g.low = g.tag if g.low is None else g.low
+        Schedules.granted(s, ask, g, self.cost, wait, self.now)
+        g.tag += self.cost / ask.weight
+        Schedules.waits(s, ask, g, wait, self.now, kept=True)
+
+    def refused(self, wait: float, binding: int, step: float) -> tuple[float, int, float]:
+        """A refusal's wait, binding bucket and deferral step: its turn's, when the schedule refused."""
+        g = self.gate
+        if not g.ok and (g.wait > wait or binding < 0):
+            wait, binding = max(wait, g.wait), self.ask.first_global
+        return wait, binding, g.step if g.step is not None and not g.ok else step
+
+    def refused_with(self, binding: int, hint: float) -> None:
+        """Refused with ``hint``: waiting on the quota, or held by its own limit."""
+        if not self.gate.ok or binding >= self.ask.first_global:
+            Schedules.waits(self.schedule, self.ask, self.gate, hint, self.now)
+        else:
+            Schedules.leaves(self.schedule, self.ask)

@@ -127,6 +127,8 @@ class Lane:
         charge = route.charge
         if charge is None:
             charge = route.charge_of(request)
+            if charge is None:  # a class the share does not have: the general path refuses it
+                return None
         terms = charge.terms if request.on_limit is None and request.max_hold is None else charge.terms_for(request)
         if terms is None:  # a wish that cannot be read: the general path answers it
             return None

@@ -38,7 +38,7 @@ from proxy.pipeline.kept_slots import FOLLOW_UP
 from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import longest_window
 from proxy.pipeline.ratelimit_fields import RATELIMIT, request_limits
-from proxy.pipeline.refusals import Refusal
+from proxy.pipeline.refusals import BadRequest, Refusal
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.accesslog import ForwardedLine, quoted_path
@@ -183,6 +183,7 @@ class Route:
         "_classes",
         "_deps",
         "_method",
+        "_share",
         "answer_fields",
         "bodiless",
         "charge",
@@ -234,15 +235,19 @@ class Route:
         cap = deps.policy.tenant.max_active
         self.seats = cap if cap is not None and match.tenant not in deps.router.tenancy.named else None
         """The vendor's ``tenant.max_active`` when the tenant needs one of its seats (seats.py)."""
-        self._charges: dict[tuple[str | None, bytes], Charge] = {}
-        """By endpoint class and the partition field's value (b"": none)."""
+        self._charges: dict[tuple[str | None, bytes, bytes | None], Charge] = {}
+        """By endpoint class, the partition field's value (b"": none) and ``X-Quota-Priority``'s."""
         self._classes: dict[str, Endpoint | None] = {}
         """The endpoint class of each path (without its query) seen."""
         self.partition_header = None if vendor.partition is None else vendor.partition.header.lower().encode("latin-1")
         """The field whose value names the request's partition (None: the vendor has none)."""
         by_path = bool(vendor.endpoints) and cut >= 0
+        self._share = vendor.share if vendor.share is not None and len(vendor.share.classes) > 1 else None
+        """The vendor's share when a request may name its class (``X-Quota-Priority``)."""
         self.charge: Charge | None = (
-            None if by_path or vendor.partition is not None else Charge(deps, match, method, target_host)
+            None
+            if by_path or vendor.partition is not None or self._share is not None
+            else Charge(deps, match, method, target_host)
         )
         """What every request of the route is charged; None: it depends on the request (``charge_of``)."""
         # What the vendor is sent before and after the path, and the worker's own fields.
@@ -271,9 +276,11 @@ class Route:
         self.log_path = quoted_path(target_path) if cut < 0 else ""
         """The access log's ``path`` as JSON text, when ``cut`` is -1."""
 
-    def charge_of(self, request: Request) -> Charge:
-        """What ``request`` is charged: its endpoint class (by its path) and partition (by
-        its partition field's value), each worked out once per path and value."""
+    def charge_of(self, request: Request) -> Charge | None:
+        """What ``request`` is charged: its endpoint class (by its path), partition (by
+        its partition field's value) and, under a share, class (``X-Quota-Priority``), each
+        worked out once per path and value; None for a class the share does not have (the
+        general path refuses it)."""
         vendor = self.vendor
         endpoint = self.match.endpoint
         if vendor.endpoints and self.cut >= 0:
@@ -292,14 +299,20 @@ class Route:
                 if field.lower() == name:
                     value = found
                     break
-        key = (None if endpoint is None else endpoint.name, value)
+        priority = request.priority if self._share is not None else None
+        key = (None if endpoint is None else endpoint.name, value, priority)
         charge = self._charges.get(key)
         if charge is None:
+            klass = None
+            if priority is not None and self._share is not None:
+                klass = self._share.class_of(self.tenant, priority.decode("latin-1").strip())
+                if klass is None:
+                    return None
             if len(self._charges) >= CHARGES_MAX:  # partitions are the workers' credentials
                 self._charges.clear()
             # An empty value is the default partition, as an absent field is.
             partition = partition_hash(value.decode("latin-1")) if value else DEFAULT
-            match = dataclasses.replace(self.match, endpoint=endpoint, partition=partition)
+            match = dataclasses.replace(self.match, endpoint=endpoint, partition=partition, klass=klass)
             charge = self._charges[key] = Charge(self._deps, match, self._method, self.host)
         return charge
 
@@ -354,6 +367,8 @@ class Routes:
             else:
                 target = parse_tunneled_target(request, tunnel.host, tunnel.port)
                 match = deps.router.match(target, request.headers, tunnel.claim, method)
+        except BadRequest:
+            return None  # the general path refuses it; the next request of the key may be fine
         except Refusal:
             self._keep(key, None)  # the general path refuses it (and counts and logs the refusal)
             return None

@@ -273,8 +273,13 @@ class TenantSettings:
     one beyond it is deferred until a seat frees up. None: no bound."""
 
     def named(self, vendors: tuple[Vendor, ...]) -> frozenset[str]:
-        """The tenants the policy names: the default, every vendor's overrides, every credential."""
+        """The tenants the policy names: the default, every vendor's overrides and share
+        weights and classes (SPEC §13), every credential."""
         names = {tenant for vendor in vendors for tenant, _ in vendor.tenant_limits.overrides}
+        for vendor in vendors:
+            if vendor.share is not None:
+                names.update(tenant for tenant, _ in vendor.share.weights)
+                names.update(tenant for tenant, _ in vendor.share.tenant_class)
         names.update(tenant for tenant, _ in self.credentials)
         if self.default is not None:
             names.add(self.default)

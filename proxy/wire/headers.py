@@ -253,9 +253,11 @@ _HOP_BYTES: Final = frozenset(name.encode("latin-1") for name in HOP_BY_HOP)
 # ``PLAIN`` (forwarded as they came); the others the proxy reads, or drops, or both.
 PLAIN, HOST, LENGTH_FIELD, TRANSFER, EXPECT, CONNECTION_FIELD, HOP, QUOTA, TENANT = 0, 1, 2, 3, 4, 5, 6, 7, 8
 WISH_ACTION, WISH_HOLD = 9, 10  # X-Quota-On-Limit, X-Quota-Max-Hold: read, never forwarded
+WISH_CLASS = 11  # X-Quota-Priority (SPEC §13): read, never forwarded
 
 _ON_LIMIT_LOW: Final = ON_LIMIT.lower()
 _MAX_HOLD_LOW: Final = MAX_HOLD.lower()
+_PRIORITY_LOW: Final = PRIORITY.lower()
 _REQUEST_KINDS: dict[str, dict[bytes, int]] = {}
 """Per tenant header (lower case), what each request field name (as spelled) is."""
 
@@ -290,6 +292,8 @@ def learn_request_kind(kinds: dict[bytes, int], name: bytes, tenant_header: str)
         kind = WISH_ACTION
     elif low == _MAX_HOLD_LOW:
         kind = WISH_HOLD
+    elif low == _PRIORITY_LOW:
+        kind = WISH_CLASS
     elif low.startswith(QUOTA_PREFIX):
         kind = QUOTA
     elif low == tenant_header.lower():

@@ -25,6 +25,7 @@ from proxy.wire.headers import (
     THIS_HOP_VALUES,
     TRANSFER,
     WISH_ACTION,
+    WISH_CLASS,
     WISH_HOLD,
     learn_request_kind,
     only_this_hop,
@@ -189,7 +190,7 @@ class RequestParsing:
         # The fields the proxy reads (the first of each name counts, as a lookup by name
         # finds it; every one of those that frame the message) and whether any of them
         # needs the general request path.
-        host = tenant = expect = on_limit = max_hold = None
+        host = tenant = expect = on_limit = max_hold = priority = None
         hosts = 0
         lengths: list[bytes] = []
         transfers: list[bytes] = []
@@ -219,6 +220,9 @@ class RequestParsing:
             elif kind == WISH_HOLD:
                 if max_hold is None:
                     max_hold = value
+            elif kind == WISH_CLASS:
+                if priority is None:
+                    priority = value
             elif kind == QUOTA:
                 lean = False
         try:
@@ -243,6 +247,7 @@ class RequestParsing:
             req.tenant = tenant
             req.on_limit = on_limit
             req.max_hold = max_hold
+            req.priority = priority
             req.lines = b"".join(self._lines)
             if self._lane is not None and not self._serving and not self._queue and self.closed is False:
                 # Nothing before it on this connection: the straight path may take it now,

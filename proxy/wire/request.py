@@ -41,6 +41,7 @@ class Request:
         "max_hold",
         "method",
         "on_limit",
+        "priority",
         "raw",
         "raw_path",
         "tag",
@@ -87,7 +88,7 @@ class Request:
         self.lean = False
         """Nothing in the head needs the general request path (lane.py): no chunked body,
         no ``Expect``, no other hop's ``Connection`` options, no ``X-Quota-*`` but the
-        worker's wish (``on_limit``, ``max_hold``)."""
+        worker's wish (``on_limit``, ``max_hold``, ``priority``)."""
         self.kinds: dict[bytes, int] | None = None
         """The field classifier the head was read with (headers.request_kinds)."""
         self.host: bytes | None = None
@@ -100,6 +101,8 @@ class Request:
         """The first ``X-Quota-On-Limit`` field's value (a ``lean`` request's)."""
         self.max_hold: bytes | None = None
         """The first ``X-Quota-Max-Hold`` field's value (a ``lean`` request's)."""
+        self.priority: bytes | None = None
+        """The first ``X-Quota-Priority`` field's value (a ``lean`` request's)."""
 
     @property
     def fields(self) -> list[tuple[str, str]]:
@@ -198,6 +201,6 @@ def parsed_request(
     req.tag = tag
     req.lean = False
     req.kinds = None
-    req.host = req.tenant = req.on_limit = req.max_hold = None
+    req.host = req.tenant = req.on_limit = req.max_hold = req.priority = None
     req.lines = b""
     return req
