@@ -20,7 +20,7 @@ HORIZON: Final = 0.005
 """Seconds a grant under a share may be reserved ahead (the rest of a hold asks again)."""
 TAU: Final = 0.25
 """Seconds ahead, at most, that a refused tenant is expected back (its retry)."""
-GRACE: Final = 0.05
+GRACE: Final = 0.15
 """Seconds a refused tenant still counts as waiting after it was expected back."""
 SLACK: Final = 0.025
 """Seconds of the quota a tenant may be ahead of the lowest waiting tag (at least one of its

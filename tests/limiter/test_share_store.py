@@ -12,16 +12,30 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import pytest
 
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.share import SLACK, share_ask
 from proxy.limiter.store import BucketSpec, BucketStore, ShareAsk
 from proxy.policy.model import Share
 
 STATE = "test:{v}:state"
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIterator[BucketStore]:
+    """memory:// and Redis (its pipelined acquire: redis-py's sends the same script, and
+    test_store_contract.py holds the two Redis paths to one behaviour)."""
+    if request.param == "memory":
+        s: BucketStore = MemoryStore(clock)
+    else:
+        s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
+    yield s
+    await s.close()
 RATE = 400.0  # tokens/s: enough grants in a short real-time spell on Redis
 BURST = 4.0
 
