@@ -87,6 +87,7 @@ from _common import (
     wait_cpu,
     watchdog,
 )
+from herd import overruns, window_counts
 
 VENDOR_WINDOW = 1.0  # seconds: the vendor's sliding window
 WARMUP = 1.0  # seconds after a run's first vendor arrival left out of its rates
@@ -193,6 +194,7 @@ class Tally:
     other: Counter[str] = field(default_factory=Counter)
     latencies: list[tuple[float, float]] = field(default_factory=list)
     hints_ms: list[float] = field(default_factory=list)
+    defer_times: list[float] = field(default_factory=list)
 
 
 def hint_seconds(headers: Mapping[str, str]) -> float:
@@ -226,6 +228,7 @@ async def job(
             return
         if answer is not None and status == 429 and answer.get("X-Quota-Action"):
             tally.deferred += 1
+            tally.defer_times.append(time.monotonic())
             pause = hint_seconds(answer)
             tally.hints_ms.append(pause * 1000.0)
             reason = answer.get("X-Quota-Reason")
@@ -474,13 +477,36 @@ def run_once(
     )
 
 
-def common_figures(run: Run, quota: float) -> dict[str, Any]:
+def overrun_windows(run: Run, limit: int) -> list[dict[str, Any]]:
+    """herd.py's overrun episodes (a 1-s window at the vendor holding more than ``limit``
+    arrivals, refused ones included), each with the tenants of its fullest window."""
+    arrived = sorted(t for v in (*run.accepted.values(), *run.rejected.values()) for t in v)
+    refused = sorted(t for v in run.rejected.values() for t in v)
+    counts = window_counts(arrived, VENDOR_WINDOW)
+    episodes = overruns(arrived, counts, refused, limit, run.start)
+    for ep in episodes:
+        lo, hi = run.start + ep["from_s"], run.start + ep["to_s"]
+        fullest = max((i for i, t in enumerate(arrived) if lo <= t < hi), key=counts.__getitem__, default=None)
+        if fullest is not None:
+            w0 = arrived[fullest]
+            ep["fullest_at_s"] = round(w0 - run.start, 3)
+            ep["fullest_by_tenant"] = {
+                t: run.count(t, w0, w0 + VENDOR_WINDOW)
+                + sum(1 for x in run.rejected.get(t, []) if w0 <= x < w0 + VENDOR_WINDOW)
+                for t in sorted(set(run.accepted) | set(run.rejected))
+            }
+    return episodes
+
+
+def common_figures(run: Run, quota: float, limit: int) -> dict[str, Any]:
     first = run.first_arrival()
     forwarded = run.outcomes.get("forwarded", 0.0) + run.outcomes.get("held", 0.0)
     return {
         "vendor_429": run.vendor_429(),
         "vendor_429_after_1s": run.vendor_429(first + 1.0),
         "vendor_window_max": run.window_max,
+        "vendor_limit": limit,
+        "vendor_overruns": overrun_windows(run, limit),
         "proxy_outcomes": {k: int(v) for k, v in sorted(run.outcomes.items())},
         "defers_per_forwarded": run.outcomes.get("deferred", 0.0) / forwarded if forwarded else None,
         "class_requests": {k: int(v) for k, v in sorted(run.class_counts.items())},
@@ -488,6 +514,7 @@ def common_figures(run: Run, quota: float) -> dict[str, Any]:
             t: {
                 "ok": x.ok,
                 "deferred": x.deferred,
+                "deferred_from_2s": sum(1 for t in x.defer_times if t >= run.start + 2.0),
                 "vendor_429": x.vendor_429,
                 "errors": x.errors,
                 "abandoned": x.abandoned,
@@ -551,7 +578,7 @@ def scenario_a(fleet: Fleet, args: argparse.Namespace, action: str, share: bool)
         "worst_10s": None
         if worst is None
         else {"deviation_pp": round(worst[0], 2), "tenant": worst[1], "at_s": worst[2]},
-        **common_figures(run, q),
+        **common_figures(run, q, args.vendor_window_limit),
     }
 
 
@@ -601,7 +628,7 @@ def scenario_b(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
         "t5_pct_before_stop": round(before_rate / q * 100, 2),
         "t5_pct_after_first_second_alone": round(after_rate / q * 100, 2),
         "t5_per_100ms_from_0_5s_before_stop": bins,
-        **common_figures(run, q),
+        **common_figures(run, q, args.vendor_window_limit),
     }
 
 
@@ -654,7 +681,7 @@ def scenario_c(fleet: Fleet, args: argparse.Namespace, share: bool) -> dict[str,
         "checkout_pct_of_quota": round(co * 100, 2),
         "batch_pct_of_quota": round(batch * 100, 2),
         "used": round(co + batch, 4),
-        **common_figures(run, q),
+        **common_figures(run, q, args.vendor_window_limit),
     }
 
 
@@ -834,6 +861,9 @@ def table_a(results: list[dict[str, Any]]) -> str | None:
     rows.append(
         ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for r in runs)]
     )
+    rows.append(
+        ["most in any 1 s at the vendor", f"<= {runs[0]['vendor_limit']}", *(str(r["vendor_window_max"]) for r in runs)]
+    )
     rows.append(["proxy defers / forwarded", "", *(_f(r["defers_per_forwarded"], "{:.2f}") for r in runs)])
     return ltable(rows, header)
 
@@ -867,6 +897,11 @@ def table_b(results: list[dict[str, Any]]) -> str | None:
             *(_f(r["t5_pct_in_1s_after_others_last"], "{:.1f}", " %") for _, r in runs),
         ],
         ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for _, r in runs)],
+        [
+            "most in any 1 s at the vendor",
+            f"<= {runs[0][1]['vendor_limit']}",
+            *(str(r["vendor_window_max"]) for _, r in runs),
+        ],
     ]
     return ltable(rows, header)
 
@@ -895,6 +930,11 @@ def table_c(results: list[dict[str, Any]]) -> str | None:
         ["batch: % of quota", f">= {MIN_SHARE:.0%}", *(f"{r['batch_pct_of_quota']:.1f} %" for _, r in runs)],
         ["checkout + batch", f">= {TARGET_USED:.0%}", *(f"{r['used'] * 100:.1f} %" for _, r in runs)],
         ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for _, r in runs)],
+        [
+            "most in any 1 s at the vendor",
+            f"<= {runs[0][1]['vendor_limit']}",
+            *(str(r["vendor_window_max"]) for _, r in runs),
+        ],
     ]
     return ltable(rows, header)
 

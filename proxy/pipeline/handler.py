@@ -312,15 +312,12 @@ class ProxyHandler:
         """A hold under ``share:`` refused with its turn (SPEC §13): wait in the tenant's line
         (share_lines.py) and ask again on the turn, until granted or ``max_hold`` is spent;
         returns the last answer and the seconds waited. Nothing is taken while it waits."""
-        clock = deps.clock
-        start = clock.monotonic()
-        deadline = start + wish.max_hold
         if result.wait > wish.max_hold:  # (not its deferral slot: the line spaces the tenant's holds)
             return result, 0.0
         limiter = deps.limiter
         assert b.share is not None
 
-        def ask(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
+        def take(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
             return limiter.acquire(
                 vendor,
                 tenant,
@@ -333,29 +330,17 @@ class ProxyHandler:
                 buckets=b,
             )
 
+        def ask(max_wait: float) -> Awaitable[AcquireResult]:  # (a cap: its lease too, as a hold waits for one)
+            return (
+                take(max_wait) if slot.leases is None else deps.concurrency.acquire(slot, Wish("hold", max_wait), take)
+            )
+
         name = vendor.name
         deps.held[name] = deps.held.get(name, 0) + 1
         gauge = deps.metrics.held_now.labels(name)
         gauge.inc()
         try:
-            async with self.lines.first((b.state_key, b.share.klass, tenant), wish.max_hold) as first:
-                if not first:
-                    return result, clock.monotonic() - start
-                wait = result.wait if clock.monotonic() - start < 0.001 else 0.0  # (a turn just freed)
-                while True:
-                    left = deadline - clock.monotonic()
-                    if wait > left:
-                        return result, clock.monotonic() - start
-                    if wait > 0:
-                        await clock.sleep(wait)
-                    left = max(deadline - clock.monotonic(), 0.0)
-                    if slot.leases is None:
-                        result = await ask(left)
-                    else:
-                        result = await deps.concurrency.acquire(slot, Wish("hold", left), ask)
-                    if result.granted or result.full >= 0:
-                        return result, clock.monotonic() - start
-                    wait = result.retry_after
+            return await self.lines.turn((b.state_key, b.share.klass, tenant), deps.clock, wish.max_hold, result, ask)
         finally:
             deps.held[name] -= 1
             gauge.dec()

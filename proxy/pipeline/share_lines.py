@@ -14,8 +14,11 @@ forgotten when empty.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
+
+from proxy.clock import Clock
+from proxy.limiter.store import AcquireResult
 
 
 class ShareLines:
@@ -53,3 +56,31 @@ class ShareLines:
             users[0] -= 1
             if users[0] == 0 and self._lines.get(key) is entry:
                 del self._lines[key]
+
+    async def turn(
+        self,
+        key: Hashable,
+        clock: Clock,
+        max_hold: float,
+        result: AcquireResult,
+        ask: Callable[[float], Awaitable[AcquireResult]],
+    ) -> tuple[AcquireResult, float]:
+        """A hold refused with its turn (``result``): first of ``key``'s line, it asks again
+        (``ask``, with the hold time left) on each turn it is told, until granted (or a
+        concurrency cap is full) or ``max_hold`` is spent; returns the last answer and the
+        seconds it waited."""
+        start = clock.monotonic()
+        deadline = start + max_hold
+        async with self.first(key, max_hold) as first:
+            if not first:
+                return result, clock.monotonic() - start
+            wait = result.wait if clock.monotonic() - start < 0.001 else 0.0  # (a turn just freed: ask now)
+            while True:
+                if wait > deadline - clock.monotonic():
+                    return result, clock.monotonic() - start
+                if wait > 0:
+                    await clock.sleep(wait)
+                result = await ask(max(deadline - clock.monotonic(), 0.0))
+                if result.granted or result.full >= 0:
+                    return result, clock.monotonic() - start
+                wait = result.retry_after

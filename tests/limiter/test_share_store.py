@@ -36,6 +36,8 @@ async def store(request: pytest.FixtureRequest, clock: ManualClock) -> AsyncIter
         s = RedisStore(request.getfixturevalue("redis_url"), timeout=1.0)
     yield s
     await s.close()
+
+
 RATE = 400.0  # tokens/s: enough grants in a short real-time spell on Redis
 BURST = 4.0
 
