@@ -506,6 +506,9 @@ def common_figures(run: Run, quota: float, limit: int) -> dict[str, Any]:
         "vendor_429_after_1s": run.vendor_429(first + 1.0),
         "vendor_window_max": run.window_max,
         "vendor_limit": limit,
+        "vendor_per_second": [
+            sum(run.count(t, run.start + i, run.start + i + 1) for t in run.accepted) for i in range(int(run.seconds))
+        ],
         "vendor_overruns": overrun_windows(run, limit),
         "proxy_outcomes": {k: int(v) for k, v in sorted(run.outcomes.items())},
         "defers_per_forwarded": run.outcomes.get("deferred", 0.0) / forwarded if forwarded else None,
