@@ -271,11 +271,15 @@ class ProxyHandler:
                 owner=0.0 if caller is None else caller.owner,
             )
 
+        line = None if b.share is None or wish.action != "hold" else (b.state_key, b.share.klass, tenant)
+        joins = None if line is None or taken is not None else self.lines.waiting(line)
         try:
             if isinstance(taken, StoreUnavailable):
                 raise taken
             if taken is not None:
                 result = taken
+            elif joins is not None:  # its tenant's line holds requests: behind them, without asking
+                result = joins
             elif slot.leases is None:  # no cap: the tokens alone (what concurrency.acquire would do)
                 result = await attempt(wish.max_wait)
             else:
@@ -292,7 +296,7 @@ class ProxyHandler:
             reserve = limiter.reserve(vendor, b) if result.reserved else None
             self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
         lined = 0.0
-        if b.share is not None and wish.action == "hold" and not result.granted and result.full < 0:
+        if line is not None and not result.granted and result.full < 0:
             result, lined = await self._turn(deps, vendor, tenant, wish, slot, b, result, cost, endpoint, partition)
         return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined)
 

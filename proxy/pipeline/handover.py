@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from proxy.pipeline.decide import Admission
     from proxy.pipeline.kept_slots import KeptSlots
     from proxy.pipeline.match import Match
+    from proxy.pipeline.share_lines import ShareLines
     from proxy.quota.concurrency import Slot
     from proxy.quota.seats import Seats
     from proxy.wire.body import BodyBroken
@@ -54,6 +55,9 @@ class GeneralPath(Protocol):
 
     @property
     def kept(self) -> KeptSlots: ...
+
+    @property
+    def lines(self) -> ShareLines: ...
 
     def __call__(
         self,

@@ -6,7 +6,8 @@ refused with its turn asks again when the turn comes, so that a request of a hig
 or of a tenant further behind, arriving meanwhile, is served first. If every held request
 of a tenant asked again at its turn, a tenant with forty waiting would send forty asks per
 grant, all but one refused; so only the first of the tenant's line on this replica asks,
-and the next one asks as soon as the one before it is granted (or gives up). The line is
+and the next one asks as soon as the one before it is granted (or gives up); a hold that
+comes while its line holds anyone joins it without asking (``waiting``). The line is
 FIFO (``asyncio.Lock`` wakes its waiters in order), one per (state, class, tenant),
 forgotten when empty.
 """
@@ -14,8 +15,7 @@ forgotten when empty.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Hashable
 
 from proxy.clock import Clock
 from proxy.limiter.store import AcquireResult
@@ -25,37 +25,17 @@ class ShareLines:
     """The lines of one replica's held requests under a share, by (state key, class, tenant)."""
 
     def __init__(self) -> None:
-        self._lines: dict[Hashable, tuple[asyncio.Lock, list[int]]] = {}
+        self._lines: dict[Hashable, _Line] = {}
 
     def __len__(self) -> int:
         return len(self._lines)
 
-    @asynccontextmanager
-    async def first(self, key: Hashable, within: float) -> AsyncIterator[bool]:
-        """Wait to be the first of ``key``'s line for at most ``within`` seconds: yields
-        whether it is (False: the time ran out in the line, nothing to ask)."""
-        entry = self._lines.get(key)
-        if entry is None:
-            entry = self._lines[key] = (asyncio.Lock(), [0])
-        lock, users = entry
-        users[0] += 1
-        first = False
-        try:
-            try:
-                async with asyncio.timeout(within):
-                    await lock.acquire()
-                first = True
-            except TimeoutError:
-                pass
-            try:
-                yield first
-            finally:
-                if first:
-                    lock.release()
-        finally:
-            users[0] -= 1
-            if users[0] == 0 and self._lines.get(key) is entry:
-                del self._lines[key]
+    def waiting(self, key: Hashable) -> AcquireResult | None:
+        """The last answer the first of ``key``'s line had, while the line holds anyone:
+        a new hold of the line joins it without asking the store (it would be refused, or
+        served before those of its own tenant that came first); None: no line."""
+        line = self._lines.get(key)
+        return None if line is None or not line.lock.locked() else line.last
 
     async def turn(
         self,
@@ -65,22 +45,53 @@ class ShareLines:
         result: AcquireResult,
         ask: Callable[[float], Awaitable[AcquireResult]],
     ) -> tuple[AcquireResult, float]:
-        """A hold refused with its turn (``result``): first of ``key``'s line, it asks again
-        (``ask``, with the hold time left) on each turn it is told, until granted (or a
-        concurrency cap is full) or ``max_hold`` is spent; returns the last answer and the
-        seconds it waited."""
+        """A hold refused with its turn (``result``): first of ``key``'s line (waiting for
+        those before it at most ``max_hold``), it asks again (``ask``, with the hold time
+        left) on each turn it is told, until granted (or a concurrency cap is full) or
+        ``max_hold`` is spent; returns the last answer and the seconds it waited."""
         start = clock.monotonic()
         deadline = start + max_hold
-        async with self.first(key, max_hold) as first:
-            if not first:
-                return result, clock.monotonic() - start
-            wait = result.wait if clock.monotonic() - start < 0.001 else 0.0  # (a turn just freed: ask now)
-            while True:
-                if wait > deadline - clock.monotonic():
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = _Line(result)
+        lock = line.lock
+        line.users += 1
+        try:
+            wait = result.wait
+            if lock.locked():
+                try:
+                    async with asyncio.timeout(max_hold):
+                        await lock.acquire()
+                except TimeoutError:
                     return result, clock.monotonic() - start
-                if wait > 0:
-                    await clock.sleep(wait)
-                result = await ask(max(deadline - clock.monotonic(), 0.0))
-                if result.granted or result.full >= 0:
-                    return result, clock.monotonic() - start
-                wait = result.retry_after
+                wait = 0.0  # the one before it was served (or gave up): its turn may be now
+            else:
+                await lock.acquire()  # (free: at once)
+            try:
+                while True:
+                    if wait > deadline - clock.monotonic():
+                        return result, clock.monotonic() - start
+                    if wait > 0:
+                        await clock.sleep(wait)
+                    result = await ask(max(deadline - clock.monotonic(), 0.0))
+                    line.last = result
+                    if result.granted or result.full >= 0:
+                        return result, clock.monotonic() - start
+                    wait = result.retry_after
+            finally:
+                lock.release()
+        finally:
+            line.users -= 1
+            if line.users == 0 and self._lines.get(key) is line:
+                del self._lines[key]
+
+
+class _Line:
+    __slots__ = ("last", "lock", "users")
+
+    def __init__(self, last: AcquireResult) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+        self.last = last
+        """The last answer its first had (what a hold that joins it without asking is told,
+        should its time run out in the line)."""
