@@ -337,7 +337,8 @@ end
 -- class waits (a precise retrier keeps its place); the tags go once none does. A class
 -- with a request refused is busy until that request is expected back (plus `cgrace`):
 -- meanwhile lower classes take a token only on credit, min_share of the quota accrued
--- while they ask. A grant under a share reserves at most `horizon` ahead: a request that
+-- while they ask, or when one more stays for the higher class (tokens do not pile up
+-- while it is on its way: a pile let go at once would bunch at the vendor). A grant under a share reserves at most `horizon` ahead: a request that
 -- must wait longer is refused with its turn, and (a hold) asks again then, so that a
 -- later request of a higher class or a tenant further behind is not queued behind it;
 -- one on credit reserves as far as it holds (its class's min_share is its due, whatever
@@ -405,7 +406,11 @@ if share then
   if busy <= now and sh.cr[c] > 0 then -- credit is for while a higher class waits, not to keep
     sh.cr[c], sh.dirty = 0, true
   end
-  if busy > now then -- a higher class is waiting: this one takes only on credit
+  local spare = math.huge -- the vendor's tokens now, less one kept for the higher class's waiting request
+  for i = share.g, n do
+    spare = math.min(spare, levels[i] - 1)
+  end
+  if busy > now and spare < cost then -- a higher class is waiting: this one takes only on credit
     local credit = sh.cr[c]
     if sh.u[c] and now - sh.u[c] < 1000 then
       credit = credit + (now - sh.u[c]) * share.min * rate

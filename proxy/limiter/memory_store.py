@@ -257,7 +257,10 @@ class MemoryStore:
             if i >= tenants and need > vendor_wait:
                 vendor_wait = need
         # The vendor's schedule (share_memory.py; acquire.lua, "Share").
-        turn = None if share is None else Turn(self._schedules, share, cost, min(rates[share.first_global :]), now)
+        turn = None
+        if share is not None:
+            g0 = share.first_global
+            turn = Turn(self._schedules, share, cost, min(rates[g0:]), min(levels[g0:]), now)
         mine = turn is None or turn.gate.ok
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]

@@ -25,7 +25,7 @@ GRACE: Final = 0.15
 SLACK: Final = 0.025
 """Seconds of the quota a tenant may be ahead of the lowest waiting tag (at least one of its
 requests): one that is a few ms from asking again holds no one back."""
-CLASS_GRACE: Final = 0.03
+CLASS_GRACE: Final = 0.01
 """Seconds a class still counts as busy after its refused request was expected back."""
 
 

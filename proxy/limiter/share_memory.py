@@ -87,15 +87,16 @@ class Schedules:
         return s
 
     @staticmethod
-    def gate(s: Schedule, ask: ShareAsk, cost: float, rate: float, now: float) -> Gate:
-        """``rate``: the slowest of the vendor's global buckets, tokens per second."""
+    def gate(s: Schedule, ask: ShareAsk, cost: float, rate: float, now: float, level: float = 0.0) -> Gate:
+        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
+        the fewest tokens in them now."""
         c = ask.klass
         g = Gate()
         busy = max(s.busy[:c], default=0.0)
         class_rate = rate
         if busy <= now and s.credit[c] > 0:  # credit is for while a higher class waits, not to keep
             s.credit[c] = 0.0
-        if busy > now:  # a higher class is waiting: this one takes only on credit
+        if busy > now and level - 1 < cost:  # a higher class waits (and no token more than its): credit only
             credit = s.credit[c]
             last = s.credited[c]
             if last is not None and now - last < 1.0:
@@ -182,11 +183,12 @@ class Turn:
 
     __slots__ = ("ask", "cost", "gate", "now", "schedule")
 
-    def __init__(self, schedules: Schedules, ask: ShareAsk, cost: float, rate: float, now: float) -> None:
-        """``rate``: the slowest of the vendor's global buckets, tokens per second."""
+    def __init__(self, schedules: Schedules, ask: ShareAsk, cost: float, rate: float, level: float, now: float) -> None:
+        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
+        the fewest tokens in them now."""
         self.ask, self.cost, self.now = ask, cost, now
         self.schedule = schedules.of(ask, now)
-        self.gate = Schedules.gate(self.schedule, ask, cost, rate, now)
+        self.gate = Schedules.gate(self.schedule, ask, cost, rate, now, level)
 
     def horizon(self, max_wait: float) -> float:
         """How far ahead a grant may be reserved, for a caller that holds ``max_wait``: a
