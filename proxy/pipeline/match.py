@@ -7,6 +7,7 @@ without endpoints or partition costs two attribute checks more.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,7 +102,7 @@ class Router:
         if known is not None:
             found = self._matches.get((target, method, known))
             if found is not None:
-                return found
+                return found if found.vendor.share is None else self._classed(found, headers)
         vendor: Vendor | None = None
         path_qs = target.path_qs
         if not target.absolute:
@@ -125,23 +126,24 @@ class Router:
             value = headers.get(vendor.partition.header)
             if value:  # absent or empty: the default partition
                 partition = partition_hash(value)
-        klass = None
-        share = vendor.share
-        if share is not None:
-            asked = headers.get(PRIORITY)
-            if asked is not None:
-                klass = share.class_of(tenant, asked.strip())
-                if klass is None:
-                    raise BadRequest(
-                        f"unknown {PRIORITY} {asked.strip()[:40]!r}: expected one of {', '.join(share.classes)}"
-                    )
-        match = Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition, klass)
-        # (Not kept when the request's own fields change it: a partition, a class.)
-        if vendor.partition is None and share is None and len(target.path_qs) <= _KEY_MAX:
+        match = Match(vendor, tenant, self._origin(vendor, target), path_qs, endpoint, partition)
+        if vendor.partition is None and len(target.path_qs) <= _KEY_MAX:  # (a partition: the request's own)
             if len(self._matches) >= _MATCHES_MAX:
                 self._matches.clear()
             self._matches[(target, method, tenant)] = match
-        return match
+        return match if vendor.share is None else self._classed(match, headers)
+
+    @staticmethod
+    def _classed(match: Match, headers: Mapping[str, str]) -> Match:
+        """``match`` in the class its request's ``X-Quota-Priority`` names (SPEC §13), if any."""
+        asked = headers.get(PRIORITY)
+        share = match.vendor.share
+        if asked is None or share is None:
+            return match
+        klass = share.class_of(match.tenant, asked.strip())
+        if klass is None:
+            raise BadRequest(f"unknown {PRIORITY} {asked.strip()[:40]!r}: expected one of {', '.join(share.classes)}")
+        return dataclasses.replace(match, klass=klass)
 
     @staticmethod
     def _origin(vendor: Vendor, target: RequestTarget) -> str:
