@@ -328,7 +328,10 @@ end
 -- tenant waits in its class with a tag (start-time fair queuing): each grant moves its tag
 -- on by cost / weight, and a tenant may take only while its tag is at most one of its own
 -- requests (or `slack` ms of the quota, if more) ahead of the lowest tag of its class's
--- waiting tenants (one a few ms from asking again holds no one back); so over any stretch the
+-- waiting tenants (one a few ms from asking again holds no one back), or while the quota
+-- has a token more than that tenant's (tokens do not pile up for one that is not there:
+-- it lost nothing it was there for, and a pile let go at once bunches at the vendor);
+-- so over any stretch the
 -- tenants waiting receive in proportion to their weights, and whoever is alone (no one
 -- else waiting) receives everything. A tenant waits from a refusal (by the gate or a
 -- vendor-side bucket, never its own tenant bucket: its own cap is not the quota) until it
@@ -437,7 +440,7 @@ if share then
     local f = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or share.V
     share.F = math.max(f, share.V)
     local ahead = share.F - share.V - math.max(cost, rate * share.slack) / share.w
-    if ahead > 0 then -- the tenants behind it take theirs first
+    if ahead > 0 and spare < cost then -- the tenants behind it take theirs first (tokens to spare: not held)
       local behind = ahead * sh.w[c] / math.max(class_rate, 1e-9)
       if gate_ok then
         gate_ok, gate_wait = false, math.max(gate_wait, behind)

@@ -4,6 +4,7 @@ why it works as it does; this module keeps the same arithmetic, in seconds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from proxy.limiter.share import CLASS_GRACE, GRACE, HORIZON, SLACK, TAU
@@ -28,6 +29,8 @@ class Schedule:
     ends: dict[tuple[int, str], float] = field(default_factory=dict)
     """(class, member) -> when its wait ends."""
     touched: float = 0.0
+    first_end: float = math.inf
+    """The earliest of ``ends`` (or before it): none ends sooner (acquire.lua's ``x``)."""
 
     def __post_init__(self) -> None:
         k = self.classes
@@ -72,6 +75,8 @@ class Schedules:
         if s is None or s.classes != ask.classes or s.touched + _LIFE <= now:
             s = self._all[ask.keys[0]] = Schedule(ask.classes)
         s.touched = now
+        if now < s.first_end:
+            return s
         for (i, member), ends in list(s.ends.items()):  # tenants whose wait ended
             if ends <= now:
                 del s.ends[(i, member)]
@@ -84,6 +89,7 @@ class Schedules:
                 else:  # a tag below the lowest waiting one counts as that one: not kept
                     low = min(s.waiting[i].values())
                     s.tags[i] = {m: tag for m, tag in s.tags[i].items() if tag >= low}
+        s.first_end = min(s.ends.values(), default=math.inf)
         return s
 
     @staticmethod
@@ -117,7 +123,7 @@ class Schedules:
             g.low = low
             g.tag = max(s.tags[c].get(ask.member, low), low)
             ahead = g.tag - low - max(cost, rate * SLACK) / ask.weight
-            if ahead > 0:
+            if ahead > 0 and level - 1 < cost:  # (tokens to spare: the one behind is not there for them)
                 behind = ahead * s.weights[c] / max(class_rate, 1e-9)
                 g.wait = max(g.wait, behind)
                 g.ok = False
@@ -161,7 +167,8 @@ class Schedules:
         if g.tag > s.tags[c].get(member, -1.0):
             s.tags[c][member] = g.tag
         key = (c, member)
-        s.ends[key] = max(s.ends.get(key, 0.0), now + back + GRACE)
+        s.ends[key] = ends = max(s.ends.get(key, 0.0), now + back + GRACE)
+        s.first_end = min(s.first_end, ends)
         s.busy[c] = max(s.busy[c], now + back + CLASS_GRACE)
 
     @staticmethod
