@@ -202,6 +202,16 @@ if ARGV[4] ~= '' then
   state = KEYS[#KEYS]
   state_at = ask(state, {'seq', 'lost', 'horizon'})
 end
+if share then -- the schedule's hash: per class the waiting weights, busy-until, credit and its time
+  local names = {'x'}
+  for i = 1, share.k do
+    names[#names + 1] = 'w' .. i
+    names[#names + 1] = 'b' .. i
+    names[#names + 1] = 'c' .. i
+    names[#names + 1] = 'u' .. i
+  end
+  share.at = ask(share.hash, names)
+end
 local fields, at = {}, {}
 for i = 1, n do
   local field = ARGV[F + 3 * i]
@@ -352,18 +362,27 @@ end
 -- tag set (`<weight>|<tenant>` by tag). All in the vendor's slot: no extra round trip.
 local gate_ok, gate_wait, gate_step, credit_used = true, 0, nil, false
 local sh = nil
-if share then
-  local names = {'x'}
-  for i = 1, share.k do
-    names[#names + 1] = 'w' .. i
-    names[#names + 1] = 'b' .. i
-    names[#names + 1] = 'c' .. i
-    names[#names + 1] = 'u' .. i
+
+-- `member` waits no more in class `i`; its class's tags go once no one waits, and those
+-- below the lowest waiting one (they count as it: tenants sprayed leave nothing behind).
+local function share_left(i, member)
+  if redis.call('ZREM', share.waiting[i], member) == 1 then
+    sh.w[i] = sh.w[i] - (tonumber(string.match(member, '^([^|]+)|')) or 0)
   end
-  local r = redis.call('HMGET', share.hash, unpack(names))
-  sh = {x = tonumber(r[1]), w = {}, b = {}, cr = {}, u = {}, dirty = false}
+  if sh.w[i] <= 1e-9 or redis.call('ZCARD', share.waiting[i]) == 0 then
+    sh.w[i] = 0
+    redis.call('DEL', share.waiting[i], share.tags[i])
+  else
+    local low = redis.call('ZRANGE', share.waiting[i], 0, 0, 'WITHSCORES')
+    redis.call('ZREMRANGEBYSCORE', share.tags[i], '-inf', '(' .. low[2])
+  end
+  sh.dirty = true
+end
+if share then
+  local r, at0 = replies[share.hash], share.at
+  sh = {x = tonumber(r[at0 + 1]), w = {}, b = {}, cr = {}, u = {}, dirty = false}
   for i = 1, share.k do
-    local o = 1 + 4 * (i - 1)
+    local o = at0 + 1 + 4 * (i - 1)
     sh.w[i], sh.b[i] = tonumber(r[o + 1]) or 0, tonumber(r[o + 2]) or 0
     sh.cr[i], sh.u[i] = tonumber(r[o + 3]) or 0, tonumber(r[o + 4])
   end
@@ -374,16 +393,7 @@ if share then
       local i, rest = string.match(member, '^(%d+)|(.*)$')
       i = tonumber(i)
       if i and i <= share.k then
-        if redis.call('ZREM', share.waiting[i], rest) == 1 then
-          sh.w[i] = sh.w[i] - (tonumber(string.match(rest, '^([^|]+)|')) or 0)
-        end
-        if sh.w[i] <= 1e-9 or redis.call('ZCARD', share.waiting[i]) == 0 then
-          sh.w[i] = 0
-          redis.call('DEL', share.waiting[i], share.tags[i])
-        else -- a tag below the lowest waiting one counts as that one: not kept (tenants sprayed)
-          local low = redis.call('ZRANGE', share.waiting[i], 0, 0, 'WITHSCORES')
-          redis.call('ZREMRANGEBYSCORE', share.tags[i], '-inf', '(' .. low[2])
-        end
+        share_left(i, rest)
       end
     end
     redis.call('ZREMRANGEBYSCORE', share.exp, '-inf', at_now)
@@ -391,11 +401,11 @@ if share then
     sh.x = tonumber(first[2])
     sh.dirty = true
   end
-  local rate = nil
+  -- The slowest of the vendor's global buckets, and its tokens now less one kept for the
+  -- higher class's waiting request.
+  local rate, spare = math.huge, math.huge
   for i = share.g, n do
-    if not rate or rates[i] < rate then
-      rate = rates[i]
-    end
+    rate, spare = math.min(rate, rates[i]), math.min(spare, levels[i] - 1)
   end
   share.rate = rate
   local c = share.c
@@ -408,10 +418,6 @@ if share then
   local class_rate = rate
   if busy <= now and sh.cr[c] > 0 then -- credit is for while a higher class waits, not to keep
     sh.cr[c], sh.dirty = 0, true
-  end
-  local spare = math.huge -- the vendor's tokens now, less one kept for the higher class's waiting request
-  for i = share.g, n do
-    spare = math.min(spare, levels[i] - 1)
   end
   if busy > now and spare < cost then -- a higher class is waiting: this one takes only on credit
     local credit = sh.cr[c]
@@ -505,40 +511,9 @@ end
 
 local function share_leaves() -- held by its own limit (or its endpoint's), not by the quota
   local c = share.c
-  if sh.w[c] > 0 and redis.call('ZREM', share.waiting[c], share.member) == 1 then
-    redis.call('ZREM', share.exp, c .. '|' .. share.member)
-    sh.w[c], sh.dirty = sh.w[c] - share.w, true
-    if sh.w[c] <= 1e-9 then
-      sh.w[c] = 0
-      redis.call('DEL', share.waiting[c], share.tags[c])
-    end
+  if sh.w[c] > 0 and redis.call('ZREM', share.exp, c .. '|' .. share.member) == 1 then
+    share_left(c, share.member)
   end
-end
-
-local function share_flush()
-  if not sh.dirty then
-    return
-  end
-  local w = {}
-  local function field(name, value)
-    w[#w + 1] = name
-    w[#w + 1] = value
-  end
-  if sh.x then
-    field('x', string.format('%.3f', sh.x))
-  else
-    redis.call('HDEL', share.hash, 'x')
-  end
-  for i = 1, share.k do
-    field('w' .. i, string.format('%.6f', math.max(sh.w[i], 0)))
-    field('b' .. i, string.format('%.3f', sh.b[i]))
-    field('c' .. i, string.format('%.6f', sh.cr[i]))
-    if sh.u[i] then
-      field('u' .. i, string.format('%.3f', sh.u[i]))
-    end
-  end
-  redis.call('HSET', share.hash, unpack(w))
-  redis.call('PEXPIRE', share.hash, 60000)
 end
 
 -- The wait over every bucket, and over the vendor-side ones alone (what a slot kept on
@@ -776,8 +751,15 @@ else
     share_leaves()
   end
 end
-if share then
-  share_flush()
+if share and sh.dirty then -- the schedule's hash, in `flush` with the other writes
+  put(share.hash, 'x', sh.x and string.format('%.3f', sh.x) or '')
+  for i = 1, share.k do
+    put(share.hash, 'w' .. i, string.format('%.6f', math.max(sh.w[i], 0)))
+    put(share.hash, 'b' .. i, string.format('%.3f', sh.b[i]))
+    put(share.hash, 'c' .. i, string.format('%.6f', sh.cr[i]))
+    put(share.hash, 'u' .. i, sh.u[i] and string.format('%.3f', sh.u[i]) or '')
+  end
+  own[share.hash] = 60000
 end
 
 flush()

@@ -14,6 +14,21 @@ _LIFE = 60.0  # seconds a schedule nobody touched is kept (acquire.lua's PEXPIRE
 
 
 @dataclass(slots=True)
+class Gate:
+    """What the schedule says of one request before its buckets are looked at."""
+
+    ok: bool = True
+    wait: float = 0.0
+    """Refused (``ok`` False): seconds until its turn."""
+    step: float | None = None
+    """Seconds between its tenant's turns (its deferral queue's step), when others wait."""
+    tag: float = 0.0
+    low: float | None = None
+    """The lowest tag of its class's waiting tenants; None: none waits."""
+    on_credit: bool = False
+
+
+@dataclass(slots=True)
 class Schedule:
     """One vendor's (partition's) schedule: acquire.lua's share hash and sets."""
 
@@ -41,20 +56,99 @@ class Schedule:
         self.credit = [0.0] * k
         self.credited = [None] * k
 
+    def gate(self, ask: ShareAsk, cost: float, rate: float, now: float, level: float = 0.0) -> Gate:
+        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
+        the fewest tokens in them now."""
+        c = ask.klass
+        g = Gate()
+        busy = max(self.busy[:c], default=0.0)
+        class_rate = rate
+        if busy <= now and self.credit[c] > 0:  # credit is for while a higher class waits, not to keep
+            self.credit[c] = 0.0
+        if busy > now and level - 1 < cost:  # a higher class waits (and no token more than its): credit only
+            credit = self.credit[c]
+            last = self.credited[c]
+            if last is not None and now - last < 1.0:
+                credit += (now - last) * ask.min_share * rate
+            credit = min(credit, max(cost, 1.0) + ask.min_share * rate * 0.05)  # (50 ms of it: asks come late)
+            self.credit[c], self.credited[c] = credit, now
+            class_rate = ask.min_share * rate
+            if credit >= cost:
+                g.on_credit = True
+            else:
+                g.ok = False
+                g.wait = max(g.wait, busy - now)
+                if ask.min_share > 0:
+                    g.wait = min(g.wait, (cost - credit) / class_rate)
+        waiting = self.waiting[c]
+        if self.weights[c] > 0 and waiting:
+            low = min(waiting.values())
+            g.low = low
+            g.tag = max(self.tags[c].get(ask.member, low), low)
+            ahead = g.tag - low - max(cost, rate * SLACK) / ask.weight
+            if ahead > 0 and level - 1 < cost:  # (tokens to spare: the one behind is not there for them)
+                behind = ahead * self.weights[c] / max(class_rate, 1e-9)
+                g.wait = max(g.wait, behind)
+                g.ok = False
+            g.step = cost * self.weights[c] / (ask.weight * max(class_rate, 1e-9))
+        if not g.ok and ask.min_share > 0 and busy > now:
+            g.step = max(g.step or 0.0, cost / class_rate)
+        return g
 
-@dataclass(slots=True)
-class Gate:
-    """What the schedule says of one request before its buckets are looked at."""
+    def granted(self, ask: ShareAsk, g: Gate, cost: float, wait: float, now: float) -> None:
+        c = ask.klass
+        if g.on_credit:
+            self.credit[c] -= cost
+        if wait > 0:  # a hold waits: its class is busy
+            self.busy[c] = max(self.busy[c], now + wait + CLASS_GRACE)
+        if g.low is not None:
+            tag = g.tag + cost / ask.weight
+            self.tags[c][ask.member] = tag
+            if ask.member in self.waiting[c]:  # still waiting: its place moves on
+                self.waiting[c][ask.member] = tag
 
-    ok: bool = True
-    wait: float = 0.0
-    """Refused (``ok`` False): seconds until its turn."""
-    step: float | None = None
-    """Seconds between its tenant's turns (its deferral queue's step), when others wait."""
-    tag: float = 0.0
-    low: float | None = None
-    """The lowest tag of its class's waiting tenants; None: none waits."""
-    on_credit: bool = False
+    def load(self, ask: ShareAsk, g: Gate) -> None:
+        """Its tag, when no one of its class was waiting (not read then)."""
+        if g.low is None:
+            g.tag = self.tags[ask.klass].get(ask.member, 0.0)
+
+    def waits(self, ask: ShareAsk, g: Gate, retry: float, now: float, kept: bool = False) -> None:
+        """A refusal by the schedule or the vendor's quota: the tenant waits by its tag until
+        it is expected back (acquire.lua's ``share_waits``; ``kept``: a slot is kept for it,
+        it comes back then)."""
+        c = ask.klass
+        member = ask.member
+        self.load(ask, g)
+        back = max(retry, 0.0) if kept else min(max(retry, 0.0), TAU)
+        waiting = self.waiting[c]
+        if member not in waiting:
+            self.weights[c] += ask.weight
+        waiting[member] = g.tag
+        if g.tag > self.tags[c].get(member, -1.0):
+            self.tags[c][member] = g.tag
+        key = (c, member)
+        self.ends[key] = ends = max(self.ends.get(key, 0.0), now + back + GRACE)
+        self.first_end = min(self.first_end, ends)
+        self.busy[c] = max(self.busy[c], now + back + CLASS_GRACE)
+
+    def leaves(self, ask: ShareAsk) -> None:
+        """Refused by its own limit (or its endpoint's), not by the quota: not waiting on it."""
+        if ask.member in self.waiting[ask.klass]:
+            self.ends.pop((ask.klass, ask.member), None)
+            self.left(ask.klass, ask.member)
+
+    def left(self, c: int, member: str) -> None:
+        """``member`` waits no more in class ``c`` (acquire.lua's ``share_left``); its class's
+        tags go once no one waits, and those below the lowest waiting one (they count as it)."""
+        if self.waiting[c].pop(member, None) is not None:
+            self.weights[c] -= float(member.split("|", 1)[0])
+        if self.weights[c] <= 1e-9 or not self.waiting[c]:
+            self.weights[c] = 0.0
+            self.waiting[c].clear()
+            self.tags[c].clear()
+        else:
+            low = min(self.waiting[c].values())
+            self.tags[c] = {m: tag for m, tag in self.tags[c].items() if tag >= low}
 
 
 class Schedules:
@@ -80,108 +174,9 @@ class Schedules:
         for (i, member), ends in list(s.ends.items()):  # tenants whose wait ended
             if ends <= now:
                 del s.ends[(i, member)]
-                if s.waiting[i].pop(member, None) is not None:
-                    s.weights[i] -= float(member.split("|", 1)[0])
-                if s.weights[i] <= 1e-9 or not s.waiting[i]:
-                    s.weights[i] = 0.0
-                    s.waiting[i].clear()
-                    s.tags[i].clear()
-                else:  # a tag below the lowest waiting one counts as that one: not kept
-                    low = min(s.waiting[i].values())
-                    s.tags[i] = {m: tag for m, tag in s.tags[i].items() if tag >= low}
+                s.left(i, member)
         s.first_end = min(s.ends.values(), default=math.inf)
         return s
-
-    @staticmethod
-    def gate(s: Schedule, ask: ShareAsk, cost: float, rate: float, now: float, level: float = 0.0) -> Gate:
-        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
-        the fewest tokens in them now."""
-        c = ask.klass
-        g = Gate()
-        busy = max(s.busy[:c], default=0.0)
-        class_rate = rate
-        if busy <= now and s.credit[c] > 0:  # credit is for while a higher class waits, not to keep
-            s.credit[c] = 0.0
-        if busy > now and level - 1 < cost:  # a higher class waits (and no token more than its): credit only
-            credit = s.credit[c]
-            last = s.credited[c]
-            if last is not None and now - last < 1.0:
-                credit += (now - last) * ask.min_share * rate
-            credit = min(credit, max(cost, 1.0) + ask.min_share * rate * 0.05)  # (50 ms of it: asks come late)
-            s.credit[c], s.credited[c] = credit, now
-            class_rate = ask.min_share * rate
-            if credit >= cost:
-                g.on_credit = True
-            else:
-                g.ok = False
-                g.wait = max(g.wait, busy - now)
-                if ask.min_share > 0:
-                    g.wait = min(g.wait, (cost - credit) / class_rate)
-        waiting = s.waiting[c]
-        if s.weights[c] > 0 and waiting:
-            low = min(waiting.values())
-            g.low = low
-            g.tag = max(s.tags[c].get(ask.member, low), low)
-            ahead = g.tag - low - max(cost, rate * SLACK) / ask.weight
-            if ahead > 0 and level - 1 < cost:  # (tokens to spare: the one behind is not there for them)
-                behind = ahead * s.weights[c] / max(class_rate, 1e-9)
-                g.wait = max(g.wait, behind)
-                g.ok = False
-            g.step = cost * s.weights[c] / (ask.weight * max(class_rate, 1e-9))
-        if not g.ok and ask.min_share > 0 and busy > now:
-            g.step = max(g.step or 0.0, cost / class_rate)
-        return g
-
-    @staticmethod
-    def granted(s: Schedule, ask: ShareAsk, g: Gate, cost: float, wait: float, now: float) -> None:
-        c = ask.klass
-        if g.on_credit:
-            s.credit[c] -= cost
-        if wait > 0:  # a hold waits: its class is busy
-            s.busy[c] = max(s.busy[c], now + wait + CLASS_GRACE)
-        if g.low is not None:
-            tag = g.tag + cost / ask.weight
-            s.tags[c][ask.member] = tag
-            if ask.member in s.waiting[c]:  # still waiting: its place moves on
-                s.waiting[c][ask.member] = tag
-
-    @staticmethod
-    def load(s: Schedule, ask: ShareAsk, g: Gate) -> None:
-        """Its tag, when no one of its class was waiting (not read then)."""
-        if g.low is None:
-            g.tag = s.tags[ask.klass].get(ask.member, 0.0)
-
-    @staticmethod
-    def waits(s: Schedule, ask: ShareAsk, g: Gate, retry: float, now: float, kept: bool = False) -> None:
-        """A refusal by the schedule or the vendor's quota: the tenant waits by its tag until
-        it is expected back (acquire.lua's ``share_waits``; ``kept``: a slot is kept for it,
-        it comes back then)."""
-        c = ask.klass
-        member = ask.member
-        Schedules.load(s, ask, g)
-        back = max(retry, 0.0) if kept else min(max(retry, 0.0), TAU)
-        waiting = s.waiting[c]
-        if member not in waiting:
-            s.weights[c] += ask.weight
-        waiting[member] = g.tag
-        if g.tag > s.tags[c].get(member, -1.0):
-            s.tags[c][member] = g.tag
-        key = (c, member)
-        s.ends[key] = ends = max(s.ends.get(key, 0.0), now + back + GRACE)
-        s.first_end = min(s.first_end, ends)
-        s.busy[c] = max(s.busy[c], now + back + CLASS_GRACE)
-
-    @staticmethod
-    def leaves(s: Schedule, ask: ShareAsk) -> None:
-        """Refused by its own limit (or its endpoint's), not by the quota: not waiting on it."""
-        c = ask.klass
-        if s.waiting[c].pop(ask.member, None) is not None:
-            s.ends.pop((c, ask.member), None)
-            s.weights[c] -= ask.weight
-            if s.weights[c] <= 1e-9 or not s.waiting[c]:
-                s.weights[c] = 0.0
-                s.waiting[c].clear()
-                s.tags[c].clear()
 
 
 class Turn:
@@ -195,7 +190,7 @@ class Turn:
         the fewest tokens in them now."""
         self.ask, self.cost, self.now = ask, cost, now
         self.schedule = schedules.of(ask, now)
-        self.gate = Schedules.gate(self.schedule, ask, cost, rate, now, level)
+        self.gate = self.schedule.gate(ask, cost, rate, now, level)
 
     def horizon(self, max_wait: float) -> float:
         """How far ahead a grant may be reserved, for a caller that holds ``max_wait``: a
@@ -204,18 +199,18 @@ class Turn:
 
     def granted(self, wait: float, own: list[float]) -> None:
         """Granted (``own``: its tenant's and endpoint's levels after the take)."""
-        Schedules.granted(self.schedule, self.ask, self.gate, self.cost, wait, self.now)
+        self.schedule.granted(self.ask, self.gate, self.cost, wait, self.now)
         if any(level < self.cost for level in own):  # its own limit holds its next: it waits on that
-            Schedules.leaves(self.schedule, self.ask)
+            self.schedule.leaves(self.ask)
 
     def kept(self, wait: float) -> None:
         """A slot kept for it: its turn, taken; it waits for it as a tenant refused does."""
         s, ask, g = self.schedule, self.ask, self.gate
-        Schedules.load(s, ask, g)
+        s.load(ask, g)
         g.low = g.tag if g.low is None else g.low
-        Schedules.granted(s, ask, g, self.cost, wait, self.now)
+        s.granted(ask, g, self.cost, wait, self.now)
         g.tag += self.cost / ask.weight
-        Schedules.waits(s, ask, g, wait, self.now, kept=True)
+        s.waits(ask, g, wait, self.now, kept=True)
 
     def refused(self, wait: float, binding: int, step: float) -> tuple[float, int, float]:
         """A refusal's wait, binding bucket and deferral step: its turn's, when the schedule refused."""
@@ -227,6 +222,6 @@ class Turn:
     def refused_with(self, binding: int, hint: float) -> None:
         """Refused with ``hint``: waiting on the quota, or held by its own limit."""
         if not self.gate.ok or binding >= self.ask.first_global:
-            Schedules.waits(self.schedule, self.ask, self.gate, hint, self.now)
+            self.schedule.waits(self.ask, self.gate, hint, self.now)
         else:
-            Schedules.leaves(self.schedule, self.ask)
+            self.schedule.leaves(self.ask)
