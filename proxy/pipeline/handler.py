@@ -10,9 +10,10 @@ granted it, or when the store is down and the policy explicitly fails open.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -33,7 +34,7 @@ from proxy.pipeline.pacing import Paced, longest_window
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.pipeline.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.pipeline.responses import write_answer
-from proxy.pipeline.share_lines import ShareLines
+from proxy.pipeline.share_lines import ShareLines, line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.policy.durations import format_duration
 from proxy.policy.model import Endpoint, Vendor
@@ -71,6 +72,20 @@ def _give_back(
     if deps.limiter.mark(vendor.name, partition) == mark:
         refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition)
         spawn(refund, name=f"refund-{vendor.name}")
+
+
+@contextlib.contextmanager
+def _holding(deps: Deps, vendor: str) -> Iterator[None]:
+    """A request of ``vendor`` held meanwhile (its reservation maturing, or its turn under a
+    share): counted in /status's ``held_now`` and ``ratelimit_held_now``."""
+    deps.held[vendor] = deps.held.get(vendor, 0) + 1
+    gauge = deps.metrics.held_now.labels(vendor)
+    gauge.inc()
+    try:
+        yield
+    finally:
+        deps.held[vendor] -= 1
+        gauge.dec()
 
 
 def _global_reason(deps: Deps, vendor: str, bucket: BucketSpec, partition: str) -> str:
@@ -271,7 +286,7 @@ class ProxyHandler:
                 owner=0.0 if caller is None else caller.owner,
             )
 
-        line = None if b.share is None or wish.action != "hold" else (b.state_key, b.share.klass, tenant)
+        line = line_of(b, tenant) if wish.action == "hold" else None
         joins = None if line is None or taken is not None else self.lines.waiting(line)
         try:
             if isinstance(taken, StoreUnavailable):
@@ -297,57 +312,47 @@ class ProxyHandler:
             self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
         lined = 0.0
         if line is not None and not result.granted and result.full < 0:
-            result, lined = await self._turn(deps, vendor, tenant, wish, slot, b, result, cost, endpoint, partition)
+
+            def take(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
+                return limiter.acquire(
+                    vendor,
+                    tenant,
+                    max_wait,
+                    cost,
+                    enqueue=False,
+                    endpoint=endpoint,
+                    partition=partition,
+                    leases=slot.leases,
+                    buckets=b,
+                )
+
+            result, lined = await self._turn(deps, vendor.name, wish, slot, line, result, take)
         return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined)
 
     async def _turn(
         self,
         deps: Deps,
-        vendor: Vendor,
-        tenant: str,
+        name: str,
         wish: Wish,
         slot: Slot,
-        b: Buckets,
+        line: Hashable,
         result: AcquireResult,
-        cost: float,
-        endpoint: Endpoint | None,
-        partition: str,
+        take: Callable[[float], Awaitable[AcquireResult]],
     ) -> tuple[AcquireResult, float]:
-        """A hold under ``share:`` refused with its turn (SPEC §13): wait in the tenant's line
-        (share_lines.py) and ask again on the turn, until granted or ``max_hold`` is spent;
-        returns the last answer and the seconds waited. Nothing is taken while it waits."""
+        """A hold under ``share:`` refused with its turn (SPEC §13): wait in its ``line``
+        (share_lines.py) and ask again (``take``) on the turn, until granted or ``max_hold``
+        is spent; returns the last answer and the seconds waited. Nothing is taken while it
+        waits."""
         if result.wait > wish.max_hold:  # (not its deferral slot: the line spaces the tenant's holds)
             return result, 0.0
-        limiter = deps.limiter
-        assert b.share is not None
-
-        def take(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
-            return limiter.acquire(
-                vendor,
-                tenant,
-                max_wait,
-                cost,
-                enqueue=False,
-                endpoint=endpoint,
-                partition=partition,
-                leases=slot.leases,
-                buckets=b,
-            )
 
         def ask(max_wait: float) -> Awaitable[AcquireResult]:  # (a cap: its lease too, as a hold waits for one)
-            return (
-                take(max_wait) if slot.leases is None else deps.concurrency.acquire(slot, Wish("hold", max_wait), take)
-            )
+            if slot.leases is None:
+                return take(max_wait)
+            return deps.concurrency.acquire(slot, Wish("hold", max_wait), take)
 
-        name = vendor.name
-        deps.held[name] = deps.held.get(name, 0) + 1
-        gauge = deps.metrics.held_now.labels(name)
-        gauge.inc()
-        try:
-            return await self.lines.turn((b.state_key, b.share.klass, tenant), deps.clock, wish.max_hold, result, ask)
-        finally:
-            deps.held[name] -= 1
-            gauge.dec()
+        with _holding(deps, name):
+            return await self.lines.turn(line, deps.clock, wish.max_hold, result, ask)
 
     async def _admitted(
         self,
@@ -434,17 +439,13 @@ class ProxyHandler:
         (unless a vendor block absorbed them meanwhile, see ``_give_back``)."""
         name = vendor.name
         mark = deps.limiter.mark(name, partition)
-        deps.held[name] = deps.held.get(name, 0) + 1
-        gauge = deps.metrics.held_now.labels(name)
-        gauge.inc()
         try:
-            await deps.clock.sleep(wait)
+            with _holding(deps, name):
+                await deps.clock.sleep(wait)
         except asyncio.CancelledError:
             _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
             raise
         finally:
-            deps.held[name] -= 1
-            gauge.dec()
             rec.hold = waited + wait
         deps.metrics.hold_seconds.labels(name).observe(waited + wait)
         # A vendor 429 that arrived while we slept blocks us too: the reservation

@@ -215,9 +215,8 @@ class Flight:
         if charge.caps:
             self.slot = deps.concurrency.slot(vendor, charge.endpoint)
         terms = self.terms
-        share = charge.b.share
-        lines = self.lane.handler.lines
-        if share is not None and terms.max_wait > 0 and lines.waiting((charge.state_key, share.klass, route.tenant)):
+        line = charge.share_line
+        if line is not None and terms.max_wait > 0 and self.lane.handler.lines.waiting(line):
             return False  # a hold whose tenant's line holds some: the general path puts it behind them
         call = terms.call
         if call is not None:

@@ -39,6 +39,7 @@ from proxy.pipeline.match import Match
 from proxy.pipeline.pacing import longest_window
 from proxy.pipeline.ratelimit_fields import RATELIMIT, request_limits
 from proxy.pipeline.refusals import BadRequest, Refusal
+from proxy.pipeline.share_lines import line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.accesslog import ForwardedLine, quoted_path
@@ -102,6 +103,7 @@ class Charge:
         "line",
         "match",
         "partition",
+        "share_line",
         "shared",
         "state_key",
         "tenant_count",
@@ -122,6 +124,8 @@ class Charge:
             None if share is None or vendor.share is None else (vendor.share, share.klass)
         )
         """Under ``share:``: the vendor's share and its requests' class (counted by class)."""
+        self.share_line = line_of(self.b, match.tenant)
+        """Under ``share:``: the line its held requests wait in on this replica (share_lines.py)."""
         self.tenant_count = self.b.tenant_count
         self.vendor_side: tuple[BucketSpec, ...] = self.b.vendor_side
         self.cost = 1.0 if endpoint is None else endpoint.cost

@@ -18,7 +18,14 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 
 from proxy.clock import Clock
+from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import AcquireResult
+
+
+def line_of(b: Buckets, tenant: str) -> Hashable | None:
+    """The line the held requests of ``tenant`` with buckets ``b`` wait in: one per state
+    (vendor and partition), class and tenant; None without a share."""
+    return None if b.share is None else (b.state_key, b.share.klass, tenant)
 
 
 class ShareLines:
