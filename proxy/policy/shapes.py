@@ -99,16 +99,7 @@ def _methods(walk: Walk, node: yaml.Node, path: str) -> tuple[str, ...]:
         return ()
     if not items:
         walk.error(node, path, "at least one method is required (leave methods out to match any method)")
-    methods: list[str] = []
-    for i, item in enumerate(items):
-        method = walk.leaf(item, f"{path}[{i}]", "method", values.http_method, None)
-        if method is None:
-            continue
-        if method in methods:
-            walk.error(item, f"{path}[{i}]", f'method "{method}" is listed twice')
-            continue
-        methods.append(method)
-    return tuple(methods)
+    return walk.distinct(items, path, "method", values.http_method)
 
 
 def _check_cost(m: CheckedMapping, endpoint: Endpoint, enclosing: Enclosing) -> None:

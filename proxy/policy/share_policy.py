@@ -117,16 +117,7 @@ def _classes(walk: Walk, node: yaml.Node, path: str) -> tuple[str, ...]:
         return _SHARE.classes
     if not items:
         walk.error(node, path, 'at least one class is required (leave classes out for one class, "default")')
-    found: list[str] = []
-    for i, item in enumerate(items):
-        name = walk.leaf(item, f"{path}[{i}]", "class", class_name, "")
-        if not name:
-            continue
-        if name in found:
-            walk.error(item, f"{path}[{i}]", f'class "{name}" is listed twice')
-            continue
-        found.append(name)
-    return tuple(found)
+    return walk.distinct(items, path, "class", class_name)
 
 
 def _member(classes: tuple[str, ...], known: bool) -> Leaf[str]:

@@ -155,6 +155,23 @@ class Walk:
             self.error(node, path, str(exc))
             return default
 
+    def distinct(self, items: list[yaml.Node], path: str, key: str, parse: Leaf[T]) -> tuple[T, ...]:
+        """The values of a list's ``items`` (each a leaf ``key`` read by ``parse``), in order:
+        one that cannot be read, or that is listed twice, is an error and left out."""
+        found: list[T] = []
+        for i, item in enumerate(items):
+            where = f"{path}[{i}]"
+            try:
+                value = parse(key, self.value(item))
+            except ValueError as exc:
+                self.error(item, where, str(exc))
+                continue
+            if value in found:
+                self.error(item, where, f'{key} "{value}" is listed twice')
+                continue
+            found.append(value)
+        return tuple(found)
+
     def mapping(self, node: yaml.Node, path: str, allowed: Collection[str] | None) -> CheckedMapping | None:
         """The node as a checked mapping; null counts as empty, so a section whose keys are
         all commented out means "defaults"."""
