@@ -222,3 +222,27 @@ async def test_held_turns_take_their_concurrency_leases_too(vendor: Vendor, star
     seen = await _flood(proxies, {"t1": 4, "t5": 4}, 2.0)
     assert set(seen) <= {"t1:200", "t5:200", "t1:429", "t5:429"}, seen
     assert seen["t1:200"] > 0 and seen["t5:200"] > seen["t1:200"], seen
+
+
+@pytest.mark.parametrize("which", ["memory", "redis"])
+async def test_a_hold_joining_a_line_is_never_let_through_on_the_grant_of_the_one_before(
+    vendor: Vendor, start_proxy: Any, request: pytest.FixtureRequest, which: str
+) -> None:
+    """A hold that joins its tenant's line without asking is told the line's last answer: it
+    once could be the grant the line's first had just had, and the joiner went to the vendor
+    on it, without tokens of its own (doubles at the vendor: 41 in a strict window of 40)."""
+    vendor.mock.configure(None)
+    store = _store(request, which)
+    policy = vendor_policy(
+        vendor.url,
+        store=store,
+        limits="[{rate: 10, per: 1s, burst: 1}]",
+        on_limit=HOLD,
+        extra_vendor=f"share: {{{WEIGHTS}}}",
+    )
+    proxies = [await start_proxy(policy) for _ in range(1 if which == "memory" else 2)]
+    seen = await _flood(proxies, {"t1": 12, "t5": 4}, 2.5)
+    arrivals = sorted(vendor.mock.arrivals)
+    span = arrivals[-1] - arrivals[0]
+    print(f"{which}: {len(arrivals)} in {span:.2f}s; {seen}")
+    assert len(arrivals) <= 1 + 10 * span + 1, (len(arrivals), span)  # the bucket's most, and one for jitter

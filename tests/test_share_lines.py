@@ -76,3 +76,28 @@ async def test_a_turn_told_beyond_its_hold_gives_up_at_once() -> None:
 
     result, waited = await lines.turn("k", clock, 0.5, answer(False, 0.01), ask)
     assert not result.granted and result.wait == 5.0 and waited < 0.1
+
+
+async def test_a_hold_joining_the_line_is_never_told_the_grant_of_the_one_before() -> None:
+    """While the second of a line asks, a hold that joins is told a refusal, not the grant
+    the first had: that grant was the first's tokens (the joiner went to the vendor on it)."""
+    lines, clock = ShareLines(), SystemClock()
+    asking = asyncio.Event()
+    answered = asyncio.Event()
+
+    async def first(max_wait: float) -> AcquireResult:
+        await asyncio.sleep(0)  # (the second queues behind it meanwhile)
+        return answer(True)
+
+    async def second(max_wait: float) -> AcquireResult:
+        asking.set()
+        await answered.wait()
+        return answer(True)
+
+    one = asyncio.ensure_future(lines.turn("k", clock, 1.0, answer(False, 0.0), first))
+    two = asyncio.ensure_future(lines.turn("k", clock, 1.0, REFUSED, second))
+    await asking.wait()  # the first was granted; the second holds the line and asks
+    joined = lines.waiting("k")
+    answered.set()
+    assert (await one)[0].granted and (await two)[0].granted
+    assert joined is not None and not joined.granted

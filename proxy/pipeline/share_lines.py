@@ -81,9 +81,11 @@ class ShareLines:
                     if wait > 0:
                         await clock.sleep(wait)
                     result = await ask(max(deadline - clock.monotonic(), 0.0))
-                    line.last = result
                     if result.granted or result.full >= 0:
+                        # (not kept as the line's last answer: a hold joining the line
+                        # would be let through on this request's tokens)
                         return result, clock.monotonic() - start
+                    line.last = result
                     wait = result.retry_after
             finally:
                 lock.release()
@@ -100,5 +102,6 @@ class _Line:
         self.lock = asyncio.Lock()
         self.users = 0
         self.last = last
-        """The last answer its first had (what a hold that joins it without asking is told,
-        should its time run out in the line)."""
+        """The last refusal its first had (what a hold that joins it without asking is
+        told, should its time run out in the line); never a grant, which was the first's
+        own."""
