@@ -12,7 +12,8 @@ arrived) tells tenants apart by the path, ``/v1/<tenant>/ping``: the proxy strip
 tenant header before forwarding. Workers are asyncio + aiohttp clients using a replica
 as their HTTP proxy (``proxy=``, as with ``HTTP_PROXY``; round-robin over the
 replicas); a proxy refusal (429 with ``X-Quota-Action``) is retried after exactly its
-``X-Quota-Retry-After-Ms``, a vendor 429 after its ``Retry-After``.
+``retry-after-ms`` (the retry hint: the caller's turn under its share; issue 27 says
+"workers honouring retry-after-ms"), a vendor 429 after its ``Retry-After``.
 
   A  weights 1:2:5 (tenants t1, t2, t5; ``share: {weights: {default: 1, t2: 2, t5: 5}}``),
      each tenant demanding 3x the quota (--workers workers per tenant, each paced to at
@@ -105,7 +106,7 @@ TARGET_EXTRA_WAIT_S = 0.020  # C: checkout p99 <= 1/rate + this
 TARGET_CPU_RATIO = 1.10  # D
 HUGE = 1_000_000_000
 D_TENANTS = ("t1", "t2", "t5")
-HINT_HEADERS = ("X-Quota-Retry-After-Ms", "retry-after-ms", "Retry-After")
+HINT_HEADERS = ("retry-after-ms", "X-Quota-Retry-After-Ms", "Retry-After")
 HINTS = list(HINT_HEADERS)  # the workers' order of preference; --hint-header puts one first
 
 _VENDOR_READY = re.compile(r"mock-vendor listening on http://([^\s]+)")
@@ -1084,7 +1085,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         "--hint-header",
         choices=HINT_HEADERS,
         default=HINT_HEADERS[0],
-        help="the proxy's retry hint the workers sleep on a defer (default X-Quota-Retry-After-Ms, the real wait)",
+        help="the proxy's retry hint the workers sleep on a defer (default retry-after-ms, the caller's turn; "
+        "X-Quota-Retry-After-Ms: the real wait, when the quota next has a token)",
     )
     p.add_argument("--store-timeout", default="250ms", help="store.timeout (default 250ms: a busy 2-core box)")
     p.add_argument("--only", default="A,B,C,D", help="scenarios to run (default A,B,C,D)")
