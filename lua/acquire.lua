@@ -101,7 +101,7 @@
 --                       one it may claim only once it has matured (else it is a new caller)
 -- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>" (ms, and how many of the buckets
 --                       are the tenant's own): refusals keep their slot; "" = they do not
--- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<slack>:<g>:<behind>"
+-- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<slack>:<g>"
 --                       (class 1-based, highest first; ms; g: the first global bucket), "" = no share
 -- ARGV[12]              the tenant's member in the share's sets, "<weight>|<tenant>"
 -- ARGV[10 + 3i]         rate of bucket i, tokens per ms
@@ -117,9 +117,8 @@
 --             after it matured: how long ago, negative);
 --             refused: until every bucket could grant without waiting (a kept slot: until it matures)
 --   binding   1-based index of the bucket with the longest wait, 0 when none waits
---   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait (under a
---             share: when this tenant's next request could be, >= wait); refused by a full
---             lease set: how long its oldest lease has been out
+--   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait; refused
+--             by a full lease set: how long its oldest lease has been out
 --   seq       the state's counter after this call (0 without a state)
 --   lost      1 when this call found the state lost, else 0
 --   full      1-based index of a lease set at its cap (nothing was taken), 0 = none
@@ -154,8 +153,8 @@ end
 
 local share = nil -- SPEC §13: this request's place in the vendor's schedule (see "Share")
 if ARGV[11] ~= '' then
-  local c, k, w, ms, h, tau, grace, cgrace, slack, g, behind = string.match(ARGV[11],
-    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([01])$')
+  local c, k, w, ms, h, tau, grace, cgrace, slack, g = string.match(ARGV[11],
+    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
   k = tonumber(k)
   local base = #KEYS - 2 - 2 * k
   if ARGV[4] ~= '' then
@@ -163,7 +162,7 @@ if ARGV[11] ~= '' then
   end
   share = {c = tonumber(c), k = k, w = tonumber(w), min = tonumber(ms), horizon = tonumber(h),
     tau = tonumber(tau), grace = tonumber(grace), cgrace = tonumber(cgrace), slack = tonumber(slack),
-    g = tonumber(g), behind = behind == '1',
+    g = tonumber(g),
     member = ARGV[12], hash = KEYS[base + 1], exp = KEYS[base + 2], waiting = {}, tags = {}}
   for i = 1, k do
     share.waiting[i] = KEYS[base + 2 + i]
@@ -438,7 +437,6 @@ if share then
       end
     end
   end
-  share.class_rate = class_rate
   share.F, share.V = 0, nil
   if sh.w[c] > 0 then
     local first = redis.call('ZRANGE', share.waiting[c], 0, 0, 'WITHSCORES')
@@ -476,31 +474,6 @@ local function share_granted(held_for)
     redis.call('ZADD', share.tags[c], tag, share.member)
     redis.call('ZADD', share.waiting[c], 'XX', tag, share.member) -- still waiting: its place moves on
   end
-end
-
--- Granted: how long until this tenant's next request could be, as the buckets and the
--- schedule stand now (the reply's hint): its held requests' line on the replica asks
--- then, not at once to be told so (share_lines.py).
-local function share_next(held_for)
-  local next = held_for
-  for i = 1, n do
-    local need = (cost - levels[i]) / rates[i]
-    if need > next then
-      next = need
-    end
-  end
-  if share.V then
-    local c = share.c
-    local low = redis.call('ZRANGE', share.waiting[c], 0, 0, 'WITHSCORES')
-    if low[2] then
-      local ahead = share.F + cost / share.w - tonumber(low[2]) - math.max(cost, share.rate * share.slack) / share.w
-      local behind = ahead * sh.w[c] / math.max(share.class_rate, 1e-9)
-      if behind > next then
-        next = behind
-      end
-    end
-  end
-  return next
 end
 
 local function share_load() -- its tag, when no one of its class was waiting (not read then)
@@ -715,22 +688,11 @@ elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, sha
   count_grant()
   if share then
     share_granted(wait)
-    local left = false
     for i = 1, share.g - 1 do -- its own limit (or its endpoint's) holds its next: it waits on that
       if levels[i] < cost then
         share_leaves()
-        left = true
         break
       end
-    end
-    hint = share_next(wait)
-    if share.behind and not left then
-      -- More of its tenant's held requests wait behind this one (its line on the replica,
-      -- which asks next at `hint`): the tenant still waits, as if refused now.
-      if share.V then
-        share.F = share.F + cost / share.w -- (its tag, moved by the grant)
-      end
-      share_waits(hint, false)
     end
   end
 elseif rset and gate_ok and full == 0 and wait <= horizon_ms then

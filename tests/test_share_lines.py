@@ -26,7 +26,7 @@ async def test_one_asks_at_a_time_in_arrival_order_the_next_at_once() -> None:
     def asker(name: str, refusals: int) -> object:
         left = [refusals]
 
-        async def ask(max_wait: float, behind: bool = False) -> AcquireResult:
+        async def ask(max_wait: float) -> AcquireResult:
             asked.append((name, asyncio.get_running_loop().time() - start))
             await asyncio.sleep(0)
             left[0] -= 1
@@ -50,12 +50,12 @@ async def test_a_hold_whose_time_runs_out_in_the_line_asks_nothing() -> None:
     lines, clock = ShareLines(), SystemClock()
     asked: list[str] = []
 
-    async def slow(max_wait: float, behind: bool = False) -> AcquireResult:
+    async def slow(max_wait: float) -> AcquireResult:
         asked.append("first")
         await asyncio.sleep(0.2)
         return answer(True)
 
-    async def never(max_wait: float, behind: bool = False) -> AcquireResult:
+    async def never(max_wait: float) -> AcquireResult:
         asked.append("second")
         return answer(True)
 
@@ -71,7 +71,7 @@ async def test_a_hold_whose_time_runs_out_in_the_line_asks_nothing() -> None:
 async def test_a_turn_told_beyond_its_hold_gives_up_at_once() -> None:
     lines, clock = ShareLines(), SystemClock()
 
-    async def ask(max_wait: float, behind: bool = False) -> AcquireResult:
+    async def ask(max_wait: float) -> AcquireResult:
         return answer(False, 5.0)  # its turn is 5 s away
 
     result, waited = await lines.turn("k", clock, 0.5, answer(False, 0.01), ask)
@@ -85,11 +85,11 @@ async def test_a_hold_joining_the_line_is_never_told_the_grant_of_the_one_before
     asking = asyncio.Event()
     answered = asyncio.Event()
 
-    async def first(max_wait: float, behind: bool = False) -> AcquireResult:
+    async def first(max_wait: float) -> AcquireResult:
         await asyncio.sleep(0)  # (the second queues behind it meanwhile)
         return answer(True)
 
-    async def second(max_wait: float, behind: bool = False) -> AcquireResult:
+    async def second(max_wait: float) -> AcquireResult:
         asking.set()
         await answered.wait()
         return answer(True)

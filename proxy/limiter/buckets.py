@@ -13,7 +13,7 @@ A vendor's global and endpoint buckets are fields of its state hash (acquire.lua
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from proxy.limiter.share import share_ask
 from proxy.limiter.store import BucketSpec, LeaseSet, ShareAsk
@@ -43,21 +43,9 @@ class Buckets:
     vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
     """The buckets the vendor counts itself: the endpoint class's and the global ones (the
     pacer keeps a lag per bucket: pacing.py)."""
-    _behind: Buckets | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vendor_side", self.all[self.tenant_count :])
-
-    def behind(self) -> Buckets:
-        """The same, asked by a held request with more of its tenant's behind it
-        (``ShareAsk.behind``; made once)."""
-        if self.share is None or self.share.behind:
-            return self
-        made = self._behind
-        if made is None:
-            made = replace(self, share=self.share._replace(behind=True))
-            object.__setattr__(self, "_behind", made)
-        return made
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:

@@ -340,8 +340,9 @@ class MemoryStore:
             write()
             take_leases(now + wait)
             seq = counted_grant()
-            hint = wait if turn is None else turn.granted(wait, levels, rates)
-            return AcquireResult(True, wait, binding, tuple(levels), hint, seq, False, -1, tuple(inflight))
+            if turn is not None:
+                turn.granted(wait, levels[: turn.ask.first_global])
+            return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
         if reserve is not None and mine and full < 0 and wait <= reserve.horizon:
             tenant_bound = binding < tenants  # (acquire.lua: only the tenant's buckets, then)
             take(0, tenants if tenant_bound else len(buckets))

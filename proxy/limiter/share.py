@@ -59,6 +59,5 @@ def share_spec(ask: ShareAsk) -> str:
     """acquire.lua's ARGV[11] (its ARGV[12] is ``ask.member``)."""
     return (
         f"{ask.klass + 1}:{ask.classes}:{ask.weight:g}:{ask.min_share:g}:{HORIZON * 1000:g}:"
-        f"{TAU * 1000:g}:{GRACE * 1000:g}:{CLASS_GRACE * 1000:g}:{SLACK * 1000:g}:{ask.first_global + 1}:"
-        f"{1 if ask.behind else 0}"
+        f"{TAU * 1000:g}:{GRACE * 1000:g}:{CLASS_GRACE * 1000:g}:{SLACK * 1000:g}:{ask.first_global + 1}"
     )

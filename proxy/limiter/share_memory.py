@@ -26,10 +26,6 @@ class Gate:
     low: float | None = None
     """The lowest tag of its class's waiting tenants; None: none waits."""
     on_credit: bool = False
-    rate: float = 0.0
-    """The slowest of the vendor's global buckets, tokens per second."""
-    class_rate: float = 0.0
-    """What its class receives now: ``rate``, or its min_share of it while a higher class waits."""
 
 
 @dataclass(slots=True)
@@ -64,7 +60,7 @@ class Schedule:
         """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
         the fewest tokens in them now."""
         c = ask.klass
-        g = Gate(rate=rate, class_rate=rate)
+        g = Gate()
         busy = max(self.busy[:c], default=0.0)
         class_rate = rate
         if busy <= now and self.credit[c] > 0:  # credit is for while a higher class waits, not to keep
@@ -76,7 +72,7 @@ class Schedule:
                 credit += (now - last) * ask.min_share * rate
             credit = min(credit, max(cost, 1.0) + ask.min_share * rate * 0.05)  # (50 ms of it: asks come late)
             self.credit[c], self.credited[c] = credit, now
-            class_rate = g.class_rate = ask.min_share * rate
+            class_rate = ask.min_share * rate
             if credit >= cost:
                 g.on_credit = True
             else:
@@ -201,26 +197,11 @@ class Turn:
         request on credit (its class's min_share) as far as it holds."""
         return max_wait if self.gate.on_credit else min(max_wait, HORIZON)
 
-    def granted(self, wait: float, levels: list[float], rates: list[float]) -> float:
-        """Granted (``levels``: every bucket's after the take); returns the reply's hint: how
-        long until its tenant's next request could be, as the buckets and the schedule stand
-        now (acquire.lua's ``share_next``: the tenant's line asks then, share_lines.py).
-        ``ask.behind``: more of the tenant's held requests wait, so the tenant still does."""
-        s, ask, g, cost = self.schedule, self.ask, self.gate, self.cost
-        s.granted(ask, g, cost, wait, self.now)
-        left = any(level < cost for level in levels[: ask.first_global])
-        if left:  # its own limit (or its endpoint's) holds its next: it waits on that
-            s.leaves(ask)
-        hint = max(wait, *((cost - level) / rate for level, rate in zip(levels, rates, strict=True)))
-        waiting = s.waiting[ask.klass]
-        if g.low is not None and waiting:
-            ahead = g.tag + cost / ask.weight - min(waiting.values()) - max(cost, g.rate * SLACK) / ask.weight
-            hint = max(hint, ahead * s.weights[ask.klass] / max(g.class_rate, 1e-9))
-        if ask.behind and not left:
-            if g.low is not None:
-                g.tag += cost / ask.weight  # (its tag, moved by the grant)
-            s.waits(ask, g, hint, self.now)
-        return hint
+    def granted(self, wait: float, own: list[float]) -> None:
+        """Granted (``own``: its tenant's and endpoint's levels after the take)."""
+        self.schedule.granted(self.ask, self.gate, self.cost, wait, self.now)
+        if any(level < self.cost for level in own):  # its own limit holds its next: it waits on that
+            self.schedule.leaves(self.ask)
 
     def kept(self, wait: float) -> None:
         """A slot kept for it: its turn, taken; it waits for it as a tenant refused does."""

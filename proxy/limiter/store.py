@@ -118,9 +118,6 @@ class ShareAsk(NamedTuple):
     """Fraction of the quota a lower class with requests waiting always receives."""
     first_global: int
     """0-based index of the first of the request's buckets that is a vendor's global one."""
-    behind: bool = False
-    """More of its tenant's held requests wait behind it (its line on the replica,
-    share_lines.py): granted, the tenant still waits, as if refused then."""
 
 
 class AcquireResult(NamedTuple):

@@ -313,9 +313,7 @@ class ProxyHandler:
         lined = 0.0
         if line is not None and not result.granted and result.full < 0:
 
-            def take(
-                max_wait: float, behind: bool
-            ) -> Awaitable[AcquireResult]:  # (no deferral slot: not told to retry)
+            def take(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
                 return limiter.acquire(
                     vendor,
                     tenant,
@@ -325,7 +323,7 @@ class ProxyHandler:
                     endpoint=endpoint,
                     partition=partition,
                     leases=slot.leases,
-                    buckets=b.behind() if behind else b,
+                    buckets=b,
                 )
 
             result, lined = await self._turn(deps, vendor.name, wish, slot, line, result, take)
@@ -339,7 +337,7 @@ class ProxyHandler:
         slot: Slot,
         line: Hashable,
         result: AcquireResult,
-        take: Callable[[float, bool], Awaitable[AcquireResult]],
+        take: Callable[[float], Awaitable[AcquireResult]],
     ) -> tuple[AcquireResult, float]:
         """A hold under ``share:`` refused with its turn (SPEC §13): wait in its ``line``
         (share_lines.py) and ask again (``take``) on the turn, until granted or ``max_hold``
@@ -348,12 +346,10 @@ class ProxyHandler:
         if result.wait > wish.max_hold:  # (not its deferral slot: the line spaces the tenant's holds)
             return result, 0.0
 
-        def ask(
-            max_wait: float, behind: bool
-        ) -> Awaitable[AcquireResult]:  # (a cap: its lease too, as a hold waits for one)
+        def ask(max_wait: float) -> Awaitable[AcquireResult]:  # (a cap: its lease too, as a hold waits for one)
             if slot.leases is None:
-                return take(max_wait, behind)
-            return deps.concurrency.acquire(slot, Wish("hold", max_wait), lambda left: take(left, behind))
+                return take(max_wait)
+            return deps.concurrency.acquire(slot, Wish("hold", max_wait), take)
 
         with _holding(deps, name):
             return await self.lines.turn(line, deps.clock, wish.max_hold, result, ask)

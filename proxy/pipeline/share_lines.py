@@ -6,12 +6,10 @@ refused with its turn asks again when the turn comes, so that a request of a hig
 or of a tenant further behind, arriving meanwhile, is served first. If every held request
 of a tenant asked again at its turn, a tenant with forty waiting would send forty asks per
 grant, all but one refused; so only the first of the tenant's line on this replica asks,
-and the next one asks once the one before it is granted, when the store said the tenant's
-next request could be (a grant's hint under a share: as the buckets and the schedule
-stood; asked at once, it would mostly be refused and told so), or at once when the one
-before it gave up; a hold that comes while its line holds anyone joins it without asking
-(``waiting``). The line is FIFO (``asyncio.Lock`` wakes its waiters in order), one per
-(state, class, tenant), forgotten when empty.
+and the next one asks as soon as the one before it is granted (or gives up); a hold that
+comes while its line holds anyone joins it without asking (``waiting``). The line is
+FIFO (``asyncio.Lock`` wakes its waiters in order), one per (state, class, tenant),
+forgotten when empty.
 """
 
 from __future__ import annotations
@@ -52,13 +50,12 @@ class ShareLines:
         clock: Clock,
         max_hold: float,
         result: AcquireResult,
-        ask: Callable[[float, bool], Awaitable[AcquireResult]],
+        ask: Callable[[float], Awaitable[AcquireResult]],
     ) -> tuple[AcquireResult, float]:
         """A hold refused with its turn (``result``): first of ``key``'s line (waiting for
         those before it at most ``max_hold``), it asks again (``ask``, with the hold time
-        left, and whether more of the line wait behind it) on each turn it is told, until
-        granted (or a concurrency cap is full) or ``max_hold`` is spent; returns the last
-        answer and the seconds it waited."""
+        left) on each turn it is told, until granted (or a concurrency cap is full) or
+        ``max_hold`` is spent; returns the last answer and the seconds it waited."""
         start = clock.monotonic()
         deadline = start + max_hold
         line = self._lines.get(key)
@@ -74,11 +71,7 @@ class ShareLines:
                         await lock.acquire()
                 except TimeoutError:
                     return result, clock.monotonic() - start
-                # The one before it was served (its tenant's next turn: ``next_at``) or gave
-                # up. Its turn foreseen past its hold: it asks now, and the store says.
-                wait = max(line.next_at - clock.monotonic(), 0.0)
-                if wait > deadline - clock.monotonic():
-                    wait = 0.0
+                wait = 0.0  # the one before it was served (or gave up): its turn may be now
             else:
                 await lock.acquire()  # (free: at once)
             try:
@@ -87,12 +80,10 @@ class ShareLines:
                         return result, clock.monotonic() - start
                     if wait > 0:
                         await clock.sleep(wait)
-                    result = await ask(max(deadline - clock.monotonic(), 0.0), line.users > 1)
+                    result = await ask(max(deadline - clock.monotonic(), 0.0))
                     if result.granted or result.full >= 0:
                         # (not kept as the line's last answer: a hold joining the line
                         # would be let through on this request's tokens)
-                        if result.granted:
-                            line.next_at = clock.monotonic() + result.retry_after
                         return result, clock.monotonic() - start
                     line.last = result
                     wait = result.retry_after
@@ -105,14 +96,11 @@ class ShareLines:
 
 
 class _Line:
-    __slots__ = ("last", "lock", "next_at", "users")
+    __slots__ = ("last", "lock", "users")
 
     def __init__(self, last: AcquireResult) -> None:
         self.lock = asyncio.Lock()
         self.users = 0
-        self.next_at = 0.0
-        """When its tenant's next request could be granted, as the store said at the last
-        grant of the line (the clock's time)."""
         self.last = last
         """The last refusal its first had (what a hold that joins it without asking is
         told, should its time run out in the line); never a grant, which was the first's

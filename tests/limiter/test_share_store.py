@@ -57,16 +57,11 @@ async def run(
     seconds: float,
     buckets: tuple[BucketSpec, ...] | dict[str, tuple[BucketSpec, ...]] | None = None,
     hold: float = 0.0,
-    asked: Counter[str] | None = None,
 ) -> Counter[str]:
     """Every tenant of ``who`` asks without pause (its next ask when its answer says), for
     ``seconds``; returns the grants per tenant. ``hold``: as held requests do, each may wait
-    that long and asks without a deferral slot (a hold's line asks again on its turn, and
-    after a grant when the grant says its tenant's next could be: share_lines.py);
-    else as precise retriers of defers do. ``asked``: counts the asks per tenant."""
-    asked = Counter() if asked is None else asked
-    if hold > 0:  # (each tenant has more held requests behind the one asking)
-        who = {t: None if a is None else a._replace(behind=True) for t, a in who.items()}
+    that long and asks without a deferral slot (a hold's line asks again on its turn);
+    else as precise retriers of defers do."""
     of = buckets if isinstance(buckets, dict) else dict.fromkeys(who, quota() if buckets is None else buckets)
     hold_or_queue = hold > 0
     granted: Counter[str] = Counter()
@@ -83,10 +78,9 @@ async def run(
                 if due[t] <= clock.monotonic():
                     queue = None if hold_or_queue else f"test:{{v}}:q:{t}"
                     r = await store.acquire(of[t], 1.0, hold, queue, None, None, None, who[t])
-                    asked[t] += 1
                     if r.granted:
                         granted[t] += 1
-                        due[t] = clock.monotonic() + (r.retry_after if hold_or_queue else r.wait)
+                        due[t] = clock.monotonic() + r.wait
                     else:
                         due[t] = clock.monotonic() + r.retry_after
             await clock.advance(step)
@@ -99,16 +93,14 @@ async def run(
         while loop.time() < stop:
             queue = None if hold_or_queue else f"test:{{v}}:q:{t}"
             r = await store.acquire(of[t], 1.0, hold, queue, None, None, None, who[t])
-            asked[t] += 1
             if r.granted:
                 granted[t] += 1
-                await asyncio.sleep(r.retry_after if hold_or_queue else r.wait)
+                await asyncio.sleep(r.wait)
             else:
                 await asyncio.sleep(min(r.retry_after, max(stop - loop.time(), 0)))
 
-    # Several pollers per tenant, as several workers: each tenant always has one asking;
-    # held ones, one: a tenant's line on a replica asks one at a time.
-    await asyncio.gather(*(poll(t) for t in who for _ in range(1 if hold_or_queue else 3)))
+    # Several pollers per tenant, as several workers: each tenant always has one asking.
+    await asyncio.gather(*(poll(t) for t in who for _ in range(3)))
     return granted
 
 
@@ -126,25 +118,6 @@ async def test_weights_divide_a_busy_quota(store: BucketStore, clock: ManualCloc
     got = parts(granted)
     for t, want in (("t1", 1 / 8), ("t2", 2 / 8), ("t5", 5 / 8)):
         assert got[t] == pytest.approx(want, abs=0.05), granted
-
-
-async def test_a_grant_says_when_its_tenants_next_could_be(store: BucketStore, clock: ManualClock) -> None:
-    """Under a share a grant's hint is when its tenant's next request could be granted (the
-    bucket's next token, its turn among the waiting tenants): a hold's line asks then, and
-    is granted, instead of asking at once to be told so (it was 2 asks per grant)."""
-    b = quota(rate=100.0, burst=1.0)
-    alone = share_ask(Share(), STATE, "alone", 0, 0)
-    r = await store.acquire(b, 1.0, 0.5, None, None, None, None, alone)
-    assert r.granted and r.retry_after == pytest.approx(0.01, abs=0.002)  # the bucket's next token
-    await advance(store, clock, 0.05)  # (its bucket full again)
-    share = Share(weights=(("t5", 5.0),))
-    who: dict[str, ShareAsk | None] = dict(asks(share, {"t1": 0, "t5": 0}))
-    asked: Counter[str] = Counter()
-    granted = await run(store, clock, who, 1.5, hold=0.5, asked=asked)
-    got = parts(granted)
-    assert got["t1"] == pytest.approx(1 / 6, abs=0.05), granted
-    assert sum(granted.values()) >= 0.9 * RATE * 1.5, granted
-    assert sum(asked.values()) <= 1.5 * sum(granted.values()), (asked, granted)
 
 
 async def test_first_come_is_not_weighted(store: BucketStore, clock: ManualClock) -> None:
