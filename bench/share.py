@@ -832,6 +832,18 @@ def _by(results: list[dict[str, Any]], scenario: str, share: bool, action: str |
     return None
 
 
+def _vendor_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    """The rows every scenario's table ends with: what the vendor refused and its fullest 1 s."""
+    return [
+        ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for r in runs)],
+        [
+            "most in any 1 s at the vendor",
+            f"<= {runs[0]['vendor_limit']}",
+            *(str(r["vendor_window_max"]) for r in runs),
+        ],
+    ]
+
+
 def table_a(results: list[dict[str, Any]]) -> str | None:
     found = [(a, s, _by(results, "A", s, a)) for a in ("hold", "defer") for s in (True, False)]
     cols = [(a, s) for a, s, r in found if r is not None]
@@ -862,12 +874,7 @@ def table_a(results: list[dict[str, Any]]) -> str | None:
         ]
     )
     rows.append(["quota used", f">= {TARGET_USED:.0%}", *(f"{r['used'] * 100:.1f} %" for r in runs)])
-    rows.append(
-        ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for r in runs)]
-    )
-    rows.append(
-        ["most in any 1 s at the vendor", f"<= {runs[0]['vendor_limit']}", *(str(r["vendor_window_max"]) for r in runs)]
-    )
+    rows += _vendor_rows(runs)
     rows.append(["proxy defers / forwarded", "", *(_f(r["defers_per_forwarded"], "{:.2f}") for r in runs)])
     return ltable(rows, header)
 
@@ -900,12 +907,7 @@ def table_b(results: list[dict[str, Any]]) -> str | None:
             f">= {TARGET_USED:.0%}",
             *(_f(r["t5_pct_in_1s_after_others_last"], "{:.1f}", " %") for _, r in runs),
         ],
-        ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for _, r in runs)],
-        [
-            "most in any 1 s at the vendor",
-            f"<= {runs[0][1]['vendor_limit']}",
-            *(str(r["vendor_window_max"]) for _, r in runs),
-        ],
+        *_vendor_rows([r for _, r in runs]),
     ]
     return ltable(rows, header)
 
@@ -933,12 +935,7 @@ def table_c(results: list[dict[str, Any]]) -> str | None:
         ["checkout: % of quota", f"{CHECKOUT_SHARE:.0%}", *(f"{r['checkout_pct_of_quota']:.1f} %" for _, r in runs)],
         ["batch: % of quota", f">= {MIN_SHARE:.0%}", *(f"{r['batch_pct_of_quota']:.1f} %" for _, r in runs)],
         ["checkout + batch", f">= {TARGET_USED:.0%}", *(f"{r['used'] * 100:.1f} %" for _, r in runs)],
-        ["vendor 429 after 1st s (all)", "0", *(f"{r['vendor_429_after_1s']} ({r['vendor_429']})" for _, r in runs)],
-        [
-            "most in any 1 s at the vendor",
-            f"<= {runs[0][1]['vendor_limit']}",
-            *(str(r["vendor_window_max"]) for _, r in runs),
-        ],
+        *_vendor_rows([r for _, r in runs]),
     ]
     return ltable(rows, header)
 

@@ -270,18 +270,20 @@ class ProxyHandler:
         keeps = wish.action == "defer" and call is not None
         claim = mine if keeps or (mine and wish.action == "hold") else None
 
-        def attempt(max_wait: float) -> Awaitable[AcquireResult]:
+        def attempt(max_wait: float, turn: bool = False) -> Awaitable[AcquireResult]:
+            # (``turn``: a held request's turn under a share, which is not told to retry: no
+            # deferral slot, no claim)
             return limiter.acquire(
                 vendor,
                 tenant,
                 max_wait,
                 cost,
-                enqueue=enqueue,
+                enqueue=enqueue and not turn,
                 endpoint=endpoint,
                 partition=partition,
                 leases=slot.leases,
                 buckets=b,
-                claim=claim,
+                claim=None if turn else claim,
                 keeps=keeps,
                 owner=0.0 if caller is None else caller.owner,
             )
@@ -312,20 +314,7 @@ class ProxyHandler:
             self.kept.kept(call[0], caller.connection, call, claim or "", result, reserve)
         lined = 0.0
         if line is not None and not result.granted and result.full < 0:
-
-            def take(max_wait: float) -> Awaitable[AcquireResult]:  # (no deferral slot: it is not told to retry)
-                return limiter.acquire(
-                    vendor,
-                    tenant,
-                    max_wait,
-                    cost,
-                    enqueue=False,
-                    endpoint=endpoint,
-                    partition=partition,
-                    leases=slot.leases,
-                    buckets=b,
-                )
-
+            take = functools.partial(attempt, turn=True)
             result, lined = await self._turn(deps, vendor.name, wish, slot, line, result, take)
         return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined)
 
