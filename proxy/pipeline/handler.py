@@ -110,9 +110,9 @@ class ProxyHandler:
         self.seats = Seats(deps.clock)
         """The tenant seats of vendors (``tenant.max_active``): the straight path takes them too."""
         self.kept = KeptSlots(deps.clock)
+        """The slots kept for deferred calls, by call (kept_slots.py)."""
         self.lines = ShareLines()
         """Held requests waiting for their turn under ``share:`` (share_lines.py)."""
-        """The slots kept for deferred calls, by call (kept_slots.py)."""
         self.lane = Lane(self)
         """The usual request's straight way through (lane.py), handing the rest to this handler."""
 
