@@ -217,10 +217,7 @@ class Limiter:
             raise StoreUnavailable("circuit breaker open")
         try:
             guard = self.observations.guard(vendor, b.state_key)
-            if b.share is None:
-                result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve)
-            else:
-                result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share)
+            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share)
         except BaseException as exc:
             self._not_taken(exc)
             raise
@@ -241,8 +238,6 @@ class Limiter:
         counter and the lease id are each call's own); None when the store has no such
         call. Its answers go to ``took`` (or, none, ``not_taken``), as this limiter's own do."""
         guard = StateGuard(b.state_key, 0, vendor.on_limit.max_hold)
-        if b.share is None:
-            return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve)
         return self.store.straight(b.all, cost, max_wait, queue, guard, sets, reserve, b.share)
 
     def not_taken(self, exc: BaseException) -> None:
