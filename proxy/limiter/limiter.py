@@ -44,6 +44,7 @@ from proxy.limiter.observations import Observation, Observations
 from proxy.limiter.partitions import RecentPartitions
 from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import (
+    SLOT_LIFE,
     AcquireResult,
     BucketStore,
     Leases,
@@ -197,11 +198,12 @@ class Limiter:
     def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True, owner: float = 0.0) -> Reserve:
         """How a deferred caller of ``b`` keeps its slot: for as long as it is told to retry
         (``answers_max_wait``: a longer wait says "re-enqueue", and the job comes back later
-        as a new request); ``keeps=False``: it keeps none, it only claims; ``owner``: as
-        ``acquire``'s."""
+        as a new request), and until ``SLOT_LIFE`` plus its SDK's jitter after the slot matures;
+        ``keeps=False``: it keeps none, it only claims; ``owner``: as ``acquire``'s."""
         assert b.kept is not None
         horizon = vendor.answers_max_wait if keeps else 0.0
-        return Reserve(b.kept, claim, horizon, owner=owner, tenants=b.tenant_count)
+        life = SLOT_LIFE + vendor.answers.retry_jitter
+        return Reserve(b.kept, claim, horizon, owner=owner, life=life, tenants=b.tenant_count)
 
     async def _acquire_shared(
         self,

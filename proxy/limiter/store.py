@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Final, Literal, NamedTuple, Protocol
 
 Scope = Literal["tenant", "endpoint", "global"]
 
@@ -74,6 +74,12 @@ class Leases(NamedTuple):
     sets: tuple[LeaseSet, ...]
 
 
+SLOT_LIFE: Final = 1.0
+"""Seconds a kept slot outlives its maturity by default: what rounding a wait up to
+``Retry-After``'s whole seconds adds (an SDK's own jitter on top of it is its preset's
+``retry_jitter``)."""
+
+
 class Reserve(NamedTuple):
     """A deferral that keeps its slot (acquire.lua, "Kept slots"): refused with a wait of at
     most ``horizon``, the caller's tokens are taken as a hold's and the slot is kept for it
@@ -93,7 +99,7 @@ class Reserve(NamedTuple):
     default: precise retriers come back within a few ms of their slot, before the next
     slot matures, and a slot taken by another caller is still spent, not lost (its owner
     is given a slot of its own)."""
-    life: float = 1.0
+    life: float = SLOT_LIFE
     """Seconds after it matures a slot nobody claimed is dropped (its tenant buckets given
     their tokens back; its time, and with it the vendor-side token, has passed)."""
     tenants: int = 0

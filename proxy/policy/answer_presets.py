@@ -126,7 +126,7 @@ def _preset(walk: Walk, node: yaml.Node, path: str, name: str | None, presets: P
             if own_body is not None:
                 template = replace(template, body=own_body)
         kinds.append(template)
-    return AnswerPreset(name or f"{base.name}+", tuple(kinds))
+    return AnswerPreset(name or f"{base.name}+", tuple(kinds), base.retry_jitter)
 
 
 _Kind = tuple[int | None, tuple[tuple[str, str | None], ...] | None, str | None]

@@ -75,6 +75,9 @@ class AnswerPreset:
     """The built-in or policy preset it is, or names its base with ``+`` when a vendor
     overrode parts of it (e.g. ``github+``)."""
     kinds: tuple[AnswerTemplate, ...]
+    retry_jitter: float = 0.0
+    """Seconds the SDK's retry may come after the ``Retry-After`` it sleeps (its own jitter):
+    a deferred call's slot is kept that much longer (``Limiter.reserve``)."""
 
     def kind(self, kind: AnswerKind) -> AnswerTemplate:
         return self.kinds[KINDS.index(kind)]
@@ -277,11 +280,14 @@ _SLACK: Final = AnswerPreset(
         bad_request=_slack("{code}"),
         upstream_error=_slack("{code}"),
     ),
+    retry_jitter=1.0,
 )
 """slack_sdk: Slack's errors are ``{"ok": false, "error": "<string>"}`` (code tests
 ``e.response["error"] == "ratelimited"``); its ``RateLimitErrorRetryHandler`` retries every
-429 after ``Retry-After``, its ``ServerErrorRetryHandler`` every 500 and 503. So a defer is
-a 429; a shed and a long defer a 409, which no handler retries."""
+429 after ``Retry-After`` plus up to a second of jitter, its ``ServerErrorRetryHandler``
+every 500 and 503. So a defer is a 429, whose slot is kept a second longer (a second retry
+through a proxy fails in slack_sdk: it reuses the urllib Request, whose proxy set-up is not
+idempotent); a shed and a long defer a 409, which no handler retries."""
 
 BUILT_IN: Final[dict[str, AnswerPreset]] = {
     p.name: p for p in (_GENERIC, _STRIPE, _OPENAI, _ANTHROPIC, _GITHUB, _SLACK)

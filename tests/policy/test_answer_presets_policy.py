@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from proxy.limiter.buckets import buckets_for
+from proxy.limiter.limiter import Limiter
 from proxy.pipeline.refusals import Limited
 from proxy.pipeline.responses import refusal_response
 from proxy.policy import ConfigErrors, parse_policy
@@ -54,6 +56,23 @@ def test_a_mapping_changes_a_presets_shed_and_long_defer_status_and_keeps_the_re
     long = refusal_response(LONG, vendor)
     assert (long.status, long.headers["Retry-After"], long.headers["x-should-retry"]) == (422, "300", "false")
     assert vendor.answers.kind("defer") == BUILT_IN["stripe"].kind("defer")
+
+
+@pytest.mark.parametrize(
+    ("answers", "life"),
+    [
+        ("    answers: slack\n", 2.0),
+        ("    answers: {preset: slack, shed: {status: 422}}\n", 2.0),
+        ("    answers: {preset: mine}\n", 2.0),
+        ("    answers: github\n", 1.0),
+        ("", 1.0),
+    ],
+)
+def test_a_deferred_calls_slot_outlives_its_maturity_by_its_sdks_retry_jitter(answers: str, life: float) -> None:
+    # slack_sdk sleeps Retry-After plus up to 1 s: its slot is kept until then (changed or not).
+    vendor = policy(answers, "answer_presets:\n  mine: {preset: slack}\n").vendors[0]
+    b = buckets_for("test", vendor, "t")
+    assert Limiter.reserve(vendor, b).life == life
 
 
 def test_a_body_template_for_every_kind_with_typed_placeholders_and_the_generic_keys_after_it() -> None:
