@@ -109,6 +109,10 @@ def parts(granted: Counter[str]) -> dict[str, float]:
     return {t: n / total for t, n in granted.items()}
 
 
+WEIGHTED = (("t1", 1 / 8), ("t2", 2 / 8), ("t5", 5 / 8))
+"""Each tenant's part of the quota under weights 1:2:5."""
+
+
 async def test_weights_divide_a_busy_quota(store: BucketStore, clock: ManualClock) -> None:
     share = Share(weights=(("t2", 2.0), ("t5", 5.0)))
     who: dict[str, ShareAsk | None] = dict(asks(share, {"t1": 0, "t2": 0, "t5": 0}))
@@ -116,14 +120,17 @@ async def test_weights_divide_a_busy_quota(store: BucketStore, clock: ManualCloc
     total = sum(granted.values())
     assert total >= 0.9 * RATE * 1.5, granted  # the whole quota is used
     got = parts(granted)
-    for t, want in (("t1", 1 / 8), ("t2", 2 / 8), ("t5", 5 / 8)):
+    for t, want in WEIGHTED:
         assert got[t] == pytest.approx(want, abs=0.05), granted
 
 
 async def test_first_come_is_not_weighted(store: BucketStore, clock: ManualClock) -> None:
-    """The same load without a share: what the test above would see from a plain limiter."""
+    """The same load without a share: the test above's check fails on a plain limiter. How
+    first come divides it is chance (a third each, or on Redis now and then 72 % to one
+    tenant whose retriers happen to ask first), never the weights."""
     granted = await run(store, clock, {"t1": None, "t2": None, "t5": None}, 1.0)
-    assert parts(granted)["t5"] < 0.5, granted
+    got = parts(granted)
+    assert max(abs(got.get(t, 0.0) - want) for t, want in WEIGHTED) > 0.05, granted
 
 
 async def test_a_tenant_alone_takes_the_whole_quota(store: BucketStore, clock: ManualClock) -> None:
