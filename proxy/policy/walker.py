@@ -161,10 +161,8 @@ class Walk:
         found: list[T] = []
         for i, item in enumerate(items):
             where = f"{path}[{i}]"
-            try:
-                value = parse(key, self.value(item))
-            except ValueError as exc:
-                self.error(item, where, str(exc))
+            value = self.leaf(item, where, key, parse, None)
+            if value is None:  # (unreadable: leaf said so)
                 continue
             if value in found:
                 self.error(item, where, f'{key} "{value}" is listed twice')
