@@ -26,12 +26,20 @@ RUN groupadd --system --gid 10001 quota-proxy \
     && useradd --system --uid 10001 --gid quota-proxy --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin quota-proxy
 
-# A real (non-editable) install: the wheel carries the Lua scripts as proxy/lua.
+# The libraries exactly as uv.lock pins them, checked against its hashes (the versions the
+# tests ran on), then the package itself without resolving anything again: a real
+# (non-editable) install, whose wheel carries the Lua scripts as proxy/lua. uv, pinned by
+# hash, only exports the lock and leaves.
 WORKDIR /tmp/quota-proxy-src
-COPY pyproject.toml README.md ./
+COPY scripts/uv-requirements.txt scripts/
+COPY pyproject.toml uv.lock README.md ./
 COPY proxy/ proxy/
 COPY lua/ lua/
-RUN pip install . \
+RUN pip install -r scripts/uv-requirements.txt \
+    && uv export --frozen --no-dev --no-emit-project --output-file requirements.txt \
+    && pip install --require-hashes --no-deps -r requirements.txt \
+    && pip install --no-deps . \
+    && pip uninstall -y uv \
     && cd / \
     && rm -rf /tmp/quota-proxy-src
 

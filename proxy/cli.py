@@ -15,7 +15,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from proxy import __version__
 from proxy.devtools import demo_cli, mockvendor_cli
 from proxy.names import split_host_port
 from proxy.policy import (
@@ -31,10 +30,20 @@ from proxy.policy import (
 )
 from proxy.policy.model import StoreSettings, Workers
 from proxy.policy.sections import memory_with_workers, workers_value
+from proxy.versions import version_report
 
 EXIT_CONFIG = 2
 
 log = logging.getLogger("quota_proxy")
+
+
+class _VersionAction(argparse.Action):
+    """argparse's own version action reflows its text into one paragraph: this keeps the lines,
+    and reads the installed versions only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_report())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quota-proxy", description="An egress proxy that keeps a worker fleet inside a vendor's API quota."
     )
-    parser.add_argument("--version", action="version", version=f"quota-proxy {__version__}")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        nargs=0,
+        help="print this release and the versions of Python and the libraries it runs on (for bug reports)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="serve the proxy and its admin endpoints")

@@ -10,11 +10,13 @@ The subprocess helpers (``cli``, ``ProxyProcess``, ``http_get``...) are in ``tes
 from __future__ import annotations
 
 import json
+import platform
 import re
 import socket
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -418,7 +420,12 @@ def test_mock_vendor_subcommand_serves_the_example_policy_end_to_end(tmp_path: P
 def test_version_and_help() -> None:
     version = run_cli("--version")
     assert version.returncode == 0
-    assert version.stdout == f"quota-proxy {proxy.__version__}\n"
+    # For bug reports: the release, the Python, and every runtime library at its installed version.
+    lines = version.stdout.splitlines()
+    assert lines[0] == f"quota-proxy {proxy.__version__}"
+    assert lines[1] == f"{platform.python_implementation()} {platform.python_version()}"
+    expected = ["aiohttp", "httptools", "redis", "hiredis", "prometheus-client", "pyyaml", "uvloop", "cryptography"]
+    assert sorted(lines[2:]) == sorted(f"{name} {metadata.version(name)}" for name in expected), version.stdout
 
     helped = run_cli("--help")
     assert helped.returncode == 0

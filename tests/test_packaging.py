@@ -222,7 +222,12 @@ def test_installed_wheel_runs_outside_the_checkout(wheel: Path, tmp_path: Path) 
         stdin=subprocess.DEVNULL,
         check=False,
     )
-    assert version.stdout == f"quota-proxy {proxy.__version__}\n"
+    # The release, then the Python and each runtime library the wheel's metadata names, with versions.
+    lines = version.stdout.splitlines()
+    assert lines[0] == f"quota-proxy {proxy.__version__}", version.stdout
+    libraries = dict(line.split(" ", 1) for line in lines[2:])
+    for name in ("aiohttp", "httptools", "redis", "hiredis", "prometheus-client", "pyyaml", "cryptography", "uvloop"):
+        assert re.fullmatch(r"\d+(\.\d+)+\S*", libraries.get(name, "")), (name, version.stdout)
 
     for tool in ("mock-vendor", "demo"):  # the developer tools ship in the wheel too
         helped = subprocess.run(
@@ -318,7 +323,7 @@ def test_dockerfile_builds_a_non_root_image_that_drains_on_sigterm(dockerfile: l
     assert keywords.index("CMD") > dockerfile.index(users[-1])
     assert all(r.line < users[-1].line for r in runs), "nothing runs as root after USER"
 
-    assert any(re.search(r"\bpip install \.(\s|$)", r.args) for r in runs), "a real, non-editable install"
+    assert any(re.search(r"\bpip install --no-deps \.(\s|$)", r.args) for r in runs), "a real, non-editable install"
     assert only(dockerfile, "STOPSIGNAL").args == "SIGTERM"
     assert set(only(dockerfile, "EXPOSE").args.split()) == {"8080", "9090"}
     assert only(dockerfile, "CMD").exec_form() == ["quota-proxy", "run", "--workers", "auto", "-c", IMAGE_POLICY]
@@ -346,7 +351,7 @@ def test_dockerfile_copies_only_what_exists_and_the_context_keeps(dockerfile: li
             rel = inner.relative_to(ROOT).as_posix()
             if inner.is_file() and "__pycache__" not in rel and not rel.endswith(".pyc"):
                 assert not _dockerignore_excludes(rel), f".dockerignore drops {rel}"
-    for needed in ("pyproject.toml", "README.md", "proxy", "lua", "config"):
+    for needed in ("pyproject.toml", "uv.lock", "scripts/uv-requirements.txt", "README.md", "proxy", "lua", "config"):
         assert needed in {s.rstrip("/") for s in sources}, needed
     for kept_out in (
         ".git/HEAD",
@@ -357,6 +362,69 @@ def test_dockerfile_copies_only_what_exists_and_the_context_keeps(dockerfile: li
         "bench/run.py",
     ):
         assert _dockerignore_excludes(kept_out), kept_out
+
+
+def _uv_pin(text: str) -> str:
+    (version,) = re.findall(r"^uv==(\S+)", text, flags=re.MULTILINE)
+    return version
+
+
+def test_dockerfile_installs_the_locked_libraries_by_hash(dockerfile: list[Instruction], tmp_path: Path) -> None:
+    """The image gets the versions the tests ran on: the Dockerfile's own `uv export` of uv.lock,
+    run here as written on the files it copies, pins every runtime library (and only those)
+    with hashes, and pip installs exactly that list before the package without resolving."""
+    (install,) = [r for r in dockerfile if r.keyword == "RUN" and "uv export" in r.args]
+    steps = [step.strip() for step in install.args.split("&&")]
+    assert steps[0] == "pip install -r scripts/uv-requirements.txt", steps
+    (export,) = [s for s in steps if s.startswith("uv export")]
+    argv = shlex.split(export)
+    assert "--frozen" in argv and "--no-dev" in argv and "--no-emit-project" in argv, argv
+    assert not any(a.startswith("--extra") or a == "--all-extras" for a in argv), argv
+    requirements = argv[argv.index("--output-file") + 1]
+    assert f"pip install --require-hashes --no-deps -r {requirements}" in steps
+    assert steps.index(f"pip install --require-hashes --no-deps -r {requirements}") < steps.index(
+        "pip install --no-deps ."
+    )
+
+    # uv in the test environment is the one the image and scripts/test install.
+    pinned = _uv_pin((ROOT / "scripts/uv-requirements.txt").read_text())
+    assert "--hash=sha256:" in (ROOT / "scripts/uv-requirements.txt").read_text()
+    uv = Path(sys.executable).parent / "uv"
+    version = subprocess.run([str(uv), "--version"], capture_output=True, text=True, timeout=30, check=True)
+    assert version.stdout.split()[:2] == ["uv", pinned]
+
+    context = tmp_path / "src"
+    for copy in (c for c in dockerfile if c.keyword == "COPY" and not shlex.split(c.args)[-1].startswith("/")):
+        *sources, dest = shlex.split(copy.args)
+        for source in sources:
+            target = context / dest / Path(source).name if dest.endswith("/") else context / dest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / source).is_file():
+                target.write_bytes((ROOT / source).read_bytes())
+    assert (context / "uv.lock").is_file() and (context / "pyproject.toml").is_file()
+    exported = subprocess.run(
+        [str(uv), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=context,
+        env={**clean_env(checkout=False), "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never"},
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert exported.returncode == 0, exported.stderr
+    text = (context / requirements).read_text()
+    pins = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)", text, flags=re.MULTILINE))
+    for name in ("aiohttp", "httptools", "redis", "hiredis", "prometheus-client", "pyyaml", "uvloop", "cryptography"):
+        assert name in pins, (name, text)
+    for test_only in ("pytest", "mypy", "ruff", "stripe", "mkdocs", "uv", "quota-proxy"):
+        assert test_only not in pins, test_only
+    # Every requirement carries at least one hash (pip --require-hashes refuses one without).
+    entries = re.split(
+        r"\n(?=[A-Za-z0-9])", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    )
+    for entry in (e for e in entries if e.strip()):
+        assert "--hash=sha256:" in entry, entry
 
 
 def _image_policy(dockerfile: list[Instruction]) -> tuple[str, str]:

@@ -22,7 +22,7 @@ from redis.crc import key_slot
 from proxy.clock import SystemClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
 from proxy.limiter.buckets import block_channel, buckets_for, global_buckets
-from proxy.limiter.redis_store import RedisStore
+from proxy.limiter.redis_store import RedisStore, close_pubsub
 from proxy.limiter.scripts import script
 from proxy.limiter.store import BucketSpec
 from proxy.policy.model import Limit, TenantLimits, Vendor
@@ -287,7 +287,7 @@ async def test_block_publishes_on_the_vendors_channel(redis_url: str, stores: St
         await store.drain(global_buckets(PREFIX, vendor))  # a drain is not announced
         assert await pubsub.get_message(timeout=0.2) is None
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await close_pubsub(pubsub)
         await listener.aclose()
 
 
