@@ -492,3 +492,46 @@ async def test_healthcheck_command_probes_the_admin_listener(dockerfile, vendor,
 
     assert await asyncio.to_thread(probe, f"{server.admin_url}/healthz") == 0
     assert await asyncio.to_thread(probe, f"http://127.0.0.1:{free_port()}/healthz") == 1
+
+
+# -- the lock ------------------------------------------------------------------------------------
+
+
+def _lock_checkout(tmp_path: Path) -> Path:
+    """What scripts/check-lock reads, copied: pyproject.toml, uv.lock and the version's source."""
+    for name in ("pyproject.toml", "uv.lock", "README.md", "proxy/__init__.py", "scripts/check-lock"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    return tmp_path
+
+
+def _check_lock(checkout: Path) -> subprocess.CompletedProcess[str]:
+    uv = Path(sys.executable).parent / "uv"
+    return subprocess.run(
+        ["bash", "scripts/check-lock", str(uv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=checkout,
+        # Not offline: a stale lock is found by resolving again, which may ask the index.
+        env={**clean_env(checkout=False), "UV_PYTHON_DOWNLOADS": "never"},
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def test_the_lock_is_current_and_a_stale_one_stops_the_test_command_with_how_to_refresh_it(tmp_path: Path) -> None:
+    checkout = _lock_checkout(tmp_path)
+    current = _check_lock(checkout)
+    assert current.returncode == 0, current.stderr
+
+    pyproject = checkout / "pyproject.toml"
+    text = pyproject.read_text()
+    assert '"pyyaml>=6.0",' in text
+    pyproject.write_text(text.replace('"pyyaml>=6.0",', '"pyyaml>=6.0.2",', 1))  # a floor moved, the lock not
+    stale = _check_lock(checkout)
+    assert stale.returncode == 1, stale.stderr
+    assert "needs to be updated" in stale.stderr, stale.stderr  # stale, not merely offline
+    assert "uv.lock is out of date with pyproject.toml: refresh it with" in stale.stderr
+    assert "uv lock" in stale.stderr.splitlines()[-1]
+    assert "scripts/check-lock" in (ROOT / "scripts/test").read_text()
