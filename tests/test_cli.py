@@ -9,6 +9,7 @@ The subprocess helpers (``cli``, ``ProxyProcess``, ``http_get``...) are in ``tes
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import re
@@ -435,6 +436,30 @@ def test_version_and_help() -> None:
     unknown = run_cli("frobnicate")
     assert unknown.returncode == 2
     assert "invalid choice" in unknown.stderr
+
+
+def test_every_command_says_what_it_does_and_every_option_has_help() -> None:
+    from proxy.cli import build_parser
+
+    def commands(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(name, parser)]
+        for action in parser._actions:  # argparse keeps no public list of a parser's subparsers
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    found += commands(child, f"{name} {sub}")
+        return found
+
+    for name, parser in commands(build_parser(), "quota-proxy"):
+        assert parser.description, f"{name} --help: no description"
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"{name} --help: {action.option_strings or action.dest} has no help"
+    printed = run_cli("run", "--help")
+    assert printed.returncode == 0
+    assert "Serve the policy" in printed.stdout
+    assert re.search(r"--log-level \{debug,info,warning,error\}\s+the level of the log", printed.stdout), printed.stdout
+    assert "Load the policy as run would" in run_cli("check", "--help").stdout
 
 
 def test_the_command_line_lists_the_developer_tools_without_importing_them() -> None:
