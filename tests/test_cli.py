@@ -516,4 +516,5 @@ def test_check_answers_prints_each_answer_as_the_worker_sees_it(tmp_path: Path) 
     ]:
         assert f"\n  {kind} (" in blocks
         assert f"HTTP/1.1 {status}" in blocks
-    assert '{"message":"API rate limit exceeded (gh is over its quota (global 10/1s); retry in 0.25 s)"' in blocks
+    said = "API rate limit exceeded (gh is over its quota (global 10/1s burst 10); retry in 0.25 s)"
+    assert '{"message":"' + said + '"' in blocks
