@@ -59,7 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="serve the proxy and its admin endpoints")
+    run = sub.add_parser(
+        "run",
+        help="serve the proxy and its admin endpoints",
+        description="Serve the policy: workers connect to its listen address (HTTP_PROXY, HTTPS_PROXY or a "
+        "route URL), the admin endpoints (/metrics /healthz /readyz /status, the live page at /) are on "
+        "admin_listen. Flags win over the environment, which wins over the file. Bad configuration exits 2 "
+        "without serving; SIGTERM drains and exits 0; SIGHUP and POST /reload reload the policy.",
+    )
     _config_arg(run)
     run.add_argument("--listen", metavar="HOST:PORT", help="where workers connect (overrides the file)")
     run.add_argument("--admin-listen", metavar="HOST:PORT", help="/metrics /healthz /readyz /status")
@@ -89,10 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default=os.environ.get("QUOTA_PROXY_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
+        help="the level of the log on stderr (default: $QUOTA_PROXY_LOG_LEVEL, else info); the access log does "
+        "not follow it (the policy's access_log switches it)",
     )
     run.set_defaults(handler=_run)
 
-    check = sub.add_parser("check", help="validate a policy and print its summary")
+    check = sub.add_parser(
+        "check",
+        help="validate a policy and print its summary",
+        description="Load the policy as run would, without serving it: exit 0 and print a summary (every "
+        "default filled in, each vendor's worst case in any window; warnings on stderr), or exit 2 with one "
+        "line per problem (file:line: path: message).",
+    )
     _config_arg(check)
     check.add_argument(
         "--answers",
@@ -104,9 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     mockvendor_cli.register(sub)
     demo_cli.register(sub)
 
-    ca = sub.add_parser("ca", help="the proxy's own CA, for HTTPS_PROXY interception")
+    ca = sub.add_parser(
+        "ca",
+        help="the proxy's own CA, for HTTPS_PROXY interception",
+        description="The CA the proxy signs intercepted vendors' certificates with (connect: intercept).",
+    )
     ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="CA_COMMAND")
-    ca_init = ca_sub.add_parser("init", help="create DIR/ca.pem and DIR/ca-key.pem (mode 0600)")
+    ca_init = ca_sub.add_parser(
+        "init",
+        help="create DIR/ca.pem and DIR/ca-key.pem (mode 0600)",
+        description="Create the interception CA, DIR/ca.pem and DIR/ca-key.pem (mode 0600), name-constrained to "
+        "the policy's vendor hosts and --permit's names, and print how workers trust it.",
+    )
     ca_init.add_argument("--out", required=True, metavar="DIR", help="directory to write to (created if missing)")
     # No $QUOTA_PROXY_CONFIG default here: name constraints are baked into the CA for years,
     # so only an explicit -c decides them.
@@ -128,7 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca_init.add_argument("--rsa", action="store_true", help="RSA-2048 instead of EC P-256")
     ca_init.add_argument("--force", action="store_true", help="overwrite existing files")
     ca_init.set_defaults(handler=_ca_init)
-    ca_show = ca_sub.add_parser("show", help="print the configured CA's fingerprint and expiry")
+    ca_show = ca_sub.add_parser(
+        "show",
+        help="print the configured CA's fingerprint and expiry",
+        description="Print the policy's CA (tls.ca_cert): subject, fingerprint, expiry and name constraints.",
+    )
     _config_arg(ca_show)
     ca_show.set_defaults(handler=_ca_show)
     return parser

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy.pipeline.answer_samples import describe
 from proxy.server import ProxyServer
 from tests.conftest import client_session, free_port, vendor_policy
 
@@ -91,6 +92,33 @@ async def test_a_defer(dialect: AnswerDialect, vendor: Any, start_proxy: Any) ->
     assert headers["RateLimit-Policy"] == '"quota-proxy-global-10-1s";q=10;w=1'
     assert headers["RateLimit"] == '"quota-proxy-global-10-1s";r=0;t=1'
     assert vendor.mock.accepted == 1
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_check_answers_shows_a_defer_as_a_real_one_is(
+    dialect: AnswerDialect, vendor: Any, start_proxy: Any
+) -> None:
+    """``check --answers``' sample defer has the real one's fields, bucket and RateLimit items."""
+    policy = vendor_policy(
+        vendor.url,
+        limits="[{rate: 80, per: 1s, burst: 1}, {rate: 4000, per: 1m}]",
+        on_limit="{action: defer}",
+        extra_vendor=f"answers: {dialect}",
+    )
+    proxy = await start_proxy(policy)
+    assert (await call(proxy, "/ok"))[0] == 200
+    status, headers, body = await call(proxy, "/deferred")
+    assert status == 429 and body["bucket"] == "global 80/1s burst 1"
+    sampled = describe(policy.vendors[0]).split("  defer (", 1)[1].split("\n  long defer (", 1)[0]
+    head, _, text = sampled.partition("\n    \n")
+    names = [line.strip().split(":", 1)[0] for line in head.splitlines()[2:]]
+    real = [name for name in headers if name not in ("Content-Length", "Date", "Server", "Connection")]
+    assert sorted(names) == sorted(real), sampled
+    assert f"RateLimit-Policy: {headers['RateLimit-Policy']}" in head
+    assert f"RateLimit: {headers['RateLimit']}" in head
+    sample_body = json.loads(text)
+    assert sample_body.keys() == body.keys()
+    assert sample_body["bucket"] == body["bucket"] and sample_body["limiter"] == body["limiter"]
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

@@ -9,6 +9,7 @@ The subprocess helpers (``cli``, ``ProxyProcess``, ``http_get``...) are in ``tes
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import re
@@ -437,6 +438,30 @@ def test_version_and_help() -> None:
     assert "invalid choice" in unknown.stderr
 
 
+def test_every_command_says_what_it_does_and_every_option_has_help() -> None:
+    from proxy.cli import build_parser
+
+    def commands(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(name, parser)]
+        for action in parser._actions:  # argparse keeps no public list of a parser's subparsers
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    found += commands(child, f"{name} {sub}")
+        return found
+
+    for name, parser in commands(build_parser(), "quota-proxy"):
+        assert parser.description, f"{name} --help: no description"
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"{name} --help: {action.option_strings or action.dest} has no help"
+    printed = run_cli("run", "--help")
+    assert printed.returncode == 0
+    assert "Serve the policy" in printed.stdout
+    assert re.search(r"--log-level \{debug,info,warning,error\}\s+the level of the log", printed.stdout), printed.stdout
+    assert "Load the policy as run would" in run_cli("check", "--help").stdout
+
+
 def test_the_command_line_lists_the_developer_tools_without_importing_them() -> None:
     # `check` and `ca` stay quick to start: mock-vendor and demo register their arguments from
     # light modules, and aiohttp (the tools, the server) is imported only by a command that serves.
@@ -491,4 +516,5 @@ def test_check_answers_prints_each_answer_as_the_worker_sees_it(tmp_path: Path) 
     ]:
         assert f"\n  {kind} (" in blocks
         assert f"HTTP/1.1 {status}" in blocks
-    assert '{"message":"API rate limit exceeded (gh is over its quota (global 10/1s); retry in 0.25 s)"' in blocks
+    said = "API rate limit exceeded (gh is over its quota (global 10/1s burst 10); retry in 0.25 s)"
+    assert '{"message":"' + said + '"' in blocks

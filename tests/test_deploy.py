@@ -31,7 +31,7 @@ from tests.helpers.dockerfile import IMAGE_POLICY, parse_dockerfile
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_POLICY = DEPLOY / "compose" / "policy.yaml"
-K8S = DEPLOY / "k8s"
+K8S = DEPLOY / "k8s" / "base"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
 DASHBOARD = DEPLOY / "grafana" / "quota-proxy.json"
@@ -598,7 +598,7 @@ def _k8s_policy(k8s: dict[tuple[str, str], dict[str, Any]]) -> tuple[Policy, arg
     (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
     config_map = k8s[("ConfigMap", volume["configMap"]["name"])]
     text = config_map["data"][path.name]
-    return parse_policy(text, f"deploy/k8s/configmap.yaml#{path.name}", base_dir=K8S), args
+    return parse_policy(text, f"deploy/k8s/base/configmap.yaml#{path.name}", base_dir=K8S), args
 
 
 def test_k8s_deployment_runs_the_configmap_policy_with_matching_ports_and_probes(

@@ -174,3 +174,24 @@ def _github_anchors(text: str) -> set[str]:
             title = line.lstrip("#").strip().lower()
             anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
     return anchors
+
+
+def test_the_page_tables_list_every_page_of_the_site() -> None:
+    """README's and docs/index.md's page tables name every page of the site's nav."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    pages = [page for page in _nav_pages(nav) if page != "index.md"]
+    index = (ROOT / "docs" / "index.md").read_text()
+    readme = README.read_text()
+    for page in pages:
+        assert f"]({page})" in index, f"docs/index.md: the table of pages has no row for {page}"
+        assert f"](docs/{page})" in readme, f"README.md: the table of pages has no row for docs/{page}"
+
+
+def _nav_pages(nav: object) -> list[str]:
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [page for item in nav for page in _nav_pages(item)]
+    if isinstance(nav, dict):
+        return [page for value in nav.values() for page in _nav_pages(value)]
+    return []

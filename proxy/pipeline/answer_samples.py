@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.pipeline.refusals import BadRequest, Denied, Limited, Refusal, UpstreamFailed
+from proxy.limiter.buckets import buckets_for
+from proxy.limiter.store import AcquireResult
+from proxy.pipeline.decide import Defer, Shed, Wish, decide, refusal
+from proxy.pipeline.ratelimit_fields import request_limits
+from proxy.pipeline.refusals import BadRequest, Denied, Refusal, UpstreamFailed
 from proxy.pipeline.responses import refusal_response
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Vendor
+from proxy.policy.model import Action, Vendor
 from proxy.policy.presets import KINDS, AnswerKind
 
 _KIND_NAMES: dict[AnswerKind, str] = {
@@ -22,19 +26,21 @@ _KIND_NAMES: dict[AnswerKind, str] = {
 }
 
 
+SAMPLE_TENANT = "default"
+"""The tenant of the samples: whose buckets a refusal names when its own bucket refused."""
+
+
 def sample(vendor: Vendor, kind: AnswerKind) -> tuple[str, Refusal]:
     """A refusal of ``kind`` for ``vendor``, and when it happens."""
-    bucket = f"global {vendor.limits[0].rate:g}/{format_duration(vendor.limits[0].per)}" if vendor.limits else "global"
     if kind == "defer":
-        return "the buckets are empty, the wait is short", Limited("defer", 0.25, "global", bucket, hint=0.25)
+        return "the buckets are empty, the wait is short", _limited(vendor, "defer", 0.25)
     if kind == "long_defer":
-        wait = vendor.answers_max_wait * 2
         return (
             f"a wait beyond answers_max_wait ({format_duration(vendor.answers_max_wait)})",
-            Limited("defer", wait, "global", bucket, hint=wait),
+            _limited(vendor, "defer", vendor.answers_max_wait * 2),
         )
     if kind == "shed":
-        return "the buckets are empty and the action is shed", Limited("shed", 0.25, "global", bucket)
+        return "the buckets are empty and the action is shed", _limited(vendor, "shed", 0.25)
     if kind == "deny":
         return "no vendor matches", Denied("no vendor in the policy matches 'other.example'", "other.example")
     if kind == "bad_request":
@@ -42,6 +48,22 @@ def sample(vendor: Vendor, kind: AnswerKind) -> tuple[str, Refusal]:
     return "the vendor did not answer in time (a POST)", UpstreamFailed(
         504, "upstream-timeout", f"{vendor.name} did not answer in time", reached=True
     )
+
+
+def _limited(vendor: Vendor, action: Action, wait: float) -> Refusal:
+    """What the request path makes of a store that refused ``wait`` seconds on the vendor's
+    first global bucket (the others, and the tenant's, have room): the same buckets, decision
+    and refusal as a real one (handler.py), so the labels and RateLimit fields are the real ones."""
+    buckets = buckets_for("", vendor, SAMPLE_TENANT)
+    limits = request_limits(vendor, SAMPLE_TENANT)
+    binding = buckets.tenant_count  # the first global bucket
+    levels = [float(limit.burst) - 1 for limit, _ in limits]
+    # Refused with this wait for one token: the level reservations took it down to.
+    levels[binding] = 1 - wait * limits[binding][0].per_second
+    result = AcquireResult(False, wait, binding, tuple(levels), hint=wait)
+    decision = decide(result, Wish(action, 0.0))
+    assert isinstance(decision, Defer | Shed)  # refused: never a grant
+    return refusal(decision, result, buckets, limits)
 
 
 def describe(vendor: Vendor) -> str:

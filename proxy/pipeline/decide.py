@@ -3,18 +3,19 @@ store's answer. Pure: no I/O, no clock."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from multidict import istr
 
+from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import AcquireResult
 from proxy.pipeline.pacing import Paced
-from proxy.pipeline.ratelimit_fields import QuotaItem
-from proxy.pipeline.refusals import BadRequest
+from proxy.pipeline.ratelimit_fields import QuotaItem, tightest
+from proxy.pipeline.refusals import BadRequest, Limited
 from proxy.policy.durations import parse_duration
-from proxy.policy.model import ACTIONS, Action, OnLimit
+from proxy.policy.model import ACTIONS, Action, Limit, OnLimit
 from proxy.wire import headers as h
 
 
@@ -108,3 +109,26 @@ def decide(result: AcquireResult, wish: Wish) -> Decision:
     if wish.action == "shed":
         return Shed(result.wait)
     return Defer(result.wait, result.retry_after)  # hold falls back to defer when the wait exceeds max_hold
+
+
+def refusal(
+    decision: Defer | Shed,
+    result: AcquireResult,
+    buckets: Buckets,
+    limits: Sequence[tuple[Limit, str]],
+    reason: str = "",
+) -> Limited:
+    """The refusal a defer or shed makes, named by the bucket that refused (``result.binding``)
+    and carrying its RateLimit item. ``limits``: the request's, as
+    ``ratelimit_fields.request_limits`` lists them; ``reason``: a global bucket's, when the
+    caller knows more (refusals.REASONS). ``check --answers`` shows its samples through here."""
+    bucket = buckets.all[result.binding]
+    return Limited(
+        "shed" if isinstance(decision, Shed) else "defer",
+        decision.retry_after,
+        bucket.scope,
+        bucket.label,
+        decision.hint if isinstance(decision, Defer) else None,
+        tightest(limits, result.levels, result.binding),
+        reason=reason,
+    )

@@ -22,7 +22,7 @@ from proxy.deps import Deps
 from proxy.limiter import AcquireResult, BlockMark, BucketSpec, StoreUnavailable
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.partitions import shown
-from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, request_wish
+from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, refusal, request_wish
 from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
 from proxy.pipeline.handover import Carried
@@ -363,16 +363,8 @@ class ProxyHandler:
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
             bucket = b.all[result.binding]
-            hint = decision.hint if isinstance(decision, Defer) else None
-            raise Limited(
-                "shed" if isinstance(decision, Shed) else "defer",
-                decision.retry_after,
-                bucket.scope,
-                bucket.label,
-                hint,
-                tightest(request_limits(vendor, tenant, endpoint), result.levels, result.binding),
-                reason=_global_reason(deps, vendor.name, bucket, partition) if bucket.scope == "global" else "",
-            )
+            reason = _global_reason(deps, vendor.name, bucket, partition) if bucket.scope == "global" else ""
+            raise refusal(decision, result, b, request_limits(vendor, tenant, endpoint), reason)
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
         wait = result.wait
         # The room each vendor-side bucket had at the grant (a hold's refills while it waits).
