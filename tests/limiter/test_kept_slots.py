@@ -221,3 +221,35 @@ async def test_a_weak_claim_is_honoured_only_once_its_slot_has_matured(store: Bu
     await later(store, clock, kept.wait + 0.01)
     matured = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim="?" + kept.reserved))
     assert matured.granted and matured.claimed  # matured: whoever sends the claim is served
+
+
+# Issue 34: a slot nobody claims serves the next requests that ask, whoever they are (SPEC §6).
+# Not implemented yet: strict xfails, to turn into plain tests with the fix.
+_ISSUE_34 = pytest.mark.xfail(
+    strict=True, reason="issue 34: no-show slots do not serve later slot holders or cheaper calls"
+)
+
+
+@_ISSUE_34
+async def test_a_request_holding_a_later_slot_moves_up_to_a_late_one(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("u", rate=2, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    noshow = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # its owner never comes back
+    mine = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert noshow.wait == pytest.approx(0.5, abs=TOL) and mine.wait == pytest.approx(1.0, abs=TOL)
+    await later(store, clock, noshow.wait + KEPT.owner + 0.05)
+    # Today: refused with its own later slot, while the matured one stands idle.
+    moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))
+    assert moved.granted and moved.claimed
+
+
+@_ISSUE_34
+async def test_a_costly_late_slot_serves_several_cheaper_requests(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("x", rate=10, burst=5),)
+    assert (await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)).granted
+    noshow = await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)  # 5 units, never claimed
+    assert noshow.reserved and noshow.wait == pytest.approx(0.5, abs=TOL)
+    await later(store, clock, noshow.wait + KEPT.owner + 0.02)
+    # Today: the first cheap call takes the whole 5-unit slot, the bucket serves one more.
+    cheap = [await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT) for _ in range(5)]
+    assert all(r.granted for r in cheap), [(r.granted, r.claimed) for r in cheap]
