@@ -321,17 +321,6 @@ if rset then
       claim = ''
     end
   end
-  if not held and not early and due then
-    local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
-      string.format('%.3f', now - owner_ms), 'LIMIT', 0, 1)
-    if late[1] then
-      if parse(late[1]) <= void_before then
-        redis.call('ZREM', rset, late[1])
-      else
-        held, claim_wait = late[1], tonumber(redis.call('ZSCORE', rset, late[1])) - now
-      end
-    end
-  end
 end
 
 -- Share (SPEC §13): the vendor's global buckets divided among whoever is waiting. A
@@ -632,10 +621,89 @@ local function keep(matures, scope)
   return member
 end
 
+-- Late slots: matured, past their owner's time, not claimed. Their tokens were taken when
+-- they were kept and their time has come: they are units any request of the bucket set may
+-- use, one that holds a later slot of its own included (it moves up), and a costly slot
+-- serves several cheaper requests (what is left of it stays, maturing when it did). Never
+-- given back to a level: a level is a count, not a schedule (see "Kept slots"). Units of one
+-- scope, in order of maturity, as many as the cost; the rest from the buckets, granted only
+-- if they have it within `max_wait` (else nothing of the pool is touched).
+local pool = nil
+if rset and due and not held and full == 0 then
+  local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
+    string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
+  local units, used, scope, first = 0, {}, nil, nil
+  for k = 1, #late, 2 do
+    local created, taken, s = parse(late[k])
+    if created <= void_before then
+      redis.call('ZREM', rset, late[k])
+    elseif scope == nil or s == scope then
+      scope = scope or s
+      first = first or tonumber(late[k + 1]) - now
+      used[#used + 1] = {late[k], taken, late[k + 1]}
+      units = units + taken
+      if units >= cost then
+        break
+      end
+    end
+  end
+  if scope then
+    local from_pool = math.min(units, cost)
+    local need, takes = first, {}
+    for i = 1, n do
+      takes[i] = cost - from_pool
+      if scope == 't' and i > tenants then
+        takes[i] = cost
+      end
+      if takes[i] > 0 then
+        need = math.max(need, (takes[i] - levels[i]) / rates[i])
+      end
+    end
+    if need <= max_wait then
+      pool = {used = used, units = units, takes = takes, wait = need}
+    end
+  end
+end
+
+local function num(x) -- a cost in a member's name: whole numbers as such, else exactly
+  if x == math.floor(x) then
+    return string.format('%d', x)
+  end
+  return string.format('%.17g', x)
+end
+
 local granted = 0
 local hint = wait
 local reserved, claimed = '', 0
-if held then
+if pool then
+  -- Granted on late slots' units (and the rest from the buckets): the last slot used keeps
+  -- what this request did not need. A slot of this caller's own, still ahead, is nobody's
+  -- now: it is late from its maturity on, for whoever asks then.
+  for k, slot in ipairs(pool.used) do
+    redis.call('ZREM', rset, slot[1])
+    if k == #pool.used and pool.units > cost then
+      local created, scope = string.match(slot[1], '^([^:]+):[^:]+:([at])')
+      local name = created .. ':' .. num(pool.units - cost) .. ':' .. scope
+      local member, j = name, 0
+      while redis.call('ZSCORE', rset, member) do
+        j = j + 1
+        member = name .. ':' .. j
+      end
+      redis.call('ZADD', rset, slot[3], member)
+    end
+  end
+  for i = 1, n do
+    levels[i] = levels[i] - pool.takes[i]
+  end
+  write_levels()
+  if early then
+    redis.call('ZADD', rset, 'XX', string.format('%.3f', now + early - owner_ms), claim)
+  end
+  granted, claimed = 1, 1
+  wait, hint = pool.wait, pool.wait
+  take_leases(now + math.max(pool.wait, 0))
+  count_grant()
+elseif held then
   -- A kept slot, matured: its tokens were taken when it was kept; one kept on the
   -- tenant's buckets alone (`t`: they bound) takes the vendor-side ones now. Claimed
   -- late, it was granted when it matured (the wait is negative): the replica's pacer

@@ -42,6 +42,57 @@ class _Slot(NamedTuple):
     """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
 
 
+def _late_units(
+    kept: dict[str, _Slot],
+    now: float,
+    reserve: Reserve,
+    cost: float,
+    void_before: float,
+    tenants: int,
+    levels: list[float],
+    rates: list[float],
+    max_wait: float,
+) -> tuple[float, list[float]] | None:
+    """Late slots' units for a request of ``cost`` (acquire.lua, "Late slots"): those of one
+    scope in order of maturity, as many as the cost, the rest from the buckets if they have
+    it within ``max_wait``. Takes the units (the last slot keeps what is left of it) and
+    returns the wait and what to take from each bucket; None (nothing touched) otherwise."""
+    late = sorted((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner)
+    units, used, scope, first = 0.0, [], "", 0.0
+    for matures, member in late:
+        slot = kept[member]
+        if slot.created <= void_before:
+            del kept[member]
+        elif not scope or slot.scope == scope:
+            if not scope:
+                scope, first = slot.scope, matures - now
+            used.append(member)
+            units += slot.cost
+            if units >= cost:
+                break
+    if not scope:
+        return None
+    rest = cost - min(units, cost)
+    takes = [cost if scope == "t" and i >= tenants else rest for i in range(len(levels))]
+    need = first
+    for take, level, rate in zip(takes, levels, rates, strict=True):
+        if take > 0:
+            need = max(need, (take - level) / rate)
+    if need > max_wait:
+        return None
+    last = kept[used[-1]]
+    for member in used:
+        del kept[member]
+    if units > cost:  # what the request did not need stays, maturing when it did
+        name = f"{last.created:.3f}:{units - cost:g}:{last.scope}"
+        member, k = name, 0
+        while member in kept:
+            k += 1
+            member = f"{name}:{k}"
+        kept[member] = last._replace(cost=units - cost)
+    return need, takes
+
+
 class _Done:
     """A straight call of this store: answered before ``send`` returned, nothing to cancel."""
 
@@ -239,16 +290,6 @@ class MemoryStore:
                     early = own.matures - now
             if weak and held is None:
                 reserve = reserve._replace(claim="")
-            if held is None and early is None:
-                late = [
-                    (m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner
-                ]
-                if late:
-                    first = min(late)[1]
-                    if kept[first].created <= void_before:
-                        del kept[first]
-                    else:
-                        held, claim_wait = first, kept[first].matures - now
         wait, binding, vendor_wait = 0.0, -1, 0.0
         for i, (rate, level) in enumerate(zip(rates, levels, strict=True)):
             need = (cost - level) / rate
@@ -306,6 +347,23 @@ class MemoryStore:
             result = (False, slot, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
             return AcquireResult(*result, 0.0, reserved)
 
+        pool = None
+        if kept and held is None and full < 0:
+            assert reserve is not None
+            pool = _late_units(kept, now, reserve, cost, void_before, tenants, levels, rates, max_wait)
+        if pool is not None:  # late slots' units (acquire.lua, "Late slots")
+            assert kept is not None and reserve is not None
+            need, takes = pool
+            for i, t in enumerate(takes):
+                levels[i] -= t
+            write()
+            if early is not None:  # its own slot, still ahead, is nobody's: late from its maturity
+                own_slot = kept[reserve.claim]
+                kept[reserve.claim] = own_slot._replace(matures=own_slot.matures - reserve.owner)
+            take_leases(now + max(need, 0.0))
+            seq = counted_grant()
+            result = (True, need, binding, tuple(levels), need, seq, False, -1, tuple(inflight))
+            return AcquireResult(*result, 0.0, "", True)
         if held is not None:  # a kept slot, matured (acquire.lua)
             assert kept is not None and reserve is not None
             scope = kept[held].scope

@@ -224,13 +224,6 @@ async def test_a_weak_claim_is_honoured_only_once_its_slot_has_matured(store: Bu
 
 
 # Issue 34: a slot nobody claims serves the next requests that ask, whoever they are (SPEC §6).
-# Not implemented yet: strict xfails, to turn into plain tests with the fix.
-_ISSUE_34 = pytest.mark.xfail(
-    strict=True, reason="issue 34: no-show slots do not serve later slot holders or cheaper calls"
-)
-
-
-@_ISSUE_34
 async def test_a_request_holding_a_later_slot_moves_up_to_a_late_one(store: BucketStore, clock: ManualClock) -> None:
     b = (bucket("u", rate=2, burst=1),)
     assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
@@ -238,18 +231,67 @@ async def test_a_request_holding_a_later_slot_moves_up_to_a_late_one(store: Buck
     mine = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     assert noshow.wait == pytest.approx(0.5, abs=TOL) and mine.wait == pytest.approx(1.0, abs=TOL)
     await later(store, clock, noshow.wait + KEPT.owner + 0.05)
-    # Today: refused with its own later slot, while the matured one stands idle.
+    # Not refused with its own later slot while the matured one stands idle: it moves up.
     moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))
     assert moved.granted and moved.claimed
 
 
-@_ISSUE_34
 async def test_a_costly_late_slot_serves_several_cheaper_requests(store: BucketStore, clock: ManualClock) -> None:
     b = (bucket("x", rate=10, burst=5),)
     assert (await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)).granted
     noshow = await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)  # 5 units, never claimed
     assert noshow.reserved and noshow.wait == pytest.approx(0.5, abs=TOL)
     await later(store, clock, noshow.wait + KEPT.owner + 0.02)
-    # Today: the first cheap call takes the whole 5-unit slot, the bucket serves one more.
+    # Not the whole 5-unit slot to the first cheap call: one unit each.
     cheap = [await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT) for _ in range(5)]
     assert all(r.granted for r in cheap), [(r.granted, r.claimed) for r in cheap]
+    assert all(r.claimed for r in cheap)  # all five on the kept units: nothing from the bucket
+    assert cheap[-1].levels[0] == pytest.approx(cheap[0].levels[0], abs=TOL * 10)
+    sixth = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert not sixth.claimed  # five units, no more: the pool never gives what was not kept
+
+
+async def test_a_slot_left_by_a_caller_that_moved_up_serves_the_next_at_its_time(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    b = (bucket("v", rate=2, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    noshow = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    mine = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await later(store, clock, noshow.wait + KEPT.owner + 0.05)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))).granted
+    # The slot it left is nobody's: a caller without one is given it once it matures, not later.
+    await later(store, clock, mine.wait - (noshow.wait + KEPT.owner + 0.05) + 0.02)
+    taken = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert taken.granted and taken.claimed
+    again = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))
+    assert not again.claimed  # the mover's old claim names nothing now
+
+
+async def test_cheap_late_slots_serve_a_costlier_request_with_the_rest_from_the_bucket(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    b = (bucket("w", rate=10, burst=3),)
+    assert (await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)).granted
+    first = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
+    second = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
+    assert first.reserved and second.reserved and second.wait == pytest.approx(0.2, abs=TOL)
+    # Both late, and the bucket refilled to 1 meanwhile (it stood at -2 after the two slots).
+    await later(store, clock, 0.3 + KEPT.owner + 0.01)
+    costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)
+    assert costly.granted and costly.claimed
+    # Two units from the slots, one from the bucket: the slots' tokens are not taken twice.
+    assert costly.levels[0] == pytest.approx(10 * (0.3 + KEPT.owner + 0.01) - 2 - 1, abs=TOL * 10 + 0.02)
+
+
+async def test_late_units_too_few_for_a_request_the_bucket_cannot_cover_are_left_alone(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    b = (bucket("y", rate=10, burst=3),)
+    assert (await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)).granted
+    noshow = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await later(store, clock, noshow.wait + KEPT.owner + 0.01)
+    costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)  # 1 unit late, the bucket has ~1
+    assert not costly.granted and costly.reserved  # a slot of its own; the late unit untouched
+    cheap = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert cheap.granted and cheap.claimed
