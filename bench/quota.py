@@ -11,8 +11,11 @@ table and checking issue 23's targets:
   the OpenAI SDK), ``early`` (retry after min(hint, 1 s) at most twice, then re-enqueue:
   the job comes back after the last hint, on a new connection to the other replica;
   Stripe's SDK under a queue), ``noshow`` (as precise, but a fifth of refused calls are
-  dropped: the worker moves on to its next call at once). Each call has a path of its
-  own. Targets: vendor side >= 90 % of the configured rate (from first + 1 s), no vendor
+  dropped: the worker moves on to its next call at once), and, asked for with ``--kinds``
+  (issue 34), ``giveup`` (OpenAI's and Anthropic's SDKs: retry twice on the hint, then
+  raise; the job dropped, the next one at once on the same client) and ``giveup-fresh``
+  (the same with a client per job: the connection that held the slot closes). Each call
+  has a path of its own. Targets: vendor side >= 90 % of the configured rate (from first + 1 s), no vendor
   429 after the first second, <= 1.5 proxy deferrals per forwarded request for precise
   retriers, no worker below half the mean completions.
 - ``learned``: a vendor (token bucket) that says its limit in X-RateLimit-* headers, a
@@ -42,6 +45,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -67,6 +71,7 @@ TARGET_SHARE = 0.90
 TARGET_DEFERRALS = 1.5
 TARGET_FAIRNESS = 0.5
 KINDS = ("precise", "early", "noshow")
+MORE_KINDS = ("giveup", "giveup-fresh")  # issue 34: SDKs that give up (--kinds to run them)
 RATES = (2.0, 20.0, 95.0)
 BURSTS = (1.0, 2.0, 5.0)
 FLEETS = (10, 40)
@@ -87,6 +92,7 @@ class Worker:
     completed: int = 0
     deferred: int = 0
     other: Counter[int] = field(default_factory=Counter)
+    given_up: int = 0
 
 
 async def retrier(kind: str, i: int, urls: list[str], deadline: float, stats: Worker, rng: random.Random) -> None:
@@ -117,6 +123,12 @@ async def retrier(kind: str, i: int, urls: list[str], deadline: float, stats: Wo
                 hint = int(headers["retry-after-ms"]) / 1000
                 if kind == "noshow" and rng.random() < 0.2:
                     break  # dropped: the next call at once
+                if kind.startswith("giveup") and tries > 2:
+                    stats.given_up += 1
+                    if kind == "giveup-fresh":  # a client per job: its connection goes with it
+                        await session.close()
+                        session = aiohttp.ClientSession(timeout=timeout)
+                    break  # the SDK raised after its two retries: the job dropped, the next at once
                 if kind == "early" and tries <= 2:
                     pause = min(hint, 1.0)
                 elif kind == "early":  # re-enqueued: back after the last hint, elsewhere
@@ -143,20 +155,22 @@ async def drive(kind: str, urls: list[str], workers: int, seconds: float, seed: 
     return stats, start
 
 
-def replicas(fleet: Fleet, yaml: str, count: int) -> list[Any]:
-    return [fleet.proxy(yaml, name=f"proxy{i}-{time.monotonic_ns()}") for i in range(count)]
+def replicas(fleet: Fleet, yaml: str, count: int, tree: Path | None = None) -> list[Any]:
+    return [fleet.proxy(yaml, name=f"proxy{i}-{time.monotonic_ns()}", tree=tree) for i in range(count)]
 
 
 def stop(fleet: Fleet, procs: list[Any]) -> list[int]:
     return [fleet.stop(p) for p in procs]
 
 
-def run_retriers(fleet: Fleet, kind: str, rate: float, burst: float, workers: int, floor: float) -> dict[str, Any]:
+def run_retriers(
+    fleet: Fleet, kind: str, rate: float, burst: float, workers: int, floor: float, tree: Path | None = None
+) -> dict[str, Any]:
     redis = fleet.redis(name=f"redis-{time.monotonic_ns()}")
     limit = math.ceil(rate + burst)
     vendor = fleet.vendor(limit, window="1s", name=f"vendor-{time.monotonic_ns()}")
     yaml = policy(vendor.url, [Limit(rate, "1s", burst)], store=redis.url, action="defer", access_log=False)
-    procs = replicas(fleet, yaml, 2)
+    procs = replicas(fleet, yaml, 2, tree)
     seconds = cell_seconds(rate, workers, floor)
     try:
         before = [outcomes(fetch_metrics(p.admin_url)) for p in procs]
@@ -193,6 +207,7 @@ def run_retriers(fleet: Fleet, kind: str, rate: float, burst: float, workers: in
         "fairness": min(done) / mean if mean else 0.0,
         "completions_min_mean": (min(done), round(mean, 1)),
         "other": dict(sum((w.other for w in stats), Counter())),
+        "given_up": sum(w.given_up for w in stats),
         "exits": exits,
         "vendor_per_s": [sum(1 for a in accepted if start + i <= a < start + i + 1) for i in range(int(seconds))],
         "vendor_429_at_s": [round(a - start, 3) for a in refused],
@@ -355,6 +370,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--quick", action="store_true", help="retriers: burst 1 and 10 workers only")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
+    p.add_argument("--tree", type=Path, help="retriers: run the proxies from this checkout (a git worktree)")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     kinds = args.kinds.split(",")
@@ -375,7 +391,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             for rate in rates:
                 for burst in bursts:
                     for workers in fleets:
-                        r = run_retriers(fleet, kind, rate, burst, workers, args.seconds)
+                        r = run_retriers(fleet, kind, rate, burst, workers, args.seconds, args.tree)
                         results.append(r)
                         bad = retriers_problems(r)
                         missed += [f"retriers {kind} {rate:g}/s burst {burst:g} x{workers}: {b}" for b in bad]
@@ -391,12 +407,13 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                                 r["vendor_429_late"],
                                 f"{r['deferrals_per_forwarded']:.2f}",
                                 f"{r['fairness']:.2f}",
+                                r["given_up"],
                                 "ok" if not bad else "; ".join(bad),
                             ]
                         )
                         print(f"  {' '.join(map(str, rows[-1]))}", flush=True)
         print("retriers (strict window of rate + burst in any 1 s, 2 replicas, defer):")
-        header = ["kind", "rate", "burst", "workers", "s", "vendor/s", "% rate", "429 late", "defer/fwd", "min/mean"]
+        header = ["kind", "rate", "burst", "workers", "s", "vendor/s", "% rate", "429 late", "defer/fwd", "min/mean", "gave up"]
         header.append("")
         print(table(rows, header))
         report["retriers"] = results

@@ -85,7 +85,9 @@
 -- KEYS[1 .. n]          the buckets (tenant buckets first, then endpoint, then global)
 -- KEYS[n + 1 .. n + m]  the lease sets
 -- KEYS[n + m + 1]       the deferral queue of this bucket set, when ARGV[3] = "q"
--- KEYS[n + m + 2]       its reservation set, when ARGV[10] ~= "" (with a queue)
+-- KEYS[n + m + 2]       its reservation set, when ARGV[10] ~= "" (with a queue), then the
+--                       set of those of its slots whose owners left (leave.lua), then the
+--                       moves of late slots ("Late slots")
 -- KEYS[.. + 1 ..]       with a share (ARGV[11] ~= ""): its hash, its expiry set, then per class
 --                       its waiting sets and then its tag sets ("Share")
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
@@ -99,8 +101,8 @@
 -- ARGV[8]               lease life: ms a lease lives past the reservation's maturity
 -- ARGV[9]               claim: the reservation this caller holds ("" = none); after a "?",
 --                       one it may claim only once it has matured (else it is a new caller)
--- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>" (ms, and how many of the buckets
---                       are the tenant's own): refusals keep their slot; "" = they do not
+-- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>:<standby>" (ms, how many of the
+--                       buckets are the tenant's own, ms): refusals keep their slot; "" = they do not
 -- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<slack>:<g>"
 --                       (class 1-based, highest first; ms; g: the first global bucket), "" = no share
 -- ARGV[12]              the tenant's member in the share's sets, "<weight>|<tenant>"
@@ -117,7 +119,8 @@
 --             after it matured: how long ago, negative);
 --             refused: until every bucket could grant without waiting (a kept slot: until it matures)
 --   binding   1-based index of the bucket with the longest wait, 0 when none waits
---   hint      ms; refused: when to retry, >= wait (the queue slot); granted: = wait; refused
+--   hint      ms; refused: when to retry, >= wait (the queue slot; a slot kept: its time, or
+--             earlier, a slot left by its owner, "Standby"); granted: = wait; refused
 --             by a full lease set: how long its oldest lease has been out
 --   seq       the state's counter after this call (0 without a state)
 --   lost      1 when this call found the state lost, else 0
@@ -144,11 +147,11 @@ local queue = nil
 if ARGV[3] == 'q' then
   queue = KEYS[n + m + 1]
 end
-local rset, horizon_ms, owner_ms, life_ms, tenants = nil, 0, 0, 0, 0
+local rset, left, shifts, horizon_ms, owner_ms, life_ms, tenants, standby_ms = nil, nil, nil, 0, 0, 0, 0, 0
 if ARGV[10] ~= '' then
-  rset = KEYS[n + m + 2]
-  local h, o, l, t = string.match(ARGV[10], '^([^:]+):([^:]+):([^:]+):([^:]+)$')
-  horizon_ms, owner_ms, life_ms, tenants = tonumber(h), tonumber(o), tonumber(l), tonumber(t)
+  rset, left, shifts = KEYS[n + m + 2], KEYS[n + m + 3], KEYS[n + m + 4]
+  local h, o, l, t, s = string.match(ARGV[10], '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
+  horizon_ms, owner_ms, life_ms, tenants, standby_ms = tonumber(h), tonumber(o), tonumber(l), tonumber(t), tonumber(s)
 end
 
 local share = nil -- SPEC §13: this request's place in the vendor's schedule (see "Share")
@@ -276,6 +279,7 @@ local function parse(member)
 end
 local refunded = false
 local held = nil -- the member this call claims
+local mine = '' -- the slot this caller holds, if any (a weak claim's too)
 local claim_wait = 0
 local early = nil -- this caller's own claim, not matured: refused with its slot
 -- Only a reservation past its owner's time can be stale or late: when the earliest is not,
@@ -298,6 +302,7 @@ if rset and due then
   end
   if #stale > 0 then
     redis.call('ZREMRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
+    redis.call('ZREMRANGEBYSCORE', left, '-inf', string.format('(%.3f', now - life_ms))
   end
 end
 if rset then
@@ -305,6 +310,7 @@ if rset then
   if weak then
     claim = claim:sub(2)
   end
+  mine = claim
   if claim ~= '' then
     local score = redis.call('ZSCORE', rset, claim)
     if score and parse(claim) <= void_before then
@@ -628,30 +634,59 @@ end
 -- given back to a level: a level is a count, not a schedule (see "Kept slots"). Units of one
 -- scope, in order of maturity, as many as the cost; the rest from the buckets, granted only
 -- if they have it within `max_wait` (else nothing of the pool is touched).
+-- A slot used late moves a request from its time to now: every vendor window that starts
+-- in between holds one more than the schedule gave it. While slots are kept the buckets are
+-- below empty and the schedule gives each window no more than rate x window, leaving the
+-- burst free: moves whose spans ([its time, now)) overlap may together carry no more than
+-- the tightest bucket's burst, and no window is overrun. The moves of the last `life` ms
+-- are kept in `shifts` (member "<its time>:<units>:<now>:<k>", scored by now); a slot
+-- whose move would not fit serves what fits, or waits for its time to pass (`life`).
 local pool = nil
 if rset and due and not held and full == 0 then
   local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
     string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
+  local moved = nil -- {units, end} of the moves kept that may overlap these
+  local budget = math.huge
+  for i = 1, n do
+    budget = math.min(budget, bursts[i])
+  end
   local units, used, scope, first = 0, {}, nil, nil
   for k = 1, #late, 2 do
     local created, taken, s = parse(late[k])
+    local at = tonumber(late[k + 1])
     if created <= void_before then
       redis.call('ZREM', rset, late[k])
     elseif scope == nil or s == scope then
-      scope = scope or s
-      first = first or tonumber(late[k + 1]) - now
-      used[#used + 1] = {late[k], taken, late[k + 1]}
-      units = units + taken
-      if units >= cost then
-        break
+      if not moved then
+        redis.call('ZREMRANGEBYSCORE', shifts, '-inf', string.format('(%.3f', now - life_ms))
+        moved = {}
+        local live = redis.call('ZRANGEBYSCORE', shifts, string.format('(%.3f', at), '+inf', 'WITHSCORES')
+        for q = 1, #live, 2 do
+          moved[#moved + 1] = {tonumber(string.match(live[q], '^[^:]+:([^:]+):')), tonumber(live[q + 1])}
+        end
+      end
+      local overlap = units -- this call's moves so far all overlap this one (they end now)
+      for _, mv in ipairs(moved) do
+        if mv[2] > at then -- a span ending after this slot's time overlaps its own
+          overlap = overlap + mv[1]
+        end
+      end
+      local take = math.min(taken, cost - units, budget - overlap)
+      if take > 0 then -- (else its move would not fit: a later slot's may)
+        scope = scope or s
+        first = first or at - now
+        used[#used + 1] = {late[k], taken, late[k + 1], take}
+        units = units + take
+        if units >= cost then
+          break
+        end
       end
     end
   end
   if scope then
-    local from_pool = math.min(units, cost)
     local need, takes = first, {}
     for i = 1, n do
-      takes[i] = cost - from_pool
+      takes[i] = cost - units
       if scope == 't' and i > tenants then
         takes[i] = cost
       end
@@ -660,7 +695,7 @@ if rset and due and not held and full == 0 then
       end
     end
     if need <= max_wait then
-      pool = {used = used, units = units, takes = takes, wait = need}
+      pool = {used = used, takes = takes, wait = need}
     end
   end
 end
@@ -672,6 +707,28 @@ local function num(x) -- a cost in a member's name: whole numbers as such, else 
   return string.format('%.17g', x)
 end
 
+-- Standby. A precise retrier sleeps until its slot: while it does, nobody asks when a slot
+-- whose owner is gone matures, and that slot's tokens stand idle. A slot whose owner's
+-- connection closed (leave.lua: likely never claimed) is offered to one refusal whose own
+-- slot matures later: its hint is that slot's time (plus `standby` ms, the owner's head
+-- start), when it asks and, the slot unclaimed, takes it (moves up, "Late slots"); claimed,
+-- it is refused with its own slot again. Only slots left behind: a hint that is a guess
+-- costs a refusal, and precise retriers whose owners come back would pay it every time.
+local function standby(own) -- ms: when this caller should ask again, its slot maturing at `own`
+  for _ = 1, 4 do
+    local found = redis.call('ZRANGEBYSCORE', left, string.format('(%.3f', now), string.format('(%.3f', own),
+      'WITHSCORES', 'LIMIT', 0, 1)
+    if not found[1] then
+      break
+    end
+    redis.call('ZREM', left, found[1])
+    if redis.call('ZSCORE', rset, found[1]) then -- (claimed meanwhile: gone from the slots)
+      return math.min(tonumber(found[2]) + math.max(standby_ms, owner_ms), own) - now
+    end
+  end
+  return own - now
+end
+
 local granted = 0
 local hint = wait
 local reserved, claimed = '', 0
@@ -679,11 +736,13 @@ if pool then
   -- Granted on late slots' units (and the rest from the buckets): the last slot used keeps
   -- what this request did not need. A slot of this caller's own, still ahead, is nobody's
   -- now: it is late from its maturity on, for whoever asks then.
+  local at_now = string.format('%.3f', now)
   for k, slot in ipairs(pool.used) do
     redis.call('ZREM', rset, slot[1])
-    if k == #pool.used and pool.units > cost then
+    redis.call('ZREM', left, slot[1])
+    if slot[4] < slot[2] then
       local created, scope = string.match(slot[1], '^([^:]+):[^:]+:([at])')
-      local name = created .. ':' .. num(pool.units - cost) .. ':' .. scope
+      local name = created .. ':' .. num(slot[2] - slot[4]) .. ':' .. scope
       local member, j = name, 0
       while redis.call('ZSCORE', rset, member) do
         j = j + 1
@@ -691,13 +750,19 @@ if pool then
       end
       redis.call('ZADD', rset, slot[3], member)
     end
+    redis.call('ZADD', shifts, at_now, slot[3] .. ':' .. num(slot[4]) .. ':' .. at_now .. ':' .. k)
   end
+  redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
   for i = 1, n do
     levels[i] = levels[i] - pool.takes[i]
   end
   write_levels()
-  if early then
-    redis.call('ZADD', rset, 'XX', string.format('%.3f', now + early - owner_ms), claim)
+  local own = mine ~= '' and redis.call('ZSCORE', rset, mine)
+  if own then -- nobody's now: late from its maturity, and a standby for a later refusal
+    own = string.format('%.3f', tonumber(own) - owner_ms)
+    redis.call('ZADD', rset, own, mine)
+    redis.call('ZADD', left, own, mine)
+    redis.call('PEXPIRE', left, math.max(redis.call('PTTL', rset), 1))
   end
   granted, claimed = 1, 1
   wait, hint = pool.wait, pool.wait
@@ -717,6 +782,7 @@ elseif held then
   if full == 0 and need <= max_wait then
     granted, claimed = 1, 1
     redis.call('ZREM', rset, held)
+    redis.call('ZREM', left, held)
     if scope == 't' then
       take(tenants + 1, n)
       write_levels()
@@ -743,7 +809,7 @@ elseif held then
   end
 elseif early then
   -- This caller's slot is still ahead: refused with it again, never a new one.
-  wait, hint, reserved = early, early, claim
+  wait, hint, reserved = early, standby(now + early), claim
   if refunded then
     write_levels()
   end
@@ -777,6 +843,7 @@ elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
     write_levels()
     reserved = keep(now + wait, 'a')
   end
+  hint = standby(now + wait)
   count_grant()
   if share then -- its turn, taken; it waits for it, as a tenant refused does
     share_load()

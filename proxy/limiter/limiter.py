@@ -21,6 +21,7 @@ What vendors' quota headers teach the buckets (SPEC §10): teaching.py.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -348,6 +349,13 @@ class Limiter:
             return False
         self.observations.observe(vendor, b, levels)
         return True
+
+    async def left(self, kept: str, claims: tuple[str, ...]) -> None:
+        """A worker's connection closed holding the slots ``claims`` of reservation set
+        ``kept`` (store.BucketStore.left). Best effort, never raises: a mark the store cannot
+        take only leaves those slots to whoever asks when they mature."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.left(kept, claims)
 
     async def peek(
         self, vendor: Vendor, tenant: str | None = None, *, endpoint: Endpoint | None = None, partition: str = ""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 from proxy.clock import Clock
+from proxy.limiter.late_slots import Move, Slot, late_units, leave, standby
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
     AcquireResult,
@@ -30,67 +30,6 @@ from proxy.limiter.store import (
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
 _KEPT_GRACE = 3600.0  # seconds after its last slot matured a reservation set is forgotten
-
-
-class _Slot(NamedTuple):
-    """A slot kept for a deferred caller (acquire.lua's reservation set member)."""
-
-    matures: float
-    cost: float
-    created: float
-    scope: str
-    """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
-
-
-def _late_units(
-    kept: dict[str, _Slot],
-    now: float,
-    reserve: Reserve,
-    cost: float,
-    void_before: float,
-    tenants: int,
-    levels: list[float],
-    rates: list[float],
-    max_wait: float,
-) -> tuple[float, list[float]] | None:
-    """Late slots' units for a request of ``cost`` (acquire.lua, "Late slots"): those of one
-    scope in order of maturity, as many as the cost, the rest from the buckets if they have
-    it within ``max_wait``. Takes the units (the last slot keeps what is left of it) and
-    returns the wait and what to take from each bucket; None (nothing touched) otherwise."""
-    late = sorted((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner)
-    units, used, scope, first = 0.0, [], "", 0.0
-    for matures, member in late:
-        slot = kept[member]
-        if slot.created <= void_before:
-            del kept[member]
-        elif not scope or slot.scope == scope:
-            if not scope:
-                scope, first = slot.scope, matures - now
-            used.append(member)
-            units += slot.cost
-            if units >= cost:
-                break
-    if not scope:
-        return None
-    rest = cost - min(units, cost)
-    takes = [cost if scope == "t" and i >= tenants else rest for i in range(len(levels))]
-    need = first
-    for take, level, rate in zip(takes, levels, rates, strict=True):
-        if take > 0:
-            need = max(need, (take - level) / rate)
-    if need > max_wait:
-        return None
-    last = kept[used[-1]]
-    for member in used:
-        del kept[member]
-    if units > cost:  # what the request did not need stays, maturing when it did
-        name = f"{last.created:.3f}:{units - cost:g}:{last.scope}"
-        member, k = name, 0
-        while member in kept:
-            k += 1
-            member = f"{name}:{k}"
-        kept[member] = last._replace(cost=units - cost)
-    return need, takes
 
 
 class _Done:
@@ -156,7 +95,8 @@ class MemoryStore:
         self._learned: dict[str, list[float]] = {}
         # reservation set key -> {claim: its slot}, on the clock: the slots kept for
         # deferred callers (acquire.lua, "Kept slots")
-        self._kept: dict[str, dict[str, _Slot]] = {}
+        self._kept: dict[str, dict[str, Slot]] = {}
+        self._moves: dict[str, list[Move]] = {}  # reservation set key -> its late slots' moves
         # bucket ident -> when it was last blocked (feedback.lua's bk)
         self._blocked_at: dict[str, float] = {}
         # share hash key -> a vendor's schedule (acquire.lua, "Share")
@@ -205,6 +145,7 @@ class MemoryStore:
             self._live(key, now)
         for key in [k for k, kept in self._kept.items() if all(m.matures + _KEPT_GRACE <= now for m in kept.values())]:
             del self._kept[key]  # (a refund then: the buckets, long full again, take none of it)
+            self._moves.pop(key, None)
         self._schedules.sweep(now)
         for key in [k for k, at in self._blocked_at.items() if at + _KEPT_GRACE <= now]:
             del self._blocked_at[key]  # (no slot kept lives that long)
@@ -260,11 +201,12 @@ class MemoryStore:
         rates = [rate for rate, _ in limits]
         # Kept slots (acquire.lua): the unclaimed ones given back, this caller's claim, or
         # one whose owner is late.
-        kept: dict[str, _Slot] | None = None
+        kept: dict[str, Slot] | None = None
         tenants = 0
         refunded = False
         held: str | None = None
         early: float | None = None
+        own_claim = ""  # the slot this caller holds, if any (a weak claim's too)
         claim_wait = 0.0
         if reserve is not None:
             kept = self._kept.setdefault(reserve.key, {})
@@ -280,6 +222,7 @@ class MemoryStore:
             weak = reserve.claim.startswith("?")  # (acquire.lua: honoured only once matured)
             if weak:
                 reserve = reserve._replace(claim=reserve.claim[1:])
+            own_claim = reserve.claim
             own = kept.get(reserve.claim) if reserve.claim else None
             if own is not None:
                 if own.created <= void_before:
@@ -339,7 +282,7 @@ class MemoryStore:
             while member in kept:
                 k += 1
                 member = f"{name}:{k}"
-            kept[member] = _Slot(matures, cost, now, scope)
+            kept[member] = Slot(matures, cost, now, scope)
             return member
 
         def refused(slot: float, hint: float, reserved: str = "") -> AcquireResult:
@@ -350,16 +293,17 @@ class MemoryStore:
         pool = None
         if kept and held is None and full < 0:
             assert reserve is not None
-            pool = _late_units(kept, now, reserve, cost, void_before, tenants, levels, rates, max_wait)
+            moves = self._moves.setdefault(reserve.key, [])
+            bursts = [burst for _, burst in limits]
+            pool = late_units(kept, moves, now, reserve, cost, void_before, levels, rates, bursts, max_wait)
         if pool is not None:  # late slots' units (acquire.lua, "Late slots")
             assert kept is not None and reserve is not None
             need, takes = pool
             for i, t in enumerate(takes):
                 levels[i] -= t
             write()
-            if early is not None:  # its own slot, still ahead, is nobody's: late from its maturity
-                own_slot = kept[reserve.claim]
-                kept[reserve.claim] = own_slot._replace(matures=own_slot.matures - reserve.owner)
+            if own_claim:
+                leave(kept, now, own_claim, reserve.owner)
             take_leases(now + max(need, 0.0))
             seq = counted_grant()
             result = (True, need, binding, tuple(levels), need, seq, False, -1, tuple(inflight))
@@ -392,7 +336,8 @@ class MemoryStore:
             assert reserve is not None
             if refunded:
                 write()
-            return refused(early, early, reserve.claim)
+            assert kept is not None
+            return refused(early, standby(kept, now, now + early, reserve), reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             take(0, len(buckets))
             write()
@@ -409,7 +354,8 @@ class MemoryStore:
             seq = counted_grant()
             if turn is not None:
                 turn.kept(wait)
-            return refused(wait, wait, member)
+            assert kept is not None
+            return refused(wait, standby(kept, now, now + wait, reserve), member)
         if refunded:
             write()
         if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)
@@ -614,6 +560,13 @@ class MemoryStore:
 
     async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
         return  # one process: it knows its own blocks, releases and lags
+
+    async def left(self, kept_key: str, claims: tuple[str, ...]) -> int:
+        kept = self._kept.get(kept_key, {})
+        found = [claim for claim in claims if claim in kept]
+        for claim in found:
+            kept[claim] = kept[claim]._replace(left=True)
+        return len(found)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         now = self._clock.monotonic()

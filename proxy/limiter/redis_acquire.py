@@ -76,7 +76,7 @@ class AcquireShape:
         if queue is not None:
             keys.append(queue)
             if reserve is not None:
-                keys.append(reserve.key)
+                keys += (reserve.key, reserve.left, reserve.shifts)
         if share is not None:
             keys += share.keys
         if state is not None:
@@ -162,8 +162,11 @@ class AcquireShape:
 
 
 def reserve_spec(reserve: Reserve) -> str:
-    """acquire.lua's ARGV[10]: ``<horizon>:<owner>:<life>`` in ms, ``:<tenants>``."""
-    return f"{reserve.horizon * _MS:.3f}:{reserve.owner * _MS:.3f}:{reserve.life * _MS:.3f}:{reserve.tenants}"
+    """acquire.lua's ARGV[10]: ``<horizon>:<owner>:<life>`` in ms, ``:<tenants>``, ``:<standby>`` in ms."""
+    return (
+        f"{reserve.horizon * _MS:.3f}:{reserve.owner * _MS:.3f}:{reserve.life * _MS:.3f}:{reserve.tenants}"
+        f":{reserve.standby * _MS:.3f}"
+    )
 
 
 def acquire_result(out: list[Any], n: int) -> AcquireResult:

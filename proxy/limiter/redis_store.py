@@ -42,6 +42,7 @@ from proxy.limiter.store import (
     ShareAsk,
     StateGuard,
     StoreUnavailable,
+    left_key,
 )
 from proxy.tasks import spawn
 
@@ -96,6 +97,7 @@ class RedisStore:
         self._release = self._client.register_script(script("release"))
         self._renew = self._client.register_script(script("renew"))
         self._inflight = self._client.register_script(script("inflight"))
+        self._leave = self._client.register_script(script("leave"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         self._shapes: dict[tuple[int, str | None, tuple[float, float] | None, ShareAsk | None], AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
@@ -107,18 +109,22 @@ class RedisStore:
         self._acquire_fast: PipelinedScript | ClusterScript | None = None
         self._presence_fast: PipelinedScript | ClusterScript | None = None
         self._release_fast: PipelinedScript | ClusterScript | None = None
+        # (on the requests' connection: a slot left is marked before the refusals after it)
+        self._leave_fast: PipelinedScript | ClusterScript | None = None
         if pipelined and url.startswith("redis+cluster://"):
             cluster = ClusterPipelines(url, connect_timeout=max(timeout * 10, 1.0))
             self._pipe = cluster
             self._acquire_fast = ClusterScript(cluster, script("acquire"))
             self._release_fast = ClusterScript(cluster, script("release"))
             self._presence_fast = ClusterScript(cluster, script("presence"))
+            self._leave_fast = ClusterScript(cluster, script("leave"))
         elif pipelined:
             pipe = PipelinedConnection(url, connect_timeout=max(timeout * 10, 1.0))
             self._pipe = pipe
             self._acquire_fast = PipelinedScript(pipe, script("acquire"))
             self._release_fast = PipelinedScript(pipe, script("release"))
             self._presence_fast = PipelinedScript(pipe, script("presence"))
+            self._leave_fast = PipelinedScript(pipe, script("leave"))
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -366,6 +372,12 @@ class RedisStore:
             args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._peek(keys=keys, args=args))
         return tuple(float(x) for x in out)
+
+    async def left(self, kept: str, claims: tuple[str, ...]) -> int:
+        keys, args = [kept, left_key(kept)], list[float | str](claims)
+        if self._leave_fast is not None:
+            return int(await self._call_fast(self._leave_fast, keys, args))
+        return int(await self._call(lambda: self._leave(keys=keys, args=args)))
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         args: list[float | str] = [member, stale * _MS, "leave" if leave else ""]

@@ -7,7 +7,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-NAMES = ("acquire", "feedback", "inflight", "peek", "presence", "probe", "refund", "release", "renew")
+NAMES = ("acquire", "feedback", "inflight", "leave", "peek", "presence", "probe", "refund", "release", "renew")
 
 
 @cache

@@ -78,6 +78,9 @@ SLOT_LIFE: Final = 1.0
 """Seconds a kept slot outlives its maturity by default: what rounding a wait up to
 ``Retry-After``'s whole seconds adds (an SDK's own jitter on top of it is its preset's
 ``retry_jitter``)."""
+STANDBY: Final = 0.05
+"""Seconds after a slot left by its owner matures that a caller offered it asks (acquire.lua,
+"Standby"): the owner's head start, should it come back after all."""
 
 
 class Reserve(NamedTuple):
@@ -105,6 +108,23 @@ class Reserve(NamedTuple):
     tenants: int = 0
     """How many of the buckets (the first) are the tenant's own: when they are what refuses,
     only they are taken for the slot (the vendor-side ones when it is claimed)."""
+    standby: float = STANDBY
+
+    @property
+    def left(self) -> str:
+        """The key of the set of its slots whose owners left (``left_key``)."""
+        return left_key(self.key)
+
+    @property
+    def shifts(self) -> str:
+        """The key of the moves of its late slots (acquire.lua, "Late slots")."""
+        return self.key + "/shifts"
+
+
+def left_key(kept: str) -> str:
+    """The set of reservation set ``kept``'s slots whose owners left (acquire.lua, "Standby"):
+    beside it (a tenant name never holds ``/``)."""
+    return kept + "/left"
 
 
 class ShareAsk(NamedTuple):
@@ -160,8 +180,9 @@ class AcquireResult(NamedTuple):
 
     @property
     def retry_after(self) -> float:
-        """When to retry: the queue slot (``hint``), never before every bucket could grant."""
-        return max(self.hint, self.wait)
+        """When to retry: the queue slot (``hint``), never before every bucket could grant; a
+        slot kept: its time, or a slot its owner left, earlier (acquire.lua, "Standby")."""
+        return self.hint if self.reserved else max(self.hint, self.wait)
 
 
 class BlockResult(NamedTuple):
@@ -328,6 +349,11 @@ class BucketStore(Protocol):
         channels matching ``pattern`` (blocks and lease releases from the scripts, write
         lags from ``publish``); a ValueError it raises marks the message malformed (logged,
         skipped). Runs until cancelled; a single-process store returns at once."""
+
+    async def left(self, kept: str, claims: tuple[str, ...]) -> int:
+        """The slots ``claims`` of reservation set ``kept`` were left by their owner (its
+        connection closed): each is offered to one later refusal as its hint (acquire.lua,
+        "Standby"; leave.lua). Returns how many were still kept."""
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         """Record ``member`` (a replica) alive now in the replica set ``key``, or remove it

@@ -108,6 +108,10 @@ def decide(result: AcquireResult, wish: Wish) -> Decision:
         return FORWARD if result.wait <= 0 else Hold(result.wait)
     if wish.action == "shed":
         return Shed(result.wait)
+    if result.reserved and result.hint < result.wait:
+        # Offered a slot its owner left (acquire.lua, "Standby"): served then unless the owner
+        # claims it after all, so that is the real wait; its own slot stays kept meanwhile.
+        return Defer(result.hint, result.hint)
     return Defer(result.wait, result.retry_after)  # hold falls back to defer when the wait exceeds max_hold
 
 

@@ -121,6 +121,12 @@ class ProxyHandler:
         self.deps = deps
         self.lane.reset(deps)
 
+    def left(self, slots: dict[str, str]) -> None:
+        """A worker's connection closed holding ``slots`` (``Request.kept_slots``): their
+        owners likely never come back, so the store offers each to a later refusal (kept_slots.py)."""
+        for kept, claim in slots.items():
+            spawn(self.deps.limiter.left(kept, (claim,)), name="left")
+
     async def __call__(
         self,
         request: Request,

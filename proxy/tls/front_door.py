@@ -156,6 +156,8 @@ class ConnectGate:
             self._served.discard(conn)
             if not self._served:
                 self._served_empty.set()
+            if conn.kept_slots:  # a deferred call's slot, its owner gone with the connection
+                self.handler.left(conn.kept_slots)
 
     def protocol(self) -> asyncio.Protocol:
         return self.limits.turn_away(self.open_connections) or FrontDoor(self)

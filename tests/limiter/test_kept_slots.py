@@ -86,7 +86,7 @@ async def test_a_claim_that_matures_within_max_wait_is_held(store: BucketStore, 
 
 
 async def test_a_late_owners_slot_goes_to_a_caller_without_one(store: BucketStore, clock: ManualClock) -> None:
-    b = (bucket("l", rate=10, burst=1),)
+    b = (bucket("l", rate=5, burst=1),)  # (taken 0.12 s late: within its tolerance, burst / rate)
     await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     await later(store, clock, kept.wait + 0.02)
@@ -276,12 +276,13 @@ async def test_cheap_late_slots_serve_a_costlier_request_with_the_rest_from_the_
     first = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
     second = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
     assert first.reserved and second.reserved and second.wait == pytest.approx(0.2, abs=TOL)
-    # Both late, and the bucket refilled to 1 meanwhile (it stood at -2 after the two slots).
-    await later(store, clock, 0.3 + KEPT.owner + 0.01)
+    # Both late (within burst / rate, 0.3 s), and the bucket refilled to 1.1 meanwhile (it
+    # stood at -2 after the two slots).
+    await later(store, clock, 0.2 + KEPT.owner + 0.01)
     costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)
     assert costly.granted and costly.claimed
     # Two units from the slots, one from the bucket: the slots' tokens are not taken twice.
-    assert costly.levels[0] == pytest.approx(10 * (0.3 + KEPT.owner + 0.01) - 2 - 1, abs=TOL * 10 + 0.02)
+    assert costly.levels[0] == pytest.approx(10 * (0.2 + KEPT.owner + 0.01) - 2 - 1, abs=TOL * 10 + 0.02)
 
 
 async def test_late_units_too_few_for_a_request_the_bucket_cannot_cover_are_left_alone(
@@ -295,3 +296,62 @@ async def test_late_units_too_few_for_a_request_the_bucket_cannot_cover_are_left
     assert not costly.granted and costly.reserved  # a slot of its own; the late unit untouched
     cheap = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     assert cheap.granted and cheap.claimed
+
+
+async def test_a_slot_its_owner_left_is_offered_to_one_later_refusal(store: BucketStore, clock: ManualClock) -> None:
+    """A precise retrier sleeps until its own slot: it asks when a slot left behind matures
+    only if told to (acquire.lua, "Standby")."""
+    b = (bucket("sb", rate=2, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    gone = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # its connection closes
+    assert await store.left(KEPT.key, (gone.reserved, "no-such-slot")) == 1
+    mine = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    other = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert mine.wait == pytest.approx(1.0, abs=TOL) and other.wait == pytest.approx(1.5, abs=TOL)
+    # The first refusal after it is told the left slot's time (and the owner's head start);
+    # the next one its own: one caller per slot left, no herd.
+    assert mine.hint == pytest.approx(gone.wait + KEPT.owner, abs=TOL)  # (owner > standby here)
+    assert mine.retry_after == mine.hint and other.hint == pytest.approx(other.wait)
+    await later(store, clock, mine.hint)
+    moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))
+    assert moved.granted and moved.claimed
+    # The slot it held is left in turn: offered to the next refusal whose own slot is later.
+    late = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert late.wait == pytest.approx(2.0 - mine.hint, abs=TOL)
+    assert late.hint == pytest.approx(mine.wait - mine.hint, abs=TOL)  # (late from its maturity)
+
+
+async def test_an_owner_that_comes_back_keeps_the_slot_it_left(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("sc", rate=2, burst=1),)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).granted
+    kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    await store.left(KEPT.key, (kept.reserved,))  # its job comes back on another connection
+    standby = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert standby.hint == pytest.approx(kept.wait + KEPT.owner, abs=TOL)
+    await later(store, clock, kept.wait + 0.01)
+    owner = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=kept.reserved))
+    assert owner.granted and owner.claimed  # within its head start: the owner's
+    await later(store, clock, KEPT.owner)
+    again = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=standby.reserved))
+    assert not again.granted and again.reserved == standby.reserved  # refused with its own slot
+    assert again.hint == pytest.approx(again.wait, abs=TOL)
+
+
+async def test_late_slots_move_no_more_than_the_burst_into_any_window(store: BucketStore, clock: ManualClock) -> None:
+    """Used late, a slot moves a request from its time to now: every vendor window starting in
+    between holds one more than the schedule gave it. The schedule leaves the burst free in
+    every window: moves whose spans overlap carry no more than the burst together."""
+    b = (bucket("t", rate=10, burst=1),)
+    now = KEPT._replace(owner=0.0)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).granted
+    for _ in range(3):  # slots at 0.1, 0.2 and 0.3 s, nobody's
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).reserved
+    await later(store, clock, 0.25)
+    first = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
+    assert first.granted and first.claimed and first.wait == pytest.approx(-0.15, abs=TOL)  # 0.1 s -> 0.25 s
+    # The 0.2 s slot's move would overlap it: two in the windows starting at 0.2-0.25 s.
+    second = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
+    assert not second.granted and not second.claimed
+    await later(store, clock, 0.07)
+    third = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)  # 0.3 s: after that span
+    assert third.granted and third.claimed and third.wait == pytest.approx(-0.02, abs=TOL)

@@ -87,9 +87,12 @@ def reference(
         keys.append(queue)
         args[2] = "q"
         if reserve is not None:
-            keys.append(reserve.key)
+            keys += (reserve.key, reserve.key + "/left", reserve.key + "/shifts")
             args[8] = reserve.claim
-            args[9] = f"{reserve.horizon * 1000:.3f}:{reserve.owner * 1000:.3f}:{reserve.life * 1000:.3f}:0"
+            args[9] = (
+                f"{reserve.horizon * 1000:.3f}:{reserve.owner * 1000:.3f}:{reserve.life * 1000:.3f}:0"
+                f":{reserve.standby * 1000:.3f}"
+            )
     if guard is not None:
         keys.append(guard.key)
         args[3], args[4] = guard.seen, guard.debt * 1000.0

@@ -1,0 +1,108 @@
+"""memory://'s kept slots that matured unclaimed (acquire.lua, "Late slots" and "Standby"):
+the same rules as the script, on this process's dicts.
+
+A late slot's units serve whoever asks next in its bucket set; used late, a slot moves a
+request from its time to now, so the moves whose spans overlap carry together no more
+than the tightest bucket's burst (every vendor window keeps within rate x window + burst).
+A slot whose owner left (its connection closed) is offered to one later refusal as its hint.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from proxy.limiter.store import Reserve
+
+
+class Slot(NamedTuple):
+    """A slot kept for a deferred caller (acquire.lua's reservation set member)."""
+
+    matures: float
+    cost: float
+    created: float
+    scope: str
+    """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
+    left: bool = False
+    """Its owner left (``left``) and no refusal has been offered it yet."""
+
+
+Move = tuple[float, float]
+"""A late slot used: (when its span ended: the grant, units)."""
+
+
+def late_units(
+    kept: dict[str, Slot],
+    moves: list[Move],
+    now: float,
+    reserve: Reserve,
+    cost: float,
+    void_before: float,
+    levels: list[float],
+    rates: list[float],
+    bursts: list[float],
+    max_wait: float,
+) -> tuple[float, list[float]] | None:
+    """Late slots' units for a request of ``cost``: those of one scope in order of maturity,
+    as many as the cost and the moves' budget allow, the rest from the buckets if they have
+    it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
+    wait and what to take from each bucket; None (nothing touched) otherwise."""
+    moves[:] = [m for m in moves if m[0] >= now - reserve.life]
+    late = sorted((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner)
+    budget = min(bursts)
+    units, used, scope, first = 0.0, [], "", 0.0
+    for matures, member in late:
+        slot = kept[member]
+        if slot.created <= void_before:
+            del kept[member]
+            continue
+        if scope and slot.scope != scope:
+            continue
+        overlap = units + sum(u for end, u in moves if end > matures)
+        take = min(slot.cost, cost - units, budget - overlap)
+        if take <= 0:
+            continue  # its move would not fit: a later slot's may
+        if not scope:
+            scope, first = slot.scope, matures - now
+        used.append((member, take))
+        units += take
+        if units >= cost:
+            break
+    if not scope:
+        return None
+    takes = [cost if scope == "t" and i >= reserve.tenants else cost - units for i in range(len(levels))]
+    need = first
+    for take, level, rate in zip(takes, levels, rates, strict=True):
+        if take > 0:
+            need = max(need, (take - level) / rate)
+    if need > max_wait:
+        return None
+    for member, take in used:
+        slot = kept.pop(member)
+        if take < slot.cost:  # what the request did not need stays, maturing when it did
+            name = f"{slot.created:.3f}:{slot.cost - take:g}:{slot.scope}"
+            rest, k = name, 0
+            while rest in kept:
+                k += 1
+                rest = f"{name}:{k}"
+            kept[rest] = slot._replace(cost=slot.cost - take)
+        moves.append((now, take))
+    return need, takes
+
+
+def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:
+    """Seconds until a caller whose slot matures at ``own`` should ask again: a slot left by
+    its owner maturing before it (each offered once), else its own."""
+    offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < own]
+    if not offered:
+        return own - now
+    matures, member = min(offered)
+    kept[member] = kept[member]._replace(left=False)
+    return min(matures + max(reserve.standby, reserve.owner), own) - now
+
+
+def leave(kept: dict[str, Slot], now: float, claim: str, owner: float) -> None:
+    """The caller holding ``claim`` took a late slot instead: its own is nobody's, late from
+    its maturity and offered to a later refusal."""
+    slot = kept.get(claim)
+    if slot is not None:
+        kept[claim] = slot._replace(matures=slot.matures - owner, left=True)
