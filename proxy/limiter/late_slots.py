@@ -30,6 +30,23 @@ Move = tuple[float, float]
 """A late slot used: (when its span ended: the grant, units)."""
 
 
+def drop_stale(
+    kept: dict[str, Slot], now: float, reserve: Reserve, void_before: float, levels: list[float], bursts: list[float]
+) -> bool:
+    """Drop the slots unclaimed ``life`` after their time: their tenant buckets (the first
+    ``reserve.tenants`` of ``levels``) get their tokens back, the vendor-side ones do not
+    (their time has passed). Returns whether a level changed."""
+    refunded = False
+    for member, slot in list(kept.items()):
+        if slot.matures < now - reserve.life:
+            del kept[member]
+            if slot.created > void_before and reserve.tenants:
+                for i in range(reserve.tenants):
+                    levels[i] = min(bursts[i], levels[i] + slot.cost)
+                refunded = True
+    return refunded
+
+
 def late_units(
     kept: dict[str, Slot],
     moves: list[Move],
@@ -47,7 +64,10 @@ def late_units(
     it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
     wait and what to take from each bucket; None (nothing touched) otherwise."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
-    late = sorted((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner)
+    late = sorted(
+        ((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner),
+        reverse=True,
+    )  # the latest first: the shorter a move, the fewer moves it overlaps
     budget = min(bursts)
     units, used, scope, first = 0.0, [], "", 0.0
     for matures, member in late:
@@ -89,15 +109,16 @@ def late_units(
     return need, takes
 
 
-def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:
+def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve, tolerance: float) -> float:
     """Seconds until a caller whose slot matures at ``own`` should ask again: a slot left by
-    its owner maturing before it (each offered once), else its own."""
+    its owner maturing before it (each offered once; the owner's head start within half the
+    tightest bucket's burst / rate, ``tolerance``), else its own."""
     offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < own]
     if not offered:
         return own - now
     matures, member = min(offered)
     kept[member] = kept[member]._replace(left=False)
-    return min(matures + max(reserve.standby, reserve.owner), own) - now
+    return min(matures + max(min(reserve.standby, tolerance / 2), reserve.owner), own) - now
 
 
 def leave(kept: dict[str, Slot], now: float, claim: str, owner: float) -> None:

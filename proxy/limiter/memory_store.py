@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.late_slots import Move, Slot, late_units, leave, standby
+from proxy.limiter.late_slots import Move, Slot, drop_stale, late_units, leave, standby
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
     AcquireResult,
@@ -212,13 +212,7 @@ class MemoryStore:
             kept = self._kept.setdefault(reserve.key, {})
             tenants = reserve.tenants
             void_before = max((self._blocked_at.get(b.ident, -math.inf) for b in buckets), default=-math.inf)
-            for member, slot in list(kept.items()):
-                if slot.matures < now - reserve.life:  # unclaimed: the tenant's tokens back (acquire.lua)
-                    del kept[member]
-                    if slot.created > void_before and tenants:
-                        for i in range(tenants):
-                            levels[i] = min(limits[i][1], levels[i] + slot.cost)
-                        refunded = True
+            refunded = drop_stale(kept, now, reserve, void_before, levels, [burst for _, burst in limits])
             weak = reserve.claim.startswith("?")  # (acquire.lua: honoured only once matured)
             if weak:
                 reserve = reserve._replace(claim=reserve.claim[1:])
@@ -240,6 +234,7 @@ class MemoryStore:
                 wait, binding = need, i
             if i >= tenants and need > vendor_wait:
                 vendor_wait = need
+        tolerance = min(burst / rate for rate, burst in limits)  # (late_slots.standby)
         # The vendor's schedule (share_memory.py; acquire.lua, "Share").
         turn = None
         if share is not None:
@@ -337,7 +332,7 @@ class MemoryStore:
             if refunded:
                 write()
             assert kept is not None
-            return refused(early, standby(kept, now, now + early, reserve), reserve.claim)
+            return refused(early, standby(kept, now, now + early, reserve, tolerance), reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             take(0, len(buckets))
             write()
@@ -355,7 +350,7 @@ class MemoryStore:
             if turn is not None:
                 turn.kept(wait)
             assert kept is not None
-            return refused(wait, standby(kept, now, now + wait, reserve), member)
+            return refused(wait, standby(kept, now, now + wait, reserve, tolerance), member)
         if refunded:
             write()
         if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)

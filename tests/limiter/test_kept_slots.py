@@ -348,8 +348,9 @@ async def test_late_slots_move_no_more_than_the_burst_into_any_window(store: Buc
         assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).reserved
     await later(store, clock, 0.25)
     first = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
-    assert first.granted and first.claimed and first.wait == pytest.approx(-0.15, abs=TOL)  # 0.1 s -> 0.25 s
-    # The 0.2 s slot's move would overlap it: two in the windows starting at 0.2-0.25 s.
+    # The latest matured first (the shortest move): 0.2 s -> 0.25 s.
+    assert first.granted and first.claimed and first.wait == pytest.approx(-0.05, abs=TOL)
+    # The 0.1 s slot's move would overlap it: two in the windows starting at 0.2-0.25 s.
     second = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
     assert not second.granted and not second.claimed
     await later(store, clock, 0.07)
