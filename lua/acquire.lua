@@ -640,16 +640,12 @@ end
 -- burst free: moves whose spans ([its time, now)) overlap may together carry no more than
 -- the tightest bucket's burst, and no window is overrun. The moves of the last `life` ms
 -- are kept in `shifts` (member "<its time>:<units>:<now>:<k>", scored by now); a slot
--- whose move would not fit serves what fits, or waits for its time to pass (`life`). The
--- latest matured are used first: the shorter a move, the fewer moves it overlaps.
-local tolerance = math.huge -- the tightest bucket's burst / rate: how far apart its slots may bunch
-for i = 1, n do
-  tolerance = math.min(tolerance, bursts[i] / rates[i])
-end
+-- whose move would not fit serves what fits, or waits for its time to pass (`life`). A slot
+-- claimed late by its owner is a move too, which the others' must fit beside.
 local pool = nil
 if rset and due and not held and full == 0 then
-  local late = redis.call('ZREVRANGEBYSCORE', rset, string.format('%.3f', now - owner_ms),
-    string.format('%.3f', now - life_ms), 'WITHSCORES', 'LIMIT', 0, 64)
+  local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
+    string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
   local moved = nil -- {units, end} of the moves kept that may overlap these
   local budget = math.huge
   for i = 1, n do
@@ -716,8 +712,7 @@ end
 -- whose owner is gone matures, and that slot's tokens stand idle. A slot whose owner's
 -- connection closed (leave.lua: likely never claimed) is offered to one refusal whose own
 -- slot matures later: its hint is that slot's time (plus `standby` ms, the owner's head
--- start, within half the tightest bucket's burst / rate: a short move), when it asks and,
--- the slot unclaimed, takes it (moves up, "Late slots"); claimed,
+-- start), when it asks and, the slot unclaimed, takes it (moves up, "Late slots"); claimed,
 -- it is refused with its own slot again. Only slots left behind: a hint that is a guess
 -- costs a refusal, and precise retriers whose owners come back would pay it every time.
 local function standby(own) -- ms: when this caller should ask again, its slot maturing at `own`
@@ -729,7 +724,7 @@ local function standby(own) -- ms: when this caller should ask again, its slot m
     end
     redis.call('ZREM', left, found[1])
     if redis.call('ZSCORE', rset, found[1]) then -- (claimed meanwhile: gone from the slots)
-      return math.min(tonumber(found[2]) + math.max(math.min(standby_ms, tolerance / 2), owner_ms), own) - now
+      return math.min(tonumber(found[2]) + math.max(standby_ms, owner_ms), own) - now
     end
   end
   return own - now
@@ -789,6 +784,11 @@ elseif held then
     granted, claimed = 1, 1
     redis.call('ZREM', rset, held)
     redis.call('ZREM', left, held)
+    if need < 0 then -- claimed late: a move like a late slot's, which the others' must fit beside
+      local at_now = string.format('%.3f', now)
+      redis.call('ZADD', shifts, at_now, string.format('%.3f', now + need) .. ':' .. num(cost) .. ':' .. at_now .. ':h')
+      redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
+    end
     if scope == 't' then
       take(tenants + 1, n)
       write_levels()

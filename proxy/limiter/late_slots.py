@@ -64,10 +64,8 @@ def late_units(
     it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
     wait and what to take from each bucket; None (nothing touched) otherwise."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
-    late = sorted(
-        ((m.matures, k) for k, m in kept.items() if now - reserve.life <= m.matures <= now - reserve.owner),
-        reverse=True,
-    )  # the latest first: the shorter a move, the fewer moves it overlaps
+    oldest, newest = now - reserve.life, now - reserve.owner
+    late = sorted((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest)
     budget = min(bursts)
     units, used, scope, first = 0.0, [], "", 0.0
     for matures, member in late:
@@ -109,16 +107,15 @@ def late_units(
     return need, takes
 
 
-def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve, tolerance: float) -> float:
+def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:
     """Seconds until a caller whose slot matures at ``own`` should ask again: a slot left by
-    its owner maturing before it (each offered once; the owner's head start within half the
-    tightest bucket's burst / rate, ``tolerance``), else its own."""
+    its owner maturing before it (each offered once), else its own."""
     offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < own]
     if not offered:
         return own - now
     matures, member = min(offered)
     kept[member] = kept[member]._replace(left=False)
-    return min(matures + max(min(reserve.standby, tolerance / 2), reserve.owner), own) - now
+    return min(matures + max(reserve.standby, reserve.owner), own) - now
 
 
 def leave(kept: dict[str, Slot], now: float, claim: str, owner: float) -> None:

@@ -234,7 +234,6 @@ class MemoryStore:
                 wait, binding = need, i
             if i >= tenants and need > vendor_wait:
                 vendor_wait = need
-        tolerance = min(burst / rate for rate, burst in limits)  # (late_slots.standby)
         # The vendor's schedule (share_memory.py; acquire.lua, "Share").
         turn = None
         if share is not None:
@@ -309,6 +308,8 @@ class MemoryStore:
             need = max(claim_wait, 0.0, vendor_wait) if scope == "t" else claim_wait  # (late: negative)
             if full < 0 and need <= max_wait:
                 del kept[held]
+                if need < 0:  # claimed late: a move the late slots' must fit beside (late_slots.py)
+                    self._moves.setdefault(reserve.key, []).append((now, cost))
                 if scope == "t":
                     take(tenants, len(buckets))
                 if scope == "t" or refunded:
@@ -332,7 +333,7 @@ class MemoryStore:
             if refunded:
                 write()
             assert kept is not None
-            return refused(early, standby(kept, now, now + early, reserve, tolerance), reserve.claim)
+            return refused(early, standby(kept, now, now + early, reserve), reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             take(0, len(buckets))
             write()
@@ -350,7 +351,7 @@ class MemoryStore:
             if turn is not None:
                 turn.kept(wait)
             assert kept is not None
-            return refused(wait, standby(kept, now, now + wait, reserve, tolerance), member)
+            return refused(wait, standby(kept, now, now + wait, reserve), member)
         if refunded:
             write()
         if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)

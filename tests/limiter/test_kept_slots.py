@@ -348,11 +348,23 @@ async def test_late_slots_move_no_more_than_the_burst_into_any_window(store: Buc
         assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).reserved
     await later(store, clock, 0.25)
     first = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
-    # The latest matured first (the shortest move): 0.2 s -> 0.25 s.
-    assert first.granted and first.claimed and first.wait == pytest.approx(-0.05, abs=TOL)
-    # The 0.1 s slot's move would overlap it: two in the windows starting at 0.2-0.25 s.
+    assert first.granted and first.claimed and first.wait == pytest.approx(-0.15, abs=TOL)  # 0.1 s -> 0.25 s
+    # The 0.2 s slot's move would overlap it: two in the windows starting at 0.2-0.25 s.
     second = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
     assert not second.granted and not second.claimed
     await later(store, clock, 0.07)
     third = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)  # 0.3 s: after that span
     assert third.granted and third.claimed and third.wait == pytest.approx(-0.02, abs=TOL)
+
+
+async def test_a_slot_claimed_late_by_its_owner_is_a_move_too(store: BucketStore, clock: ManualClock) -> None:
+    b = (bucket("o", rate=10, burst=1),)
+    now = KEPT._replace(owner=0.0)
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).granted
+    mine = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)  # 0.1 s, claimed at 0.25 s
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, now)).reserved  # 0.2 s, nobody's
+    await later(store, clock, 0.25)
+    late = await store.acquire(b, 1, 0, QUEUE, guard(), None, now._replace(claim=mine.reserved))
+    assert late.granted and late.claimed and late.wait == pytest.approx(-0.15, abs=TOL)
+    newcomer = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
+    assert not newcomer.granted and not newcomer.claimed  # the 0.2 s slot's move would overlap the claim's
