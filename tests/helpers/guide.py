@@ -8,10 +8,11 @@ environment is the guide's own ``env`` and ``try-keys`` snippets, sourced by bas
 of the test's clean environment. The one change: the proxy listens on a free port, not
 127.0.0.1:8080, so that address in the ``env`` block is the running proxy's.
 
-The Anthropic, PyGithub and Slack snippets (``stand_in=True``) run against
-tests/helpers/sdk_vendor.py, which the mock vendor does not replace yet: their vendors' real
-host names become the ``.example`` names that proxy maps to it, and the SDKs' base URLs
-follow (ANTHROPIC_BASE_URL, and the base URL the snippets pass).
+The Anthropic, PyGithub and Slack snippets, and the Kubernetes guide's worker, run with
+``stand_in=True`` against tests/helpers/sdk_vendor.py, which the mock vendor does not replace
+yet: the vendors' real host names become the ``.example`` names that proxy maps to it, and
+the SDKs' default base URLs follow (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, and for Stripe,
+which has no such variable, a ``sitecustomize`` that changes its default API base).
 """
 
 from __future__ import annotations
@@ -38,7 +39,22 @@ PROXY_ADDRESS = "http://127.0.0.1:8080"
 """Where the guide's proxy listens (config/clients.yaml, the env block)."""
 VENDOR_ADDRESS = "127.0.0.1:8443"
 """Where the guide's mock vendor listens (its command, config/clients.yaml's upstreams)."""
-_STAND_IN_HOSTS = {"anthropic": "api.anthropic.com", "github": "api.github.com", "slack": "slack.com"}
+_REAL_HOSTS = {
+    "stripe": "api.stripe.com",
+    "openai": "api.openai.com",
+    "anthropic": "api.anthropic.com",
+    "github": "api.github.com",
+    "slack": "slack.com",
+}
+
+SITECUSTOMIZE = f"""
+# Test stand-in (tests/helpers/guide.py): Stripe's SDK has no base-URL variable, so its
+# default API base becomes the stand-in vendor's host name.
+import stripe
+import stripe._stripe_client
+
+stripe.api_base = stripe._stripe_client.DEFAULT_API_BASE = "https://{HOSTS["stripe"]}"
+"""
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,11 @@ class GuideWorker:
     def ca_dir(self) -> Path:
         return self.work / "ca"
 
+    @property
+    def etc(self) -> Path:
+        """Where the guides' CA and bundle are (/etc/quota-proxy/ in a deployment)."""
+        return self.ca_dir
+
     def environment(self) -> dict[str, str]:
         """The test's clean environment, this venv's executables first on PATH; a Celery
         broker, and for the stand-in vendors their keys and base URL."""
@@ -87,7 +108,12 @@ class GuideWorker:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["CELERY_BROKER_URL"] = "memory://"
         if self.stand_in:
+            site = self.work / ".site"
+            site.mkdir(exist_ok=True)
+            (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
             env.update(
+                PYTHONPATH=str(site),
+                OPENAI_BASE_URL=f"https://{HOSTS['openai']}/v1",
                 ANTHROPIC_BASE_URL=f"https://{HOSTS['anthropic']}",
                 ANTHROPIC_API_KEY="sk-ant-test-guide",
                 GITHUB_TOKEN="ghp_test_guide",
@@ -98,7 +124,7 @@ class GuideWorker:
     def code(self, text: str) -> str:
         """The snippet as it runs: as printed, but for a stand-in vendor's host names."""
         if self.stand_in:
-            for name, real in _STAND_IN_HOSTS.items():
+            for name, real in _REAL_HOSTS.items():
                 text = text.replace(real, HOSTS[name])
         return text
 

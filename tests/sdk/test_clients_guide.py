@@ -134,12 +134,14 @@ async def mocked(reader: Path, tmp_path: Path, start_proxy: ProxyFactory) -> Asy
 
 
 @pytest.fixture
-async def stand_in(sdk_proxies, reader: Path) -> GuideWorker:
-    """For the vendors the mock does not speak: the tests' stand-in behind its proxy, whose
-    CA is in the reader's ca/, and the bundle the guide's ``bundle`` snippet makes from it."""
-    (reader / "ca").mkdir()
-    shutil.copy(sdk_proxies.trust.ca_cert, reader / "ca" / "ca.pem")
-    worker = GuideWorker(reader, stand_in=True)
+async def guide(sdk_proxies, tmp_path: Path) -> GuideWorker:
+    """For the vendors the mock does not speak (and the Kubernetes guide's worker): the tests'
+    stand-in behind its proxy, whose CA is in the reader's ca/, and the bundle the guide's
+    ``bundle`` snippet makes from it."""
+    work = tmp_path / "stand-in"
+    (work / "ca").mkdir(parents=True)
+    shutil.copy(sdk_proxies.trust.ca_cert, work / "ca" / "ca.pem")
+    worker = GuideWorker(work, stand_in=True)
     made = await worker.run(snippets()["bundle"].code, "sh", "http://127.0.0.1:9")
     assert made.status == 0, made.err
     return worker
@@ -275,11 +277,11 @@ async def test_the_openai_sdk_needs_nothing_but_the_environment(mocked: Mocked) 
     assert await mocked.paths() == ["/v1/chat/completions"]
 
 
-async def test_the_anthropic_sdk_needs_nothing_but_the_environment(stand_in: GuideWorker, sdk_proxies) -> None:
+async def test_the_anthropic_sdk_needs_nothing_but_the_environment(guide: GuideWorker, sdk_proxies) -> None:
     proxy = await sdk_proxies.start(limits=SPENT)
     snippet = snippets()["anthropic-env"]
-    assert ok(await stand_in.run(snippet.code, "python", proxy.url)) == ["hello from the mock"]
-    (line,) = ok(await stand_in.run(snippet.code, "python", proxy.url))
+    assert ok(await guide.run(snippet.code, "python", proxy.url)) == ["hello from the mock"]
+    (line,) = ok(await guide.run(snippet.code, "python", proxy.url))
     assert line.startswith("rate limited; come back in ") and line.endswith(" s"), line
     assert 3000 < int(line.split()[-2]) <= 3600
     assert outcomes(proxy, "anthropic") == {"forwarded": 1, "deferred": 1}
@@ -317,13 +319,13 @@ def test_the_answers_override_fragment_sheds_with_its_status_and_body() -> None:
 
 
 @pytest.mark.parametrize(("name", "vendor"), [("github-sdk", "github"), ("slack-sdk", "slack")])
-async def test_pygithub_and_slack_sdk_with_their_presets(stand_in: GuideWorker, sdk_proxies, name, vendor) -> None:
+async def test_pygithub_and_slack_sdk_with_their_presets(guide: GuideWorker, sdk_proxies, name, vendor) -> None:
     proxy = await sdk_proxies.start(limits=SPENT)
     snippet = snippets()[name]
-    assert ok(await stand_in.run(snippet.code, "python", proxy.url)) == ["The Mock" if vendor == "github" else "True"]
+    assert ok(await guide.run(snippet.code, "python", proxy.url)) == ["The Mock" if vendor == "github" else "True"]
     # The bucket is spent for an hour: a long defer, raised at once by either SDK (their
     # retries would have slept it out as a 403 or a 429), the wait readable.
-    (line,) = ok(await stand_in.run(snippet.code, "python", proxy.url))
+    (line,) = ok(await guide.run(snippet.code, "python", proxy.url))
     if vendor == "github":
         assert line.startswith("not now: 409 defer for ") and 3000 < int(line.split()[-2]) <= 3600, line
     else:
