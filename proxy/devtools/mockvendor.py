@@ -21,6 +21,13 @@ and the reset is when the oldest request counted leaves it. A refusal is ``429``
 default, above), ``ietf``, ``openai``, ``shopify`` or ``none``; ``mockvendor_quota`` keeps
 the quota and writes those headers.
 
+Vendors' own paths are answered in their vendor's shape (``mockvendor_shapes``): Stripe's
+``/v1/customers`` and ``/v1/payment_intents`` (``mockvendor_stripe``), OpenAI's
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and ``/v1/responses``
+(``mockvendor_openai``). They take from the same quota, one token a request, and their
+answers, refusals included, are the vendor's: its body, its headers, its family of quota
+headers (none for Stripe, OpenAI's for OpenAI, whatever ``quota_headers`` says).
+
 Special paths, quota-limited like any other:
 
 - ``/echo``: streams the request body back chunk by chunk (never buffered whole);
@@ -64,7 +71,10 @@ from aiohttp.http import HttpVersion11
 from yarl import URL
 
 from proxy.devtools.mockvendor_control import CONTROL_PREFIX, JSON_TYPE, control, json_response
+from proxy.devtools.mockvendor_openai import OpenAIShape
 from proxy.devtools.mockvendor_quota import EPSILON, REMAINING_HEADER, Clock, VendorQuota, format_number
+from proxy.devtools.mockvendor_shapes import Shape
+from proxy.devtools.mockvendor_stripe import StripeShape
 from proxy.wire.aiohttp_internals import send_continue
 
 __all__ = ["MAX_ARRIVALS", "MAX_RECORDED", "MOCK_VENDOR_KEY", "MockVendor", "RecordedRequest"]
@@ -167,6 +177,8 @@ class MockVendor(VendorQuota):
         self.max_in_flight = 0
         self._recorded: deque[tuple[str, URL, _Raw]] = deque(maxlen=max_recorded)
         self._scripts: deque[_Script] = deque()
+        self.shapes: tuple[Shape, ...] = (StripeShape(), OpenAIShape())
+        """The vendors imitated, each owning its paths (the first that owns a path answers it)."""
 
     # -- in-process helpers ------------------------------------------------------------
 
@@ -216,6 +228,8 @@ class MockVendor(VendorQuota):
         self.max_in_flight = self.in_flight
         self._recorded.clear()
         self._scripts.clear()
+        for shape in self.shapes:
+            shape.reset()
         if self._rate is not None:
             self._refill_full()
 
@@ -286,11 +300,17 @@ class MockVendor(VendorQuota):
         finally:
             self.in_flight -= 1
 
+    def shape_for(self, path: str) -> Shape | None:
+        """The vendor whose path this is, if the mock imitates one."""
+        return next((shape for shape in self.shapes if shape.owns(path)), None)
+
     async def _serve(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         now = self._clock()
         self._recorded.append((request.method, request.rel_url, request.raw_headers))
+        shape = self.shape_for(path)
+        family = None if shape is None else shape.quota_headers
         if self._scripts:
-            return self._scripted(request, now)
+            return self._scripted(request, now, shape)
 
         headers: dict[str, str]
         if self._rate is None:
@@ -299,14 +319,21 @@ class MockVendor(VendorQuota):
             left, wait = self._admit(now)
             if wait > 0:
                 self._reject(now)
+                retry_after = max(1, math.ceil(wait - EPSILON))
+                quota = self._quota(0.0, now, family)
+                if shape is not None:
+                    return shape.refusal(retry_after, quota)
                 return web.Response(
                     status=429,
                     body=_RATE_LIMITED_BODY,
                     content_type=JSON_TYPE,
-                    headers={"Retry-After": str(max(1, math.ceil(wait - EPSILON))), **self._quota(0.0, now)},
+                    headers={"Retry-After": str(retry_after), **quota},
                 )
-            headers = self._quota(left, now)
+            headers = self._quota(left, now, family)
 
+        if shape is not None:
+            self._accept(now)
+            return await shape.answer(request, headers)
         if path == "/echo":
             self._accept(now)
             return await self._echo(request, headers)
@@ -329,7 +356,7 @@ class MockVendor(VendorQuota):
         self.rejected += 1
         self.rejections.append(now)
 
-    def _scripted(self, request: web.BaseRequest, now: float) -> web.Response:
+    def _scripted(self, request: web.BaseRequest, now: float, shape: Shape | None) -> web.Response:
         script = self._scripts[0]
         script.count -= 1
         if script.count <= 0:
@@ -337,7 +364,7 @@ class MockVendor(VendorQuota):
         headers: dict[str, str] = {}
         if self._rate is not None:
             left = self._left(now) if script.remaining is None else script.remaining
-            headers.update(self._quota(left, now))
+            headers.update(self._quota(left, now, None if shape is None else shape.quota_headers))
         elif script.remaining is not None:
             headers[REMAINING_HEADER] = str(script.remaining)
         if script.retry_after is not None:

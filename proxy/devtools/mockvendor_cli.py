@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from typing import Final
+import sys
+from typing import TYPE_CHECKING, Final
 
 from proxy.policy.durations import parse_duration
 from proxy.policy.values import parse_address
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
 
@@ -95,9 +99,16 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         '(repeatable; e.g. --limit-at 20s=70 --limit-at 40s=100); also POST /__mock/limit {"rate": r}',
     )
     parser.add_argument(
+        "--tls",
+        metavar="DIR",
+        help="serve HTTPS with certificates from the CA in DIR (ca.pem and ca-key.pem, as `quota-proxy ca init "
+        "--out DIR` writes them; made there first if DIR has none), for whichever host name a client asks "
+        "(api.stripe.com, api.openai.com, localhost, 127.0.0.1...): trust DIR/ca.pem",
+    )
+    parser.add_argument(
         "--tls-cert",
         metavar="FILE",
-        help="serve HTTPS with this certificate chain (PEM); --tls-key names its key",
+        help="serve HTTPS with this certificate chain (PEM) instead; --tls-key names its key",
     )
     parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
     parser.set_defaults(handler=functools.partial(run, parser=parser))
@@ -128,10 +139,14 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
         parser.error("--limit-at needs a --rate (an unlimited vendor has no limit to change)")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
-    tls = None
-    if args.tls_cert is not None:
-        import ssl
+    if args.tls is not None and args.tls_cert is not None:
+        parser.error("--tls makes its own certificates: give --tls DIR or --tls-cert/--tls-key, not both")
+    import ssl
 
+    tls: ssl.SSLContext | None = None
+    if args.tls is not None:
+        tls = _ca_context(args.tls, parser)
+    elif args.tls_cert is not None:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             tls.load_cert_chain(args.tls_cert, args.tls_key)
@@ -139,3 +154,19 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--tls-cert/--tls-key: {exc}")
     vendor = MockVendor(None if rate == 0 else rate, burst, window=window, quota_headers=args.quota_headers)
     return serve(vendor, host, port, tuple(args.limit_at), tls)
+
+
+def _ca_context(directory: str, parser: argparse.ArgumentParser) -> ssl.SSLContext:
+    """``--tls DIR``'s server context; says on stderr which CA clients must trust."""
+    from pathlib import Path
+
+    from proxy.ca.authority import CAError
+    from proxy.devtools.mockvendor_tls import vendor_tls
+
+    try:
+        tls = vendor_tls(Path(directory))
+    except (CAError, ValueError) as exc:
+        parser.error(f"--tls {directory}: {exc}")
+    made = "made now, " if tls.made else ""
+    print(f"mock-vendor: HTTPS certificates signed by {tls.ca_file.absolute()} ({made}trust it)", file=sys.stderr)
+    return tls.context

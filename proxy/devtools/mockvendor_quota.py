@@ -206,9 +206,9 @@ class VendorQuota:
         oldest = next((t for t in self._in_window if t > edge), None)
         return 0.0 if oldest is None else oldest - edge
 
-    def _quota(self, left: float, now: float) -> dict[str, str]:
-        """The quota headers of an answer, in the vendor's family (limited vendors only)."""
-        family = self.quota_headers
+    def _quota(self, left: float, now: float, family: str | None = None) -> dict[str, str]:
+        """The quota headers of an answer, in ``family`` (default: the vendor's; limited vendors only)."""
+        family = family or self.quota_headers
         remaining = str(max(int(left), 0))
         reset = self._reset(now)
         whole = str(math.ceil(reset - EPSILON)) if reset > EPSILON else "0"

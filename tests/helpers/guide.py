@@ -1,18 +1,18 @@
-"""docs/clients.md's snippets, run as written against a running proxy.
+"""docs/clients.md's snippets, run as printed against the set-up its "Try it on your machine"
+section prints.
 
 Each runnable fenced block of the guide follows a marker, ``<!-- snippet: NAME -->``; the
-Go and Java ones follow ``<!-- untested: NAME -->``. A snippet runs in a fresh process
-whose environment is the guide's own ``env`` snippet, sourced by bash, on top of the test's
-clean environment. Only these stand-ins differ from a real deployment:
+Go and Java ones follow ``<!-- untested: NAME -->``. A snippet runs in a fresh process, from
+the reader's directory (``ca/`` and ``config/`` in it, as in the repository's root), whose
+environment is the guide's own ``env`` and ``try-keys`` snippets, sourced by bash, on top
+of the test's clean environment. The one change: the proxy listens on a free port, not
+127.0.0.1:8080, so that address in the ``env`` block is the running proxy's.
 
-- ``http://quota-proxy:8080`` is the running proxy's address and ``/etc/quota-proxy/`` a
-  directory of the test (with the proxy's ``ca.pem``, and ``bundle.pem`` made by the
-  guide's ``bundle`` snippet);
-- the vendors' real host names (``api.stripe.com``...) are their ``.example`` stand-ins,
-  which resolve nowhere and which the test proxy maps to the mock vendor; the SDKs' default
-  base URLs are pointed there too (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, and for Stripe,
-  which has no such variable, a ``sitecustomize`` that changes its default API base);
-- API keys are dummies and Celery's broker is ``memory://``.
+The Anthropic, PyGithub and Slack snippets, and the Kubernetes guide's worker, run with
+``stand_in=True`` against tests/helpers/sdk_vendor.py, which the mock vendor does not replace
+yet: the vendors' real host names become the ``.example`` names that proxy maps to it, and
+the SDKs' default base URLs follow (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, and for Stripe,
+which has no such variable, a ``sitecustomize`` that changes its default API base).
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ GUIDE = ROOT / "docs" / "clients.md"
 _BLOCK = re.compile(
     r"(?:<!-- (?P<kind>snippet|untested): (?P<name>[\w-]+) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S
 )
-_CLIENT_ENV = (*TRUST_VARS, "NODE_OPTIONS", "CELERY_BROKER_URL")
+_CLIENT_ENV = (*TRUST_VARS, "NODE_OPTIONS", "CELERY_BROKER_URL", "STRIPE_API_KEY", "OPENAI_API_KEY")
+PROXY_ADDRESS = "http://127.0.0.1:8080"
+"""Where the guide's proxy listens (config/clients.yaml, the env block)."""
+VENDOR_ADDRESS = "127.0.0.1:8443"
+"""Where the guide's mock vendor listens (its command, config/clients.yaml's upstreams)."""
 _REAL_HOSTS = {
     "stripe": "api.stripe.com",
     "openai": "api.openai.com",
@@ -45,7 +49,7 @@ _REAL_HOSTS = {
 
 SITECUSTOMIZE = f"""
 # Test stand-in (tests/helpers/guide.py): Stripe's SDK has no base-URL variable, so its
-# default API base becomes the test vendor's host name.
+# default API base becomes the stand-in vendor's host name.
 import stripe
 import stripe._stripe_client
 
@@ -81,37 +85,48 @@ class Ran:
 
 @dataclass
 class GuideWorker:
-    """A worker machine set up as the guide says: the proxy's CA and bundle in ``etc``
-    (standing in for /etc/quota-proxy), the guide's environment."""
+    """A reader's machine set up as the guide says: ``work`` is the directory the guide's
+    commands run from (the repository's root for a reader), with the CA and the bundle in
+    ``work/ca``; ``stand_in``: the snippet's vendor is the tests' stand-in."""
 
-    etc: Path
     work: Path
+    stand_in: bool = False
 
-    def substitute(self, text: str, proxy_url: str) -> str:
-        text = text.replace("http://quota-proxy:8080", proxy_url).replace("/etc/quota-proxy/", f"{self.etc}/")
-        for name, real in _REAL_HOSTS.items():
-            text = text.replace(real, HOSTS[name])
-        return text
+    @property
+    def ca_dir(self) -> Path:
+        return self.work / "ca"
+
+    @property
+    def etc(self) -> Path:
+        """Where the guides' CA and bundle are (/etc/quota-proxy/ in a deployment)."""
+        return self.ca_dir
 
     def environment(self) -> dict[str, str]:
-        """The test's clean environment, this venv's executables first on PATH, the stand-ins."""
+        """The test's clean environment, this venv's executables first on PATH; a Celery
+        broker, and for the stand-in vendors their keys and base URL."""
         env = {k: v for k, v in clean_env(checkout=False).items() if k not in _CLIENT_ENV}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        site = self.work / "site"
-        site.mkdir(exist_ok=True)
-        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env["PYTHONPATH"] = str(site)
-        env.update(
-            OPENAI_BASE_URL=f"https://{HOSTS['openai']}/v1",
-            ANTHROPIC_BASE_URL=f"https://{HOSTS['anthropic']}",
-            OPENAI_API_KEY="sk-test-guide",
-            ANTHROPIC_API_KEY="sk-ant-test-guide",
-            STRIPE_API_KEY="sk_test_guide",
-            GITHUB_TOKEN="ghp_test_guide",
-            SLACK_BOT_TOKEN="xoxb-test-guide",
-            CELERY_BROKER_URL="memory://",
-        )
+        env["CELERY_BROKER_URL"] = "memory://"
+        if self.stand_in:
+            site = self.work / ".site"
+            site.mkdir(exist_ok=True)
+            (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+            env.update(
+                PYTHONPATH=str(site),
+                OPENAI_BASE_URL=f"https://{HOSTS['openai']}/v1",
+                ANTHROPIC_BASE_URL=f"https://{HOSTS['anthropic']}",
+                ANTHROPIC_API_KEY="sk-ant-test-guide",
+                GITHUB_TOKEN="ghp_test_guide",
+                SLACK_BOT_TOKEN="xoxb-test-guide",
+            )
         return env
+
+    def code(self, text: str) -> str:
+        """The snippet as it runs: as printed, but for a stand-in vendor's host names."""
+        if self.stand_in:
+            for name, real in _REAL_HOSTS.items():
+                text = text.replace(real, HOSTS[name])
+        return text
 
     async def run(
         self,
@@ -123,37 +138,40 @@ class GuideWorker:
         argv: tuple[str, ...] = (),
         driver: str | None = None,
     ) -> Ran:
-        """Run ``code`` (a snippet, as a ``lang`` file) in the guide's environment, then
-        ``env`` exported on top of it; with ``driver``, run that Python script instead,
-        given the snippet's path first."""
-        setup = self.substitute(snippets()["env"].code, proxy_url)
-        body = self.substitute(code, proxy_url)
-        cwd = self.work
+        """Run ``code`` (a snippet, as a ``lang`` file) from ``work`` in the guide's environment
+        (the proxy at ``proxy_url``), then ``env`` exported on top of it; with ``driver``, run
+        that Python script instead, given the snippet's path first."""
+        guide = snippets()
+        assert guide["env"].code.count(PROXY_ADDRESS) == 4, guide["env"].code
+        setup = guide["env"].code.replace(PROXY_ADDRESS, proxy_url) + "\n" + guide["try-keys"].code
+        body = self.code(code)
+        scratch = self.work / ".snippet"
+        scratch.mkdir(exist_ok=True)
         if lang == "python":
-            path = self.work / "snippet.py"
+            path = scratch / "snippet.py"
             command = ["python", str(path)]
         elif lang == "js":
-            path = self.work / "snippet.mjs"
-            modules = self.work / "node_modules"
+            path = scratch / "snippet.mjs"
+            modules = scratch / "node_modules"
             if not modules.exists():
                 modules.symlink_to(NODE_DIR / "node_modules", target_is_directory=True)
             command = [node(), str(path)]
         elif lang == "sh":
-            path = self.work / "snippet.sh"
+            path = scratch / "snippet.sh"
             command = ["bash", "-e", str(path)]
         else:
             raise ValueError(f"cannot run a {lang!r} block")
         path.write_text(body + "\n")
         if driver is not None:
-            script = self.work / "driver.py"
+            script = scratch / "driver.py"
             script.write_text(driver)
             command = ["python", str(script), str(path)]
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
-        (self.work / "env.sh").write_text(setup + "\n" + exports)
+        (scratch / "env.sh").write_text(setup + "\n" + exports)
         status, out, err = await run_process(
-            ["bash", "-ec", 'source "$1"; shift; exec "$@"', "guide", str(self.work / "env.sh"), *command, *argv],
+            ["bash", "-ec", 'source "$1"; shift; exec "$@"', "guide", str(scratch / "env.sh"), *command, *argv],
             env=self.environment(),
-            cwd=cwd,
+            cwd=self.work,
         )
         return Ran(status, out, err)
 

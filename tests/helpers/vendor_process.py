@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers.cli import cli, server_process
+from tests.helpers.cli import ROOT, cli, server_process
 
 
 @dataclass
@@ -32,6 +32,12 @@ class VendorProcess:
         async with aiohttp.ClientSession() as s, s.get(f"{self.url}/__mock/stats", ssl=self._ssl()) as r:
             assert r.status == 200
             return dict(await r.json())
+
+    async def requests(self) -> list[dict[str, Any]]:
+        """What it received: ``[{"method", "path_qs", "headers"}]``, oldest first."""
+        async with aiohttp.ClientSession() as s, s.get(f"{self.url}/__mock/requests", ssl=self._ssl()) as r:
+            assert r.status == 200
+            return list(await r.json())
 
     async def set_limit(self, rate: float) -> None:
         url = f"{self.url}/__mock/limit"
@@ -51,15 +57,25 @@ def measured_rate(arrivals: list[float], since: float, until: float) -> float:
 
 
 @contextmanager
-def vendor_process(tmp_path: Path, *args: str, tls: tuple[Path, Path, Path] | None = None) -> Iterator[VendorProcess]:
-    """``quota-proxy mock-vendor ARGS`` on a free port; ``tls``: (certificate, key, the CA that
-    signed it) to serve HTTPS."""
+def vendor_process(
+    tmp_path: Path,
+    *args: str,
+    tls: tuple[Path, Path, Path] | None = None,
+    ca_dir: Path | None = None,
+    cwd: Path | None = None,
+) -> Iterator[VendorProcess]:
+    """``quota-proxy mock-vendor ARGS`` on a free port (run from ``cwd``); ``tls``: (certificate,
+    key, the CA that signed it) to serve HTTPS; ``ca_dir``: ``--tls ca_dir`` (relative to ``cwd``)."""
     argv = cli("mock-vendor", "--listen", "127.0.0.1:0", *args)
+    ca_file = None if tls is None else tls[2]
     if tls is not None:
         argv += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
-    with server_process(argv, tmp_path, name="mock-vendor") as vendor:
+    if ca_dir is not None:
+        argv += ["--tls", str(ca_dir)]
+        ca_file = (cwd or ROOT) / ca_dir / "ca.pem"
+    with server_process(argv, tmp_path, name="mock-vendor", cwd=cwd or ROOT) as vendor:
         line = vendor.readline()
         match = re.match(r"mock-vendor listening on (https?://127\.0\.0\.1:\d+) ", line)
         assert match, line
-        yield VendorProcess(match[1], None if tls is None else tls[2])
+        yield VendorProcess(match[1], ca_file)
         assert vendor.terminate_and_wait() == 0

@@ -1,11 +1,13 @@
 """Every policy in ``config/`` is one an operator can copy: ``quota-proxy check`` accepts it
 without a warning, and the quota-shape examples say what the vendor will see."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from proxy.cli import main
+from proxy.devtools.mockvendor_tls import vendor_tls
 from proxy.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,11 +20,18 @@ def _from_repo_root(monkeypatch):
 
 
 def test_the_examples_are_all_here():
-    assert {"config/example.yaml", "config/payments.yaml", "config/llm.yaml"} <= set(CONFIGS)
+    assert {"config/example.yaml", "config/payments.yaml", "config/llm.yaml", "config/clients.yaml"} <= set(CONFIGS)
 
 
 @pytest.mark.parametrize("path", CONFIGS)
-def test_check_accepts_the_example_without_warnings(path: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_accepts_the_example_without_warnings(
+    path: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "config/clients.yaml":  # its CA is made by its first step, `mock-vendor --tls ca`, in a copy
+        (tmp_path / "config").mkdir()
+        shutil.copy(ROOT / path, tmp_path / path)
+        vendor_tls(tmp_path / "ca").close()
+        monkeypatch.chdir(tmp_path)
     assert main(["check", "-c", path]) == 0
     out, err = capsys.readouterr()
     assert err == ""
