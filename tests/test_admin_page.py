@@ -480,7 +480,11 @@ async def test_page_explains_what_it_shows(scenario: Scenario, browser: Browser)
             assert "long_run" in binds[quota["long_run"]["bucket"]] and "now" in binds[quota["now"]["bucket"]]
             assert card["binds"]["binds_long_run"]["bucket"] == quota["long_run"]["bucket"]
             assert card["binds"]["binds_now"]["bucket"] == quota["now"]["bucket"]
-        assert by_name["search"]["quota"]["long_run"] == {"bucket": "global 60/1m burst 60", "rate_per_second": 1.0}
+        assert by_name["search"]["quota"]["long_run"] == {
+            "bucket": "global 60/1m burst 60",
+            "rate_per_second": 1.0,
+            "limit": "60/1m",
+        }
         assert by_name["search"]["quota"]["now"]["bucket"] == "global 2/1s burst 3"  # blocked: the fewest tokens
         long_run = next(b for b in search["buckets"] if b["bucket"] == "global 60/1m burst 60")
         assert "binds in the long run: 1/s" in long_run["text"]
@@ -514,7 +518,7 @@ async def test_page_explains_what_it_shows(scenario: Scenario, browser: Browser)
                 assert chart["ticks"][-1] == "now" or "now" in chart["ticks"], chart["ticks"]
                 assert len(chart["legend"]) >= len(chart["series"]) >= 1, chart
                 assert chart["visible"], name
-        assert "300" in requests["ticks"] and "long-run quota 1/s" in requests["legend"]
+        assert "300" in requests["ticks"] and "long-run quota 1/s, bound by 60/1m" in requests["legend"]
         assert {"sent to the vendor", "deferred (429)", "shed (503)"} <= set(requests["legend"])
 
         # What happened before the page was opened is drawn at once, from the proxy's history.

@@ -242,16 +242,26 @@ async def test_status_says_which_limit_binds_now_and_in_the_long_run(api: Admin,
     entry = await api.vendor("api")
     quota = entry["quota"]
     # 1/s refills slower than 4000/1m (66.7/s): it binds in the long run.
-    assert quota["long_run"] == {"bucket": "global 1/1s burst 2", "rate_per_second": 1.0}
+    assert quota["long_run"] == {"bucket": "global 1/1s burst 2", "rate_per_second": 1.0, "limit": "1/1s"}
     per_second, per_minute = entry["buckets"]
     assert (per_second["fill"], per_minute["fill"]) == (1.0, 1.0)
-    assert quota["now"] == {"bucket": "global 1/1s burst 2", "tokens": 2.0, "burst": 2.0, "fill": 1.0}
+    # Full, it binds nothing yet: a request now would be granted.
+    assert quota["now"] == {"bucket": "global 1/1s burst 2", "tokens": 2.0, "burst": 2.0, "fill": 1.0, "binds": False}
     assert await api.get("/api/v1/x") == 200
     entry = await api.vendor("api")
     per_second, per_minute = entry["buckets"]
     assert per_second["tokens"] == 1 and per_second["fill"] == 0.5
     assert per_minute["tokens"] == 3999 and per_minute["fill"] == pytest.approx(3999 / 4000, abs=1e-4)
-    assert entry["quota"]["now"] == {"bucket": "global 1/1s burst 2", "tokens": 1.0, "burst": 2.0, "fill": 0.5}
+    assert entry["quota"]["now"] == {
+        "bucket": "global 1/1s burst 2",
+        "tokens": 1.0,
+        "burst": 2.0,
+        "fill": 0.5,
+        "binds": False,
+    }
+    assert await api.get("/api/v1/x") == 200  # its last token: the next request must wait for it
+    entry = await api.vendor("api")
+    assert entry["quota"]["now"]["tokens"] == 0 and entry["quota"]["now"]["binds"] is True
 
 
 async def test_the_bucket_with_fewest_tokens_binds_now(vendor: Vendor, start_proxy: Any, clock: ManualClock) -> None:
@@ -283,10 +293,20 @@ async def test_the_bucket_with_fewest_tokens_binds_now(vendor: Vendor, start_pro
         await clock.advance(0.15)  # 1 + 12 tokens of 20 (65%); 6 + 10 of 25 (64%)
         entry = await admin.vendor("llm")
         quota = entry["quota"]
-        assert quota["long_run"] == {"bucket": "global 4000/1m burst 25", "rate_per_second": pytest.approx(66.666667)}
+        assert quota["long_run"] == {
+            "bucket": "global 4000/1m burst 25",
+            "rate_per_second": pytest.approx(66.666667),
+            "limit": "4000/1m",
+        }
         assert [b["tokens"] for b in entry["buckets"]] == [pytest.approx(13.0), pytest.approx(16.0)]
         assert [b["fill"] for b in entry["buckets"]] == [0.65, 0.64]
-        assert quota["now"] == {"bucket": "global 80/1s burst 20", "tokens": 13.0, "burst": 20.0, "fill": 0.65}
+        assert quota["now"] == {
+            "bucket": "global 80/1s burst 20",
+            "tokens": 13.0,
+            "burst": 20.0,
+            "fill": 0.65,
+            "binds": False,
+        }
     finally:
         await admin.session.close()
 

@@ -35,7 +35,7 @@ K8S = DEPLOY / "k8s" / "base"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
 DASHBOARD = DEPLOY / "grafana" / "quota-proxy.json"
-DEPLOY_README = DEPLOY / "README.md"
+RUNBOOKS = ROOT / "docs" / "alerts.md"
 
 # The metrics the proxy exports (README's table), by the names PromQL sees, with their labels
 # (besides the scrape's own: instance, job, pod, ...).
@@ -241,7 +241,7 @@ def test_rules_read_only_exported_metrics(rules: list[dict[str, Any]], recorded:
 def test_every_alert_has_severity_summary_description_and_a_runbook(rules: list[dict[str, Any]]) -> None:
     headings = {
         re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-        for line in DEPLOY_README.read_text().splitlines()
+        for line in RUNBOOKS.read_text().splitlines()
         if line.startswith("#")
     }
     for name, alert in alerts_of(rules).items():
@@ -250,7 +250,7 @@ def test_every_alert_has_severity_summary_description_and_a_runbook(rules: list[
         assert set(annotations) == {"summary", "description", "runbook"}, name
         assert len(annotations["description"]) > len(annotations["summary"]) > 20, name
         page, _, anchor = annotations["runbook"].partition("#")
-        assert (ROOT / page) == DEPLOY_README and anchor in headings, f"{name}: no runbook section {anchor!r}"
+        assert (ROOT / page) == RUNBOOKS and anchor in headings, f"{name}: no runbook section {anchor!r}"
 
 
 def _expr(alert: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import importlib
 import math
 import os
@@ -18,8 +19,10 @@ import pkgutil
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
 import yaml
 
 import proxy.policy
@@ -28,6 +31,8 @@ from proxy.policy.durations import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+DEPLOY = ROOT / "deploy"
 POLICY_PAGE = ROOT / "docs" / "policy.md"
 
 # Each mapping of the policy file: the heading of its table in docs/policy.md, the loader's
@@ -57,8 +62,10 @@ SECTIONS: dict[str, tuple[tuple[str, ...], type | None]] = {
 ATTRIBUTE = {"from": "from_"}  # a key whose model field is named otherwise
 
 
-def test_the_site_builds_strictly(tmp_path: Path) -> None:
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built as CI builds it: ``mkdocs build --strict`` (any warning fails)."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
@@ -68,8 +75,69 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's notice about its successor
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    return site
+
+
+def test_the_site_builds_strictly(site: Path) -> None:
     assert (site / "policy" / "index.html").is_file()
     assert (site / "admin-page.png").is_file(), "the live page's screenshot (docs/operating.md)"
+
+
+def test_links_to_deploy_files_are_links_to_their_pages_on_the_site(site: Path) -> None:
+    """Every link a page writes for GitHub to a file or folder of deploy/ (issue 36: they were
+    plain text on the site) is, on the site, a link to a page there that shows the file."""
+    sources = [*sorted(DOCS.rglob("*.md")), DEPLOY / "README.md"]
+    checked: set[Path] = set()
+    for source in sources:
+        built = _built(site, source)
+        hrefs = _hrefs(built.read_text())
+        for target in _links(source.read_text()):
+            if "://" in target or target.startswith("#"):
+                continue
+            path = (source.parent / target.partition("#")[0]).resolve()
+            if not path.is_relative_to(DEPLOY):
+                continue
+            page = _built(site, path)
+            shown = {(built.parent / h.partition("#")[0]).resolve() for h in hrefs}
+            assert page.parent.resolve() in shown, f"{source.relative_to(ROOT)}: {target} is no link on the site"
+            text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+            if path.is_file() and path.name != "README.md":
+                lines = [line for line in path.read_text().splitlines() if line.strip()]
+                assert lines[0] in text and lines[-1] in text, f"{page}: does not show {target}"
+            checked.add(path)
+    assert {DEPLOY / "compose.yaml", DEPLOY / "k8s" / "base", DEPLOY / "prometheus" / "alerts.yml"} <= checked
+    assert len(checked) >= 15, sorted(checked)
+
+
+def _built(site: Path, path: Path) -> Path:
+    """The HTML page the site has for a file of docs/ or of deploy/ (use_directory_urls)."""
+    if path.is_relative_to(DOCS):
+        stem = path.relative_to(DOCS).with_suffix("")
+        folder = stem.parent if stem.name in ("index", "README") else stem
+    elif path.is_dir() or path.name == "README.md":
+        folder = (path if path.is_dir() else path.parent).relative_to(ROOT)
+    else:
+        folder = path.relative_to(ROOT)
+    return site / folder / "index.html"
+
+
+def _links(markdown: str) -> list[str]:
+    """The targets of a Markdown page's links, outside fenced blocks."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    return re.findall(r"(?<!!)\[[^\]\n]+\]\(([^)\s]+)\)", text)
+
+
+def _hrefs(page: str) -> list[str]:
+    found: list[str] = []
+
+    class Anchors(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            href = dict(attrs).get("href")
+            if tag == "a" and href and "://" not in href:
+                found.append(href)
+
+    Anchors().feed(page)
+    return found
 
 
 def test_every_key_tuple_of_the_loader_has_its_section() -> None:

@@ -34,7 +34,7 @@ from proxy.limiter import BucketSpec, Limiter, StoreUnavailable
 from proxy.ops.admin_access import admin_access
 from proxy.pipeline.refusals import REASONS
 from proxy.policy import Policy, mask_password
-from proxy.policy.model import Endpoint, Vendor
+from proxy.policy.model import Endpoint, Vendor, format_number
 from proxy.tasks import cancel_and_wait, spawn
 from proxy.telemetry.recent import HISTORY_SECONDS, Recent
 from proxy.telemetry.shares import TENANTS_KEPT, TENANTS_SHOWN
@@ -138,17 +138,24 @@ def _buckets(specs: tuple[BucketSpec, ...], levels: tuple[float, ...]) -> list[d
 
 def _quota(vendor: Vendor, buckets: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Which of the vendor's global limits binds: in the long run the one with the slowest
-    refill (the policy's), now the bucket nearest empty, the one with the fewest tokens (the
-    store's levels; None without them)."""
+    refill (the policy's; ``limit`` as ``check`` names it, e.g. ``4000/1m``), now the bucket
+    nearest empty, the one with the fewest tokens (the store's levels; None without them).
+    That bucket ``binds`` only when it holds less than a request's token: a full one limits
+    nothing yet."""
     slowest = min(vendor.limits, key=lambda lim: lim.per_second, default=None)
     long_run = None
     if slowest is not None:
-        long_run = {"bucket": f"global {slowest.label}", "rate_per_second": round(slowest.per_second, 6)}
+        long_run = {
+            "bucket": f"global {slowest.label}",
+            "rate_per_second": round(slowest.per_second, 6),
+            "limit": f"{format_number(slowest.rate)}/{slowest.window}",
+        }
     now = None
     filled = [b for b in buckets or () if b["fill"] is not None]
     if filled:
         nearest = min(filled, key=lambda b: (b["tokens"], b["fill"]))
         now = {key: nearest[key] for key in ("bucket", "tokens", "burst", "fill")}
+        now["binds"] = nearest["tokens"] < 1
     return {"long_run": long_run, "now": now}
 
 
@@ -225,6 +232,8 @@ async def status(request: web.Request) -> web.Response:
             "upstream": vendor.upstream,
             "on_limit": {"action": vendor.on_limit.action, "max_hold": vendor.on_limit.max_hold},
             "connect": vendor.connect,
+            # What its workers get for a defer, a long defer and a shed (a preset may answer 403 or 409).
+            "answers": {"preset": vendor.answers.name, "status": vendor.answers.rate_limit_statuses()},
         }
         entry["requests_by_mode"] = {
             mode: deps.metrics.mode_total(vendor.name, mode) for mode in ("plain", "intercept", "tunnel")

@@ -30,6 +30,7 @@ from typing import Final, Literal
 
 from proxy.pipeline.ratelimit_fields import QuotaItem
 from proxy.policy.model import Action
+from proxy.policy.presets import OWN_STATUS
 
 Outcome = Literal["deferred", "shed", "denied", "error"]
 """How a refused request is counted: ``ratelimit_requests_total{outcome}`` and the access log."""
@@ -151,7 +152,7 @@ class Limited(Refusal):
     def __post_init__(self) -> None:
         shed = self.action == "shed"
         self.status, self.outcome, self.code, self.retry = (
-            (503, "shed", "shed", False) if shed else (429, "deferred", "deferred", True)
+            (OWN_STATUS["shed"], "shed", "shed", False) if shed else (OWN_STATUS["defer"], "deferred", "deferred", True)
         )
         if not self.reason:
             self.reason = _BY_SCOPE.get(self.scope, self.scope)

@@ -38,6 +38,8 @@ AnswerKind = Literal["defer", "long_defer", "shed", "deny", "bad_request", "upst
 KINDS: Final[tuple[AnswerKind, ...]] = ("defer", "long_defer", "shed", "deny", "bad_request", "upstream_error")
 STATUS_KINDS: Final[tuple[AnswerKind, ...]] = ("defer", "long_defer", "shed")
 """The kinds whose status a preset may choose (a 4xx or 5xx)."""
+OWN_STATUS: Final[dict[AnswerKind, int]] = {"defer": 429, "long_defer": 429, "shed": 503}
+"""The status of each of ``STATUS_KINDS`` when a preset leaves it alone (the table above)."""
 
 PLACEHOLDERS: Final[dict[str, str]] = {
     "message": "the sentence for a person (what refused, what to do)",
@@ -85,6 +87,11 @@ class AnswerPreset:
     def status_of(self, kind: AnswerKind, own: int) -> int:
         status = self.kind(kind).status
         return own if status is None else status
+
+    def rate_limit_statuses(self) -> dict[AnswerKind, int]:
+        """What a worker gets for a defer, a long defer and a shed from this preset: what
+        ``check`` prints and the live page's legends say (a preset may answer 403 or 409)."""
+        return {kind: self.status_of(kind, OWN_STATUS[kind]) for kind in STATUS_KINDS}
 
 
 def placeholder_problem(text: str) -> str | None:

@@ -332,11 +332,8 @@ def _answers(vendor: Vendor) -> str:
 
 def _rate_limit_statuses(vendor: Vendor) -> str:
     """The status each rate-limit answer goes out with (a preset may change them)."""
-    preset = vendor.answers
-    defer = preset.status_of("defer", 429)
-    long_defer = preset.status_of("long_defer", 429)
-    shed = preset.status_of("shed", 503)
-    return f"defer {defer}, long defer {long_defer}, shed {shed}"
+    statuses = vendor.answers.rate_limit_statuses()
+    return f"defer {statuses['defer']}, long defer {statuses['long_defer']}, shed {statuses['shed']}"
 
 
 def _workers(policy: Policy) -> str:

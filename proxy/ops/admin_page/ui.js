@@ -28,12 +28,7 @@
     drain: ["drain", "the vendor said its quota is nearly spent (low_watermark): buckets emptied, refilling"],
     store_unavailable: ["store unavailable", "the store cannot be reached and on_failure is closed"],
   };
-  const SERIES = [
-    ["forwarded", "sent to the vendor"],
-    ["held", "of which held first"],
-    ["deferred", "deferred (429)"],
-    ["shed", "shed (503)"],
-  ];
+  const SERIES = ["forwarded", "held", "deferred", "shed"];
 
   let renders = 0;
   let timer = 0;
@@ -232,6 +227,7 @@
     const r = v.recent || {};
     const c = v.concurrency && typeof v.concurrency === "object" ? v.concurrency : null;
     const quota = num(v.sizing && v.sizing.configured_rate_per_second);
+    const st = statuses(v);
     const tightest = tightestBucket(v.buckets);
 
     const head = el("h2", {}, el("span", { class: "name" }, v.name));
@@ -245,7 +241,7 @@
     if (v.store_error) head.append(" ", el("span", { class: "badge bad" }, "store unavailable"));
 
     const tiles = [
-      tile("rate", "sent /s", field("rate", r.forwarded_per_second), quota === null ? null : el("span", {}, "of ", field("quota", quota), " /s long-run quota"), gauge(r.forwarded_per_second, quota)),
+      tile("rate", "sent /s", field("rate", r.forwarded_per_second), quota === null ? null : el("span", {}, "of ", field("quota", quota), " /s long-run quota", boundBy(v)), gauge(r.forwarded_per_second, quota)),
       tile("tokens", "tokens left", field("tokens", v.tokens_available), tightest ? el("span", {}, "of ", field("burst", tightest.burst), " burst (the bucket nearest empty)") : null),
       tile("held", "held now", field("held", v.held_now), el("span", {}, field("held_rate", r.held_per_second), " /s held")),
       tile("deferred", "deferred /s", field("deferred", r.deferred_per_second), el("span", {}, field("deferred_minute", r.deferred_last_minute), " last min · ", field("shed", r.shed_per_second), " shed /s")),
@@ -253,12 +249,12 @@
       inflightTile(v, c),
     ];
     const article = el("article", { class: "vendor", "data-vendor": v.name }, head);
-    const where = [v.route ? `route ${v.route}` : null, (v.hosts || []).join(", ") || null, onLimit(v.on_limit)].filter(Boolean).join(" · ");
+    const where = [v.route ? `route ${v.route}` : null, (v.hosts || []).join(", ") || null, onLimit(v.on_limit, st), answersText(v, st)].filter(Boolean).join(" · ");
     if (where) article.append(el("p", { class: "where" }, where));
     article.append(el("div", { class: "tiles" }, ...tiles));
     article.append(quotaSection(v));
-    article.append(requestsChart(v, past, quota));
-    article.append(refusalsSection(v));
+    article.append(requestsChart(v, past, quota, st));
+    article.append(refusalsSection(v, st));
     if (v.share && typeof v.share === "object") article.append(shareSection(v.share));
     article.append(eventsSection(past));
     article.append(readingCharts(v, c, past, tightest));
@@ -267,12 +263,31 @@
     return article;
   }
 
-  function onLimit(o) {
+  function onLimit(o, st) {
     if (!o || typeof o.action !== "string") return null;
     if (o.action === "hold") return `on limit: hold up to ${duration(o.max_hold)}, then defer`;
-    if (o.action === "defer") return "on limit: defer (429 + Retry-After)";
-    if (o.action === "shed") return "on limit: shed (503)";
+    if (o.action === "defer") return `on limit: defer (${st.defer} + Retry-After)`;
+    if (o.action === "shed") return `on limit: shed (${st.shed})`;
     return `on limit: ${o.action}`;
+  }
+
+  function answersText(v, st) {
+    if (!v.answers || typeof v.answers.preset !== "string") return null;
+    return `answers: ${v.answers.preset} (defer ${st.defer}, long defer ${st.longDefer}, shed ${st.shed})`;
+  }
+
+  // Which of the policy's limits makes the long-run quota what it is: for 80/1s and
+  // 4000/1m, 66.7/s is 4000/1m's refill (an older /status names only the bucket).
+  function boundLimit(v) {
+    const longRun = v.quota && v.quota.long_run;
+    if (!longRun) return null;
+    return typeof longRun.limit === "string" ? longRun.limit : limitText(longRun.bucket);
+  }
+
+  function boundBy(v) {
+    const limit = boundLimit(v);
+    if (limit === null) return null;
+    return el("span", {}, ", bound by ", el("strong", { "data-field": "quota_bound", "data-bucket": v.quota.long_run.bucket }, limit));
   }
 
   function inflightTile(v, c) {
@@ -315,7 +330,32 @@
     return String(label ?? "").replace(/^global /, "");
   }
 
+  // The statuses this vendor's workers get (its answers preset may say 403 or 409, not
+  // 429 and 503); a proxy whose /status does not say gives the generic ones.
+  function statuses(v) {
+    const s = (v.answers && v.answers.status) || {};
+    const defer = num(s.defer) ?? 429;
+    return { defer, longDefer: num(s.long_defer) ?? defer, shed: num(s.shed) ?? 503 };
+  }
+
+  function deferredText(st) {
+    return st.longDefer === st.defer ? `deferred (${st.defer})` : `deferred (${st.defer}; ${st.longDefer} when long)`;
+  }
+
+  function seriesLabel(key, st) {
+    if (key === "forwarded") return "sent to the vendor";
+    if (key === "held") return "of which held first";
+    if (key === "deferred") return deferredText(st);
+    return `shed (${st.shed})`;
+  }
+
   // -- the quota: every bucket's rate, which binds now, which in the long run -----------------
+
+  // /status says whether the bucket binds; an older proxy's does not: under one token, it does.
+  function bindsAlready(now) {
+    if (typeof now.binds === "boolean") return now.binds;
+    return num(now.tokens) !== null && now.tokens < 1;
+  }
 
   function quotaSection(v) {
     const q = v.quota || {};
@@ -328,7 +368,10 @@
         el("span", { "data-field": "binds_long_run", "data-bucket": longRun.bucket }, "In the long run ", el("strong", {}, limitText(longRun.bucket)), " binds: ", el("strong", {}, `${fmt(longRun.rate_per_second)}/s`), " (the slowest refill)."),
       );
     }
-    if (nowBinding) {
+    // The bucket with the fewest tokens binds only when it cannot grant a request now
+    // (under one token); before that it is merely the nearest to binding.
+    const bindsNow = nowBinding !== null && bindsAlready(nowBinding);
+    if (nowBinding && bindsNow) {
       lines.append(
         " ",
         el(
@@ -340,7 +383,18 @@
           `${fmt(nowBinding.tokens)} of ${fmt(nowBinding.burst)} (${pct(nowBinding.fill)} full)`,
           num(nowBinding.tokens) !== null && nowBinding.tokens < 0
             ? ", below zero: owed to held requests or a vendor block."
-            : `: at most ${Math.floor(nowBinding.tokens)} more can go at once.`,
+            : ": requests wait for its refill.",
+        ),
+      );
+    } else if (nowBinding) {
+      lines.append(
+        " ",
+        el(
+          "span",
+          { "data-field": "nearest_now", "data-bucket": nowBinding.bucket },
+          "Nothing binds now: the fewest tokens are ",
+          el("strong", {}, limitText(nowBinding.bucket)),
+          `'s, ${fmt(nowBinding.tokens)} of ${fmt(nowBinding.burst)} (${pct(nowBinding.fill)} full): up to ${Math.floor(nowBinding.tokens)} more can go at once.`,
         ),
       );
     }
@@ -348,7 +402,7 @@
     if (Array.isArray(v.buckets) && v.buckets.length) {
       const items = v.buckets.map((b) => {
         const tags = [];
-        if (nowBinding && b.bucket === nowBinding.bucket) tags.push(el("span", { class: "tag now" }, "binds now"));
+        if (bindsNow && b.bucket === nowBinding.bucket) tags.push(el("span", { class: "tag now" }, "binds now"));
         if (longRun && b.bucket === longRun.bucket) tags.push(el("span", { class: "tag long" }, `binds in the long run: ${fmt(b.rate_per_second)}/s`));
         const fill = num(b.fill);
         const meter = fill === null ? null : el("meter", { min: "0", max: "1", low: "0.2", optimum: "1", value: String(fill) });
@@ -377,7 +431,7 @@
 
   // -- refusals: why requests were deferred or shed, and whose ---------------------------------
 
-  function refusalsSection(v) {
+  function refusalsSection(v, st) {
     const rf = v.refusals && typeof v.refusals === "object" ? v.refusals : null;
     const box = section("refusals", "Deferred and shed, last minute, by reason");
     if (!rf) {
@@ -395,7 +449,7 @@
       );
     }
     if (rows.length) {
-      const head = el("tr", {}, el("th", {}, "reason"), el("th", { title: "429 + Retry-After: the worker retries later" }, "deferred"), el("th", { title: "503: the work is dropped" }, "shed"));
+      const head = el("tr", {}, el("th", {}, "reason"), el("th", { title: `${st.defer} + Retry-After: the worker retries later` }, "deferred"), el("th", { title: `${st.shed}: the work is dropped` }, "shed"));
       box.append(el("div", { class: "scroll" }, el("table", { class: "reasons" }, el("thead", {}, head), el("tbody", {}, ...rows))));
     } else {
       box.append(el("p", { class: "muted", "data-field": "no_refusals" }, "No request deferred or shed in the last minute."));
@@ -544,21 +598,21 @@
     return out.reverse();
   }
 
-  function requestsChart(v, past, quota) {
+  function requestsChart(v, past, quota, st) {
     const box = section("requests", "Requests per second, last 5 minutes");
     if (!past || !past.series) {
       box.append(el("p", { class: "muted" }, "No history from the proxy (/status/history): only the figures above."));
       return box;
     }
     const seconds = Math.max(60, (past.series.forwarded || []).length || 300);
-    const series = SERIES.map(([key, label]) => ({ key, label, points: binned(past.series[key] || [], seconds) }));
+    const series = SERIES.map((key) => ({ key, label: seriesLabel(key, st), points: binned(past.series[key] || [], seconds) }));
     const events = groupedEvents(past).map((g) => ({ ago: g.ago, label: g.labels.join(" · "), time: clockTime(g.at, g.ago), kinds: g.kinds.join(" ") }));
     return chartBox(box, "requests", {
       unit: "requests/s",
       span: seconds,
       height: 190,
       series,
-      ref: quota === null ? null : { value: quota, label: `long-run quota ${fmt(quota)}/s` },
+      ref: quota === null ? null : { value: quota, label: `long-run quota ${fmt(quota)}/s${boundLimit(v) === null ? "" : `, bound by ${boundLimit(v)}`}` },
       events,
       note: `${BIN_S}-second averages, kept by the proxy`,
     });
