@@ -715,10 +715,14 @@ end
 -- start), when it asks and, the slot unclaimed, takes it (moves up, "Late slots"); claimed,
 -- it is refused with its own slot again. Only slots left behind: a hint that is a guess
 -- costs a refusal, and precise retriers whose owners come back would pay it every time.
+-- Only a slot at least STANDBY_GAIN ms before the caller's own is offered: many clients
+-- open a connection per call and come back for their slot on a new one, and the refusal a
+-- standby costs when they do (a retry of an SDK's few) is worth a second gained, not less.
+local STANDBY_GAIN = 1000
 local function standby(own) -- ms: when this caller should ask again, its slot maturing at `own`
   for _ = 1, 4 do
-    local found = redis.call('ZRANGEBYSCORE', left, string.format('(%.3f', now), string.format('(%.3f', own),
-      'WITHSCORES', 'LIMIT', 0, 1)
+    local found = redis.call('ZRANGEBYSCORE', left, string.format('(%.3f', now),
+      string.format('(%.3f', own - STANDBY_GAIN - math.max(standby_ms, owner_ms)), 'WITHSCORES', 'LIMIT', 0, 1)
     if not found[1] then
       break
     end

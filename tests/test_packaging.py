@@ -67,7 +67,7 @@ def test_every_lua_script_in_the_checkout_is_one_the_code_loads() -> None:
     assert (
         {p.stem for p in (ROOT / "lua").glob("*.lua")}
         == set(NAMES)
-        == {"acquire", "feedback", "inflight", "peek", "presence", "probe", "refund", "release", "renew"}
+        == {"acquire", "feedback", "inflight", "leave", "peek", "presence", "probe", "refund", "release", "renew"}
     )
 
 

@@ -9,7 +9,7 @@ A slot whose owner left (its connection closed) is offered to one later refusal 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from proxy.limiter.store import Reserve
 
@@ -25,6 +25,11 @@ class Slot(NamedTuple):
     left: bool = False
     """Its owner left (``left``) and no refusal has been offered it yet."""
 
+
+STANDBY_GAIN: Final = 1.0
+"""Seconds a slot left by its owner must gain a caller to be offered it (acquire.lua): many
+clients open a connection per call and come back for their slot on a new one, and the refusal
+a standby costs when they do (a retry of an SDK's few) is worth a second gained, not less."""
 
 Move = tuple[float, float]
 """A late slot used: (when its span ended: the grant, units)."""
@@ -109,8 +114,9 @@ def late_units(
 
 def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:
     """Seconds until a caller whose slot matures at ``own`` should ask again: a slot left by
-    its owner maturing before it (each offered once), else its own."""
-    offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < own]
+    its owner maturing at least ``STANDBY_GAIN`` before it (each offered once), else its own."""
+    latest = own - STANDBY_GAIN - max(reserve.standby, reserve.owner)
+    offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < latest]
     if not offered:
         return own - now
     matures, member = min(offered)
