@@ -12,11 +12,12 @@ from multidict import istr
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import AcquireResult
 from proxy.pipeline.pacing import Paced
-from proxy.pipeline.ratelimit_fields import QuotaItem, tightest
-from proxy.pipeline.refusals import BadRequest, Limited
+from proxy.pipeline.ratelimit_fields import tightest
 from proxy.policy.durations import parse_duration
 from proxy.policy.model import ACTIONS, Action, Limit, OnLimit
 from proxy.wire import headers as h
+from proxy.wire.ratelimit_item import QuotaItem
+from proxy.wire.refusals import BadRequest, Limited
 
 
 @dataclass(frozen=True, slots=True)

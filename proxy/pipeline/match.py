@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from proxy.limiter.partitions import DEFAULT, partition_hash
 from proxy.names import default_port, format_origin, parse_authority
-from proxy.pipeline.refusals import BadRequest, Denied, Refusal
 from proxy.pipeline.target import RequestTarget
 from proxy.policy.model import Endpoint, Policy, Vendor
 from proxy.quota.endpoints import endpoint_for
 from proxy.quota.tenancy import NO_CLAIM, Claim, Tenancy
 from proxy.wire.headers import PRIORITY
+from proxy.wire.refusals import BadRequest, Denied, Refusal
 
 _MATCHES_MAX = 4096
 _KEY_MAX = 512

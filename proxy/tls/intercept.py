@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.deps import Deps
-from proxy.pipeline.refusals import BadRequest, Denied
 from proxy.policy.model import Vendor
 from proxy.quota.tenancy import Claim
 from proxy.telemetry.accesslog import AccessRecord
+from proxy.wire.refusals import BadRequest, Denied
 from proxy.wire.request import Request
 
 log = logging.getLogger("quota_proxy.connect")
