@@ -29,7 +29,7 @@ from proxy.pipeline.handover import Carried
 from proxy.pipeline.kept_slots import Caller, KeptSlots
 from proxy.pipeline.lane import Lane
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.pipeline.match import Match
+from proxy.pipeline.match import Match, interception_of
 from proxy.pipeline.pacing import Paced, longest_window
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.pipeline.responses import write_answer
@@ -42,7 +42,6 @@ from proxy.quota.seats import Seats
 from proxy.tasks import spawn
 from proxy.telemetry.accesslog import AccessRecord
 from proxy.telemetry.loudly import Loudly
-from proxy.tls.intercept import interception_of
 from proxy.wire.headers import idempotent
 from proxy.wire.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.wire.request import Request

@@ -35,14 +35,13 @@ from proxy.pipeline.decide import Wish, request_wish
 from proxy.pipeline.feedback import learnt, remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
-from proxy.pipeline.match import Match
+from proxy.pipeline.match import Match, interception_of
 from proxy.pipeline.pacing import longest_window
 from proxy.pipeline.ratelimit_fields import request_limits
 from proxy.pipeline.share_lines import line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.accesslog import ForwardedLine, quoted_path
-from proxy.tls.intercept import interception_of
 from proxy.wire.headers import MAX_HOLD, ON_LIMIT, answer_fields
 from proxy.wire.ratelimit_item import RATELIMIT
 from proxy.wire.refusals import BadRequest, Refusal

@@ -29,10 +29,11 @@ from proxy.deps import Deps
 from proxy.names import parse_authority
 from proxy.pipeline.handler import ProxyHandler
 from proxy.pipeline.ledger import Ledger, accounted
+from proxy.pipeline.match import Interception
 from proxy.policy.model import Vendor
 from proxy.tasks import spawn
 from proxy.tls.blind_tunnel import BlindTunnels
-from proxy.tls.intercept import Interception, Interceptor, LeafSource
+from proxy.tls.intercept import Interceptor, LeafSource
 from proxy.wire.answers import Answer, render
 from proxy.wire.connections import ConnectionLimits, raw_response
 from proxy.wire.framing import NONE, FramingError, request_framing
