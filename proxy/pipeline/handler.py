@@ -22,7 +22,7 @@ from proxy.deps import Deps
 from proxy.limiter import AcquireResult, BlockMark, BucketSpec, StoreUnavailable
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.partitions import shown
-from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, refusal, request_wish
+from proxy.pipeline.decide import Admission, Defer, Hold, Shed, decide, refusal, request_wish
 from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
 from proxy.pipeline.handover import Carried
@@ -36,7 +36,7 @@ from proxy.pipeline.responses import write_answer
 from proxy.pipeline.share_lines import ShareLines, line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Endpoint, Vendor
+from proxy.policy.model import Endpoint, Vendor, Wish
 from proxy.quota.concurrency import UNCAPPED, Slot
 from proxy.quota.seats import Seats
 from proxy.tasks import spawn
