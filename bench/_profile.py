@@ -26,7 +26,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("access log", r"\(proxy/telemetry/accesslog\.py|\(logging/|\(json/|\(_json\.c"),
     (
         "metrics",
-        r"prometheus_client/|\(proxy/telemetry/(metrics|recent)\.py|\(proxy/ops/sizing\.py"
+        r"prometheus_client/|\(proxy/telemetry/(metrics|recent)\.py|\(proxy/quota/sizing\.py"
         r"|\(proxy/pipeline/accounting\.py",
     ),
     ("limiter: Redis round trip", r"\(proxy/limiter/pipelined\.py|hiredis|\(pack\.c|\(read\.c"),

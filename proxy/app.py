@@ -29,13 +29,13 @@ from proxy.limiter import Breaker, BucketStore, Limiter, StoreUnavailable, open_
 from proxy.limiter.buckets import lag_channel
 from proxy.limiter.degraded import LocalShares, grace_for
 from proxy.limiter.presence import Presence
-from proxy.ops.sizing import Sizing
 from proxy.pipeline.forward import Upstreams
 from proxy.pipeline.handler import ProxyHandler
 from proxy.pipeline.match import Router
 from proxy.pipeline.pacing import Pacer
 from proxy.policy.model import Policy
 from proxy.quota.concurrency import Concurrency
+from proxy.quota.sizing import Sizing
 from proxy.tasks import cancel_and_wait, spawn
 from proxy.telemetry.accesslog import AccessLog
 from proxy.telemetry.metrics import GaugeCollector, Metrics

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 from proxy.clock import Clock
 from proxy.limiter import Limiter
-from proxy.ops.sizing import Sizing
 from proxy.pipeline.accounting import Tally
 from proxy.pipeline.forward import Upstreams
 from proxy.pipeline.match import Router
 from proxy.pipeline.pacing import Pacer
 from proxy.policy.model import Policy
 from proxy.quota.concurrency import Concurrency
+from proxy.quota.sizing import Sizing
 from proxy.telemetry.accesslog import AccessLog
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.recent import Recent

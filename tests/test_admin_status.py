@@ -16,9 +16,9 @@ import pytest
 from proxy.clock import ManualClock
 from proxy.ops.admin import TOP_TENANTS
 from proxy.ops.workers_admin import merge_history, merge_status
-from proxy.pipeline.refusals import REASONS, Limited, StoreDown
 from proxy.server import ProxyServer
 from proxy.telemetry.recent import EVENTS_KEPT, HISTORY_SECONDS, TENANTS_KEPT, Recent, RefusedTenants
+from proxy.wire.refusals import REASONS, Limited, StoreDown
 from tests.conftest import Vendor, eventually, make_policy
 from tests.helpers.stores import FlakyStore
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from proxy.pipeline.refusals import Limited, StoreDown, UpstreamFailed
 from proxy.pipeline.responses import refusal_response
 from proxy.policy.presets import BUILT_IN
+from proxy.wire.refusals import Limited, StoreDown, UpstreamFailed
 from tests.test_answers import QUOTA, REFUSALS, VENDOR
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "answers.json").read_text())

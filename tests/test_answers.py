@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.pipeline.ratelimit_fields import QuotaItem
-from proxy.pipeline.refusals import (
+from proxy.pipeline.responses import refusal_response
+from proxy.policy.model import Vendor
+from proxy.policy.presets import BUILT_IN
+from proxy.wire.ratelimit_item import QuotaItem
+from proxy.wire.refusals import (
     BadRequest,
     Denied,
     InternalError,
@@ -22,9 +25,6 @@ from proxy.pipeline.refusals import (
     UnknownTenant,
     UpstreamFailed,
 )
-from proxy.pipeline.responses import refusal_response
-from proxy.policy.model import Vendor
-from proxy.policy.presets import BUILT_IN
 
 AnswerDialect = str
 

@@ -29,10 +29,9 @@ from proxy.limiter.buckets import lease_sets
 from proxy.limiter.memory_store import MemoryStore
 from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import AcquireResult, Leases, LeaseSet
-from proxy.ops.sizing import Sizing
-from proxy.pipeline.decide import Wish
-from proxy.policy.model import Limit, Policy, Vendor
+from proxy.policy.model import Limit, Policy, Vendor, Wish
 from proxy.quota.concurrency import Concurrency, lease_life
+from proxy.quota.sizing import Sizing
 from proxy.server import ProxyServer
 from proxy.telemetry.accesslog import AccessLog
 from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, metric_samples, value, vendor_policy

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from proxy.limiter.store import AcquireResult
-from proxy.pipeline.decide import FORWARD, Defer, Hold, Shed, Wish, decide, request_wish
-from proxy.pipeline.refusals import BadRequest
-from proxy.policy.model import OnLimit
+from proxy.pipeline.decide import FORWARD, Defer, Hold, Shed, decide, request_wish
+from proxy.policy.model import OnLimit, Wish
+from proxy.wire.refusals import BadRequest
 
 HOLD = OnLimit("hold", 0.5)
 DEFER = OnLimit("defer", 0.5)

@@ -10,11 +10,11 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.pipeline.forward import send
-from proxy.pipeline.refusals import UpstreamFailed
 from proxy.policy.model import Vendor
 from proxy.wire import upstream
 from proxy.wire.body import Body
 from proxy.wire.headers import idempotent
+from proxy.wire.refusals import UpstreamFailed
 from proxy.wire.request import Request
 
 VENDOR = Vendor(name="payments", hosts=("api.payments.example",))

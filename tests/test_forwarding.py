@@ -32,8 +32,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.limiter import Limiter
-from proxy.ops.sizing import Sizing
 from proxy.pipeline.handler import ProxyHandler
+from proxy.quota.sizing import Sizing
 from proxy.server import ProxyServer
 from tests.conftest import free_port, metric_samples, value, vendor_policy
 

@@ -7,8 +7,8 @@ import pytest
 
 from proxy.pipeline import match as match_module
 from proxy.pipeline.match import Router
-from proxy.pipeline.refusals import BadRequest, Denied
 from proxy.pipeline.target import RequestTarget
+from proxy.wire.refusals import BadRequest, Denied
 from tests.conftest import make_policy
 
 POLICY = make_policy("""

@@ -16,9 +16,9 @@ from proxy.ca.authority import normalize_host
 from proxy.names import format_authority, format_origin, parse_authority, parse_host_port
 from proxy.pipeline import target as target_module
 from proxy.pipeline.match import Router
-from proxy.pipeline.refusals import BadRequest
 from proxy.pipeline.target import RequestTarget, parse_target
 from proxy.policy import ConfigErrors, Policy, parse_address, parse_policy
+from proxy.wire.refusals import BadRequest
 
 LONG_LABEL = "x" * 63
 LONGEST_NAME = ".".join(["a" * 63] * 3 + ["a" * 61])  # 253 characters

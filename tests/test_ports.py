@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 
 from proxy.pipeline.match import Router
-from proxy.pipeline.refusals import Denied
 from proxy.pipeline.target import RequestTarget
 from proxy.policy import ConfigErrors, parse_policy
+from proxy.wire.refusals import Denied
 from tests.conftest import client_session, make_policy
 
 LOCAL_VENDOR = """

@@ -8,7 +8,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.limiter.buckets import buckets_for
 from proxy.pipeline.ratelimit_fields import (
-    QuotaItem,
     blocked_item,
     bucket_item,
     fields_for_forwarded,
@@ -17,6 +16,7 @@ from proxy.pipeline.ratelimit_fields import (
     vendor_remaining,
 )
 from proxy.policy.model import Limit, TenantLimits, Vendor
+from proxy.wire.ratelimit_item import QuotaItem
 
 VENDOR = Vendor(
     name="payments",

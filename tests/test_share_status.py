@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.clock import ManualClock
-from proxy.ops.sizing import Sizing
 from proxy.ops.workers_admin import merge_status
 from proxy.pipeline.accounting import Tally
 from proxy.policy.model import Policy, Share
+from proxy.quota.sizing import Sizing
 from proxy.server import ProxyServer
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.recent import Recent

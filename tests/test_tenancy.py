@@ -8,9 +8,9 @@ import hashlib
 import pytest
 from multidict import CIMultiDict
 
-from proxy.pipeline.refusals import BadRequest, ProxyAuthRequired, UnknownTenant
 from proxy.policy import Policy
 from proxy.quota.tenancy import NO_CLAIM, Claim, Tenancy
+from proxy.wire.refusals import BadRequest, ProxyAuthRequired, UnknownTenant
 from tests.conftest import make_policy
 
 SECRET = "s3cret"

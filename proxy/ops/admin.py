@@ -32,12 +32,12 @@ from proxy import __version__
 from proxy.deps import Deps
 from proxy.limiter import BucketSpec, Limiter, StoreUnavailable
 from proxy.ops.admin_access import admin_access
-from proxy.pipeline.refusals import REASONS
 from proxy.policy import Policy, mask_password
 from proxy.policy.model import Endpoint, Vendor, format_number
 from proxy.tasks import cancel_and_wait, spawn
 from proxy.telemetry.recent import HISTORY_SECONDS, Recent
 from proxy.telemetry.shares import TENANTS_KEPT, TENANTS_SHOWN
+from proxy.wire.refusals import REASONS
 
 log = logging.getLogger("quota_proxy.admin")
 

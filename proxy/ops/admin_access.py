@@ -26,8 +26,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.names import ip_or_none, parse_authority
-from proxy.pipeline.answers import Answer, render
 from proxy.policy.model import Policy
+from proxy.wire.answers import Answer, render
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -25,8 +25,8 @@ from proxy.telemetry.metrics import HistogramCells
 
 if TYPE_CHECKING:
     from proxy.clock import Clock
-    from proxy.ops.sizing import Sizing
     from proxy.policy.model import Share
+    from proxy.quota.sizing import Sizing
     from proxy.telemetry.metrics import Metrics
     from proxy.telemetry.recent import Recent, Ring
     from proxy.telemetry.shares import ShareBook

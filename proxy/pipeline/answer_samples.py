@@ -8,13 +8,13 @@ from aiohttp import web
 
 from proxy.limiter.buckets import buckets_for
 from proxy.limiter.store import AcquireResult
-from proxy.pipeline.decide import Defer, Shed, Wish, decide, refusal
+from proxy.pipeline.decide import Defer, Shed, decide, refusal
 from proxy.pipeline.ratelimit_fields import request_limits
-from proxy.pipeline.refusals import BadRequest, Denied, Refusal, UpstreamFailed
 from proxy.pipeline.responses import refusal_response
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Action, Vendor
+from proxy.policy.model import Action, Vendor, Wish
 from proxy.policy.presets import KINDS, AnswerKind
+from proxy.wire.refusals import BadRequest, Denied, Refusal, UpstreamFailed
 
 _KIND_NAMES: dict[AnswerKind, str] = {
     "defer": "defer",

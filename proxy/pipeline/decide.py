@@ -12,24 +12,12 @@ from multidict import istr
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import AcquireResult
 from proxy.pipeline.pacing import Paced
-from proxy.pipeline.ratelimit_fields import QuotaItem, tightest
-from proxy.pipeline.refusals import BadRequest, Limited
+from proxy.pipeline.ratelimit_fields import tightest
 from proxy.policy.durations import parse_duration
-from proxy.policy.model import ACTIONS, Action, Limit, OnLimit
+from proxy.policy.model import ACTIONS, Limit, OnLimit, Wish
 from proxy.wire import headers as h
-
-
-@dataclass(frozen=True, slots=True)
-class Wish:
-    """The effective on-limit choice for one request."""
-
-    action: Action
-    max_hold: float
-
-    @property
-    def max_wait(self) -> float:
-        """How long the store may make this request wait for a reservation."""
-        return self.max_hold if self.action == "hold" else 0.0
+from proxy.wire.ratelimit_item import QuotaItem
+from proxy.wire.refusals import BadRequest, Limited
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from proxy.names import parse_authority
 from proxy.pipeline.pacing import Paced, Pacer
-from proxy.pipeline.refusals import BadRequest, BodyTimeout, Refusal, UpstreamFailed
 from proxy.policy.model import Policy, TlsSettings, Vendor
 from proxy.tasks import spawn
 from proxy.wire.body import BodyBroken, BodyStalled
@@ -34,6 +33,7 @@ from proxy.wire.headers import (
     upstream_request_lines,
 )
 from proxy.wire.pool import Pool
+from proxy.wire.refusals import BadRequest, BodyTimeout, Refusal, UpstreamFailed
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder
 from proxy.wire.upstream import Origin, UpstreamBroke, UpstreamConnection

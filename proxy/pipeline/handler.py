@@ -1,7 +1,7 @@
 """The request path: accept → match vendor and tenant → take tokens → forward → feed back → respond.
 
 Every refusal is a typed exception that knows its status and outcome
-(refusals.py), answered in one place (responses.py); every request ends in
+(wire/refusals.py), answered in one place (responses.py); every request ends in
 exactly one outcome, one metric increment and one access-log line (ledger.py).
 No error path forwards: a request reaches the vendor only after the store
 granted it, or when the store is down and the policy explicitly fails open.
@@ -22,29 +22,28 @@ from proxy.deps import Deps
 from proxy.limiter import AcquireResult, BlockMark, BucketSpec, StoreUnavailable
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.partitions import shown
-from proxy.pipeline.decide import Admission, Defer, Hold, Shed, Wish, decide, refusal, request_wish
+from proxy.pipeline.decide import Admission, Defer, Hold, Shed, decide, refusal, request_wish
 from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
 from proxy.pipeline.handover import Carried
 from proxy.pipeline.kept_slots import Caller, KeptSlots
 from proxy.pipeline.lane import Lane
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
-from proxy.pipeline.match import Match
+from proxy.pipeline.match import Match, interception_of
 from proxy.pipeline.pacing import Paced, longest_window
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
-from proxy.pipeline.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.pipeline.responses import write_answer
 from proxy.pipeline.share_lines import ShareLines, line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
 from proxy.policy.durations import format_duration
-from proxy.policy.model import Endpoint, Vendor
+from proxy.policy.model import Endpoint, Vendor, Wish
 from proxy.quota.concurrency import UNCAPPED, Slot
 from proxy.quota.seats import Seats
 from proxy.tasks import spawn
 from proxy.telemetry.accesslog import AccessRecord
 from proxy.telemetry.loudly import Loudly
-from proxy.tls.intercept import interception_of
 from proxy.wire.headers import idempotent
+from proxy.wire.refusals import Denied, InternalError, Limited, StoreDown
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder
 from proxy.wire.vendor_answer import Response

@@ -42,6 +42,7 @@ from proxy.pipeline.decide import Admission
 from proxy.pipeline.forward import paced, ready
 from proxy.pipeline.handover import Carried, GeneralPath
 from proxy.pipeline.ledger import Ledger, crashed
+from proxy.pipeline.match import Interception
 from proxy.pipeline.pacing import Paced
 from proxy.pipeline.ratelimit_fields import quota_lines, tightest
 from proxy.pipeline.routes import KEY_MAX, Charge, Route, Routes, Terms, proof_of
@@ -49,7 +50,6 @@ from proxy.quota.concurrency import Slot
 from proxy.tasks import spawn
 from proxy.telemetry.accesslog import quoted_path
 from proxy.telemetry.loudly import Loudly
-from proxy.tls.intercept import Interception
 from proxy.wire.headers import answer_lines, request_kinds
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder, date_line, head_end, keeps, status_line

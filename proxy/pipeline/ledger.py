@@ -17,11 +17,11 @@ from typing import TypeVar
 from aiohttp import web
 
 from proxy.deps import Deps
-from proxy.pipeline.refusals import InternalError, Refusal
 from proxy.pipeline.responses import refusal_response, write_answer
 from proxy.telemetry.accesslog import AccessRecord
 from proxy.telemetry.metrics import NO_VENDOR
 from proxy.wire.headers import idempotent
+from proxy.wire.refusals import InternalError, Refusal
 from proxy.wire.request import Request
 from proxy.wire.responder import Responder
 

@@ -3,6 +3,10 @@ its vendor's endpoint class and partition.
 
 Built once per policy: host lookups are dict hits, route prefixes a short scan. A vendor
 without endpoints or partition costs two attribute checks more.
+
+A request that came through an intercepted tunnel carries where the tunnel leads
+(``Interception``, the tag tls/intercept.py gives its connections; ``interception_of``):
+both paths read it here, below the TLS layer that sets it.
 """
 
 from __future__ import annotations
@@ -13,15 +17,34 @@ from dataclasses import dataclass
 
 from proxy.limiter.partitions import DEFAULT, partition_hash
 from proxy.names import default_port, format_origin, parse_authority
-from proxy.pipeline.refusals import BadRequest, Denied, Refusal
 from proxy.pipeline.target import RequestTarget
 from proxy.policy.model import Endpoint, Policy, Vendor
 from proxy.quota.endpoints import endpoint_for
 from proxy.quota.tenancy import NO_CLAIM, Claim, Tenancy
 from proxy.wire.headers import PRIORITY
+from proxy.wire.refusals import BadRequest, Denied, Refusal
+from proxy.wire.request import Request
 
 _MATCHES_MAX = 4096
 _KEY_MAX = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Interception:
+    """Where an intercepted connection leads; requests inside it go there."""
+
+    vendor: Vendor
+    host: str
+    port: int
+    claim: Claim
+    """Who the CONNECT said it was: the tenant for requests inside that name none, or
+    (with proxy credentials) the tenant of every request inside."""
+
+
+def interception_of(request: Request) -> Interception | None:
+    """Where the tunnel ``request`` came through leads (None for a plain request)."""
+    tag = request.tag
+    return tag if isinstance(tag, Interception) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,38 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from multidict import MultiMapping
 
 from proxy.limiter.quota_headers import field, items
 from proxy.policy.model import Endpoint, Limit, Vendor
-
-POLICY = "RateLimit-Policy"
-RATELIMIT = "RateLimit"
+from proxy.wire.ratelimit_item import RATELIMIT, QuotaItem
 
 _EPS = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaItem:
-    """One bucket as the RateLimit fields describe it."""
-
-    name: str
-    quota: int
-    """``q``: tokens per window."""
-    window: int
-    """``w``: the window, seconds."""
-    remaining: int
-    """``r``: whole tokens left now."""
-    reset: int
-    """``t``: seconds until the bucket is full again, rounded up."""
-
-    def fields(self) -> dict[str, str]:
-        return {
-            POLICY: f'"{self.name}";q={self.quota};w={self.window}',
-            RATELIMIT: f'"{self.name}";r={self.remaining};t={self.reset}',
-        }
 
 
 def _shape(limit: Limit) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """Every answer the proxy gives in its own name: one place for what each one says.
 
 The refusal says what the answer is (its status, error type, code, whether to retry:
-refusals.py); this module turns it into an ``Answer`` (the sentence for a person, the
+wire/refusals.py); this module turns it into an ``Answer`` (the sentence for a person, the
 generic body keys, the X-Quota-* and retry headers) and the vendor's dialect writes it
-(answers.py). A vendor's own 429 never carries X-Quota-Action, so a worker can tell
+(wire/answers.py). A vendor's own 429 never carries X-Quota-Action, so a worker can tell
 the two apart.
 """
 
@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
-from proxy.pipeline.answers import Answer, render
-from proxy.pipeline.refusals import (
+from proxy.policy.model import Vendor
+from proxy.policy.presets import GENERIC, AnswerKind
+from proxy.wire import headers as h
+from proxy.wire.answers import Answer, render
+from proxy.wire.refusals import (
     BadRequest,
     BodyTimeout,
     Denied,
@@ -26,9 +29,6 @@ from proxy.pipeline.refusals import (
     StoreDown,
     UpstreamFailed,
 )
-from proxy.policy.model import Vendor
-from proxy.policy.presets import GENERIC, AnswerKind
-from proxy.wire import headers as h
 
 if TYPE_CHECKING:
     from proxy.wire.responder import Responder

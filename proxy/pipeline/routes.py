@@ -31,20 +31,21 @@ from multidict import CIMultiDict
 from proxy.limiter.partitions import DEFAULT, partition_hash, shown
 from proxy.limiter.store import Reserve
 from proxy.pipeline.accounting import Tally
-from proxy.pipeline.decide import Wish, request_wish
+from proxy.pipeline.decide import request_wish
 from proxy.pipeline.feedback import learnt, remaining_watched
 from proxy.pipeline.forward import origin_of
 from proxy.pipeline.kept_slots import FOLLOW_UP
-from proxy.pipeline.match import Match
+from proxy.pipeline.match import Match, interception_of
 from proxy.pipeline.pacing import longest_window
-from proxy.pipeline.ratelimit_fields import RATELIMIT, request_limits
-from proxy.pipeline.refusals import BadRequest, Refusal
+from proxy.pipeline.ratelimit_fields import request_limits
 from proxy.pipeline.share_lines import line_of
 from proxy.pipeline.target import parse_target, parse_tunneled_target
+from proxy.policy.model import Wish
 from proxy.quota.endpoints import endpoint_for
 from proxy.telemetry.accesslog import ForwardedLine, quoted_path
-from proxy.tls.intercept import interception_of
 from proxy.wire.headers import MAX_HOLD, ON_LIMIT, answer_fields
+from proxy.wire.ratelimit_item import RATELIMIT
+from proxy.wire.refusals import BadRequest, Refusal
 
 if TYPE_CHECKING:
     from proxy.deps import Deps
@@ -70,7 +71,7 @@ _EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})  # sent with Co
 
 class Terms(NamedTuple):
     """How a request's tokens are asked for, by what its worker wishes when the bucket is
-    empty (decide.Wish: the vendor's ``on_limit``, or ``X-Quota-On-Limit`` and
+    empty (policy.model.Wish: the vendor's ``on_limit``, or ``X-Quota-On-Limit`` and
     ``X-Quota-Max-Hold``)."""
 
     max_wait: float

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from proxy import names
-from proxy.pipeline.refusals import BadRequest
+from proxy.wire.refusals import BadRequest
 
 # Workers name the same few authorities over and over: parsed once each (a malformed one,
 # which raises, is not kept).

@@ -93,6 +93,21 @@ class OnLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class Wish:
+    """The effective on-limit choice for one request: the vendor's ``OnLimit`` as the worker's
+    ``X-Quota-On-Limit`` and ``X-Quota-Max-Hold`` change it (``pipeline.decide.request_wish``).
+    Here, below every layer that acts on it (quota's concurrency holds, the request pipeline)."""
+
+    action: Action
+    max_hold: float
+
+    @property
+    def max_wait(self) -> float:
+        """How long the store may make this request wait for a reservation."""
+        return self.max_hold if self.action == "hold" else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Feedback:
     """How the vendor's own answers feed back into the shared buckets."""
 

@@ -38,11 +38,10 @@ from proxy.limiter import Limiter, StoreUnavailable
 from proxy.limiter.buckets import lease_sets, release_channel, release_channel_pattern
 from proxy.limiter.presence import replica_id
 from proxy.limiter.store import AcquireResult, Leases, LeaseSet
-from proxy.ops.sizing import Sizing
-from proxy.pipeline.decide import Wish
-from proxy.pipeline.refusals import Limited
-from proxy.policy.model import Endpoint, Vendor
+from proxy.policy.model import Endpoint, Vendor, Wish
+from proxy.quota.sizing import Sizing
 from proxy.tasks import cancel_and_wait, spawn
+from proxy.wire.refusals import Limited
 
 log = logging.getLogger("quota_proxy.concurrency")
 

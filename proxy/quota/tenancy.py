@@ -32,9 +32,9 @@ from typing import Final
 from multidict import istr
 
 from proxy.names import is_tenant_name
-from proxy.pipeline.refusals import BadRequest, ProxyAuthRequired, UnknownTenant
 from proxy.policy.model import Policy
 from proxy.wire.headers import PROXY_AUTHORIZATION
+from proxy.wire.refusals import BadRequest, ProxyAuthRequired, UnknownTenant
 
 _STAND_IN: Final = hashlib.sha256(b"quota-proxy: no such user").digest()
 

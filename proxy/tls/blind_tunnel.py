@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from proxy.deps import Deps
 from proxy.names import default_port, parse_authority
-from proxy.pipeline.decide import Admission, Wish, request_wish
-from proxy.pipeline.refusals import Limited, UpstreamFailed
-from proxy.policy.model import Vendor
+from proxy.pipeline.decide import Admission, request_wish
+from proxy.policy.model import Vendor, Wish
 from proxy.quota.concurrency import Slot
 from proxy.telemetry.accesslog import AccessRecord
+from proxy.wire.refusals import Limited, UpstreamFailed
 
 log = logging.getLogger("quota_proxy.tunnel")
 

@@ -27,10 +27,18 @@ from multidict import CIMultiDict
 
 from proxy.deps import Deps
 from proxy.names import parse_authority
-from proxy.pipeline.answers import Answer, render
 from proxy.pipeline.handler import ProxyHandler
 from proxy.pipeline.ledger import Ledger, accounted
-from proxy.pipeline.refusals import (
+from proxy.pipeline.match import Interception
+from proxy.policy.model import Vendor
+from proxy.tasks import spawn
+from proxy.tls.blind_tunnel import BlindTunnels
+from proxy.tls.intercept import Interceptor, LeafSource
+from proxy.wire.answers import Answer, render
+from proxy.wire.connections import ConnectionLimits, raw_response
+from proxy.wire.framing import NONE, FramingError, request_framing
+from proxy.wire.http1 import Http1Connection
+from proxy.wire.refusals import (
     BadRequest,
     Denied,
     ErrorType,
@@ -40,13 +48,6 @@ from proxy.pipeline.refusals import (
     StoreDown,
     UpstreamFailed,
 )
-from proxy.policy.model import Vendor
-from proxy.tasks import spawn
-from proxy.tls.blind_tunnel import BlindTunnels
-from proxy.tls.intercept import Interception, Interceptor, LeafSource
-from proxy.wire.connections import ConnectionLimits, raw_response
-from proxy.wire.framing import NONE, FramingError, request_framing
-from proxy.wire.http1 import Http1Connection
 
 log = logging.getLogger("quota_proxy.connect")
 

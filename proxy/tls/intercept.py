@@ -4,7 +4,8 @@ Once the front door has answered a CONNECT with 200, TLS is terminated with a le
 certificate for the host, signed by the proxy's CA, and the HTTP/1.1 requests inside
 go to the same request path as plain ones (same limits, answers, feedback and
 metrics), sent upstream over a new, verified TLS connection. Each such request
-knows where its tunnel leads: ``interception_of(request)``.
+knows where its tunnel leads: ``pipeline.match.interception_of(request)`` (the tag and its
+reader live in the request pipeline, which this layer sits on).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.deps import Deps
-from proxy.pipeline.refusals import BadRequest, Denied
-from proxy.policy.model import Vendor
-from proxy.quota.tenancy import Claim
+from proxy.pipeline.match import Interception
 from proxy.telemetry.accesslog import AccessRecord
-from proxy.wire.request import Request
+from proxy.wire.refusals import BadRequest, Denied
 
 log = logging.getLogger("quota_proxy.connect")
 
@@ -32,24 +31,6 @@ class LeafSource(Protocol):
     """Server-side TLS contexts with a leaf certificate for a host (ca.leaves.LeafMinter)."""
 
     def context_for(self, host: str) -> ssl.SSLContext: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Interception:
-    """Where an intercepted connection leads; requests inside it go there."""
-
-    vendor: Vendor
-    host: str
-    port: int
-    claim: Claim
-    """Who the CONNECT said it was: the tenant for requests inside that name none, or
-    (with proxy credentials) the tenant of every request inside."""
-
-
-def interception_of(request: Request) -> Interception | None:
-    """Where the tunnel ``request`` came through leads (None for a plain request)."""
-    tag = request.tag
-    return tag if isinstance(tag, Interception) else None
 
 
 Serve = Callable[[Interception], asyncio.Protocol]

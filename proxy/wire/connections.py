@@ -31,11 +31,11 @@ from typing import Final
 
 from aiohttp import web
 
-from proxy.pipeline.answers import Answer, render
-from proxy.pipeline.refusals import ErrorType
 from proxy.policy.model import Connections
 from proxy.telemetry.metrics import Metrics
 from proxy.wire import headers as h
+from proxy.wire.answers import Answer, render
+from proxy.wire.refusals import ErrorType
 
 log = logging.getLogger("quota_proxy")
 

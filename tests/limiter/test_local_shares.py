@@ -23,10 +23,9 @@ from proxy.limiter.degraded import LocalShares, grace_for, share
 from proxy.limiter.presence import Presence
 from proxy.limiter.quota_headers import read_quota
 from proxy.limiter.store import AcquireResult, BucketSpec, Leases
-from proxy.ops.sizing import Sizing
-from proxy.pipeline.decide import Wish
-from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor
+from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor, Wish
 from proxy.quota.concurrency import Concurrency, Slot
+from proxy.quota.sizing import Sizing
 from tests.helpers.stores import FlakyStore
 
 pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests

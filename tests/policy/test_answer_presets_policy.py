@@ -9,11 +9,11 @@ import pytest
 
 from proxy.limiter.buckets import buckets_for
 from proxy.limiter.limiter import Limiter
-from proxy.pipeline.refusals import Limited
 from proxy.pipeline.responses import refusal_response
 from proxy.policy import ConfigErrors, parse_policy
 from proxy.policy.model import Policy
 from proxy.policy.presets import BUILT_IN, KINDS
+from proxy.wire.refusals import Limited
 
 HEAD = """\
 version: 1

@@ -21,10 +21,10 @@ from pathlib import Path
 import certifi
 import pytest
 
-from proxy.pipeline.refusals import Limited
 from proxy.pipeline.responses import refusal_response
 from proxy.policy import parse_policy
 from proxy.server import ProxyServer
+from proxy.wire.refusals import Limited
 from tests.conftest import ProxyFactory, client_session
 from tests.helpers.cli import ROOT
 from tests.helpers.guide import GUIDE, PROXY_ADDRESS, VENDOR_ADDRESS, GuideWorker, Ran, blocks, celery_driver, snippets

@@ -5,6 +5,9 @@ seconds upstream, is saturated by ``rate * latency`` concurrent requests
 (100/s * 200 ms = 20). More workers than that only wait in the limiter, so an
 autoscaler can be capped there. Latency is an exponentially weighted average of
 the observed upstream exchange times.
+
+In the quota layer: a full concurrency cap's retry hint reads the latency (quota/concurrency.py),
+the request pipeline feeds it (pipeline/accounting.py), the admin port shows it (/status).
 """
 
 from __future__ import annotations

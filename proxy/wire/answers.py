@@ -1,5 +1,7 @@
 """The proxy's own answers, written as the vendor's preset says (``vendors[].answers``,
-SPEC §5 and §9; the presets themselves are data: policy/presets.py).
+SPEC §5 and §9; the presets themselves are data: policy/presets.py). In the wire layer:
+the wire's own answers (a turned-away connection, wire/connections.py) use it as the
+request path's do.
 
 An ``Answer`` says what the proxy means (status, error type and code, a sentence, whether
 to retry, the generic body keys, the headers every answer carries); ``render`` picks the
@@ -18,9 +20,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.pipeline.refusals import ErrorType
 from proxy.policy import presets
 from proxy.policy.presets import GENERIC, AnswerKind, AnswerPreset
+from proxy.wire.refusals import ErrorType
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,12 @@ logged as (SPEC §7), the ``error`` type and ``code`` its answer names (SPEC §5
 whether a client may ``retry`` it (SPEC §9), and ``detail``, the sentence for the
 access log (None for Limited, whose answer names its bucket instead). A deferral or a
 shed also says its ``reason`` (``REASONS``: which limit said no), by which the live page
-counts them. ``responses.refusal_response`` renders the answer; ``ledger.Ledger.refuse``
-does the accounting.
+counts them. ``pipeline.responses.refusal_response`` renders the answer;
+``pipeline.ledger.Ledger.refuse`` does the accounting.
+
+This is the refusal vocabulary every layer above the wire uses (quota raises ``Limited``
+and the tenancy refusals, the wire answers a turned-away connection): it lives here, at the
+bottom of the request path, so that none of them imports upward (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from proxy.pipeline.ratelimit_fields import QuotaItem
 from proxy.policy.model import Action
 from proxy.policy.presets import OWN_STATUS
+from proxy.wire.ratelimit_item import QuotaItem
 
 Outcome = Literal["deferred", "shed", "denied", "error"]
 """How a refused request is counted: ``ratelimit_requests_total{outcome}`` and the access log."""
