@@ -15,6 +15,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -63,6 +64,20 @@ def test_the_worker_environment_is_the_manifests_pointed_at_this_machine() -> No
     assert env["STRIPE_CA_BUNDLE"] == env["REQUESTS_CA_BUNDLE"] == env["SSL_CERT_FILE"] == "/b.pem"
     assert env["CELERY_BROKER_URL"] == "redis://127.0.0.1:2/1" and env["STRIPE_API_KEY"].startswith("sk_test_")
     assert "127.0.0.1" in env["NO_PROXY"].split(",")
+
+
+def test_without_redis_server_the_command_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    work = copy_of_the_repository(tmp_path)
+    env = {**reader_shell(work), "PATH": str(tmp_path / "empty")}  # quota-proxy is found beside python
+    done = subprocess.run(
+        [sys.executable, "deploy/k8s/stripe/local.py"], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done
+    assert (
+        done.stderr
+        == "local.py: redis-server is needed (Celery's broker): apt install redis-server, brew install redis\n"
+    )
+    assert not (work / "deploy" / "k8s" / "stripe" / ".local").exists()
 
 
 @pytest.mark.slow

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local.py: {line}", file=sys.stderr)
         return 2
     # Ctrl-C reaches this process alone (each child has a session of its own); SIGTERM too.
+    # Both explicitly: a shell that starts a command in the background has it ignore SIGINT.
+    signal.signal(signal.SIGINT, _interrupted)
     signal.signal(signal.SIGTERM, _interrupted)
     with _processes() as start:
         try:
@@ -216,14 +218,16 @@ def worker_environment(entries: list[dict[str, Any]], *, proxy: str, bundle: Pat
 
 
 def _wait_for(results: list[Any], deadline: float) -> dict[str, str]:
-    """Each job's final state (SUCCESS, FAILURE) by id, or PENDING/RETRY at the deadline."""
-    states: dict[str, str] = {}
-    for result in results:
-        left = deadline - time.monotonic()
-        if left > 0:
-            with contextlib.suppress(Exception):  # the job's own error, or the timeout
-                result.get(timeout=left, propagate=False, interval=0.1)
-        states[result.id] = result.state
+    """Each job's final state (SUCCESS, FAILURE) by id, or PENDING/RETRY at the deadline. Polled
+    (one GET a job) rather than ``get()``: the result store's subscriptions would outlive the
+    redis-server local.py stops."""
+    states = {result.id: "PENDING" for result in results}
+    waiting = list(results)
+    while waiting and time.monotonic() < deadline:
+        for result in waiting:
+            states[result.id] = result.state
+        waiting = [r for r in waiting if states[r.id] not in ("SUCCESS", "FAILURE", "REVOKED")]
+        time.sleep(0.2)
     return states
 
 
