@@ -66,9 +66,10 @@ def reader_shell(workdir: Path) -> dict[str, str]:
 
 
 def copy_of_the_repository(tmp_path: Path) -> Path:
-    """What the guide's commands read (deploy/, the Dockerfile), where they may write (ca/)."""
+    """What the guide's commands read (deploy/, the Dockerfile), where they may write (ca/, and
+    .local/ for local.py), without what a run in this checkout left there."""
     work = tmp_path / "repo"
-    shutil.copytree(DEPLOY, work / "deploy", ignore=shutil.ignore_patterns("ca"))
+    shutil.copytree(DEPLOY, work / "deploy", ignore=shutil.ignore_patterns("ca", ".local"))
     shutil.copy(ROOT / "Dockerfile", work / "Dockerfile")
     return work
 
