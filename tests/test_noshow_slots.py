@@ -19,7 +19,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import redis as redis_lib
 
 from tests.conftest import vendor_policy
 from tests.helpers.vendor_process import VendorProcess, measured_rate, vendor_process
@@ -79,8 +78,8 @@ async def _precise(proxy: str, workers: int, seconds: float) -> int:
 SECONDS = 9.0  # per run; the first 0.5 s of refill is the first kept slot's, so <= 17/18 at best
 
 
-async def _run(start_proxy: Any, vendor: VendorProcess, redis: str, path: str, calls: int, shed: bool) -> float:
-    """One row of the issue's table: a burst (deferred, never back; or shed), then ten
+async def _run(start_proxy: Any, vendor: VendorProcess, redis: str, path: str, calls: int) -> float:
+    """One row of the issue's table: a burst whose deferred calls never come back, then ten
     precise workers for ``SECONDS``. Returns their calls served per second."""
     policy = vendor_policy(
         vendor.url,
@@ -89,31 +88,26 @@ async def _run(start_proxy: Any, vendor: VendorProcess, redis: str, path: str, c
         on_limit="{action: defer}",
         extra_vendor=FILES,
     )
-    with redis_lib.Redis.from_url(redis) as client:
-        client.flushall()  # a fresh start: no bucket, slot or queue of the run before
     proxy = await start_proxy(policy)
-    deferred = await _burst(proxy.url, path, calls, shed)
-    assert deferred == (0 if shed else calls - (2 if path == "/v1/files" else 10)), deferred
-    served = await _precise(proxy.url, workers=10, seconds=SECONDS) / SECONDS
-    await asyncio.sleep(1.1)  # the vendor's window forgets this run before the next one
-    return served
+    deferred = await _burst(proxy.url, path, calls, shed=False)
+    assert deferred == calls - (2 if path == "/v1/files" else 10), deferred
+    return await _precise(proxy.url, workers=10, seconds=SECONDS) / SECONDS
 
 
-async def test_a_burst_nobody_claims_serves_the_workers_after_it(window_vendor, redis_url, start_proxy):
-    """Issue 34's table. Before: 20 x cost 5, 18 deferred that never come back (9 s of
-    quota), left 2.5/s to the workers after it; 40 x cost 1 (30 deferred: 3 s) left 7.7/s;
-    against 9.3/s when the burst was shed. The shed run is the same for both bursts (the
-    two granted, or ten, take the bucket's burst; nothing else is taken)."""
-    shed = await _run(start_proxy, window_vendor, redis_url, "/v1/files", 20, shed=True)
-    costly = await _run(start_proxy, window_vendor, redis_url, "/v1/files", 20, shed=False)
-    cheap = await _run(start_proxy, window_vendor, redis_url, "/v1/ping/burst", 40, shed=False)
+@pytest.mark.parametrize(
+    ("path", "calls"),
+    [("/v1/files", 20), ("/v1/ping/burst", 40)],
+    ids=["20 x cost 5, 9 s of quota kept", "40 x cost 1, 3 s of quota kept"],
+)
+async def test_a_burst_nobody_claims_serves_the_workers_after_it(window_vendor, redis_url, start_proxy, path, calls):
+    """Issue 34's table. Before: 20 x cost 5, 18 deferred that never come back, left 2.5/s to
+    the workers after it; 40 x cost 1 (30 deferred) left 7.7/s; against 9.3/s when the burst
+    was shed. The shed run spends the whole quota, 10/s (bench/noshow.py: 10.00 every run): the
+    target, >= 90 % of it, is taken against the quota itself."""
+    served = await _run(start_proxy, window_vendor, redis_url, path, calls)
     rejected = (await window_vendor.stats())["rejected"]
-    print(
-        f"served per second: shed {shed:.2f}, 20 x cost 5 {costly:.2f}, 40 x cost 1 {cheap:.2f}; vendor 429s {rejected}"
-    )
-    assert shed >= 9.0, shed  # the baseline is the quota: the workers are enough to spend it
-    assert costly >= 0.9 * shed, (costly, shed)
-    assert cheap >= 0.9 * shed, (cheap, shed)
+    print(f"served per second {served:.2f}; vendor 429s {rejected}")
+    assert served >= 0.9 * 10, served
     assert rejected == 0
 
 
