@@ -614,14 +614,21 @@ local function take(first, last)
 end
 
 -- A new slot of `scope`, maturing at `matures`: its member name, the caller's claim.
-local function keep(matures, scope)
-  local name = string.format('%.3f', now) .. ':' .. ARGV[1] .. ':' .. scope
+-- Adds slot `name` (`<created ms>:<cost>:<scope>`) maturing at `matures` (a score string),
+-- `:<k>` after the name should another hold it (two in one microsecond; a slot's rest).
+local function add_slot(matures, name)
   local member, k = name, 0
-  while redis.call('ZSCORE', rset, member) do -- (two in one microsecond)
+  while redis.call('ZSCORE', rset, member) do
     k = k + 1
     member = name .. ':' .. k
   end
-  redis.call('ZADD', rset, string.format('%.3f', matures), member)
+  redis.call('ZADD', rset, matures, member)
+  return member
+end
+
+local function keep(matures, scope)
+  local name = string.format('%.3f', now) .. ':' .. ARGV[1] .. ':' .. scope
+  local member = add_slot(string.format('%.3f', matures), name)
   local last = redis.call('ZRANGE', rset, -1, -1, 'WITHSCORES')
   redis.call('PEXPIRE', rset, math.ceil(tonumber(last[2]) - now + life_ms) + 1000)
   return member
@@ -708,6 +715,13 @@ local function num(x) -- a cost in a member's name: whole numbers as such, else 
   return string.format('%.17g', x)
 end
 
+-- A slot of time `at` (a score string) used now by `units`: a move the later ones must fit beside.
+local function record_move(at, units, tag)
+  local at_now = string.format('%.3f', now)
+  redis.call('ZADD', shifts, at_now, at .. ':' .. num(units) .. ':' .. at_now .. ':' .. tag)
+  redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
+end
+
 -- Standby. A precise retrier sleeps until its slot: while it does, nobody asks when a slot
 -- whose owner is gone matures, and that slot's tokens stand idle. A slot whose owner's
 -- connection closed (leave.lua: likely never claimed) is offered to one refusal whose own
@@ -741,23 +755,15 @@ if pool then
   -- Granted on late slots' units (and the rest from the buckets): the last slot used keeps
   -- what this request did not need. A slot of this caller's own, still ahead, is nobody's
   -- now: it is late from its maturity on, for whoever asks then.
-  local at_now = string.format('%.3f', now)
   for k, slot in ipairs(pool.used) do
     redis.call('ZREM', rset, slot[1])
     redis.call('ZREM', left, slot[1])
     if slot[4] < slot[2] then
       local created, scope = string.match(slot[1], '^([^:]+):[^:]+:([at])')
-      local name = created .. ':' .. num(slot[2] - slot[4]) .. ':' .. scope
-      local member, j = name, 0
-      while redis.call('ZSCORE', rset, member) do
-        j = j + 1
-        member = name .. ':' .. j
-      end
-      redis.call('ZADD', rset, slot[3], member)
+      add_slot(slot[3], created .. ':' .. num(slot[2] - slot[4]) .. ':' .. scope)
     end
-    redis.call('ZADD', shifts, at_now, slot[3] .. ':' .. num(slot[4]) .. ':' .. at_now .. ':' .. k)
+    record_move(slot[3], slot[4], k)
   end
-  redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
   for i = 1, n do
     levels[i] = levels[i] - pool.takes[i]
   end
@@ -789,9 +795,7 @@ elseif held then
     redis.call('ZREM', rset, held)
     redis.call('ZREM', left, held)
     if need < 0 then -- claimed late: a move like a late slot's, which the others' must fit beside
-      local at_now = string.format('%.3f', now)
-      redis.call('ZADD', shifts, at_now, string.format('%.3f', now + need) .. ':' .. num(cost) .. ':' .. at_now .. ':h')
-      redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
+      record_move(string.format('%.3f', now + need), cost, 'h')
     end
     if scope == 't' then
       take(tenants + 1, n)

@@ -31,6 +31,19 @@ STANDBY_GAIN: Final = 1.0
 clients open a connection per call and come back for their slot on a new one, and the refusal
 a standby costs when they do (a retry of an SDK's few) is worth a second gained, not less."""
 
+
+def add_slot(kept: dict[str, Slot], slot: Slot) -> str:
+    """Keeps ``slot`` under its member name (acquire.lua's ``<created>:<cost>:<scope>``, with
+    ``:<k>`` after it should another hold it); returns the name, the caller's claim."""
+    name = f"{slot.created:.3f}:{slot.cost:g}:{slot.scope}"
+    member, k = name, 0
+    while member in kept:
+        k += 1
+        member = f"{name}:{k}"
+    kept[member] = slot
+    return member
+
+
 Move = tuple[float, float]
 """A late slot used: (when its span ended: the grant, units)."""
 
@@ -102,12 +115,7 @@ def late_units(
     for member, take in used:
         slot = kept.pop(member)
         if take < slot.cost:  # what the request did not need stays, maturing when it did
-            name = f"{slot.created:.3f}:{slot.cost - take:g}:{slot.scope}"
-            rest, k = name, 0
-            while rest in kept:
-                k += 1
-                rest = f"{name}:{k}"
-            kept[rest] = slot._replace(cost=slot.cost - take)
+            add_slot(kept, slot._replace(cost=slot.cost - take))
         moves.append((now, take))
     return need, takes
 

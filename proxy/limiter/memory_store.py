@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.late_slots import Move, Slot, drop_stale, late_units, leave, standby
+from proxy.limiter.late_slots import Move, Slot, add_slot, drop_stale, late_units, leave, standby
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
     AcquireResult,
@@ -271,13 +271,7 @@ class MemoryStore:
 
         def keep(matures: float, scope: str) -> str:
             assert kept is not None
-            name = f"{now:.3f}:{cost:g}:{scope}"
-            member, k = name, 0
-            while member in kept:
-                k += 1
-                member = f"{name}:{k}"
-            kept[member] = Slot(matures, cost, now, scope)
-            return member
+            return add_slot(kept, Slot(matures, cost, now, scope))
 
         def refused(slot: float, hint: float, reserved: str = "") -> AcquireResult:
             self._forget_empty()
