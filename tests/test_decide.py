@@ -61,4 +61,8 @@ def test_decisions() -> None:
     assert decide(refused(0.7), defer) == Defer(0.7, 0.7)
     # The queue slot is the hint to retry on; the real wait stays what it is.
     assert decide(AcquireResult(False, 0.7, 0, (0.0,), 1.2), defer) == Defer(0.7, 1.2)
+    # A slot kept: its time is the hint; offered an earlier one its owner left, that one's.
+    kept = AcquireResult(False, 0.7, 0, (0.0,), 0.7, reserved="1:1:a")
+    assert decide(kept, defer) == Defer(0.7, 0.7)
+    assert decide(kept._replace(hint=0.3), defer) == Defer(0.3, 0.3)
     assert decide(refused(0.7), shed) == Shed(0.7)

@@ -96,11 +96,10 @@ def decide(result: AcquireResult, wish: Wish) -> Decision:
         return FORWARD if result.wait <= 0 else Hold(result.wait)
     if wish.action == "shed":
         return Shed(result.wait)
-    if result.reserved and result.hint < result.wait:
-        # Offered a slot its owner left (acquire.lua, "Standby"): served then unless the owner
-        # claims it after all, so that is the real wait; its own slot stays kept meanwhile.
-        return Defer(result.hint, result.hint)
-    return Defer(result.wait, result.retry_after)  # hold falls back to defer when the wait exceeds max_hold
+    # (hold falls back to defer when the wait exceeds max_hold). The real wait is the wait, or,
+    # offered a slot its owner left (acquire.lua, "Standby"), that slot's time: served then
+    # unless the owner claims it after all; its own slot stays kept meanwhile.
+    return Defer(min(result.wait, result.retry_after), result.retry_after)
 
 
 def refusal(
