@@ -222,7 +222,7 @@ for i = 1, n do
   if field ~= '' then
     p = field .. ':'
   end
-  fields[i] = {p .. 't', p .. 'ts', p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk'}
+  fields[i] = {p .. 't', p .. 'ts', p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk', p .. 'z'}
   at[i] = ask(KEYS[i], fields[i])
 end
 for key, names in pairs(asks) do
@@ -246,11 +246,15 @@ if state then
 end
 
 local levels, rates, bursts = {}, {}, {}
+-- above[i]: when bucket i last stood above empty before this call (`z`, written by every call
+-- that writes the bucket: now if its level had been, or is, above 0; see "Late slots"); now
+-- for a bucket not written (full) or written before `z` was (not known).
+local above, pre = {}, {}
 local void_before = lost or 0 -- reservations made before this are void (a loss, a vendor block)
 for i = 1, n do
   local rate, burst = tonumber(ARGV[F + 3 * i - 2]), tonumber(ARGV[F + 3 * i - 1])
   local r, o = replies[KEYS[i]], at[i]
-  local st = {r[o + 1], r[o + 2], r[o + 3], r[o + 4], r[o + 5], r[o + 6]}
+  local st = {r[o + 1], r[o + 2], r[o + 3], r[o + 4], r[o + 5], r[o + 6], r[o + 7]}
   if st[5] and tonumber(st[5]) > now then
     rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
   end
@@ -267,7 +271,10 @@ for i = 1, n do
   if st[6] and tonumber(st[6]) > void_before then
     void_before = tonumber(st[6])
   end
-  levels[i] = level
+  levels[i], pre[i], above[i] = level, level, now
+  if st[1] and st[7] then
+    above[i] = tonumber(st[7])
+  end
 end
 
 -- Kept slots: reservations nobody claimed in time go back to the buckets they took from
@@ -549,6 +556,11 @@ local function write_levels()
     local rate, burst, level = rates[i], bursts[i], levels[i]
     put(KEYS[i], fields[i][1], string.format('%.6f', level))
     put(KEYS[i], fields[i][2], at_now)
+    if level > 0 or pre[i] > 0 or above[i] == now then
+      put(KEYS[i], fields[i][7], at_now)
+    else
+      put(KEYS[i], fields[i][7], string.format('%.3f', above[i]))
+    end
     local refilled = math.ceil((burst - level) / rate)
     if ARGV[F + 3 * i] == '' then
       own[KEYS[i]] = refilled + 1000
@@ -642,10 +654,14 @@ end
 -- scope, in order of maturity, as many as the cost; the rest from the buckets, granted only
 -- if they have it within `max_wait` (else nothing of the pool is touched).
 -- A slot used late moves a request from its time to now: every vendor window that starts
--- in between holds one more than the schedule gave it. While slots are kept the buckets are
--- below empty and the schedule gives each window no more than rate x window, leaving the
--- burst free: moves whose spans ([its time, now)) overlap may together carry no more than
--- the tightest bucket's burst, and no window is overrun. The moves of the last `life` ms
+-- in between holds one more than the schedule gave it. While a bucket stays below empty the
+-- schedule gives each window no more than rate x window, leaving the burst free: moves
+-- whose spans ([its time, now)) overlap may together carry no more than the burst, less
+-- what the bucket holds now, and no window is overrun. A bucket that stood above empty
+-- since the slot's time (`above`) spent tokens of its own meanwhile, and a window there may
+-- be full already: 4 at once where a burst of 2 allowed 2. Such a slot is not moved (nor its
+-- tokens lost to the others': they go back to the tenant's buckets after `life`, as any
+-- slot nobody claims). The moves of the last `life` ms
 -- are kept in `shifts` (member "<its time>:<units>:<now>:<k>", scored by now); a slot
 -- whose move would not fit serves what fits, or waits for its time to pass (`life`). A slot
 -- claimed late by its owner is a move too, which the others' must fit beside.
@@ -654,10 +670,6 @@ if rset and due and not held and full == 0 then
   local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
     string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
   local moved = nil -- {units, end} of the moves kept that may overlap these
-  local budget = math.huge
-  for i = 1, n do
-    budget = math.min(budget, bursts[i])
-  end
   local units, used, scope, first = 0, {}, nil, nil
   for k = 1, #late, 2 do
     local created, taken, s = parse(late[k])
@@ -665,6 +677,16 @@ if rset and due and not held and full == 0 then
     if created <= void_before then
       redis.call('ZREM', rset, late[k])
     elseif scope == nil or s == scope then
+      local budget, last = math.huge, n -- the buckets the slot took from: a `t` slot, the tenant's
+      if s == 't' then
+        last = tenants
+      end
+      for i = 1, last do
+        if above[i] >= at then
+          budget = 0
+        end
+        budget = math.min(budget, bursts[i] - math.max(levels[i], 0))
+      end
       if not moved then
         redis.call('ZREMRANGEBYSCORE', shifts, '-inf', string.format('(%.3f', now - life_ms))
         moved = {}
@@ -715,9 +737,10 @@ local function num(x) -- a cost in a member's name: whole numbers as such, else 
   return string.format('%.17g', x)
 end
 
--- A slot of time `at` (a score string) used now by `units`: a move the later ones must fit beside.
-local function record_move(at, units, tag)
-  local at_now = string.format('%.3f', now)
+-- A slot of time `at` (a score string) used by `units` of a request that goes at `ends` (ms;
+-- now, or when the bucket's rest matures): a move the later ones must fit beside.
+local function record_move(at, units, tag, ends)
+  local at_now = string.format('%.3f', ends)
   redis.call('ZADD', shifts, at_now, at .. ':' .. num(units) .. ':' .. at_now .. ':' .. tag)
   redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
 end
@@ -762,7 +785,7 @@ if pool then
       local created, scope = string.match(slot[1], '^([^:]+):[^:]+:([at])')
       add_slot(slot[3], created .. ':' .. num(slot[2] - slot[4]) .. ':' .. scope)
     end
-    record_move(slot[3], slot[4], k)
+    record_move(slot[3], slot[4], k, now + math.max(pool.wait, 0))
   end
   for i = 1, n do
     levels[i] = levels[i] - pool.takes[i]
@@ -795,7 +818,7 @@ elseif held then
     redis.call('ZREM', rset, held)
     redis.call('ZREM', left, held)
     if need < 0 then -- claimed late: a move like a late slot's, which the others' must fit beside
-      record_move(string.format('%.3f', now + need), cost, 'h')
+      record_move(string.format('%.3f', now + need), cost, 'h', now)
     end
     if scope == 't' then
       take(tenants + 1, n)

@@ -3,7 +3,8 @@ the same rules as the script, on this process's dicts.
 
 A late slot's units serve whoever asks next in its bucket set; used late, a slot moves a
 request from its time to now, so the moves whose spans overlap carry together no more
-than the tightest bucket's burst (every vendor window keeps within rate x window + burst).
+than the tightest bucket's burst less what it holds now, and none moves past a time its
+bucket stood above empty (every vendor window keeps within rate x window + burst).
 A slot whose owner left (its connection closed) is offered to one later refusal as its hint.
 """
 
@@ -75,16 +76,17 @@ def late_units(
     levels: list[float],
     rates: list[float],
     bursts: list[float],
+    above: list[float],
     max_wait: float,
 ) -> tuple[float, list[float]] | None:
     """Late slots' units for a request of ``cost``: those of one scope in order of maturity,
     as many as the cost and the moves' budget allow, the rest from the buckets if they have
     it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
-    wait and what to take from each bucket; None (nothing touched) otherwise."""
+    wait and what to take from each bucket; None (nothing touched) otherwise. ``above``: when
+    each bucket last stood above empty (a slot older than that is not moved)."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
     oldest, newest = now - reserve.life, now - reserve.owner
     late = sorted((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest)
-    budget = min(bursts)
     units, used, scope, first = 0.0, [], "", 0.0
     for matures, member in late:
         slot = kept[member]
@@ -93,6 +95,10 @@ def late_units(
             continue
         if scope and slot.scope != scope:
             continue
+        took = range(reserve.tenants if slot.scope == "t" else len(levels))  # the buckets it took from
+        if any(above[i] >= matures for i in took):
+            continue
+        budget = min(bursts[i] - max(levels[i], 0.0) for i in took)
         overlap = units + sum(u for end, u in moves if end > matures)
         take = min(slot.cost, cost - units, budget - overlap)
         if take <= 0:
@@ -116,7 +122,7 @@ def late_units(
         slot = kept.pop(member)
         if take < slot.cost:  # what the request did not need stays, maturing when it did
             add_slot(kept, slot._replace(cost=slot.cost - take))
-        moves.append((now, take))
+        moves.append((now + max(need, 0.0), take))  # (its span ends when the request goes)
     return need, takes
 
 

@@ -79,7 +79,8 @@ class TakeNow:
 class MemoryStore:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        # key -> [tokens, ts, expires_at]; ts and expires_at on the clock, seconds
+        # key -> [tokens, ts, expires_at, above]; on the clock, seconds (above: when the level
+        # last stood above empty, acquire.lua's `z`)
         self._state: dict[str, list[float]] = {}
         # deferral queue key -> (first free slot, expires_at), on the clock
         self._queues: dict[str, tuple[float, float]] = {}
@@ -125,7 +126,12 @@ class MemoryStore:
     def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
         # Same expiry as the scripts: once refilled the key equals a missing one.
         rate, burst = self._limits(b, ts)
-        self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0]
+        above = ts if tokens > 0 or self._level(b, ts) > 0 else self._state[b.ident][3]
+        self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0, above]
+
+    def _above(self, b: BucketSpec, now: float) -> float:
+        st = self._state.get(b.ident)
+        return now if st is None or st[2] <= now else st[3]
 
     def _tick(self, now: float) -> None:
         self._ops += 1
@@ -283,7 +289,8 @@ class MemoryStore:
             assert reserve is not None
             moves = self._moves.setdefault(reserve.key, [])
             bursts = [burst for _, burst in limits]
-            pool = late_units(kept, moves, now, reserve, cost, void_before, levels, rates, bursts, max_wait)
+            above = [self._above(b, now) for b in buckets]
+            pool = late_units(kept, moves, now, reserve, cost, void_before, levels, rates, bursts, above, max_wait)
         if pool is not None:  # late slots' units (acquire.lua, "Late slots")
             assert kept is not None and reserve is not None
             need, takes = pool
@@ -392,11 +399,12 @@ class MemoryStore:
             hint = self._slot(queue, now, wait, cost / buckets[binding].rate)
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
         latest = now
-        for i, b in enumerate(buckets):  # (_store's expiry: once refilled the key equals a missing one)
-            level = levels[i] - cost
+        for i, b in enumerate(buckets):  # (_store's expiry and `above`)
+            level, st = levels[i] - cost, state.get(b.ident)
+            above = now if levels[i] > 0 or st is None or st[2] <= now else st[3]
             levels[i] = level
             expires = now + (b.burst - level) / b.rate + 1.0
-            state[b.ident] = [level, now, expires]
+            state[b.ident] = [level, now, expires, above]
             if expires > latest:
                 latest = expires
         if guard is not None:

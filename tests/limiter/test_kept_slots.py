@@ -89,6 +89,9 @@ async def test_a_late_owners_slot_goes_to_a_caller_without_one(store: BucketStor
     b = (bucket("l", rate=5, burst=1),)  # (taken 0.12 s late: within its tolerance, burst / rate)
     await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     kept = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    # Another deferred caller's slot after it: the bucket stays below empty (a late slot is
+    # not moved past a time the bucket stood above it).
+    assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)).reserved
     await later(store, clock, kept.wait + 0.02)
     # Within ``owner`` of its maturity the slot is its owner's: a newcomer gets a slot of its own.
     newcomer = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
@@ -241,6 +244,7 @@ async def test_a_costly_late_slot_serves_several_cheaper_requests(store: BucketS
     assert (await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)).granted
     noshow = await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)  # 5 units, never claimed
     assert noshow.reserved and noshow.wait == pytest.approx(0.5, abs=TOL)
+    assert (await store.acquire(b, 5, 0, QUEUE, guard(), None, KEPT)).reserved  # below empty till 1 s
     await later(store, clock, noshow.wait + KEPT.owner + 0.02)
     # Not the whole 5-unit slot to the first cheap call: one unit each.
     cheap = [await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT) for _ in range(5)]
@@ -276,13 +280,14 @@ async def test_cheap_late_slots_serve_a_costlier_request_with_the_rest_from_the_
     first = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
     second = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # never claimed
     assert first.reserved and second.reserved and second.wait == pytest.approx(0.2, abs=TOL)
-    # Both late (within burst / rate, 0.3 s), and the bucket refilled to 1.1 meanwhile (it
-    # stood at -2 after the two slots).
+    assert (await store.acquire(b, 2, 0, QUEUE, guard(), None, KEPT)).reserved  # 0.4 s: below empty till then
+    # Both late (within burst / rate, 0.3 s); the bucket stands at -4 + 3.1 = -0.9: the rest
+    # is held for (1 + 0.9) / 10 s.
     await later(store, clock, 0.2 + KEPT.owner + 0.01)
-    costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)
-    assert costly.granted and costly.claimed
+    costly = await store.acquire(b, 3, 0.5, QUEUE, guard(), None, KEPT)
+    assert costly.granted and costly.claimed and costly.wait == pytest.approx(0.19, abs=TOL)
     # Two units from the slots, one from the bucket: the slots' tokens are not taken twice.
-    assert costly.levels[0] == pytest.approx(10 * (0.2 + KEPT.owner + 0.01) - 2 - 1, abs=TOL * 10 + 0.02)
+    assert costly.levels[0] == pytest.approx(10 * (0.2 + KEPT.owner + 0.01) - 4 - 1, abs=TOL * 10 + 0.02)
 
 
 async def test_late_units_too_few_for_a_request_the_bucket_cannot_cover_are_left_alone(
@@ -291,8 +296,9 @@ async def test_late_units_too_few_for_a_request_the_bucket_cannot_cover_are_left
     b = (bucket("y", rate=10, burst=3),)
     assert (await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)).granted
     noshow = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
+    assert (await store.acquire(b, 2, 0, QUEUE, guard(), None, KEPT)).reserved  # 0.3 s: below empty till then
     await later(store, clock, noshow.wait + KEPT.owner + 0.01)
-    costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)  # 1 unit late, the bucket has ~1
+    costly = await store.acquire(b, 3, 0, QUEUE, guard(), None, KEPT)  # 1 unit late, the bucket at -0.9
     assert not costly.granted and costly.reserved  # a slot of its own; the late unit untouched
     cheap = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     assert cheap.granted and cheap.claimed
@@ -369,3 +375,35 @@ async def test_a_slot_claimed_late_by_its_owner_is_a_move_too(store: BucketStore
     assert late.granted and late.claimed and late.wait == pytest.approx(-0.15, abs=TOL)
     newcomer = await store.acquire(b, 1, 0, QUEUE, guard(), None, now)
     assert not newcomer.granted and not newcomer.claimed  # the 0.2 s slot's move would overlap the claim's
+
+
+async def test_a_late_slot_is_not_moved_past_a_time_its_bucket_refilled(store: BucketStore, clock: ManualClock) -> None:
+    """A bucket that refilled after a slot's time spends tokens of its own: the slot's move
+    would come on top of them. Burst 2 at 10/s, two slots at 0.1 and 0.2 s nobody claims;
+    at 0.6 s the bucket is full again, and four callers at once got its 2 and both slots'
+    (4 at once where the vendor's burst allows 2)."""
+    b = (bucket("r", rate=10, burst=2),)
+    kept = KEPT._replace(owner=0.0, life=2.0)
+    assert [(await store.acquire(b, 1, 0, QUEUE, guard(), None, kept)).granted for _ in range(2)] == [True, True]
+    slots = [await store.acquire(b, 1, 0, QUEUE, guard(), None, kept) for _ in range(2)]
+    assert all(s.reserved for s in slots)
+    await later(store, clock, 0.6)
+    at_once = [await store.acquire(b, 1, 0, QUEUE, guard(), None, kept) for _ in range(4)]
+    assert [r.granted for r in at_once] == [True, True, False, False]
+    assert not any(r.claimed for r in at_once)  # the bucket's own two, no slot moved
+
+
+async def test_a_late_slot_moves_no_more_than_the_bucket_lacks_of_its_burst(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    """Below empty since the slot's time, the bucket now holds half a token: a move may carry
+    the burst less that (1 of a burst of 2 whose window already gets the half)."""
+    b = (bucket("h", rate=10, burst=2),)
+    kept = KEPT._replace(owner=0.0, life=2.0)
+    for _ in range(2):
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, kept)).granted
+    for _ in range(4):  # slots at 0.1, 0.2, 0.3 and 0.4 s
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, kept)).reserved
+    await later(store, clock, 0.45)  # level -4 + 4.5 = 0.5: above empty only since 0.4 s
+    moved = [await store.acquire(b, 1, 0, QUEUE, guard(), None, kept) for _ in range(3)]
+    assert [r.claimed for r in moved] == [True, False, False]
