@@ -91,7 +91,9 @@
 -- KEYS[.. + 1 ..]       with a share (ARGV[11] ~= ""): its hash, its expiry set, then per class
 --                       its waiting sets and then its tag sets ("Share")
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
--- ARGV[1]               cost: tokens to take from every bucket
+-- ARGV[1]               cost: tokens to take from every bucket; or "<cost>|<c_1>,...,<c_n>":
+--                       bucket i takes c_i (a meter's estimate, SPEC §14), the request's
+--                       cost is still `cost` (its share's turn); no slot is kept then
 -- ARGV[2]               max_wait: ms the caller will hold; 0 = grant only if available now
 -- ARGV[3]               "q": a queue key follows the lease sets; "" = none (the hint is the wait)
 -- ARGV[4]               seq_seen: the highest `seq` this caller has seen (0 = none); "" = no state
@@ -139,6 +141,17 @@ local cost = tonumber(ARGV[1])
 local max_wait = tonumber(ARGV[2])
 local debt = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
+local costs = {} -- what each bucket takes
+if not cost then
+  local c, list = string.match(ARGV[1], '^([^|]+)|(.*)$')
+  cost = tonumber(c)
+  for x in string.gmatch(list, '[^,]+') do
+    costs[#costs + 1] = tonumber(x)
+  end
+end
+for i = #costs + 1, n do
+  costs[i] = cost
+end
 local lease_id, lease_life = ARGV[7], tonumber(ARGV[8])
 local claim = ARGV[9]
 local F = 12 -- fixed arguments before the buckets'
@@ -522,7 +535,7 @@ end
 -- the tenant's own buckets still needs when it is claimed).
 local wait, binding, vendor_wait = 0, 0, 0
 for i = 1, n do
-  local need = (cost - levels[i]) / rates[i]
+  local need = (costs[i] - levels[i]) / rates[i]
   if need > wait then
     wait, binding = need, i
   end
@@ -621,7 +634,7 @@ end
 
 local function take(first, last)
   for i = first, last do
-    levels[i] = levels[i] - cost
+    levels[i] = levels[i] - costs[i]
   end
 end
 
@@ -860,7 +873,7 @@ elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, sha
   if share then
     share_granted(wait)
     for i = 1, share.g - 1 do -- its own limit (or its endpoint's) holds its next: it waits on that
-      if levels[i] < cost then
+      if levels[i] < costs[i] then
         share_leaves()
         break
       end
@@ -911,7 +924,7 @@ else
     if tail > hint then
       hint = tail
     end
-    local step = cost / rates[binding]
+    local step = costs[binding] / rates[binding]
     if share and gate_step and not gate_ok then -- (its turn under its share: its fair interval)
       step = gate_step
     end

@@ -1,4 +1,4 @@
--- refund.lua: give back the tokens of a hold that never went out.
+-- refund.lua: give back the tokens of a hold that never went out; settle a metered request.
 --
 -- A held request's tokens were taken when it was granted (a reservation: the
 -- level went below zero). If the worker goes away before the reservation
@@ -9,8 +9,14 @@
 -- pairs and time as acquire.lua; the level is written at `now` on the same
 -- line it followed, so a vendor block (`ts` in the future) keeps its effect.
 --
+-- Settling (SPEC §14): a metered request took its estimate; the vendor's answer says
+-- what it really cost. Each bucket gets its difference back (never above `burst`), or
+-- owes it (a negative amount: the level goes down, below zero if need be, and later
+-- requests wait it out; a missing bucket, full, owes it from its burst).
+--
 -- KEYS[i]       bucket i
--- ARGV[1]       cost: tokens to give back to every bucket
+-- ARGV[1]       cost: tokens to give back to every bucket; or "|<a_1>,...,<a_n>": a_i to
+--               bucket i (negative: a debt)
 -- ARGV[3i - 1]  rate of bucket i, tokens per ms
 -- ARGV[3i]      burst of bucket i, tokens
 -- ARGV[3i + 1]  field: "" = the bucket is KEYS[i] itself; else its fields' prefix
@@ -23,9 +29,20 @@ local EPOCH = 1700000000
 local time = redis.call('TIME')
 local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 
+local amounts = {}
 local cost = tonumber(ARGV[1])
+if cost then
+  for i = 1, #KEYS do
+    amounts[i] = cost
+  end
+else
+  for x in string.gmatch(string.sub(ARGV[1], 2), '[^,]+') do
+    amounts[#amounts + 1] = tonumber(x)
+  end
+end
 local out = {}
 for i = 1, #KEYS do
+  local amount = amounts[i]
   local rate, burst, field = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), ARGV[3 * i + 1]
   local ft, fts = 't', 'ts'
   if field ~= '' then
@@ -36,11 +53,20 @@ for i = 1, #KEYS do
     rate, burst = math.min(rate, tonumber(state[3])), math.min(burst, tonumber(state[4]))
   end
   local level = burst
-  if state[1] then
-    level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate + cost)
+  if state[1] or amount < 0 then
+    if state[1] then
+      level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate)
+    end
+    level = math.min(burst, level + amount)
     redis.call('HSET', KEYS[i], ft, string.format('%.6f', level), fts, string.format('%.3f', now))
+    local life = math.ceil((burst - level) / rate) + 1000
     if field == '' then
-      redis.call('PEXPIRE', KEYS[i], math.ceil((burst - level) / rate) + 1000)
+      redis.call('PEXPIRE', KEYS[i], life)
+    elseif amount < 0 then -- the state hash: it outlives the debt
+      local ttl = redis.call('PTTL', KEYS[i])
+      if ttl >= 0 and ttl < life then
+        redis.call('PEXPIRE', KEYS[i], life)
+      end
     end
   end
   out[i] = string.format('%.6f', level)

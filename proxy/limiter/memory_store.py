@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 from proxy.clock import Clock
 from proxy.limiter.late_slots import Move, Slot, add_slot, drop_stale, late_units, leave, standby
+from proxy.limiter.memory_straight import TakeNow
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
     AcquireResult,
-    Answered,
     BlockResult,
     BucketSpec,
     LearnResult,
@@ -30,50 +30,6 @@ from proxy.limiter.store import (
 
 _SWEEP_EVERY = 4096  # operations between sweeps of expired keys
 _KEPT_GRACE = 3600.0  # seconds after its last slot matured a reservation set is forgotten
-
-
-class _Done:
-    """A straight call of this store: answered before ``send`` returned, nothing to cancel."""
-
-    @staticmethod
-    def cancel() -> bool:
-        return False
-
-
-_DONE = _Done()
-
-
-class TakeNow:
-    """A bucket set's acquire as the straight path sends it (store.StraightCall): ``take``,
-    answered at once."""
-
-    __slots__ = ("_args", "_guard", "_reserve", "_share", "_take")
-
-    def __init__(
-        self,
-        store: MemoryStore,
-        buckets: tuple[BucketSpec, ...],
-        cost: float,
-        max_wait: float,
-        queue: str | None,
-        guard: StateGuard,
-        reserve: Reserve | None,
-        share: ShareAsk | None = None,
-    ) -> None:
-        self._take = store.take
-        self._args = (buckets, cost, max_wait, queue)
-        self._guard = guard
-        self._reserve = reserve
-        self._share = share
-
-    def send(self, seen: int, leases: Leases | None, then: Answered) -> _Done:
-        try:
-            result = self._take(*self._args, self._guard._replace(seen=seen), leases, self._reserve, self._share)
-        except Exception as exc:  # (a bug: the caller's to report)
-            then(None, exc)
-        else:
-            then(result, None)
-        return _DONE
 
 
 class MemoryStore:
@@ -167,8 +123,9 @@ class MemoryStore:
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
-        return self.take(buckets, cost, max_wait, queue, guard, leases, reserve, share)
+        return self.take(buckets, cost, max_wait, queue, guard, leases, reserve, share, costs)
 
     def straight(
         self,
@@ -181,7 +138,7 @@ class MemoryStore:
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
     ) -> StraightCall | None:
-        return TakeNow(self, buckets, cost, max_wait, queue, guard, reserve, share)
+        return TakeNow(self.take, buckets, cost, max_wait, queue, guard, reserve, share)
 
     def take(
         self,
@@ -193,15 +150,17 @@ class MemoryStore:
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """``acquire``, answered at once: the state is this process's (the straight path,
         lane.py, asks without a coroutine)."""
         now = self._clock.monotonic()
         self._tick(now)
-        if queue is None:
-            reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
-        if leases is None and reserve is None and share is None and not self._learned:
+        if queue is None or costs is not None:
+            reserve = None  # (a slot is kept only for a caller told to retry, and not yet metered)
+        if leases is None and reserve is None and share is None and not self._learned and costs is None:
             return self._take_plain(buckets, cost, max_wait, queue, guard, now)
+        charge = costs if costs is not None else (cost,) * len(buckets)  # what each bucket takes
         levels = [self._level(b, now) for b in buckets]
         limits = [self._limits(b, now) for b in buckets]
         rates = [rate for rate, _ in limits]
@@ -234,8 +193,8 @@ class MemoryStore:
             if weak and held is None:
                 reserve = reserve._replace(claim="")
         wait, binding, vendor_wait = 0.0, -1, 0.0
-        for i, (rate, level) in enumerate(zip(rates, levels, strict=True)):
-            need = (cost - level) / rate
+        for i, (rate, level, c) in enumerate(zip(rates, levels, charge, strict=True)):
+            need = (c - level) / rate
             if need > wait:
                 wait, binding = need, i
             if i >= tenants and need > vendor_wait:
@@ -260,7 +219,7 @@ class MemoryStore:
 
         def take(first: int, last: int) -> None:
             for i in range(first, last):
-                levels[i] -= cost
+                levels[i] -= charge[i]
 
         def counted_grant() -> int:
             if guard is None:
@@ -360,8 +319,8 @@ class MemoryStore:
             oldest = min(self._live(sets[full].key, now).values())
             return refused(wait, max(0.0, now - (oldest - leases.life)))
         if turn is None:
-            return refused(wait, self._slot(queue, now, wait, cost / rates[binding]))
-        wait, binding, step = turn.refused(wait, binding, cost / rates[binding])
+            return refused(wait, self._slot(queue, now, wait, charge[binding] / rates[binding]))
+        wait, binding, step = turn.refused(wait, binding, charge[binding] / rates[binding])
         hint = self._slot(queue, now, wait, step)
         turn.refused_with(binding, hint)
         return refused(wait, hint)
@@ -498,12 +457,18 @@ class MemoryStore:
         return BlockResult(0.0, tuple(levels))
 
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        return self._settle(buckets, (cost,) * len(buckets))
+
+    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+        return self._settle(buckets, amounts)
+
+    def _settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
         now = self._clock.monotonic()
         levels: list[float] = []
-        for b in buckets:
+        for b, amount in zip(buckets, amounts, strict=True):
             level = self._level(b, now)
-            if b.ident in self._state:
-                level = min(self._limits(b, now)[1], level + cost)
+            if amount < 0 or (b.ident in self._state and self._state[b.ident][2] > now):
+                level = min(self._limits(b, now)[1], level + amount)
                 self._store(b, level, now)
             levels.append(level)
         return tuple(levels)

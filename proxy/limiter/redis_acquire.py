@@ -132,11 +132,12 @@ class AcquireShape:
         return parts
 
     def packed(
-        self, cost: float, max_wait: float, guard: StateGuard | None, leases: Leases | None, claim: str
+        self, cost: float | str, max_wait: float, guard: StateGuard | None, leases: Leases | None, claim: str
     ) -> bytes:
         """The whole command of one call (the usual one, guarded, without leases or claim,
-        from ``around_seen``)."""
-        if guard is not None and not claim:
+        from ``around_seen``; a metered one's ``cost``, a string with its buckets' own, is
+        packed whole: its estimate is its own)."""
+        if guard is not None and not claim and not isinstance(cost, str):
             if leases is None:
                 before, after = self.around_seen(cost, max_wait, guard.debt)
                 return before + bulk(guard.seen) + after
@@ -167,6 +168,11 @@ def reserve_spec(reserve: Reserve) -> str:
         f"{reserve.horizon * _MS:.3f}:{reserve.owner * _MS:.3f}:{reserve.life * _MS:.3f}:{reserve.tenants}"
         f":{reserve.standby * _MS:.3f}"
     )
+
+
+def per_bucket(amounts: tuple[float, ...]) -> str:
+    """One amount per bucket, as acquire.lua's and refund.lua's ARGV[1] lists them (exact)."""
+    return ",".join(repr(float(a)) for a in amounts)
 
 
 def acquire_result(out: list[Any], n: int) -> AcquireResult:

@@ -27,7 +27,14 @@ from redis.exceptions import RedisError
 
 from proxy.limiter.cluster_pipelined import ClusterPipelines, ClusterScript
 from proxy.limiter.pipelined import PipelinedConnection, PipelinedScript, PipelineError, Reply
-from proxy.limiter.redis_acquire import AcquireShape, StraightAcquire, acquire_result, reserve_spec, settled
+from proxy.limiter.redis_acquire import (
+    AcquireShape,
+    StraightAcquire,
+    acquire_result,
+    per_bucket,
+    reserve_spec,
+    settled,
+)
 from proxy.limiter.scripts import script
 from proxy.limiter.share import share_spec
 from proxy.limiter.store import (
@@ -172,8 +179,12 @@ class RedisStore:
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         sets = leases.sets if leases is not None else ()
+        charge: float | str = cost  # acquire.lua's ARGV[1]
+        if costs is not None:
+            charge, reserve = f"{cost!r}|{per_bucket(costs)}", None  # (no slot kept for a metered call yet)
         shape = self._shape(buckets, queue, guard, sets, reserve, share)
         n = shape.n
         claim = "" if reserve is None or queue is None else reserve.claim
@@ -181,7 +192,7 @@ class RedisStore:
         if fast is not None:
             # The command's fixed parts were packed once (AcquireShape): only what changes
             # per call is packed here, the bytes being those of the whole command packed.
-            packed = shape.packed(cost, max_wait, guard, leases, claim)
+            packed = shape.packed(charge, max_wait, guard, leases, claim)
             try:
                 if isinstance(fast, PipelinedScript) and (sent := fast.send_now(packed, self._timeout)) is not None:
                     out = await sent
@@ -193,7 +204,7 @@ class RedisStore:
                 raise self._fast_failed(exc) from exc
         else:
             args: list[float | str] = [
-                cost,
+                charge,
                 max_wait * _MS,
                 "q" if queue is not None else "",
                 "" if guard is None else guard.seen,
@@ -358,8 +369,14 @@ class RedisStore:
         )
 
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
+        return await self._refund_as(buckets, cost)
+
+    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+        return await self._refund_as(buckets, "|" + per_bucket(amounts))
+
+    async def _refund_as(self, buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[float, ...]:
         keys = [b.key for b in buckets]
-        args: list[float | str] = [cost]
+        args: list[float | str] = [amount]
         for b in buckets:
             args += (b.rate / _MS, b.burst, b.field)
         out = await self._call(lambda: self._refund(keys=keys, args=args))

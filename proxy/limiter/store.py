@@ -265,6 +265,7 @@ class BucketStore(Protocol):
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """Take ``cost`` from every bucket and a lease in every lease set, or nothing.
 
@@ -280,7 +281,9 @@ class BucketStore(Protocol):
         taking tokens again (``claimed``); see ``Reserve``. With ``share``, the vendor's
         schedule (SPEC §13, acquire.lua "Share") decides too: a request that is not its
         tenant's or class's turn is refused with its turn, taking nothing, and a grant is
-        reserved at most ``share.HORIZON`` ahead.
+        reserved at most ``share.HORIZON`` ahead. With ``costs`` (one per bucket: a meter's
+        buckets take the request's estimate, SPEC §14), bucket i takes ``costs[i]`` instead
+        (``cost`` is still the request's, as its share's turn counts it); no slot is kept.
         """
 
     def straight(
@@ -314,6 +317,12 @@ class BucketStore(Protocol):
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         """Give ``cost`` back to every bucket (a hold that never went out), never above
         its burst; a missing bucket is left alone. Levels after."""
+
+    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+        """Settle a metered request (SPEC §14): give ``amounts[i]`` back to bucket i (its
+        estimate less the actual amount), never above its burst, or take it as debt (a
+        negative amount: later requests wait it out), on the store's clock. A bucket that is
+        missing (full) is left alone by a refund and owes a debt from its burst. Levels after."""
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""

@@ -57,10 +57,11 @@ class FlakyStore(MemoryStore):
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         await self._enter()
         self.acquires += 1
-        return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share)
+        return await super().acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share, costs)
 
     def straight(
         self,
@@ -86,6 +87,10 @@ class FlakyStore(MemoryStore):
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         await self._enter()
         return await super().refund(buckets, cost)
+
+    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+        await self._enter()
+        return await super().settle(buckets, amounts)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         await self._enter()

@@ -1,0 +1,107 @@
+"""Meters in the store (SPEC §14): a metered request takes its estimate from its meter's
+buckets with its other buckets in the one atomic call (``acquire(costs=...)``), and the
+answer's actual amount settles it (``settle``): the difference given back, or owed.
+
+The same contract for memory:// (ManualClock) and redis:// (its own TIME, so the
+assertions allow some milliseconds of real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.store import BucketSpec, BucketStore, StateGuard
+
+TOL = 0.03  # seconds of real time a Redis-backed assertion may drift
+STATE = "test:{m}:state"
+QUEUE = "test:{m}:q:default"
+
+
+def requests(name: str, rate: float = 10, burst: float = 10) -> BucketSpec:
+    return BucketSpec(STATE, rate, burst, "global", f"requests {name}", field=f"g:{name}")
+
+
+def tokens(name: str, rate: float = 1000, burst: float = 5000) -> BucketSpec:
+    return BucketSpec(STATE, rate, burst, "global", f"tokens {name}", field=f"m:{name}")
+
+
+def guard() -> StateGuard:
+    return StateGuard(STATE, 0, 0.0)
+
+
+async def later(store: BucketStore, clock: ManualClock, seconds: float) -> None:
+    if isinstance(store, MemoryStore):
+        await clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
+async def test_each_bucket_takes_its_own_cost_in_one_call(store: BucketStore) -> None:
+    b = (requests("a"), tokens("a"))
+    first = await store.acquire(b, 1, 0, QUEUE, guard(), costs=(1, 3000))
+    assert first.granted and first.levels == (pytest.approx(9, abs=0.5), pytest.approx(2000, abs=50))
+    # The meter has 2000 of the 3000 asked: refused on it (the request bucket has room), a
+    # wait of the 1000 tokens it lacks at 1000/s, and nothing taken from either.
+    second = await store.acquire(b, 1, 0, QUEUE, guard(), costs=(1, 3000))
+    assert not second.granted and second.binding == 1
+    assert second.wait == pytest.approx(1.0, abs=TOL * 2)
+    assert second.levels[0] == pytest.approx(9, abs=0.5) and second.levels[1] < 2100
+
+
+async def test_a_metered_hold_waits_for_its_slowest_bucket(store: BucketStore) -> None:
+    b = (requests("h", rate=1, burst=1), tokens("h"))
+    assert (await store.acquire(b, 1, 0, None, guard(), costs=(1, 4000))).granted
+    held = await store.acquire(b, 1, 2.0, None, guard(), costs=(1, 2000))
+    # The request bucket refills in 1 s, the meter's 1000 missing tokens in 1 s: the slower.
+    assert held.granted and held.wait == pytest.approx(1.0, abs=TOL * 2)
+    assert held.levels[1] == pytest.approx(-1000, abs=50)  # reserved: below empty
+
+
+async def test_the_queue_spaces_refusals_by_the_binding_buckets_own_cost(store: BucketStore) -> None:
+    b = (requests("q", rate=100, burst=100), tokens("q"))
+    assert (await store.acquire(b, 1, 0, QUEUE + "q", guard(), costs=(1, 5000))).granted
+    one = await store.acquire(b, 1, 0, QUEUE + "q", guard(), costs=(1, 500))
+    two = await store.acquire(b, 1, 0, QUEUE + "q", guard(), costs=(1, 500))
+    assert not one.granted and not two.granted and one.binding == two.binding == 1
+    # Each refusal a slot of 500 tokens at 1000/s: half a second apart, not 1/100 s.
+    assert two.hint - one.hint == pytest.approx(0.5, abs=TOL)
+
+
+async def test_settling_gives_the_difference_back(store: BucketStore) -> None:
+    b = (tokens("r"),)
+    await store.acquire(b, 1, 0, None, guard(), costs=(3000,))
+    levels = await store.settle(b, (3000 - 1200,))  # the answer said 1200
+    assert levels[0] == pytest.approx(3800, abs=50)
+    # Never above the burst.
+    assert (await store.settle(b, (4000,)))[0] == pytest.approx(5000)
+
+
+async def test_settling_above_the_estimate_is_a_debt_the_next_requests_wait_out(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    b = (tokens("d"),)
+    await store.acquire(b, 1, 0, None, guard(), costs=(5000,))
+    levels = await store.settle(b, (5000 - 6500,))  # it took 6500
+    assert levels[0] == pytest.approx(-1500, abs=50)
+    refused = await store.acquire(b, 1, 0, None, guard(), costs=(100,))
+    assert not refused.granted and refused.wait == pytest.approx(1.6, abs=TOL * 2)
+    await later(store, clock, 1.65)
+    assert (await store.acquire(b, 1, 0, None, guard(), costs=(100,))).granted
+
+
+async def test_a_full_bucket_is_left_alone_by_a_refund_and_owes_a_debt_from_its_burst(store: BucketStore) -> None:
+    fresh = (tokens("f1"), tokens("f2"))
+    levels = await store.settle(fresh, (300, -700))
+    assert levels == (pytest.approx(5000), pytest.approx(4300, abs=5))
+    assert (await store.peek(fresh)) == (pytest.approx(5000), pytest.approx(4300, abs=5))
+
+
+async def test_a_refund_still_gives_one_cost_to_every_bucket(store: BucketStore) -> None:
+    b = (requests("x"), tokens("x"))
+    await store.acquire(b, 1, 0, None, guard(), costs=(1, 1000))
+    levels = await store.refund(b, 1)
+    assert levels == (pytest.approx(10, abs=0.5), pytest.approx(4001, abs=50))
