@@ -5,6 +5,10 @@ Cluster slot (a script may only touch keys of one slot). The limit itself is
 part of the key: a changed limit starts a fresh bucket, an unchanged one keeps
 its state across reloads.
 
+A vendor's meters (SPEC §14) add buckets of their own at the end: the tenant's and the
+vendor's for each meter, in the policy's order, taken at the request's estimate of that
+meter's currency (``Buckets.costs``) in the same store call.
+
 A vendor's global and endpoint buckets are fields of its state hash (acquire.lua,
 "Lost state"); with ``partition:`` each partition has a state hash of its own,
 ``…:p:<hash>:state``, and the default partition (no header) keeps the vendor's
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from proxy.limiter.share import share_ask
 from proxy.limiter.store import BucketSpec, LeaseSet, ShareAsk
-from proxy.policy.model import Endpoint, Limit, Vendor
+from proxy.policy.model import Endpoint, Limit, Meter, Vendor
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +44,29 @@ class Buckets:
     """The endpoint class's name, None for a request of none."""
     share: ShareAsk | None = None
     """Its place in the vendor's schedule (``share:``, SPEC §13; share.py); None: first come."""
+    meters: tuple[int, ...] = ()
+    """The meter (an index of ``vendor.meters``) of each of the last ``len(meters)`` buckets:
+    its meters' buckets, after the request buckets (SPEC §14); () without meters."""
     vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
-    """The buckets the vendor counts itself: the endpoint class's and the global ones (the
-    pacer keeps a lag per bucket: pacing.py)."""
+    """The request buckets the vendor counts itself: the endpoint class's and the global ones
+    (the pacer keeps a lag per bucket: pacing.py)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "vendor_side", self.all[self.tenant_count :])
+        object.__setattr__(self, "vendor_side", self.all[self.tenant_count : len(self.all) - len(self.meters)])
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:
-        return self.all[self.tenant_count + self.endpoint_count :]
+        return self.all[self.tenant_count + self.endpoint_count : len(self.all) - len(self.meters)]
+
+    @property
+    def request_count(self) -> int:
+        """How many of ``all`` count requests (the first): the rest are meters'."""
+        return len(self.all) - len(self.meters)
+
+    def costs(self, cost: float, estimates: tuple[float, ...]) -> tuple[float, ...]:
+        """What each bucket takes: ``cost`` from a request bucket, its meter's estimate
+        (``estimates``, one per meter of the vendor) from a meter's."""
+        return (cost,) * self.request_count + tuple(estimates[k] for k in self.meters)
 
     @property
     def endpoint_part(self) -> tuple[BucketSpec, ...]:
@@ -144,6 +161,31 @@ def tenant_buckets(prefix: str, vendor: Vendor, tenant: str) -> tuple[BucketSpec
     )
 
 
+def meter_buckets(prefix: str, vendor: Vendor, tenant: str, partition: str = "") -> tuple[tuple[BucketSpec, int], ...]:
+    """Each meter's buckets with its index: the tenant's (keys of their own, as its request
+    buckets), then the vendor's (fields ``m:<meter>:<limit>`` of the partition's state hash:
+    a lost state is noticed for them too)."""
+    ns = vendor_namespace(prefix, vendor.name)
+    state = state_key(prefix, vendor.name, partition)
+    out: list[tuple[BucketSpec, int]] = []
+    for k, meter in enumerate(vendor.meters):
+        out += (
+            (BucketSpec(f"{ns}:t:{tenant}:m:{meter.name}:{lim.key}", lim.per_second, lim.burst, "tenant",
+                        f"tenant {tenant} {meter.name} {lim.label}"), k)
+            for lim in _tenant_meter_limits(meter, tenant)
+        )  # fmt: skip
+        out += (
+            (BucketSpec(state, lim.per_second, lim.burst, "global", f"{meter.name} {lim.label}",
+                        field=f"m:{meter.name}:{lim.key}"), k)
+            for lim in meter.limits
+        )  # fmt: skip
+    return tuple(out)
+
+
+def _tenant_meter_limits(meter: Meter, tenant: str) -> tuple[Limit, ...]:
+    return meter.tenant_limits.for_tenant(tenant)
+
+
 def queue_key(prefix: str, vendor: str, tenant: str, endpoint: Endpoint | None = None, partition: str = "") -> str:
     """The deferral queue of a bucket set. A tenant name never holds ``/``, so the
     partition and endpoint parts cannot run into another tenant's key; an endpoint
@@ -180,8 +222,9 @@ def buckets_for(
     if share is not None:
         index = share.class_of(tenant) if klass is None else klass
         ask = share_ask(share, state, tenant, index or 0, len(tenant_part) + len(endpoint_part))
+    metered = meter_buckets(prefix, vendor, tenant, partition)
     return Buckets(
-        tenant_part + endpoint_part + global_buckets(prefix, vendor, partition),
+        tenant_part + endpoint_part + global_buckets(prefix, vendor, partition) + tuple(b for b, _ in metered),
         len(tenant_part),
         queue,
         kept_key(queue),
@@ -190,6 +233,7 @@ def buckets_for(
         partition,
         None if endpoint is None else endpoint.name,
         ask,
+        tuple(k for _, k in metered),
     )
 
 

@@ -255,6 +255,7 @@ class LocalShares:
         queue: str | None,
         alone: bool,
         leases: Leases | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """The store's acquire on this replica's shares. ``alone``: the shared buckets will
         not take it (the store is out), so it is owed to them when it returns. ``leases``:
@@ -262,7 +263,8 @@ class LocalShares:
         mine = None if leases is None or not leases.sets else cap_share(leases, self.replicas)
         if len(self._leased) >= _SPECS_MAX:  # ids whose requests never gave them back: long expired
             self._leased.clear()
-        result = await self._store.acquire(self._shares(vendor, tenant, b), cost, max_wait, queue, leases=mine)
+        shares = self._shares(vendor, tenant, b)
+        result = await self._store.acquire(shares, cost, max_wait, queue, leases=mine, costs=costs)
         if result.granted and mine is not None:
             self._leased.add(mine.id)
         if result.granted and alone:
@@ -286,8 +288,11 @@ class LocalShares:
     def spent_alone(self, vendor: Vendor, cost: float, partition: str = "") -> None:
         self._vendors[(vendor.name, partition)].alone += cost
 
-    async def refund(self, vendor: Vendor, tenant: str, b: Buckets, cost: float) -> None:
-        await self._store.refund(self._shares(vendor, tenant, b), cost)
+    async def refund(
+        self, vendor: Vendor, tenant: str, b: Buckets, cost: float, costs: tuple[float, ...] | None = None
+    ) -> None:
+        shares = self._shares(vendor, tenant, b)
+        await self._store.settle(shares, costs if costs is not None else (cost,) * len(shares))
 
     async def block(self, vendor: Vendor, seconds: float, partition: str = "") -> None:
         """A vendor 429 while degraded: the (partition's) global shares grant nothing for ``seconds``."""

@@ -17,7 +17,10 @@ from proxy.policy.model import Vendor
 
 _CHARGE_WAIT = 10 * 365 * 86400.0  # seconds: a charge is an acquire that is never refused
 
-Shared = Callable[[Vendor, Buckets, float, float, str | None, Leases | None, Reserve | None], Awaitable[AcquireResult]]
+Shared = Callable[
+    [Vendor, Buckets, float, float, str | None, Leases | None, Reserve | None, tuple[float, ...] | None],
+    Awaitable[AcquireResult],
+]
 """An acquire of the shared buckets, behind the breaker (``Limiter._acquire_shared``)."""
 
 
@@ -58,21 +61,22 @@ class Fallback:
         queue: str | None,
         leases: Leases | None,
         reserve: Reserve | None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """``Limiter.acquire`` with local shares to fall back on. A share keeps no slot: a
-        claim is the store's to honour."""
+        claim is the store's to honour. ``costs``: each bucket's own (a metered request)."""
         local = self.local
         mode = local.current()
         if mode == "shared":
             try:
-                return await self._shared(vendor, b, cost, max_wait, queue, leases, reserve)
+                return await self._shared(vendor, b, cost, max_wait, queue, leases, reserve, costs)
             except StoreUnavailable as exc:
                 if not local.engage(exc):
                     raise
-                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
+                return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases, costs)
         if mode == "local" and not await self._come_back(vendor):
-            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases)
-        return await self._acquire_both(vendor, tenant, b, cost, queue, leases)
+            return await self._acquire_local(vendor, tenant, b, cost, max_wait, queue, leases, costs)
+        return await self._acquire_both(vendor, tenant, b, cost, queue, leases, costs)
 
     async def _local_shares(self, vendor: Vendor, b: Buckets) -> None:
         local = self.local
@@ -90,10 +94,11 @@ class Fallback:
         max_wait: float,
         queue: str | None,
         leases: Leases | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """The store is out: this replica's share decides alone (of the caps too)."""
         await self._local_shares(vendor, b)
-        result = await self.local.acquire(vendor, tenant, b, cost, max_wait, queue, alone=True, leases=leases)
+        result = await self.local.acquire(vendor, tenant, b, cost, max_wait, queue, True, leases, costs)
         if result.granted and self._on_grant is not None:
             self._on_grant(vendor.name)
         return result
@@ -144,6 +149,7 @@ class Fallback:
         cost: float,
         queue: str | None,
         leases: Leases | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         """Just back from an outage: the local share and the shared buckets must both grant,
         and at once. A hold would be booked on two buckets at two different times and leave
@@ -152,15 +158,15 @@ class Fallback:
         forwarded now or deferred (with the hint of whichever refused)."""
         local = self.local
         await self._local_shares(vendor, b)
-        mine = await local.acquire(vendor, tenant, b, cost, 0.0, queue, alone=False)
+        mine = await local.acquire(vendor, tenant, b, cost, 0.0, queue, False, None, costs)
         if not mine.granted:
             return mine  # this replica's share refuses: nothing was taken anywhere
         try:
-            result = await self._shared(vendor, b, cost, 0.0, queue, leases, None)
+            result = await self._shared(vendor, b, cost, 0.0, queue, leases, None, costs)
         except StoreUnavailable as exc:
             local.engage(exc)  # out again: the local grant stands, owed to the store
             local.spent_alone(vendor, cost, b.partition)
             return mine
         if not result.granted:
-            await local.refund(vendor, tenant, b, cost)
+            await local.refund(vendor, tenant, b, cost, costs)
         return result

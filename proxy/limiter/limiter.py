@@ -168,6 +168,7 @@ class Limiter:
         claim: str | None = None,
         keeps: bool = True,
         owner: float = 0.0,
+        estimates: tuple[float, ...] = (),
     ) -> Coroutine[Any, Any, AcquireResult]:
         """Take ``cost`` from every bucket of the request (``buckets``) now or within
         ``max_wait``, or from none. The result's ``binding`` indexes those buckets.
@@ -185,15 +186,21 @@ class Limiter:
         none; store.Reserve). ``keeps=False``: a caller that holds and claims a slot it was
         given before, keeping none should it be refused. ``owner``: how long after a slot
         matured this caller may take it when its owner has not (kept_slots.Caller.owner).
+        ``estimates``: one per meter of the vendor (SPEC §14), what the request is estimated
+        to cost in that meter's currency, taken from its buckets with the others (no slot is
+        kept for a metered call: ``claim`` is ignored).
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
-        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps, owner)
+        costs = b.costs(cost, estimates) if b.meters else None
+        reserve = None
+        if claim is not None and queue is not None and costs is None:
+            reserve = self.reserve(vendor, b, claim, keeps, owner)
         if self._fallback is None:  # the store alone: its call itself, not one more coroutine around it
-            return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve)
-        return self._fallback.acquire(vendor, tenant, b, cost, max_wait, queue, leases, reserve)
+            return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve, costs)
+        return self._fallback.acquire(vendor, tenant, b, cost, max_wait, queue, leases, reserve, costs)
 
     @staticmethod
     def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True, owner: float = 0.0) -> Reserve:
@@ -215,12 +222,13 @@ class Limiter:
         queue: str | None,
         leases: Leases | None = None,
         reserve: Reserve | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         if not self.breaker.allow():
             raise StoreUnavailable("circuit breaker open")
         try:
             guard = self.observations.guard(vendor, b.state_key)
-            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share)
+            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share, costs)
         except BaseException as exc:
             self._not_taken(exc)
             raise
@@ -329,26 +337,49 @@ class Limiter:
         )
 
     async def refund(
-        self, vendor: Vendor, tenant: str, cost: float = 1.0, *, endpoint: Endpoint | None = None, partition: str = ""
+        self,
+        vendor: Vendor,
+        tenant: str,
+        cost: float = 1.0,
+        *,
+        endpoint: Endpoint | None = None,
+        partition: str = "",
+        estimates: tuple[float, ...] = (),
     ) -> bool:
         """A held request that never went out: give its tokens back to every bucket it took
-        from (``buckets`` of the same arguments).
+        from (``buckets`` of the same arguments; a meter's, its ``estimates``).
 
         Best effort, never raises: a refund the store cannot take only leaves the
         buckets as short as they were. Returns whether the store (or, degraded, this
         replica's share) took it."""
         b = self.buckets(vendor, tenant, endpoint, partition)
+        costs = b.costs(cost, estimates) if b.meters else None
         local = self.local
         if local is not None and local.active and local.knows(vendor, partition):
-            await local.refund(vendor, tenant, b, cost)
+            await local.refund(vendor, tenant, b, cost, costs)
             if local.current() == "local":
                 return True  # the store took none of it
         try:
-            levels = await self._feedback(self.store.refund(b.all, cost))
+            given = self.store.refund(b.all, cost) if costs is None else self.store.settle(b.all, costs)
+            levels = await self._feedback(given)
         except StoreUnavailable:
             return False
         self.observations.observe(vendor, b, levels)
         return True
+
+    async def settle(self, b: Buckets, differences: tuple[float, ...]) -> tuple[float, ...] | None:
+        """A metered request's answer said what it cost (SPEC §14): each of its meters'
+        buckets gets ``differences[k]`` (meter k's estimate less its actual amount) back, or
+        owes it (negative). Levels of the meters' buckets after; None when the store could
+        not take it (best effort, never raises: the estimate then stands)."""
+        metered = b.all[b.request_count :]
+        amounts = tuple(differences[k] for k in b.meters)
+        if not any(amounts):
+            return None
+        try:
+            return await self._feedback(self.store.settle(metered, amounts))
+        except StoreUnavailable:
+            return None
 
     async def left(self, kept: str, claims: tuple[str, ...]) -> None:
         """A worker's connection closed holding the slots ``claims`` of reservation set

@@ -65,13 +65,13 @@ class Observations:
     def observe(self, vendor: Vendor, b: Buckets, levels: tuple[float, ...], now: float | None = None) -> None:
         """Remember the global buckets' levels in ``levels`` (every bucket of ``b``), as of
         ``now`` (the clock's, when not given)."""
-        start = b.tenant_count + b.endpoint_count
-        if start < len(levels):
+        start, end = b.tenant_count + b.endpoint_count, b.request_count  # (a meter's buckets: after)
+        if start < end <= len(levels):
             if b.partition:
-                self.note_levels(vendor, b.partition, b.state_key, levels[start:])
+                self.note_levels(vendor, b.partition, b.state_key, levels[start:end])
             else:
                 at = self.clock.monotonic() if now is None else now
-                self.observed[vendor.name] = Observation(levels[start:], at)
+                self.observed[vendor.name] = Observation(levels[start:end], at)
 
     def note_levels(self, vendor: Vendor, partition: str, key: str, levels: tuple[float, ...]) -> None:
         obs = Observation(levels, self.clock.monotonic())

@@ -313,6 +313,7 @@ async def relay(
     responder: Responder,
     extra_headers: dict[str, str] | None = None,
     before_end: Callable[[], Awaitable[None]] | None = None,
+    watch: Callable[[bytes], None] | None = None,
 ) -> str | None:
     """Stream the vendor's answer to the worker; returns why the relay did not complete, if it did not.
 
@@ -327,7 +328,9 @@ async def relay(
 
     ``before_end`` runs once the vendor's answer is all in, before the worker is sent the
     last of it (the request's concurrency lease given back: the worker's next request must
-    find it free, SPEC §10)."""
+    find it free, SPEC §10). ``watch`` sees each piece of the body as it is relayed (a
+    metered request's settlement reads the vendor's usage from it: metering.py), never
+    holding it back."""
     try:
         written = answer_lines(upstream.block, answer_fields(), False)  # the usual answer: its lines copied
         if written is None:  # a Connection field: the fields it names are dropped too, the general filter
@@ -345,11 +348,15 @@ async def relay(
             responder.start_lines(upstream.status, upstream.reason, head, length, date, codings)
         whole = upstream.whole(_WHOLE_MAX)
         if whole is not None:  # all in already (a small answer): one write, no read per piece
+            if watch is not None:
+                watch(whole)
             if before_end is not None:
                 await before_end()
             await responder.complete(whole)
         else:
             while chunk := await upstream.read():
+                if watch is not None:
+                    watch(chunk)
                 if before_end is not None and upstream.done:  # the last piece
                     await before_end()
                     before_end = None

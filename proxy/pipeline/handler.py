@@ -22,6 +22,7 @@ from proxy.deps import Deps
 from proxy.limiter import AcquireResult, BlockMark, BucketSpec, StoreUnavailable
 from proxy.limiter.buckets import Buckets
 from proxy.limiter.partitions import shown
+from proxy.pipeline import metering
 from proxy.pipeline.decide import Admission, Defer, Hold, Shed, decide, refusal, request_wish
 from proxy.pipeline.feedback import NOTHING, Applied, apply_feedback, changes_nothing
 from proxy.pipeline.forward import Carrier, body_broke, relay, send, send_failed, unrelayable
@@ -30,6 +31,7 @@ from proxy.pipeline.kept_slots import Caller, KeptSlots
 from proxy.pipeline.lane import Lane
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.pipeline.match import Match, interception_of
+from proxy.pipeline.metering import Settlement
 from proxy.pipeline.pacing import Paced, longest_window
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.pipeline.responses import write_answer
@@ -58,18 +60,24 @@ def _as_is(answer: web.Response) -> web.Response | None:
 
 
 def _give_back(
-    deps: Deps, vendor: Vendor, tenant: str, mark: BlockMark, cost: float, endpoint: Endpoint | None, partition: str
+    deps: Deps,
+    vendor: Vendor,
+    tenant: str,
+    mark: BlockMark,
+    cost: float,
+    endpoint: Endpoint | None,
+    partition: str,
+    estimates: tuple[float, ...] = (),
 ) -> None:
-    """Refund a held request that will not go out (``Limiter.refund``: every bucket it
-    took from, never above its burst). In the background: a worker that went away is
-    not kept waiting for the store, and a refund the store cannot take is only lost.
+    """Refund a held request that will not go out (``Limiter.refund``: every bucket it took
+    from, never above its burst), in the background: the worker is gone, a failed one is lost.
 
     Not after a vendor block began (``mark``): the block restarted the vendor's buckets
     from empty at its end, absorbing the reservation, so a refund would land there as a
     burst at the block's edge (SPEC §6). The tenant's token is lost with it: the limiter
     refunds every bucket of a request or none."""
     if deps.limiter.mark(vendor.name, partition) == mark:
-        refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition)
+        refund = deps.limiter.refund(vendor, tenant, cost, endpoint=endpoint, partition=partition, estimates=estimates)
         spawn(refund, name=f"refund-{vendor.name}")
 
 
@@ -194,6 +202,7 @@ class ProxyHandler:
                 slot.close()
             return
         wish = request_wish(match.vendor.on_limit, request.headers)
+        estimated = await metering.begin(deps, match, request, rec) if match.vendor.meters else ()
         try:
             admission = await self.admit(
                 deps,
@@ -207,6 +216,7 @@ class ProxyHandler:
                 taken=None if carried is None else carried.taken,
                 caller=Caller(request.kept_slots, request.method, request.target, request.headers, request.follows),
                 klass=match.klass,
+                estimates=estimated,
             )
             await self._go(deps, request, responder, match, rec, admission, slot)
         finally:
@@ -251,6 +261,7 @@ class ProxyHandler:
         taken: AcquireResult | StoreUnavailable | None = None,
         caller: Caller | None = None,
         klass: int | None = None,
+        estimates: tuple[float, ...] = (),
     ) -> Admission:
         """Take the request's tokens (its endpoint class's ``cost`` from every bucket it
         touches: the tenant's, the class's, the partition's global ones) and ``slot``'s
@@ -258,7 +269,8 @@ class ProxyHandler:
         sent (forwarded or held), or raises the refusal. ``taken``: the store's answer
         already had (or why there was none), from the straight path. ``caller``: who asks,
         so that a deferred call keeps its slot and its retry claims it (kept_slots.py).
-        ``klass``: under ``share:``, the class ``X-Quota-Priority`` named (None: the tenant's)."""
+        ``klass``: under ``share:``, the class ``X-Quota-Priority`` named (None: the tenant's).
+        ``estimates``: a metered request's, one per meter of the vendor (metering.py)."""
         limiter = deps.limiter
         seats = deps.policy.tenant.max_active
         if seats is not None and tenant not in deps.router.tenancy.named:  # the policy's tenants need none
@@ -291,6 +303,7 @@ class ProxyHandler:
                 claim=None if turn else claim,
                 keeps=keeps,
                 owner=0.0 if caller is None else caller.owner,
+                estimates=estimates,
             )
 
         line = line_of(b, tenant) if wish.action == "hold" else None
@@ -311,6 +324,7 @@ class ProxyHandler:
                 wait = limiter.breaker.retry_after()
                 raise StoreDown(wait, f"store unavailable: {exc}", blocked_item(vendor, wait)) from None
             self._warn_fail_open(deps, vendor.name, exc)
+            rec.metered = ()  # nothing taken, nothing to settle
             deps.metrics.fail_open.labels(vendor.name).inc()
             rec.detail = f"store unavailable, forwarded unlimited (on_failure: open): {exc}"
             return Admission("forwarded")
@@ -367,6 +381,7 @@ class ProxyHandler:
         ``lined``: seconds it waited for its turn already (``_turn``)."""
         decision = decide(result, wish)
         if isinstance(decision, Defer | Shed):
+            metering.refused(deps, vendor, b, result.binding)
             bucket = b.all[result.binding]
             reason = _global_reason(deps, vendor.name, bucket, partition) if bucket.scope == "global" else ""
             raise refusal(decision, result, b, request_limits(vendor, tenant, endpoint), reason)
@@ -429,7 +444,7 @@ class ProxyHandler:
             with _holding(deps, name):
                 await deps.clock.sleep(wait)
         except asyncio.CancelledError:
-            _give_back(deps, vendor, tenant, mark, cost, endpoint, partition)
+            _give_back(deps, vendor, tenant, mark, cost, endpoint, partition, tuple(e for _, e, _ in rec.metered))
             raise
         finally:
             rec.hold = waited + wait
@@ -454,19 +469,25 @@ class ProxyHandler:
         slot: Slot = UNCAPPED,
     ) -> None:
         vendor = match.vendor
+        metered = bool(rec.metered)
         if carried is None:
             sent = deps.clock.monotonic()
-            upstream = await send(
-                deps.upstreams.pool(vendor),
-                vendor,
-                request,
-                match.origin,
-                match.path_qs,
-                deps.policy.tenant.header,
-                deps.pacer,
-                admission.pace,
-                carrier,
-            )
+            try:
+                upstream = await send(
+                    deps.upstreams.pool(vendor),
+                    vendor,
+                    request,
+                    match.origin,
+                    match.path_qs,
+                    deps.policy.tenant.header,
+                    deps.pacer,
+                    admission.pace,
+                    carrier,
+                )
+            except BaseException:
+                if metered:  # a failed exchange gives its estimate back
+                    metering.settle(deps, match, rec, None, None)
+                raise
         else:  # the straight path sent it
             sent = carried.sent
             if carried.failure is not None:
@@ -491,7 +512,18 @@ class ProxyHandler:
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        broken = await relay(upstream, responder, extra, slot.give_back if slot.taken else None)
+        settlement = Settlement(vendor, upstream.headers) if metered and upstream.status != 429 else None
+        try:
+            broken = await relay(
+                upstream,
+                responder,
+                extra,
+                slot.give_back if slot.taken else None,
+                None if settlement is None else settlement.watch,
+            )
+        finally:
+            if metered:  # (a vendor 429 gives the estimate back; a worker gone settles with what was said)
+                metering.settle(deps, match, rec, settlement, upstream.headers)
         elapsed = deps.clock.monotonic() - sent
         deps.tally(vendor.name).timed(elapsed)
         rec.outcome = admission.outcome

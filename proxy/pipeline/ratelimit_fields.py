@@ -49,11 +49,16 @@ def bucket_item(limit: Limit, scope: str, level: float) -> QuotaItem:
 
 def request_limits(vendor: Vendor, tenant: str, endpoint: Endpoint | None = None) -> tuple[tuple[Limit, str], ...]:
     """A request's limits with their scope, in the order the store reports their levels:
-    the tenant's, the endpoint class's, then the vendor's global ones (as
-    ``limiter.buckets.buckets_for`` lists them)."""
+    the tenant's, the endpoint class's, the vendor's global ones, then each meter's, the
+    tenant's and the vendor's, scoped by the meter's name (as ``limiter.buckets.buckets_for``
+    lists them)."""
     tenant_part = tuple((limit, "tenant") for limit in vendor.tenant_limits.for_tenant(tenant))
     endpoint_part = () if endpoint is None else tuple((limit, "endpoint") for limit in endpoint.limits)
-    return tenant_part + endpoint_part + tuple((limit, "global") for limit in vendor.limits)
+    meters: tuple[tuple[Limit, str], ...] = ()
+    for meter in vendor.meters:
+        meters += tuple((limit, f"tenant-{meter.name}") for limit in meter.tenant_limits.for_tenant(tenant))
+        meters += tuple((limit, meter.name) for limit in meter.limits)
+    return tenant_part + endpoint_part + tuple((limit, "global") for limit in vendor.limits) + meters
 
 
 def tightest(limits: Sequence[tuple[Limit, str]], levels: Sequence[float], index: int = -1) -> QuotaItem | None:

@@ -377,6 +377,9 @@ class Routes:
         except Refusal:
             self._keep(key, None)  # the general path refuses it (and counts and logs the refusal)
             return None
+        if match.vendor.meters:
+            self._keep(key, None)  # a metered call's estimate reads its body (SPEC §14): the general path's
+            return None
         if cut >= 0 and match.path_qs != request.target[cut:]:
             return None  # a fragment, a query right after the authority...: this target is not cut so
         mode = "plain" if tunnel is None else "intercept"

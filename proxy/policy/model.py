@@ -17,6 +17,8 @@ ConnectMode = Literal["intercept", "tunnel", "deny"]
 FailureMode = Literal["closed", "open", "local"]
 TenantFrom = Literal["header", "proxy_auth"]
 HeaderFeedback = Literal["auto", "none"]
+EstimateKind = Literal["openai", "anthropic_input", "anthropic_output", "fixed", "json"]
+SettleKind = Literal["openai", "anthropic_input", "anthropic_output", "json", "header", "none"]
 Workers = int | Literal["auto"]
 
 ACTIONS: tuple[Action, ...] = ("hold", "defer", "shed")
@@ -24,6 +26,8 @@ CONNECT_MODES: tuple[ConnectMode, ...] = ("intercept", "tunnel", "deny")
 FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
 TENANT_FROM: tuple[TenantFrom, ...] = ("header", "proxy_auth")
 HEADER_FEEDBACK: tuple[HeaderFeedback, ...] = ("auto", "none")
+ESTIMATE_PRESETS: tuple[EstimateKind, ...] = ("openai", "anthropic_input", "anthropic_output")
+SETTLE_PRESETS: tuple[SettleKind, ...] = ("openai", "anthropic_input", "anthropic_output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +164,54 @@ class Endpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class MeterEstimate:
+    """How a metered request's cost is estimated before it goes (SPEC §14)."""
+
+    kind: EstimateKind
+    """A preset (the vendor's own admission rule), ``fixed`` or ``json``."""
+    amount: float = 0.0
+    """``fixed``: the cost of every request; ``json``: the cost when the pointer finds no
+    non-negative number."""
+    pointer: str = ""
+    """``json``: an RFC 6901 pointer into the request's JSON body."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeterSettle:
+    """Where the vendor's answer says what a metered request really cost (SPEC §14)."""
+
+    kind: SettleKind = "none"
+    """A preset (the vendor's ``usage``, streamed or not), ``json``, ``header``, or ``none``
+    (the estimate stands)."""
+    pointer: str = ""
+    """``json``: an RFC 6901 pointer into the answer's JSON body."""
+    header: str = ""
+    """``header``: the answer header holding the amount."""
+
+
+@dataclass(frozen=True, slots=True)
+class Meter:
+    """A currency the vendor counts besides requests (LLM tokens, query-cost points): its
+    own buckets, taken at each request's estimated cost with the request's other buckets,
+    and settled from the answer (SPEC §14)."""
+
+    name: str
+    """Unique per vendor: the ``meter`` label in metrics and part of its store keys."""
+    limits: tuple[Limit, ...]
+    estimate: MeterEstimate
+    settle: MeterSettle = field(default_factory=MeterSettle)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    default: float | None = None
+    """What a request whose body cannot be read for the estimate (not JSON, or too large)
+    costs; None: the most its buckets can ever hold (the smallest burst)."""
+
+    @property
+    def capacity(self) -> float:
+        """The most one request can ever take: the smallest burst of its buckets."""
+        return min(lim.burst for lim in self.limits)
+
+
+@dataclass(frozen=True, slots=True)
 class Partition:
     """The vendor's quota is per value of a request header (a credential, an account)."""
 
@@ -245,6 +297,8 @@ class Vendor:
     """Keep the global and endpoint buckets per value of a request header; None: one quota."""
     share: Share | None = None
     """Divide the global buckets among waiting tenants and classes (SPEC §13); None: first come."""
+    meters: tuple[Meter, ...] = ()
+    """Currencies the vendor counts besides requests (SPEC §14), in file order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,10 +342,11 @@ class TenantSettings:
     one beyond it is deferred until a seat frees up. None: no bound."""
 
     def named(self, vendors: tuple[Vendor, ...]) -> frozenset[str]:
-        """The tenants the policy names: the default, every vendor's overrides and share
-        weights and classes (SPEC §13), every credential."""
+        """The tenants the policy names: the default, every vendor's and every meter's
+        overrides, share weights and classes (SPEC §13), every credential."""
         names = {tenant for vendor in vendors for tenant, _ in vendor.tenant_limits.overrides}
         for vendor in vendors:
+            names.update(tenant for meter in vendor.meters for tenant, _ in meter.tenant_limits.overrides)
             if vendor.share is not None:
                 names.update(tenant for tenant, _ in vendor.share.weights)
                 names.update(tenant for tenant, _ in vendor.share.tenant_class)

@@ -34,6 +34,7 @@ UPSTREAM_STATUS = "upstream_status"
 HOLD_MS = "hold_ms"
 DURATION_MS = "duration_ms"
 DETAIL = "detail"
+METERS = "meters"
 ENDPOINT = "endpoint"
 """The vendor's endpoint class (SPEC §10), when the request matched one."""
 PARTITION = "partition"
@@ -102,6 +103,7 @@ class AccessRecord:
         "endpoint",
         "hold",
         "host",
+        "metered",
         "method",
         "outcome",
         "partition",
@@ -130,6 +132,9 @@ class AccessRecord:
         self.shared: tuple[Share, int, float] | None = None
         """Under ``share:``: the vendor's share, the request's class and cost (counted by
         class when it ends, not logged)."""
+        self.metered: tuple[tuple[str, float, float | None], ...] = ()
+        """Per meter of its vendor (SPEC §14): its name, the request's estimate and what the
+        answer said it cost (None: not said, or not yet)."""
 
     def line(self) -> str:
         """The record as one JSON line: exactly what ``json.dumps`` makes of ``fields``
@@ -162,9 +167,13 @@ class AccessRecord:
             fields[PARTITION] = self.partition
         if self.detail:
             fields[DETAIL] = self.detail
+        if self.metered:
+            fields[METERS] = {name: {"estimated": e, "settled": s} for name, e, s in self.metered}
         return fields
 
     def _direct(self, now: float) -> str:
+        if self.metered:
+            raise _Unusual  # (rare enough for json.dumps)
         vendor, tenant, hold = self.vendor, self.tenant, self.hold
         text = (
             f'{{"ts":{_rounded(now, ".3f", 1e9, 1e11)},"method":{_quoted(self.method)},'

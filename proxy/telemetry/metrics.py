@@ -306,6 +306,26 @@ class Metrics:
             ["limiter"],
             registry=registry,
         )
+        # Meters (SPEC §14): each in its own currency (tokens, points), per vendor and meter.
+        self.meter_estimated = Counter(
+            "ratelimit_meter_estimated",
+            "What metered requests were estimated to cost when they took their meter's buckets.",
+            ["limiter", "meter"],
+            registry=registry,
+        )
+        self.meter_settled = Counter(
+            "ratelimit_meter_settled",
+            "What the vendor's answers said metered requests cost (those that said; a vendor 429 or a "
+            "failed exchange: nothing).",
+            ["limiter", "meter"],
+            registry=registry,
+        )
+        self.meter_refused = Counter(
+            "ratelimit_meter_refused",
+            "Metered requests refused on a meter's bucket (deferred, shed) or larger than it can ever hold.",
+            ["limiter", "meter"],
+            registry=registry,
+        )
         self._learned_rates: dict[str, float] = {}
         self._children: dict[tuple[str, str, str], Counter] = {}
         self._tenants: set[str] = set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Final, Protocol
 
-from proxy.wire.inbox import Inbox
+from proxy.wire.inbox import BODY_HIGH, Inbox
 
 DISCARD_MAX: Final = 16 * 1024 * 1024
 """An unread request body up to this size is read and dropped after the answer, keeping the
@@ -100,6 +100,30 @@ class Body(Inbox):
             self._stall = self._conn.loop.call_at(due, self._check_stall)
             return
         self._fail(BodyStalled(f"no byte of the request body came for {limit:g}s (connections.idle_timeout)"))
+
+    async def whole(self, limit: int) -> bytes | None:
+        """The whole body if it ends within ``limit`` bytes, all of it still to be read (a
+        meter's estimate reads it before the request goes, SPEC §14); None when it is longer
+        (what came of it is kept, the rest comes as it is read) or broke off. Holds up to
+        ``limit`` bytes unread: the socket is paused only beyond it."""
+        self._reading()
+        while not self._done and self._exc is None and self._size <= limit:
+            if self._paused:
+                self._paused = False
+                self._resume()
+            waiter = self._waiter = self._loop().create_future()
+            self._waiting()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        if not self._done or self._exc is not None or self._size > limit:
+            if self._size > BODY_HIGH and not self._paused:
+                self._paused = True
+                self._pause()
+            return None
+        return b"".join(self._chunks)
 
     # -- from the connection ---------------------------------------------------------
 

@@ -1,0 +1,124 @@
+"""Meters end to end (SPEC §14, issue 35): a metered call takes its estimate from its meter's
+buckets with its request buckets, is refused on the meter when it lacks the tokens, and
+settles to the vendor's ``usage`` (its JSON answer, or its stream's last event).
+
+The vendor is the mock vendor's OpenAI shape (``proxy/devtools/mockvendor_openai.py``):
+``usage`` counts the prompt's words and a fixed reply."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.policy import Policy
+from proxy.policy.model import Limit, Meter, MeterEstimate, MeterSettle, SettleKind
+from proxy.server import ProxyServer
+from tests.conftest import ProxyFactory, Vendor, eventually, vendor_policy
+
+BURST = 1000.0
+CHAT = "/payments/v1/chat/completions"
+
+
+def metered(upstream: str, store: str, settle: SettleKind = "openai", on_limit: str = "{action: shed}") -> Policy:
+    policy = vendor_policy(upstream, store=store, on_limit=on_limit)
+    (vendor,) = policy.vendors
+    tokens = Meter(
+        "tokens",
+        (Limit(rate=60, per=60, burst=BURST),),  # 1 token/s: nothing refills to speak of meanwhile
+        MeterEstimate("openai"),
+        MeterSettle(settle),
+    )
+    return dataclasses.replace(policy, vendors=(dataclasses.replace(vendor, meters=(tokens,)),))
+
+
+def chat(max_tokens: int, prompt: str = "hello there, how are you", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def estimate(body: dict[str, Any]) -> float:
+    """OpenAI's admission rule on ``chat``'s body: the prompt's characters / 4, rounded up, plus the cap."""
+    return math.ceil(len(body["messages"][0]["content"]) / 4) + body["max_tokens"]
+
+
+async def tokens_left(proxy: ProxyServer) -> float:
+    limiter = proxy.runtime.limiter
+    (vendor,) = proxy.runtime.policy.vendors
+    b, levels = await limiter.peek(vendor, "default")
+    return levels[b.request_count]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    return "memory://" if request.param == "memory" else str(request.getfixturevalue("redis_url"))
+
+
+async def test_a_call_takes_its_estimate_and_settles_to_the_vendors_usage(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url))
+    body = chat(300)
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + CHAT, json=body) as r:
+        assert r.status == 200, await r.text()
+        used = (await r.json())["usage"]["total_tokens"]
+    assert used < estimate(body)  # (the settlement has something to give back)
+
+    async def settled() -> bool:
+        return await tokens_left(proxy) == pytest.approx(BURST - used, abs=3)
+
+    await eventually(settled, f"the meter at {BURST} - {used} once settled")
+
+
+async def test_a_streamed_answer_settles_from_its_last_event(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url))
+    body = chat(400, stream=True, stream_options={"include_usage": True})
+    events = []
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + CHAT, json=body) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+    used = events[-1]["usage"]["total_tokens"]
+
+    async def settled() -> bool:
+        return await tokens_left(proxy) == pytest.approx(BURST - used, abs=3)
+
+    await eventually(settled, f"the meter at {BURST} - {used} once the stream settled")
+
+
+async def test_a_call_the_meter_cannot_cover_is_refused_on_it(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """No settlement (the estimate stands): 600 + 600 tokens do not fit a burst of 1000."""
+    proxy = await start_proxy(metered(vendor.url, store_url, settle="none"))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + CHAT, json=chat(600)) as r:
+            assert r.status == 200
+        async with s.post(proxy.url + CHAT, json=chat(600)) as r:
+            assert r.status == 503 and r.headers["X-Quota-Action"] == "shed"
+            assert "tokens 60/1m burst 1000" in (await r.text())
+    assert vendor.mock.accepted == 1
+    assert await tokens_left(proxy) == pytest.approx(BURST - estimate(chat(600)), abs=3)
+
+
+async def test_an_estimate_beyond_what_the_meter_can_ever_hold_is_refused_at_once(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url, on_limit="{action: hold, max_hold: 30s}"))
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + CHAT, json=chat(5000)) as r:
+        text = await r.text()
+        assert r.status == 400, text
+    assert f"{estimate(chat(5000)):g}" in text and "1000" in text  # both numbers
+    assert vendor.mock.accepted == 0
+    assert await tokens_left(proxy) == pytest.approx(BURST)
