@@ -169,8 +169,8 @@ end
 
 local share = nil -- SPEC §13: this request's place in the vendor's schedule (see "Share")
 if ARGV[11] ~= '' then
-  local c, k, w, ms, h, tau, grace, cgrace, slack, g = string.match(ARGV[11],
-    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
+  local c, k, w, ms, h, tau, grace, cgrace, slack, g, metered = string.match(ARGV[11],
+    '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):([^:]+):?([^:]*)$')
   k = tonumber(k)
   local base = #KEYS - 2 - 2 * k
   if ARGV[4] ~= '' then
@@ -178,7 +178,7 @@ if ARGV[11] ~= '' then
   end
   share = {c = tonumber(c), k = k, w = tonumber(w), min = tonumber(ms), horizon = tonumber(h),
     tau = tonumber(tau), grace = tonumber(grace), cgrace = tonumber(cgrace), slack = tonumber(slack),
-    g = tonumber(g),
+    g = tonumber(g), last = n - (tonumber(metered) or 0), -- (a meter's buckets after the global ones)
     member = ARGV[12], hash = KEYS[base + 1], exp = KEYS[base + 2], waiting = {}, tags = {}}
   for i = 1, k do
     share.waiting[i] = KEYS[base + 2 + i]
@@ -419,7 +419,7 @@ if share then
   -- The slowest of the vendor's global buckets, and its tokens now less one kept for the
   -- higher class's waiting request.
   local rate, spare = math.huge, math.huge
-  for i = share.g, n do
+  for i = share.g, share.last do
     rate, spare = math.min(rate, rates[i]), math.min(spare, levels[i] - 1)
   end
   share.rate = rate

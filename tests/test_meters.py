@@ -122,3 +122,45 @@ async def test_an_estimate_beyond_what_the_meter_can_ever_hold_is_refused_at_onc
     assert f"{estimate(chat(5000)):g}" in text and "1000" in text  # both numbers
     assert vendor.mock.accepted == 0
     assert await tokens_left(proxy) == pytest.approx(BURST)
+
+
+async def test_a_call_without_a_body_costs_a_preset_nothing(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url))
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/payments/v1/ping") as r:
+        assert r.status == 200
+    assert await tokens_left(proxy) == pytest.approx(BURST)
+
+
+async def test_a_body_that_is_not_json_costs_the_meters_default(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    policy = metered(vendor.url, store_url, settle="none")
+    (v,) = policy.vendors
+    policy = dataclasses.replace(
+        policy, vendors=(dataclasses.replace(v, meters=(dataclasses.replace(v.meters[0], default=250.0),)),)
+    )
+    proxy = await start_proxy(policy)
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/payments/v1/ping", data=b"not json") as r:
+        assert r.status == 200
+    assert await tokens_left(proxy) == pytest.approx(BURST - 250, abs=3)
+
+
+async def test_under_a_share_the_schedule_divides_requests_and_the_meter_is_taken(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """The share's schedule reads the global request buckets, not the meter's after them (a
+    meter's level read as the quota's would hold every call back for tokens: 1000 left
+    against a request bucket's burst)."""
+    policy = vendor_policy(
+        vendor.url, store=store_url, on_limit="{action: shed}", extra_vendor="share: {weights: {default: 1}}"
+    )
+    (v,) = metered(vendor.url, store_url).vendors
+    policy = dataclasses.replace(policy, vendors=(dataclasses.replace(policy.vendors[0], meters=v.meters),))
+    proxy = await start_proxy(policy)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(proxy.url + CHAT, json=chat(100)) as r:
+                assert r.status == 200, await r.text()
+    assert vendor.mock.accepted == 3

@@ -223,6 +223,8 @@ def buckets_for(
         index = share.class_of(tenant) if klass is None else klass
         ask = share_ask(share, state, tenant, index or 0, len(tenant_part) + len(endpoint_part))
     metered = meter_buckets(prefix, vendor, tenant, partition)
+    if ask is not None and metered:
+        ask = ask._replace(metered=len(metered))
     return Buckets(
         tenant_part + endpoint_part + global_buckets(prefix, vendor, partition) + tuple(b for b, _ in metered),
         len(tenant_part),

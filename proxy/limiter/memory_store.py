@@ -203,7 +203,8 @@ class MemoryStore:
         turn = None
         if share is not None:
             g0 = share.first_global
-            turn = Turn(self._schedules, share, cost, min(rates[g0:]), min(levels[g0:]), now)
+            g1 = len(buckets) - share.metered  # (a meter's buckets after the global ones)
+            turn = Turn(self._schedules, share, cost, min(rates[g0:g1]), min(levels[g0:g1]), now)
         mine = turn is None or turn.gate.ok
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]

@@ -41,7 +41,7 @@ def share_keys(state_key: str, classes: int) -> tuple[str, ...]:
     )
 
 
-def share_ask(share: Share, state_key: str, tenant: str, klass: int, first_global: int) -> ShareAsk:
+def share_ask(share: Share, state_key: str, tenant: str, klass: int, first_global: int, metered: int = 0) -> ShareAsk:
     """What a request of ``tenant`` in class ``klass`` (an index of ``share.classes``) sends."""
     weight = share.weight(tenant)
     return ShareAsk(
@@ -52,6 +52,7 @@ def share_ask(share: Share, state_key: str, tenant: str, klass: int, first_globa
         weight,
         share.min_share,
         first_global,
+        metered,
     )
 
 
@@ -60,4 +61,5 @@ def share_spec(ask: ShareAsk) -> str:
     return (
         f"{ask.klass + 1}:{ask.classes}:{ask.weight:g}:{ask.min_share:g}:{HORIZON * 1000:g}:"
         f"{TAU * 1000:g}:{GRACE * 1000:g}:{CLASS_GRACE * 1000:g}:{SLACK * 1000:g}:{ask.first_global + 1}"
+        + (f":{ask.metered}" if ask.metered else "")
     )

@@ -144,6 +144,9 @@ class ShareAsk(NamedTuple):
     """Fraction of the quota a lower class with requests waiting always receives."""
     first_global: int
     """0-based index of the first of the request's buckets that is a vendor's global one."""
+    metered: int = 0
+    """How many of the request's buckets, the last, are its meters' (SPEC §14): the schedule
+    divides the global request buckets, before them."""
 
 
 class AcquireResult(NamedTuple):

@@ -124,8 +124,12 @@ async def estimates(vendor: Vendor, request: Request, path: str, b: Buckets) -> 
     kind = request.headers.get("Content-Type")
     out: list[float] = []
     for meter in vendor.meters:
+        estimate = estimate_of(meter)
+        if not request.has_body and meter.estimate.kind not in ("fixed", "json"):
+            out.append(0.0)  # a preset's call without a body (GET /v1/models) asks for nothing
+            continue
         default = meter.default if meter.default is not None else meter.capacity
-        out.append(estimate_of(meter).cost(body, default, content_type=kind, path=path))
+        out.append(estimate.cost(body, default, content_type=kind, path=path))
     bursts: dict[int, float] = {}
     for spec, k in zip(b.all[b.request_count :], b.meters, strict=True):
         bursts[k] = min(bursts.get(k, spec.burst), spec.burst)
