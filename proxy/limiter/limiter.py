@@ -22,7 +22,7 @@ What vendors' quota headers teach the buckets (SPEC §10): teaching.py.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from proxy.clock import Clock
@@ -487,6 +487,10 @@ class Limiter:
         of its ``partition``. One store call, and only when it changes something. Never
         raises; returns whether the store was called."""
         return await self.teacher.learn(vendor, reports, endpoint=endpoint, partition=partition)
+
+    async def learn_meters(self, vendor: Vendor, reports: Mapping[str, QuotaReport], partition: str = "") -> bool:
+        """Teach the vendor's meters what its token quota headers say (``Teacher.learn_meters``)."""
+        return await self.teacher.learn_meters(vendor, reports, partition)
 
     def knows(
         self, vendor: Vendor, reports: Sequence[QuotaReport], *, endpoint: Endpoint | None = None, partition: str = ""

@@ -17,6 +17,14 @@ never an error, because a vendor's header is not the operator's mistake.
     OpenAI: x-ratelimit-limit-requests, x-ratelimit-remaining-requests,
             x-ratelimit-reset-requests: 6m0s               (requests per minute)
     Shopify: X-Shopify-Shop-Api-Call-Limit: 32/40          (a leaky bucket: 32 used of 40)
+
+A vendor's meters (SPEC §14) have quotas of their own, in tokens: ``read_meter_quota``.
+
+    OpenAI: x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens,
+            x-ratelimit-reset-tokens: 1s                   (tokens per minute)
+    Anthropic: anthropic-ratelimit-input-tokens-limit, -remaining,
+               -reset: 2026-12-06T05:00:00Z                (input tokens per minute; RFC 3339)
+               anthropic-ratelimit-output-tokens-*         (output tokens per minute)
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 _EPOCH_SECONDS = 1_000_000_000  # a reset above this is an instant (2001 on), not a delay
 _EPOCH_MILLIS = 1_000_000_000_000
@@ -210,6 +219,46 @@ def _reset(text: str | None, now: float) -> float | None:
     if value >= _EPOCH_SECONDS:
         return max(value - now, 0.0)
     return value
+
+
+def read_meter_quota(headers: Mapping[str, str], now: float) -> dict[str, QuotaReport]:
+    """The token quotas the vendor reported on this response, by the meter estimate preset
+    whose currency they count (``openai``, ``anthropic_input``, ``anthropic_output``)."""
+    out: dict[str, QuotaReport] = {}
+    remaining = _first_number(headers.get("x-ratelimit-remaining-tokens"))
+    if remaining is not None:
+        out["openai"] = QuotaReport(
+            "x-ratelimit-*-tokens",
+            limit=_first_number(headers.get("x-ratelimit-limit-tokens")),
+            remaining=remaining,
+            reset=_go_duration(headers.get("x-ratelimit-reset-tokens")),
+            window=_OPENAI_WINDOW,
+        )
+    for side in ("input", "output"):
+        prefix = f"anthropic-ratelimit-{side}-tokens-"
+        remaining = _first_number(headers.get(prefix + "remaining"))
+        if remaining is not None:
+            out[f"anthropic_{side}"] = QuotaReport(
+                f"{prefix}*",
+                limit=_first_number(headers.get(prefix + "limit")),
+                remaining=remaining,
+                reset=_instant(headers.get(prefix + "reset"), now),
+                window=_OPENAI_WINDOW,  # (per minute, as OpenAI's)
+            )
+    return out
+
+
+def _instant(text: str | None, now: float) -> float | None:
+    """Seconds until an RFC 3339 instant (Anthropic's resets); None if it is not one."""
+    if not text:
+        return None
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        return None
+    return max(at.timestamp() - now, 0.0)
 
 
 def _go_duration(text: str | None) -> float | None:

@@ -6,11 +6,11 @@ and the memory of it: learning.py."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from proxy.clock import Clock
-from proxy.limiter.buckets import endpoint_buckets, global_buckets
+from proxy.limiter.buckets import endpoint_buckets, global_buckets, meter_buckets
 from proxy.limiter.learning import LearnedLimits, Teaching, plan
 from proxy.limiter.observations import Observation, Observations
 from proxy.limiter.quota_headers import QuotaReport
@@ -55,6 +55,25 @@ class Teacher:
         if not todo:
             return False
         return await self._teach(vendor, buckets, todo, own)
+
+    async def learn_meters(self, vendor: Vendor, reports: Mapping[str, QuotaReport], partition: str = "") -> bool:
+        """Teach each meter whose estimate preset counts the currency of one of ``reports``
+        (``quota_headers.read_meter_quota``) what the vendor says of it: its vendor-side
+        buckets, only ever tightening (SPEC §14). Never raises; whether the store was called."""
+        called = False
+        metered = meter_buckets(self.key_prefix, vendor, "", partition)
+        for k, meter in enumerate(vendor.meters):
+            report = reports.get(meter.estimate.kind)
+            if report is None:
+                continue
+            specs = tuple(spec for spec, i in metered if i == k and spec.scope == "global")
+            buckets = tuple(zip(specs, meter.limits, strict=True))
+            teachings = plan([report], meter.limits)
+            now = self.clock.monotonic()
+            todo = [(i, t) for i, t in sorted(teachings.items()) if self.memory.needs_call(buckets[i][0], t, None, now)]
+            if todo:
+                called = await self._teach(vendor, buckets, todo, False) or called
+        return called
 
     def known(
         self, vendor: Vendor, reports: Sequence[QuotaReport], *, endpoint: Endpoint | None = None, partition: str = ""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy.limiter import Limiter
-from proxy.limiter.quota_headers import read_quota
+from proxy.limiter.quota_headers import read_meter_quota, read_quota
 from proxy.policy.model import Endpoint, Feedback, Vendor
 from proxy.telemetry.metrics import Metrics
 
@@ -159,6 +159,10 @@ async def apply_feedback(
         reports = read_quota(headers, time.time())
         if reports:
             await limiter.learn(vendor, reports, endpoint=endpoint, partition=partition)
+        if vendor.meters:
+            tokens = read_meter_quota(headers, time.time())
+            if tokens:
+                await limiter.learn_meters(vendor, tokens, partition)
         if metrics is not None:
             metrics.set_learned_rate(vendor.name, limiter.learned_rate(vendor))
     return applied
