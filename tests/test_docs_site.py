@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 import proxy.policy
-from proxy.policy import answer_presets, limits, model, sections, shapes, share_policy, vendors
+from proxy.policy import answer_presets, limits, meters, model, sections, shapes, share_policy, vendors
 from proxy.policy.durations import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ SECTIONS: dict[str, tuple[tuple[str, ...], type | None]] = {
     "`tenant.credentials`": (sections._CREDENTIAL_KEYS, None),
     "`vendors[]`": (vendors._VENDOR_KEYS, model.Vendor),
     "Limits": (limits._LIMIT_KEYS, None),
-    "`vendors[].tenant_limits`": (vendors._TENANT_LIMITS_KEYS, model.TenantLimits),
+    "`vendors[].tenant_limits`": (limits._TENANT_LIMITS_KEYS, model.TenantLimits),
     "`vendors[].on_limit`": (vendors._ON_LIMIT_KEYS, model.OnLimit),
     "`vendors[].feedback`": (vendors._FEEDBACK_KEYS, model.Feedback),
     "`vendors[].timeouts`": (vendors._TIMEOUTS_KEYS, model.Timeouts),
@@ -57,6 +57,9 @@ SECTIONS: dict[str, tuple[tuple[str, ...], type | None]] = {
     "Answer kinds": (answer_presets._KIND_KEYS, None),
     "`vendors[].endpoints[]`": (shapes._ENDPOINT_KEYS, model.Endpoint),
     "`vendors[].endpoints[].match`": (shapes._MATCH_KEYS, model.EndpointMatch),
+    "`vendors[].meters`": (meters._METER_KEYS, model.Meter),
+    "Meter estimates": (meters._ESTIMATE_KEYS, None),
+    "Meter settles": (meters._SETTLE_KEYS, None),
     "`tls`": (sections._TLS_KEYS, model.TlsSettings),
 }
 ATTRIBUTE = {"from": "from_"}  # a key whose model field is named otherwise

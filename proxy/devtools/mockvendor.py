@@ -18,15 +18,26 @@ and the reset is when the oldest request counted leaves it. A refusal is ``429``
 ``Retry-After: <whole seconds, >= 1>`` and ``{"error": "rate_limited"}``.
 
 ``quota_headers`` picks the family the quota is told in (SPEC §10): ``x-ratelimit`` (the
-default, above), ``ietf``, ``openai``, ``shopify`` or ``none``; ``mockvendor_quota`` keeps
+default, above), ``ietf``, ``openai``, ``anthropic``, ``shopify`` or ``none``; ``mockvendor_quota`` keeps
 the quota and writes those headers.
 
 Vendors' own paths are answered in their vendor's shape (``mockvendor_shapes``): Stripe's
 ``/v1/customers`` and ``/v1/payment_intents`` (``mockvendor_stripe``), OpenAI's
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and ``/v1/responses``
-(``mockvendor_openai``). They take from the same quota, one token a request, and their
-answers, refusals included, are the vendor's: its body, its headers, its family of quota
-headers (none for Stripe, OpenAI's for OpenAI, whatever ``quota_headers`` says).
+(``mockvendor_openai``), Anthropic's ``/v1/messages`` (``mockvendor_anthropic``). They take
+from the same quota, one token a request, and their answers, refusals included, are the
+vendor's: its body, its headers, its family of quota headers (none for Stripe, OpenAI's for
+OpenAI, Anthropic's for Anthropic, whatever ``quota_headers`` says).
+
+Token quotas, as the LLM vendors count them (``mockvendor_tokens``): ``tokens_per_minute``
+(OpenAI's paths; ``--tokens-per-minute N``), ``input_tokens_per_minute`` and
+``output_tokens_per_minute`` (Anthropic's; ``--input-tokens-per-minute N``,
+``--output-tokens-per-minute N``), each a strict sliding window of ``token_window`` seconds
+(``--token-window DURATION``, default 60 s) holding ``per_minute x token_window / 60`` tokens;
+none unless asked. Such a shape's request is read whole before it is admitted, and
+admitted only when both the request quota and every token window have room (it takes from all,
+or from none): the tokens by the vendor's own estimate at arrival, which the answer's usage
+replaces once it is produced. A token refusal is the vendor's 429 for tokens; see the shapes.
 
 Special paths, quota-limited like any other:
 
@@ -49,7 +60,10 @@ default); ``rejected`` counts those answered 429 (by the quota, by a script or b
 ``/status/429``) and ``rejections`` holds their arrival times. A scripted answer
 replaces the whole answer and takes no token (and no place in the window).
 ``window_max`` is the largest number of requests that arrived in any one window,
-accepted or refused: above ``window_limit``, the window was overrun by that many.
+accepted or refused: above ``window_limit``, the window was overrun by that many. A token
+window's counts are in ``stats()["token_windows"][shape][currency]`` (``TokenWindow.stats``:
+``limit``, ``used``, ``tokens_window_max``, ``tokens_accepted``, ``rejected``...); a request
+refused for tokens counts in ``rejected`` too, and takes no place in the request quota.
 ``in_flight`` is the number of normal requests being handled now (from arrival until
 the handler returns, so a ``/delay`` counts while it waits) and ``max_in_flight`` the
 most at once since the start or the last reset.
@@ -70,11 +84,21 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from yarl import URL
 
+from proxy.devtools.mockvendor_anthropic import INPUT, OUTPUT, AnthropicShape, AnthropicTokens
 from proxy.devtools.mockvendor_control import CONTROL_PREFIX, JSON_TYPE, control, json_response
-from proxy.devtools.mockvendor_openai import OpenAIShape
-from proxy.devtools.mockvendor_quota import EPSILON, REMAINING_HEADER, Clock, VendorQuota, format_number
+from proxy.devtools.mockvendor_openai import OpenAIShape, OpenAITokens
+from proxy.devtools.mockvendor_quota import REMAINING_HEADER, Clock, VendorQuota, format_number, retry_after
 from proxy.devtools.mockvendor_shapes import Shape
 from proxy.devtools.mockvendor_stripe import StripeShape
+from proxy.devtools.mockvendor_tokens import (
+    DEFAULT_TOKEN_WINDOW,
+    Refused,
+    Reservation,
+    TokenStats,
+    TokenWindow,
+    arrived_refused,
+    reserve,
+)
 from proxy.wire.aiohttp_internals import send_continue
 
 __all__ = ["MAX_ARRIVALS", "MAX_RECORDED", "MOCK_VENDOR_KEY", "MockVendor", "RecordedRequest"]
@@ -109,6 +133,7 @@ class Stats(TypedDict):
     window_max: int | None
     in_flight: int
     max_in_flight: int
+    token_windows: dict[str, dict[str, TokenStats]]
 
 
 @dataclass(slots=True)
@@ -147,8 +172,10 @@ class MockVendor(VendorQuota):
     ``rate`` is requests per second (``None``: unlimited); ``burst`` is the bucket's
     capacity, by default the rate (at least 1). ``window`` (seconds) replaces the bucket
     with a strict sliding window of ``floor(rate x window)`` requests (no ``burst`` then).
-    ``clock`` returns seconds; it drives the quota and stamps ``arrivals``, so tests can
-    pass a clock they move by hand.
+    ``clock`` returns seconds; it drives the quotas and stamps ``arrivals``, so tests can
+    pass a clock they move by hand. ``tokens_per_minute`` (OpenAI's paths),
+    ``input_tokens_per_minute`` and ``output_tokens_per_minute`` (Anthropic's) turn token
+    quotas on, each a strict sliding window of ``token_window`` seconds (module docstring).
 
     Attributes: ``accepted``, ``rejected`` (counters), ``arrivals`` and ``rejections``
     (deques of arrival times of accepted and refused requests, the last
@@ -167,8 +194,19 @@ class MockVendor(VendorQuota):
         max_recorded: int = MAX_RECORDED,
         max_arrivals: int = MAX_ARRIVALS,
         quota_headers: str = "x-ratelimit",
+        tokens_per_minute: float | None = None,
+        input_tokens_per_minute: float | None = None,
+        output_tokens_per_minute: float | None = None,
+        token_window: float = DEFAULT_TOKEN_WINDOW,
     ) -> None:
         super().__init__(rate, burst, clock, window=window, quota_headers=quota_headers)
+
+        def tokens(currency: str, per_minute: float | None) -> TokenWindow | None:
+            return None if per_minute is None else TokenWindow(currency, per_minute, token_window)
+
+        openai = tokens("tokens", tokens_per_minute)
+        said_in, said_out = tokens(INPUT, input_tokens_per_minute), tokens(OUTPUT, output_tokens_per_minute)
+        anthropic = None if said_in is None and said_out is None else AnthropicTokens(said_in, said_out)
         self.accepted = 0
         self.rejected = 0
         self.arrivals: deque[float] = deque(maxlen=max_arrivals)
@@ -177,7 +215,11 @@ class MockVendor(VendorQuota):
         self.max_in_flight = 0
         self._recorded: deque[tuple[str, URL, _Raw]] = deque(maxlen=max_recorded)
         self._scripts: deque[_Script] = deque()
-        self.shapes: tuple[Shape, ...] = (StripeShape(), OpenAIShape())
+        self.shapes: tuple[Shape, ...] = (
+            StripeShape(),
+            OpenAIShape(None if openai is None else OpenAITokens(openai)),
+            AnthropicShape(anthropic),
+        )
         """The vendors imitated, each owning its paths (the first that owns a path answers it)."""
 
     # -- in-process helpers ------------------------------------------------------------
@@ -215,6 +257,16 @@ class MockVendor(VendorQuota):
             "window_max": self.window_max if windowed else None,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "token_windows": self.token_stats(),
+        }
+
+    def token_stats(self) -> dict[str, dict[str, TokenStats]]:
+        """Each shape's token windows now, by shape and currency (only those counted)."""
+        now = self._clock()
+        return {
+            shape.name: {w.currency: w.stats(now) for w in shape.meter.windows}
+            for shape in self.shapes
+            if shape.meter is not None
         }
 
     def reset(self) -> None:
@@ -305,35 +357,31 @@ class MockVendor(VendorQuota):
         return next((shape for shape in self.shapes if shape.owns(path)), None)
 
     async def _serve(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        shape = self.shape_for(path)
+        body: bytes | None = None
+        if shape is not None and shape.meter is not None:
+            await _continue(request)
+            body = await request.read()  # the token estimate needs it before admission
         now = self._clock()
         self._recorded.append((request.method, request.rel_url, request.raw_headers))
-        shape = self.shape_for(path)
-        family = None if shape is None else shape.quota_headers
         if self._scripts:
             return self._scripted(request, now, shape)
+        if shape is not None:
+            return await self._serve_shape(request, shape, body, now)
 
-        headers: dict[str, str]
-        if self._rate is None:
-            headers = {}
-        else:
+        headers: dict[str, str] = {}
+        if self._rate is not None:
             left, wait = self._admit(now)
             if wait > 0:
                 self._reject(now)
-                retry_after = max(1, math.ceil(wait - EPSILON))
-                quota = self._quota(0.0, now, family)
-                if shape is not None:
-                    return shape.refusal(retry_after, quota)
                 return web.Response(
                     status=429,
                     body=_RATE_LIMITED_BODY,
                     content_type=JSON_TYPE,
-                    headers={"Retry-After": str(retry_after), **quota},
+                    headers={"Retry-After": str(retry_after(wait)), **self._quota(0.0, now)},
                 )
-            headers = self._quota(left, now, family)
+            headers = self._quota(left, now)
 
-        if shape is not None:
-            self._accept(now)
-            return await shape.answer(request, headers)
         if path == "/echo":
             self._accept(now)
             return await self._echo(request, headers)
@@ -347,6 +395,37 @@ class MockVendor(VendorQuota):
             return self._status(request, path[8:], headers, now)
         self._accept(now)
         return json_response(200, {"ok": True, "method": request.method, "path": path, "n": self.accepted}, headers)
+
+    async def _serve_shape(
+        self, request: web.BaseRequest, shape: Shape, body: bytes | None, now: float
+    ) -> web.StreamResponse:
+        """A vendor's path: admitted by the request quota and, when the shape counts tokens, by
+        its token windows too (from all or none), then answered in the vendor's shape."""
+        family, meter = shape.quota_headers, shape.meter
+        demand = None if meter is None else meter.estimate(body, request.headers.get("Content-Type"), request.path)
+        headers: dict[str, str] = {}
+        if self._rate is not None:
+            left, wait = self._admit(now)
+            if wait > 0:
+                self._reject(now)
+                if meter is not None and demand is not None:
+                    arrived_refused(meter.windows, demand, now)
+                told = {} if meter is None else meter.headers(now)
+                return shape.refusal(retry_after(wait), {**self._quota(0.0, now, family), **told})
+            headers = self._quota(left, now, family)
+        reservation = Reservation(self._clock)
+        if meter is not None and demand is not None:
+            taken = reserve(meter.windows, demand, now, self._clock)
+            if isinstance(taken, Refused):
+                if self._rate is not None:
+                    self._give_back()  # refused for tokens: the request takes no place either
+                    headers = self._quota(self._left(now), now, family)
+                self._reject(now)
+                return meter.refusal(taken, {**headers, **meter.headers(now)})
+            reservation = taken
+            headers.update(meter.headers(now))
+        self._accept(now)
+        return await shape.answer(request, headers, reservation)
 
     def _accept(self, now: float) -> None:
         self.accepted += 1

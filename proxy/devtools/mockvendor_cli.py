@@ -12,15 +12,24 @@ import math
 import sys
 from typing import TYPE_CHECKING, Final
 
+from proxy.devtools.mockvendor_tokens import DEFAULT_TOKEN_WINDOW
 from proxy.policy.durations import parse_duration
 from proxy.policy.values import parse_address
+from proxy.quota.estimates import DEFAULT_COMPLETION_CAP
 
 if TYPE_CHECKING:
     import ssl
 
 __all__ = ["DEFAULT_LISTEN", "register", "run"]
 
-QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")  # mockvendor_quota.QUOTA_HEADERS
+QUOTA_HEADERS: Final = (  # mockvendor_quota.QUOTA_HEADERS
+    "x-ratelimit",
+    "ietf",
+    "openai",
+    "anthropic",
+    "shopify",
+    "none",
+)
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8081"
 
@@ -42,6 +51,16 @@ def _parse_window(value: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError("the window must be longer than 0")
     return seconds
+
+
+def _parse_tokens(value: str) -> float:
+    try:
+        per_minute = float(value)
+    except ValueError:
+        per_minute = math.nan
+    if not math.isfinite(per_minute) or per_minute <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number of tokens per minute")
+    return per_minute
 
 
 def _parse_change(value: str) -> tuple[float, float]:
@@ -87,7 +106,50 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         choices=QUOTA_HEADERS,
         default="x-ratelimit",
         help="the family of quota headers answers carry (default x-ratelimit): X-RateLimit-*, IETF RateLimit "
-        "and RateLimit-Policy, OpenAI's x-ratelimit-*-requests, Shopify's call limit, or none",
+        "and RateLimit-Policy, OpenAI's x-ratelimit-*-requests, Anthropic's anthropic-ratelimit-requests-*, "
+        "Shopify's call limit, or none (OpenAI's and Anthropic's paths always carry their vendor's)",
+    )
+    tokens = parser.add_argument_group(
+        "token quotas",
+        "LLM vendors count tokens besides requests. Each option below adds a strict sliding window of "
+        "N x --token-window / 60 tokens: a request is admitted by the vendor's own estimate at arrival (as "
+        "the proxy's meters estimate it) and refused with the vendor's 429 for tokens when the window lacks "
+        "room; its answer's usage replaces the estimate once produced. /__mock/stats reports each window "
+        "(token_windows: limit, used, tokens_window_max, tokens_accepted, rejected).",
+    )
+    tokens.add_argument(
+        "--tokens-per-minute",
+        type=_parse_tokens,
+        default=None,
+        metavar="N",
+        help="OpenAI's paths: tokens per minute (TPM), estimated as ceil(prompt characters / 4) + the "
+        f"completion cap (max_completion_tokens, max_tokens or max_output_tokens; {DEFAULT_COMPLETION_CAP:g} if "
+        "none) x n, then "
+        "usage.total_tokens; answers carry x-ratelimit-*-tokens (default: not counted)",
+    )
+    tokens.add_argument(
+        "--input-tokens-per-minute",
+        type=_parse_tokens,
+        default=None,
+        metavar="N",
+        help="Anthropic's /v1/messages: input tokens per minute, estimated as ceil(input characters / 4), "
+        "then usage.input_tokens; answers carry anthropic-ratelimit-input-tokens-* (default: not counted)",
+    )
+    tokens.add_argument(
+        "--output-tokens-per-minute",
+        type=_parse_tokens,
+        default=None,
+        metavar="N",
+        help="Anthropic's /v1/messages: output tokens per minute, counted as max_tokens at arrival, then "
+        "usage.output_tokens; answers carry anthropic-ratelimit-output-tokens-* (default: not counted)",
+    )
+    tokens.add_argument(
+        "--token-window",
+        type=_parse_window,
+        default=None,
+        metavar="DURATION",
+        help=f"the token windows' span (default {DEFAULT_TOKEN_WINDOW:g}s, e.g. 10s, 1m): at most "
+        "N x DURATION / 60 tokens in any DURATION",
     )
     parser.add_argument(
         "--limit-at",
@@ -152,7 +214,24 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
             tls.load_cert_chain(args.tls_cert, args.tls_key)
         except (OSError, ssl.SSLError) as exc:
             parser.error(f"--tls-cert/--tls-key: {exc}")
-    vendor = MockVendor(None if rate == 0 else rate, burst, window=window, quota_headers=args.quota_headers)
+    per_minute = (args.tokens_per_minute, args.input_tokens_per_minute, args.output_tokens_per_minute)
+    if args.token_window is not None and all(n is None for n in per_minute):
+        parser.error(
+            "--token-window needs --tokens-per-minute, --input-tokens-per-minute or --output-tokens-per-minute"
+        )
+    try:
+        vendor = MockVendor(
+            None if rate == 0 else rate,
+            burst,
+            window=window,
+            quota_headers=args.quota_headers,
+            tokens_per_minute=args.tokens_per_minute,
+            input_tokens_per_minute=args.input_tokens_per_minute,
+            output_tokens_per_minute=args.output_tokens_per_minute,
+            token_window=DEFAULT_TOKEN_WINDOW if args.token_window is None else args.token_window,
+        )
+    except ValueError as exc:  # a window of less than one token
+        parser.error(str(exc))
     return serve(vendor, host, port, tuple(args.limit_at), tls)
 
 

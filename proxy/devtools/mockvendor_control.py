@@ -2,11 +2,13 @@
 
 - ``GET /__mock/stats``: ``{"accepted", "rejected", "arrivals", "rejections", "rate",
   "burst", "tokens", "scripted", "window", "window_limit", "window_max", "in_flight",
-  "max_in_flight"}`` (``burst`` and ``tokens`` are null with a window, the ``window*``
-  keys null without one).
+  "max_in_flight", "token_windows"}`` (``burst`` and ``tokens`` are null with a window, the
+  ``window*`` keys null without one; ``token_windows``: each token quota counted, by shape and
+  currency, e.g. ``{"openai": {"tokens": {"per_minute", "window", "limit", "used",
+  "tokens_window_max", "tokens_accepted", "rejected"}}}``, see ``mockvendor_tokens``).
 - ``GET /__mock/requests``: recorded requests, ``[{"method", "path_qs", "headers"}]``.
 - ``POST /__mock/reset``: clears counters, arrivals, recorded requests and pending
-  scripts; refills the bucket.
+  scripts; refills the bucket and empties the token windows.
 - ``POST /__mock/config`` ``{"rate": r, "burst": b, "window": w}``: a new quota (``null``
   or ``0`` rate = unlimited; ``window`` in seconds, ``null`` = a token bucket; a missing
   key keeps its value, except that ``burst`` follows a new ``rate`` when not given, and

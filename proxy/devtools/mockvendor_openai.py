@@ -16,7 +16,22 @@ The reply is always ``REPLY``. Answers carry ``x-request-id`` and OpenAI's quota
 ``x-ratelimit-limit-requests`` (per minute), ``-remaining-requests``, ``-reset-requests``;
 the quota's 429 is OpenAI's ``rate_limit_exceeded`` error with ``Retry-After``. Bad input is
 OpenAI's 400 ``invalid_request_error`` naming the parameter; another method than POST is a
-405. No API key is checked.
+405. No API key is checked. A completion cap (``max_completion_tokens``, ``max_tokens``,
+``max_output_tokens``: a positive integer) below the reply's tokens cuts it short, as a model
+does: ``finish_reason: "length"`` (a response: ``status: "incomplete"``).
+
+With a token quota (``OpenAITokens``: ``MockVendor(tokens_per_minute=N)``, ``--tokens-per-minute``)
+the vendor counts tokens as OpenAI does, in a strict sliding window (``mockvendor_tokens``) of
+``N x window / 60`` tokens besides the requests. A request is admitted by OpenAI's estimate at
+arrival: ceil(the prompt's characters / 4) + the completion cap x ``n`` (``DEFAULT_COMPLETION_CAP``,
+4096, when it states none; embeddings generate nothing); refused otherwise with OpenAI's 429 for
+tokens (``type: "tokens"``, ``code: "rate_limit_exceeded"``, "Rate limit reached for MODEL ... on
+tokens per min (TPM): Limit L, Used U, Requested R. Please try again in 1.5s.", ``Retry-After``; a
+request whose estimate exceeds the window's limit gets "Request too large ..." and no
+``Retry-After``, since waiting will not help). Once the answer is produced (a stream: written) its
+estimate in the window becomes its ``usage.total_tokens``, streamed with ``include_usage`` or not.
+Every answer then carries ``x-ratelimit-limit-tokens`` (per minute), ``-remaining-tokens`` (what the
+window has left) and ``-reset-tokens`` (until the window is empty again).
 """
 
 from __future__ import annotations
@@ -31,19 +46,30 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from proxy.devtools.mockvendor_shapes import BadInput, json_answer, made_up_id, read_json_object, write_events
+from proxy.devtools.mockvendor_quota import format_number, go_duration, retry_after
+from proxy.devtools.mockvendor_shapes import (
+    REPLY,
+    BadInput,
+    count_tokens,
+    json_answer,
+    made_up_id,
+    model_of,
+    pieces,
+    read_json_object,
+    reply,
+    write_events,
+)
+from proxy.devtools.mockvendor_tokens import Demand, Refused, Reservation, TokenWindow
+from proxy.quota.estimates import DEFAULT_COMPLETION_CAP, Estimate
 
-__all__ = ["REPLY", "OpenAIShape", "count_tokens"]
+__all__ = ["REPLY", "OpenAIShape", "OpenAITokens", "count_tokens"]
 
-REPLY: Final = "Hello from the mock vendor."
 _PATHS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 _DIMENSIONS: Final = 16
 _MAX_DIMENSIONS: Final = 4096
-
-
-def count_tokens(text: str) -> int:
-    """A stand-in for a tokenizer: one token per four characters, at least one."""
-    return max(1, math.ceil(len(text) / 4))
+_CAPS: Final = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # the estimate's order
+_ESTIMATE: Final = Estimate("openai")
+_LIMITS_PAGE: Final = "Visit https://platform.openai.com/account/rate-limits to learn more."
 
 
 class _Invalid(Exception):
@@ -95,6 +121,23 @@ def _choices(body: dict[str, Any]) -> int:
     return n
 
 
+def _cap(body: dict[str, Any]) -> int | None:
+    """The completion cap the request states, the first of ``_CAPS`` given, as the estimate reads it."""
+    for name in _CAPS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            kind = type(value).__name__
+            raise _Invalid(f"Invalid type for '{name}': expected an integer, but got {kind} instead.", name)
+        if value < 1:
+            raise _Invalid(
+                f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {value} instead.", name
+            )
+        return value
+    return None
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = body.get("stream", False)
@@ -114,12 +157,6 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _pieces() -> list[str]:
-    """REPLY cut as a stream delivers it: word by word, spaces kept."""
-    words = REPLY.split(" ")
-    return [w if i == 0 else f" {w}" for i, w in enumerate(words)]
-
-
 def _vector(model: str, text: str, dimensions: int) -> list[float]:
     """A unit vector that depends only on (model, text)."""
     raw = b""
@@ -132,56 +169,116 @@ def _vector(model: str, text: str, dimensions: int) -> list[float]:
     return [v / norm for v in values]
 
 
+class OpenAITokens:
+    """OpenAI's tokens-per-minute quota (see the module docstring), a ``ShapeMeter``.
+
+    The estimate is the proxy's own ``estimate: openai`` (``proxy.quota.estimates``), reused, not
+    copied: the mock and the proxy count a request's prompt characters, tools and cap alike, to
+    the token, so a proxy that admits by its estimate never sends what the vendor would refuse.
+    """
+
+    def __init__(self, window: TokenWindow) -> None:
+        self.window = window
+        self.windows = (window,)
+
+    def estimate(self, body: bytes | None, content_type: str | None, path: str) -> Demand:
+        cost = _ESTIMATE.cost(body, 0.0, content_type=content_type, completion_cap=DEFAULT_COMPLETION_CAP, path=path)
+        return Demand((math.ceil(cost),), body)  # a body it cannot read costs nothing: its 400 follows
+
+    def headers(self, now: float) -> dict[str, str]:
+        window = self.window
+        return {
+            "x-ratelimit-limit-tokens": format_number(window.per_minute),
+            "x-ratelimit-remaining-tokens": str(window.remaining(now)),
+            "x-ratelimit-reset-tokens": go_duration(window.full_in(now)),
+        }
+
+    def refusal(self, refused: Refused, headers: dict[str, str]) -> web.Response:
+        (requested,), (used,) = refused.demand.tokens, refused.used
+        limit = self.window.limit
+        where = f"{model_of(refused.demand.body) or 'the model'} in organization org-mock on tokens per min (TPM)"
+        extra = {"x-request-id": made_up_id("req_", 32)}
+        if math.isinf(refused.wait):
+            message = (
+                f"Request too large for {where}: Limit {limit}, Requested {requested}. "
+                f"The input or output tokens must be reduced in order to run successfully. {_LIMITS_PAGE}"
+            )
+        else:
+            message = (
+                f"Rate limit reached for {where}: Limit {limit}, Used {used}, Requested {requested}. "
+                f"Please try again in {go_duration(refused.wait)}. {_LIMITS_PAGE}"
+            )
+            extra["Retry-After"] = str(retry_after(refused.wait))
+        return json_answer(429, _error(message, "tokens", "rate_limit_exceeded"), {**headers, **extra})
+
+
 class OpenAIShape:
     """OpenAI's completions, embeddings and responses; see the module docstring."""
 
     name: Final = "openai"
     quota_headers: Final = "openai"
 
+    def __init__(self, meter: OpenAITokens | None = None) -> None:
+        self.meter = meter
+
     def owns(self, path: str) -> bool:
         return path in _PATHS
 
     def reset(self) -> None:
-        return None  # it keeps nothing
+        if self.meter is not None:
+            self.meter.window.reset()
 
     def refusal(self, retry_after: int, headers: dict[str, str]) -> web.Response:
         message = "Rate limit reached for requests. Please try again later."
         extra = {"Retry-After": str(retry_after), "x-request-id": made_up_id("req_", 32)}
         return json_answer(429, _error(message, "requests", "rate_limit_exceeded", "requests"), {**headers, **extra})
 
-    async def answer(self, request: web.BaseRequest, headers: dict[str, str]) -> web.StreamResponse:
+    async def answer(
+        self, request: web.BaseRequest, headers: dict[str, str], reservation: Reservation
+    ) -> web.StreamResponse:
         headers = {**headers, "x-request-id": made_up_id("req_", 32), "openai-processing-ms": "1"}
-        if request.method != "POST":
-            message = f"Invalid method for URL ({request.method} {request.path})"
-            return json_answer(405, _error(message, "invalid_request_error", None), {**headers, "Allow": "POST"})
+        used = 0  # the answer's usage.total_tokens: what the token window keeps of it
         try:
+            if request.method != "POST":
+                message = f"Invalid method for URL ({request.method} {request.path})"
+                return json_answer(405, _error(message, "invalid_request_error", None), {**headers, "Allow": "POST"})
             body = await read_json_object(request)
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise _Invalid("you must provide a model parameter", "model")
             path = request.path
             if path == "/v1/embeddings":
-                return json_answer(200, self._embeddings(body, model), headers)
+                made = self._embeddings(body, model)
+                used = made["usage"]["total_tokens"]
+                return json_answer(200, made, headers)
             stream, include_usage = _stream_flags(body)
             created = int(time.time())
+            cap = _cap(body)
             if path == "/v1/responses":
-                made = self._response(body, model, created)
+                made = self._response(body, model, created, cap)
+                used = made["usage"]["total_tokens"]
                 if not stream:
                     return json_answer(200, made, headers)
                 return await write_events(request, headers, _response_events(made))
             chat = path == "/v1/chat/completions"
             prompts = _messages(body.get("messages"), "messages") if chat else _texts(body.get("prompt"), "prompt")
             n = _choices(body)
-            usage = _usage(sum(count_tokens(t) for t in prompts), n * count_tokens(REPLY))
+            text, tokens, cut = reply(cap)
+            usage = _usage(sum(count_tokens(t) for t in prompts), n * tokens)
+            used = usage["total_tokens"]
             made_id = made_up_id("chatcmpl-" if chat else "cmpl-", 29)
             head = {"id": made_id, "created": created, "model": model, "system_fingerprint": "fp_mock"}
+            finish = "length" if cut else "stop"
             if not stream:
-                return json_answer(200, _completion(chat, head, n, usage), headers)
-            return await write_events(request, headers, _chunks(chat, head, n, usage if include_usage else None))
+                return json_answer(200, _completion(chat, head, n, usage, text, finish), headers)
+            events = _chunks(chat, head, n, usage if include_usage else None, text, finish)
+            return await write_events(request, headers, events)
         except BadInput as exc:
             return json_answer(400, _error(str(exc), "invalid_request_error", None), headers)
         except _Invalid as exc:
             return json_answer(400, _error(exc.message, "invalid_request_error", None, exc.param), headers)
+        finally:
+            reservation.settle(tokens=used)  # the answer is produced (a stream: written)
 
     def _embeddings(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         texts = _texts(body.get("input"), "input")
@@ -202,7 +299,7 @@ class OpenAIShape:
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return {"object": "list", "data": data, "model": model, "usage": usage}
 
-    def _response(self, body: dict[str, Any], model: str, created: int) -> dict[str, Any]:
+    def _response(self, body: dict[str, Any], model: str, created: int, cap: int | None) -> dict[str, Any]:
         given = body.get("input")
         texts = _messages(given, "input") if isinstance(given, list) and given and isinstance(given[0], dict) else None
         prompt = sum(count_tokens(t) for t in (texts if texts is not None else _texts(given, "input")))
@@ -211,14 +308,16 @@ class OpenAIShape:
             raise _Invalid("'instructions' must be a string", "instructions")
         if instructions:
             prompt += count_tokens(instructions)
-        completion = count_tokens(REPLY)
-        text = {"type": "output_text", "text": REPLY, "annotations": [], "logprobs": []}
-        message = {"type": "message", "id": made_up_id("msg_", 32), "status": "completed", "role": "assistant"}
+        said, completion, cut = reply(cap)
+        status = "incomplete" if cut else "completed"
+        text = {"type": "output_text", "text": said, "annotations": [], "logprobs": []}
+        message = {"type": "message", "id": made_up_id("msg_", 32), "status": status, "role": "assistant"}
         return {
             "id": made_up_id("resp_", 32),
             "object": "response",
             "created_at": created,
-            "status": "completed",
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "model": model,
             "output": [{**message, "content": [text]}],
             "parallel_tool_calls": True,
@@ -234,17 +333,19 @@ class OpenAIShape:
         }
 
 
-def _completion(chat: bool, head: dict[str, Any], n: int, usage: dict[str, int]) -> dict[str, Any]:
+def _completion(
+    chat: bool, head: dict[str, Any], n: int, usage: dict[str, int], text: str, finish: str
+) -> dict[str, Any]:
     if chat:
-        message = {"role": "assistant", "content": REPLY, "refusal": None}
-        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": "stop"} for i in range(n)]
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": finish} for i in range(n)]
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-    choices = [{"index": i, "text": REPLY, "logprobs": None, "finish_reason": "stop"} for i in range(n)]
+    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish} for i in range(n)]
     return {**head, "object": "text_completion", "choices": choices, "usage": usage}
 
 
 def _chunks(
-    chat: bool, head: dict[str, Any], n: int, usage: dict[str, int] | None
+    chat: bool, head: dict[str, Any], n: int, usage: dict[str, int] | None, text: str, finish: str
 ) -> Iterator[tuple[str | None, object]]:
     """A streamed completion: every choice's pieces, its finish, the usage chunk if asked, [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -263,9 +364,9 @@ def _chunks(
     for index in range(n):
         if chat:
             yield None, chunk(index, None, True, None)
-        for piece in _pieces():
+        for piece in pieces(text):
             yield None, chunk(index, piece, False, None)
-        yield None, chunk(index, None, False, "stop")
+        yield None, chunk(index, None, False, finish)
     if usage is not None:
         yield None, {**head, "object": kind, "choices": [], "usage": usage}
     yield None, "[DONE]"
@@ -284,18 +385,18 @@ def _response_events(made: dict[str, Any]) -> Iterator[tuple[str | None, object]
         {"type": "response.content_part.added", "item_id": item["id"], "output_index": 0, "content_index": 0}
         | {"part": {**part, "text": ""}},
     ]
-    for piece in _pieces():
+    for piece in pieces(part["text"]):
         events.append(
             {"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0, "content_index": 0}
             | {"delta": piece, "logprobs": []}
         )
     events += [
         {"type": "response.output_text.done", "item_id": item["id"], "output_index": 0, "content_index": 0}
-        | {"text": REPLY, "logprobs": []},
+        | {"text": part["text"], "logprobs": []},
         {"type": "response.content_part.done", "item_id": item["id"], "output_index": 0, "content_index": 0}
         | {"part": part},
         {"type": "response.output_item.done", "output_index": 0, "item": item},
-        {"type": "response.completed", "response": made},
+        {"type": "response.completed" if made["status"] == "completed" else "response.incomplete"} | {"response": made},
     ]
     for number, event in enumerate(events):
         yield event["type"], {**event, "sequence_number": number}

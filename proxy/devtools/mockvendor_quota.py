@@ -7,7 +7,9 @@ quota headers of an answer (``_quota``) in the family ``quota_headers`` names (S
 (``RateLimit-Policy: "default";q=LIMIT;w=WINDOW`` and ``RateLimit: "default";r=REMAINING;t=RESET``,
 the window 1 s for a bucket); ``openai`` (``x-ratelimit-limit-requests`` per minute,
 ``-remaining-requests``, ``-reset-requests`` as ``6m0s``/``1s``/``20ms``: time until full
-again); ``shopify`` (``X-Shopify-Shop-Api-Call-Limit: USED/CAPACITY``); ``none``.
+again); ``anthropic`` (``anthropic-ratelimit-requests-limit`` per minute, ``-remaining``,
+``-reset`` as an RFC 3339 instant: when full again); ``shopify``
+(``X-Shopify-Shop-Api-Call-Limit: USED/CAPACITY``); ``none``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,20 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Final
 
-__all__ = ["EPSILON", "QUOTA_HEADERS", "REMAINING_HEADER", "Clock", "VendorQuota", "format_number"]
+__all__ = [
+    "EPSILON",
+    "QUOTA_HEADERS",
+    "REMAINING_HEADER",
+    "Clock",
+    "VendorQuota",
+    "format_number",
+    "go_duration",
+    "retry_after",
+    "rfc3339_in",
+]
 
 # A bucket refilled by float arithmetic can sit a hair below a whole token when a
 # client paces at exactly the rate; a real vendor's integer clock would not refuse it.
@@ -27,7 +40,7 @@ _GRANT_AT: Final = 1.0 - EPSILON
 
 _LIMIT: Final = "X-RateLimit-Limit"
 REMAINING_HEADER: Final = "X-RateLimit-Remaining"
-QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "shopify", "none")
+QUOTA_HEADERS: Final = ("x-ratelimit", "ietf", "openai", "anthropic", "shopify", "none")
 
 Clock = Callable[[], float]
 
@@ -36,7 +49,7 @@ def format_number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:g}"
 
 
-def _go_duration(seconds: float) -> str:
+def go_duration(seconds: float) -> str:
     """OpenAI's way of writing a delay: ``6m0s``, ``1s``, ``20ms``."""
     ms = max(round(seconds * 1000), 0)
     if ms < 1000:
@@ -44,6 +57,18 @@ def _go_duration(seconds: float) -> str:
     minutes, rest = divmod(ms / 1000.0, 60.0)
     text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
     return f"{int(minutes)}m{text}" if minutes else text
+
+
+def rfc3339_in(seconds: float) -> str:
+    """Anthropic's way of writing a reset: the wall-clock instant ``seconds`` from now, in RFC 3339,
+    rounded up to the whole second (never earlier than the quota really resets)."""
+    at = math.ceil(time.time() + max(seconds, 0.0))
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def retry_after(wait: float) -> int:
+    """A ``Retry-After`` for a wait of ``wait`` seconds: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(wait - EPSILON))
 
 
 def _check_window(rate: float | None, burst: float | None, window: float | None) -> int:
@@ -195,6 +220,14 @@ class VendorQuota:
         accepted.append(now)
         return float(self._window_limit - len(accepted)), 0.0
 
+    def _give_back(self) -> None:
+        """Undo the last request ``_admit`` accepted (another quota refused it): the bucket gets
+        its token back, the window its place; the arrival stays counted in ``window_max``."""
+        if self._window is not None:
+            self._in_window.pop()
+        elif self._burst is not None:
+            self._tokens = min(self._tokens + 1.0, self._burst)
+
     def _reset(self, now: float) -> float:
         """Seconds until the quota grows again: the bucket full, or the oldest request
         counted out of the window (limited vendors only)."""
@@ -225,7 +258,14 @@ class VendorQuota:
             return {
                 "x-ratelimit-limit-requests": format_number(round(self._rate * 60.0, 3)),
                 "x-ratelimit-remaining-requests": remaining,
-                "x-ratelimit-reset-requests": _go_duration(reset),
+                "x-ratelimit-reset-requests": go_duration(reset),
+            }
+        if family == "anthropic":
+            assert self._rate is not None
+            return {
+                "anthropic-ratelimit-requests-limit": format_number(round(self._rate * 60.0, 3)),
+                "anthropic-ratelimit-requests-remaining": remaining,
+                "anthropic-ratelimit-requests-reset": rfc3339_in(reset),
             }
         if family == "shopify":
             capacity = self._window_limit if self._window is not None else int(self._burst or 0)

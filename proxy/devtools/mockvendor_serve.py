@@ -27,6 +27,17 @@ async def _limits_at(vendor: MockVendor, schedule: tuple[tuple[float, float], ..
         print(f"mock-vendor: limit now {format_number(rate)}/s", flush=True)
 
 
+def _token_quotas(vendor: MockVendor) -> str:
+    """``; tokens in any 60s: openai 1000, anthropic input_tokens 500 ...``, or nothing."""
+    counted = [
+        (shape.name, window) for shape in vendor.shapes if shape.meter is not None for window in shape.meter.windows
+    ]
+    if not counted:
+        return ""
+    told = ", ".join(f"{name} {window.currency} {window.limit}" for name, window in counted)
+    return f"; in any {format_number(counted[0][1].window)}s window at most {told}"
+
+
 async def _serve(
     vendor: MockVendor,
     host: str,
@@ -60,6 +71,7 @@ async def _serve(
             assert vendor.burst is not None
             quota = f"rate {format_number(vendor.rate)}/s, burst {format_number(vendor.burst)}"
         scheme = "http" if tls is None else "https"
+        quota += _token_quotas(vendor)
         print(f"mock-vendor listening on {scheme}://{format_authority(host, bound_port)} ({quota})", flush=True)
         changes = asyncio.ensure_future(_limits_at(vendor, schedule))
         try:
@@ -86,7 +98,9 @@ def serve(
     ``tls``: serve HTTPS with this context (``https://`` in the line below).
 
     Prints ``mock-vendor listening on http://HOST:PORT (rate R/s, burst B)`` once bound
-    (``(rate R/s, sliding window Ws: at most N requests in any window)`` with a window).
+    (``(rate R/s, sliding window Ws: at most N requests in any window)`` with a window; then
+    ``; in any 60s window at most openai tokens 1000, anthropic input_tokens 500`` with token
+    quotas).
     """
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:

@@ -1,19 +1,22 @@
 """What a vendor's *shape* is to the mock vendor: the paths it owns, its answers, its refusal.
 
-``MockVendor`` keeps the quota (one request = one token, whatever the path) and hands a
+``MockVendor`` keeps the request quota (one request = one token, whatever the path) and hands a
 request whose path a shape owns to that shape for the answer: Stripe's objects
-(``mockvendor_stripe``), OpenAI's completions (``mockvendor_openai``). A vendor the mock
-should imitate next (Anthropic's ``/v1/messages``...) is one more module with one class
-that satisfies ``Shape``, added to ``MockVendor``'s list; a quota counted in tokens would
-read the ``usage`` its shape reports.
+(``mockvendor_stripe``), OpenAI's completions (``mockvendor_openai``), Anthropic's messages
+(``mockvendor_anthropic``). A vendor the mock should imitate next is one more module with one
+class that satisfies ``Shape``, added to ``MockVendor``'s list. A shape that counts tokens too
+has a ``meter`` (``mockvendor_tokens.ShapeMeter``): ``MockVendor`` reads the body before
+admitting the request, takes the meter's estimate from its windows, and the shape settles the
+``Reservation`` it is handed to what its answer used.
 
 The helpers here are what every shape writes with: JSON answers, server-sent events, a
-request body read as a JSON object, and made-up ids.
+request body read as a JSON object, made-up ids, and the LLM shapes' reply and token count.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import string
 from collections.abc import Iterable
@@ -22,10 +25,46 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 
 from proxy.devtools.mockvendor_control import JSON_TYPE
+from proxy.devtools.mockvendor_tokens import Reservation, ShapeMeter
 
-__all__ = ["BadInput", "Shape", "json_answer", "made_up_id", "read_json_object", "write_events"]
+__all__ = [
+    "REPLY",
+    "BadInput",
+    "Shape",
+    "count_tokens",
+    "json_answer",
+    "made_up_id",
+    "model_of",
+    "pieces",
+    "read_json_object",
+    "reply",
+    "write_events",
+]
 
 _ALNUM: Final = string.ascii_letters + string.digits
+
+REPLY: Final = "Hello from the mock vendor."
+"""What the LLM shapes always answer (cut short by a smaller completion cap)."""
+
+
+def count_tokens(text: str) -> int:
+    """A stand-in for a tokenizer: one token per four characters, at least one."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+def reply(cap: int | None) -> tuple[str, int, bool]:
+    """``REPLY`` as a model with at most ``cap`` tokens to give writes it: (text, its tokens,
+    whether the cap cut it)."""
+    full = count_tokens(REPLY)
+    if cap is None or cap >= full:
+        return REPLY, full, False
+    return REPLY[: 4 * cap], cap, True  # 4 x cap characters: `cap` tokens exactly
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` cut as a stream delivers it: word by word, spaces kept."""
+    words = text.split(" ")
+    return [w if i == 0 else f" {w}" for i, w in enumerate(words)]
 
 
 class Shape(Protocol):
@@ -46,9 +85,17 @@ class Shape(Protocol):
         """Whether a request for ``path`` is this vendor's to answer."""
         ...
 
-    async def answer(self, request: web.BaseRequest, headers: dict[str, str]) -> web.StreamResponse:
-        """The answer to a request the quota admitted; ``headers`` (the quota's) go on it.
-        Bad input is the vendor's own 4xx, in its error format."""
+    @property
+    def meter(self) -> ShapeMeter | None:
+        """Its token quotas, or ``None`` when it counts none."""
+        ...
+
+    async def answer(
+        self, request: web.BaseRequest, headers: dict[str, str], reservation: Reservation
+    ) -> web.StreamResponse:
+        """The answer to a request the quotas admitted; ``headers`` (the quotas') go on it.
+        Bad input is the vendor's own 4xx, in its error format. ``reservation``: the tokens
+        it took (none without a meter), settled to what the answer used once it is produced."""
         ...
 
     def refusal(self, retry_after: int, headers: dict[str, str]) -> web.Response:
@@ -68,6 +115,16 @@ class BadInput(Exception):
 def made_up_id(prefix: str, length: int = 24) -> str:
     """``prefix`` then ``length`` random letters and digits, as vendors write ids."""
     return prefix + "".join(secrets.choice(_ALNUM) for _ in range(length))
+
+
+def model_of(body: bytes | None) -> str | None:
+    """The ``model`` a JSON request body names, if any."""
+    try:
+        document = json.loads(body or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = document.get("model") if isinstance(document, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def json_answer(status: int, payload: object, headers: dict[str, str]) -> web.Response:

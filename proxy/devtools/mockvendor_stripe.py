@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl
 from aiohttp import web
 
 from proxy.devtools.mockvendor_shapes import BadInput, json_answer, made_up_id
+from proxy.devtools.mockvendor_tokens import Reservation
 
 __all__ = ["API_VERSION", "StripeShape"]
 
@@ -91,6 +92,7 @@ class StripeShape:
 
     name: Final = "stripe"
     quota_headers: Final = "none"
+    meter: Final = None  # Stripe counts requests only
 
     def __init__(self) -> None:
         self._objects: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -110,7 +112,9 @@ class StripeShape:
         body = _error_body("invalid_request_error", "rate_limit", _RATE_LIMITED)
         return json_answer(429, body, {**headers, **self._headers(None), **extra})
 
-    async def answer(self, request: web.BaseRequest, headers: dict[str, str]) -> web.StreamResponse:
+    async def answer(
+        self, request: web.BaseRequest, headers: dict[str, str], reservation: Reservation
+    ) -> web.StreamResponse:
         headers = {**headers, **self._headers(request)}
         key = request.headers.get("Idempotency-Key") if request.method == "POST" else None
         if key is not None:

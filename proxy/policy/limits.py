@@ -1,5 +1,6 @@
 """Lists of limits, ``[{rate, per, burst}, ...]``: one grammar for the vendor's global
-buckets, its tenants' and its endpoint classes'.
+buckets, its tenants' (``tenant_limits: {default, overrides}``), its endpoint classes' and its
+meters'.
 
 A limit listed twice is refused: both entries would name one store key, so one bucket.
 """
@@ -11,10 +12,11 @@ from typing import Final
 import yaml
 
 import proxy.policy.values as values
-from proxy.policy.model import Limit
+from proxy.policy.model import Limit, TenantLimits
 from proxy.policy.walker import Walk
 
 _LIMIT_KEYS: Final = ("rate", "per", "burst")
+_TENANT_LIMITS_KEYS: Final = ("default", "overrides")
 _DEFAULT_PER: Final = 1.0
 
 
@@ -45,6 +47,33 @@ def optional_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]
 
 def required_limits(walk: Walk, node: yaml.Node, path: str) -> tuple[Limit, ...]:
     return build_limits(walk, node, path, required=True)
+
+
+def build_tenant_limits(walk: Walk, node: yaml.Node, path: str) -> TenantLimits:
+    """``{default: [...], overrides: {tenant: [...]}}``: a vendor's or a meter's buckets per tenant."""
+    m = walk.mapping(node, path, _TENANT_LIMITS_KEYS)
+    if m is None:
+        return TenantLimits()
+    return TenantLimits(
+        default=m.section("default", optional_limits, ()),
+        overrides=m.section("overrides", _overrides, ()),
+    )
+
+
+def _overrides(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, tuple[Limit, ...]], ...]:
+    m = walk.mapping(node, path, None)
+    if m is None:
+        return ()
+    overrides: list[tuple[str, tuple[Limit, ...]]] = []
+    for tenant, entry in m.entries.items():
+        sub = m.child(tenant)
+        try:
+            values.tenant_name("tenant", tenant)
+        except ValueError as exc:
+            walk.error(entry.key_node, sub, str(exc))
+            continue
+        overrides.append((tenant, optional_limits(walk, entry.value_node, sub)))
+    return tuple(overrides)
 
 
 def _limit(walk: Walk, node: yaml.Node, path: str) -> Limit | None:

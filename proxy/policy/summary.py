@@ -12,10 +12,14 @@ from collections.abc import Iterable
 
 from proxy.policy.durations import format_duration
 from proxy.policy.model import (
+    ESTIMATE_PRESETS,
     Connections,
     Endpoint,
     Feedback,
     Limit,
+    Meter,
+    MeterEstimate,
+    MeterSettle,
     Policy,
     Share,
     TenantLimits,
@@ -119,16 +123,17 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
         _row("hosts", ", ".join(vendor.hosts) or "(none)", indent),
         _row("route", vendor.route or "(none)", indent),
         _row("upstream", vendor.upstream or "(the requested origin)", indent),
-        _row("limits", _limits(vendor.limits), indent),
+        _row("limits", _limits(vendor.limits) + _uncounted(vendor), indent),
         *([_row("vendor says", _limits(vendor.vendor_limit), indent)] if vendor.vendor_limit else []),
         _row("worst case", _vendor_worst_case(vendor, fail_open), indent),
         *[_row("", text, indent) for text in _beyond(vendor)],
         _row("sustained", _sustained(vendor.limits), indent),
+        *[_row("meters" if i == 0 else "", text, indent) for i, text in enumerate(_meters(vendor))],
         _row("partition", _partition(vendor), indent),
         _row("concurrency", _concurrency(vendor.concurrency), indent),
     ]
     rows += [_row("endpoints" if i == 0 else "", text, indent) for i, text in enumerate(_endpoints(vendor))]
-    tenants = _tenants(vendor.tenant_limits, vendor)
+    tenants = _tenants(vendor.tenant_limits, vendor.limits)
     rows += [_row("tenants" if i == 0 else "", text, indent) for i, text in enumerate(tenants)]
     rows += [_row("share" if i == 0 else "", text, indent) for i, text in enumerate(_share(vendor.share))]
     on_limit = vendor.on_limit
@@ -150,10 +155,11 @@ def _vendor(vendor: Vendor, fail_open: bool) -> list[str]:
     return rows
 
 
-def _worst_case(cases: Iterable[WorstCase], vendor: Vendor) -> str:
-    """What a vendor counting requests in a sliding window may see from the whole fleet."""
+def _worst_case(cases: Iterable[WorstCase], vendor: Vendor, unit: str = "requests") -> str:
+    """What a vendor counting requests (or a meter's ``unit``) in a sliding window may see
+    from the whole fleet."""
     counts = [
-        f"{case.requests}{' requests' if i == 0 else ''} in any {_window(case.window, vendor)}"
+        f"{case.requests}{f' {unit}' if i == 0 else ''} in any {_window(case.window, vendor)}"
         for i, case in enumerate(cases)
     ]
     where = f"per value of {vendor.partition.header}" if vendor.partition is not None else "fleet-wide"
@@ -169,7 +175,9 @@ def _vendor_worst_case(vendor: Vendor, fail_open: bool) -> str:
 
 def _window(seconds: float, vendor: Vendor) -> str:
     """A window as the policy wrote it (``24h``, not ``1d``), when a limit of it did."""
-    for limit in (*vendor.limits, *vendor.vendor_limit, *(lim for e in vendor.endpoints for lim in e.limits)):
+    meters = (lim for meter in vendor.meters for lim in meter.limits)
+    endpoints = (lim for endpoint in vendor.endpoints for lim in endpoint.limits)
+    for limit in (*vendor.limits, *vendor.vendor_limit, *endpoints, *meters):
         if limit.per == seconds and limit.per_text:
             return limit.per_text
     return format_duration(seconds)
@@ -206,15 +214,21 @@ def _rate(per_second: float) -> str:
     for unit, seconds in (("s", 1.0), ("min", 60.0), ("h", 3600.0)):
         value = per_second * seconds
         if value >= 1 or unit == "h":
-            return f"{value:.3g}/{unit}"
+            return f"{_count(value)}/{unit}"
     raise AssertionError("unreachable")
+
+
+def _count(value: float) -> str:
+    """Three significant digits, but whole numbers from 1000 up: ``8.33``, ``3333``, never ``3.33e+03``."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
 
 
 def _partition(vendor: Vendor) -> str:
     if vendor.partition is None:
         return "none: one quota for the whole vendor"
     header = vendor.partition.header
-    return f"{header}: global and endpoint buckets per value (hashed), requests without it share one"
+    buckets = "global, endpoint and meter buckets" if vendor.meters else "global and endpoint buckets"
+    return f"{header}: {buckets} per value (hashed), requests without it share one"
 
 
 def _concurrency(cap: int | None) -> str:
@@ -248,21 +262,91 @@ def _limits(limits: Iterable[Limit]) -> str:
     return "; ".join(limit.label for limit in limits) or "(none)"
 
 
-def _tenants(tenant_limits: TenantLimits, vendor: Vendor) -> list[str]:
-    """Each tenant's limits, and what it may sustain: its own slowest refill, or the vendor's."""
-    rows = [f"default {_limits(tenant_limits.default)}{_tenant_sustained(tenant_limits.default, vendor)}"]
+def _tenants(tenant_limits: TenantLimits, whole: tuple[Limit, ...], whose: str = "the vendor's") -> list[str]:
+    """Each tenant's limits, and what it may sustain: its own slowest refill, or that of
+    ``whole``, the buckets its own are nested in (``whose`` names them)."""
+    rows = [f"default {_limits(tenant_limits.default)}{_tenant_sustained(tenant_limits.default, whole, whose)}"]
     rows += [
-        f"{tenant}: {_limits(limits)}{_tenant_sustained(limits, vendor)}" for tenant, limits in tenant_limits.overrides
+        f"{tenant}: {_limits(limits)}{_tenant_sustained(limits, whole, whose)}"
+        for tenant, limits in tenant_limits.overrides
     ]
     return rows
 
 
-def _tenant_sustained(limits: tuple[Limit, ...], vendor: Vendor) -> str:
+def _tenant_sustained(limits: tuple[Limit, ...], whole: tuple[Limit, ...], whose: str) -> str:
     if not limits:
         return ""
     own = min(limit.per_second for limit in limits)
-    whole = min((limit.per_second for limit in vendor.limits), default=own)
-    return f"; sustained {_rate(min(own, whole))}" + (" (the vendor's quota binds)" if whole < own else "")
+    bound = min((limit.per_second for limit in whole), default=own)
+    return f"; sustained {_rate(min(own, bound))}" + (f" ({whose} quota binds)" if bound < own else "")
+
+
+def _uncounted(vendor: Vendor) -> str:
+    return ": requests are not counted, only its meters" if not vendor.limits and vendor.meters else ""
+
+
+def _meters(vendor: Vendor) -> list[str]:
+    """Each meter (SPEC §14): its buckets, what they let through in the long run and at
+    worst (in the meter's own unit: tokens, points), its tenants, and how a request's cost
+    is estimated and settled; nothing without ``meters``."""
+    rows: list[str] = []
+    for meter in vendor.meters:
+        rows.append(f"{meter.name}: {_limits(meter.limits)}")
+        slowest = min(meter.limits, key=lambda limit: limit.per_second)
+        per_second = slowest.per_second
+        rows.append(
+            f"  long run {_count(per_second)}/s, {_count(per_second * 60)}/min"
+            f" ({format_number(slowest.rate)}/{slowest.window} binds)"
+        )
+        worst = _worst_case(worst_cases(meter.limits), vendor, meter.name)
+        rows.append(f"  worst case {worst}; one request at most {format_number(meter.capacity)} (the smallest burst)")
+        tenants = meter.tenant_limits
+        if tenants.default or tenants.overrides:
+            rows += [
+                f"  {'tenants ' if i == 0 else '  '}{text}"
+                for i, text in enumerate(_tenants(tenants, meter.limits, "the meter's"))
+            ]
+        rows.append(f"  estimate {_estimate_words(meter.estimate)}")
+        rows.append(f"  settle {_settle_words(meter.settle)}")
+        if meter.estimate.kind in ESTIMATE_PRESETS:  # fixed and json say their own cost
+            rows.append(f"  {_unread(meter)}")
+    return rows
+
+
+def _estimate_words(estimate: MeterEstimate) -> str:
+    """A preset by its name and what it counts; the general forms in words alone."""
+    if estimate.kind == "fixed":
+        return f"every request costs {format_number(estimate.amount)}"
+    if estimate.kind == "json":
+        where = estimate.pointer or "(the whole body)"
+        return f"the number at {where} in the request's JSON body, else {format_number(estimate.amount)}"
+    words = {
+        "openai": "prompt characters / 4, rounded up, + completion cap x n, as OpenAI admits a request",
+        "anthropic_input": "input characters / 4, rounded up, as Anthropic estimates input tokens",
+        "anthropic_output": "the request's max_tokens, as Anthropic estimates output tokens",
+    }[estimate.kind]
+    return f"{estimate.kind}: {words}"
+
+
+def _settle_words(settle: MeterSettle) -> str:
+    """Where the answer states the amount; without it (or with ``none``) the estimate stands."""
+    if settle.kind == "none":
+        return "none: the estimate stands"
+    words = {
+        "openai": "openai: the answer's usage.total_tokens (streamed: its usage chunk)",
+        "anthropic_input": "anthropic_input: the answer's usage.input_tokens + cache_creation_input_tokens"
+        " (streamed: message_start)",
+        "anthropic_output": "anthropic_output: the answer's usage.output_tokens (streamed: the last message_delta)",
+        "json": f"the number at {settle.pointer or '(the whole body)'} in the answer's JSON body",
+        "header": f"the number in the answer's {settle.header} header",
+    }[settle.kind]
+    return f"{words}; without it the estimate stands"
+
+
+def _unread(meter: Meter) -> str:
+    if meter.default is None:
+        return f"a body it cannot read (not JSON, too large) costs {format_number(meter.capacity)}, the smallest burst"
+    return f"a body it cannot read (not JSON, too large) costs {format_number(meter.default)} (default)"
 
 
 def _share(share: Share | None) -> list[str]:

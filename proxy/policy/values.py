@@ -32,6 +32,8 @@ N = TypeVar("N", int, float)
 _STORE_SCHEMES: Final = ("memory", "redis", "rediss", "redis+cluster")
 _TOKEN_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token: header names, methods
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # vendor and endpoint names: metric labels
+_METER_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a metric label and a store key's field
+_POINTER_TILDE_RE: Final = re.compile(r"~(?![01])")  # RFC 6901: "~" only as "~0" or "~1"
 _ROUTE_SEGMENT_RE: Final = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+")
 
 
@@ -264,6 +266,18 @@ tenant_name: Final = matching(
 vendor_name: Final = matching(_NAME_RE, "{value} is not a valid vendor name (letters, digits and _.-, at most 64)")
 preset_name: Final = matching(_NAME_RE, "{value} is not a valid preset name (letters, digits and _.-, at most 64)")
 endpoint_name: Final = matching(_NAME_RE, "{value} is not a valid endpoint name (letters, digits and _.-, at most 64)")
+meter_name: Final = matching(_METER_NAME_RE, "{value} is not a valid meter name (letters, digits, _ and -, at most 64)")
+
+
+def json_pointer(key: str, value: object) -> str:
+    """An RFC 6901 pointer: ``""`` (the whole document) or ``/``-separated keys, a ``~`` in a
+    key written ``~0`` and a ``/`` written ``~1``."""
+    text = string(key, value)
+    if text and not text.startswith("/"):
+        raise ValueError(f'{show(text)} is not a JSON pointer: it starts with "/" (e.g. /usage/total_tokens)')
+    if _POINTER_TILDE_RE.search(text):
+        raise ValueError(f'{show(text)} is not a JSON pointer: "~" is written "~0" in it, and "/" in a key "~1"')
+    return text
 
 
 def http_method(key: str, value: object) -> str:

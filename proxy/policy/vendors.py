@@ -1,7 +1,11 @@
 """The ``vendors:`` section: each vendor's hosts, route, limits, tenant limits, answers
 when limited, feedback, CONNECT mode, timeouts, the dialect of the proxy's own answers, and
-its quota shapes (endpoint classes, concurrency cap, partition: built in ``shapes``) and
-how its quota is shared among waiting tenants and priority classes (``share_policy``).
+its quota shapes (endpoint classes, concurrency cap, partition: built in ``shapes``), how
+its quota is shared among waiting tenants and priority classes (``share_policy``) and what
+it counts besides requests (``meters``).
+
+A vendor needs ``limits`` unless it has ``meters``: a vendor that counts only its own
+currency (Shopify's query-cost points) need not count requests too.
 
 Names, hosts and routes are claimed as they are read (``_Claims``), so a second vendor
 that reuses one is reported on its own line, naming the vendor that had it first.
@@ -19,7 +23,8 @@ import proxy.policy.values as values
 from proxy.names import host_caution, split_host_port
 from proxy.policy.answer_presets import Presets, build_answers
 from proxy.policy.durations import format_duration
-from proxy.policy.limits import optional_limits, required_limits
+from proxy.policy.limits import build_tenant_limits, optional_limits, required_limits
+from proxy.policy.meters import build_meters
 from proxy.policy.model import (
     ACTIONS,
     CONNECT_MODES,
@@ -48,9 +53,8 @@ _TIMEOUTS: Final = Timeouts()
 _VENDOR_KEYS: Final = (
     "name", "hosts", "route", "upstream", "limits", "tenant_limits", "on_limit", "feedback", "connect",
     "timeouts", "max_tunnels", "answers", "answers_max_wait", "ratelimit_headers", "endpoints", "concurrency",
-    "partition", "vendor_limit", "share",
+    "partition", "vendor_limit", "share", "meters",
 )  # fmt: skip
-_TENANT_LIMITS_KEYS: Final = ("default", "overrides")
 _ON_LIMIT_KEYS: Final = ("action", "max_hold")
 _FEEDBACK_KEYS: Final = ("remaining_header", "low_watermark", "retry_after_default", "max_retry_after", "headers")
 _TIMEOUTS_KEYS: Final = ("connect", "read")
@@ -108,10 +112,13 @@ def _vendor(
     connect = _connect(m, tls)
     if connect == "intercept":
         _check_constraints(m, hosts)
-    limits: tuple[Limit, ...] = m.require_section("limits", required_limits, ())
+    metered = m.has("meters")
+    limits: tuple[Limit, ...] = (
+        m.section("limits", optional_limits, ()) if metered else m.require_section("limits", required_limits, ())
+    )
     vendor_limit: tuple[Limit, ...] = m.section("vendor_limit", required_limits, ())
     _warn_worst_cases(m, limits, vendor_limit)
-    tenant_limits = m.section("tenant_limits", _tenant_limits, TenantLimits())
+    tenant_limits = m.section("tenant_limits", build_tenant_limits, TenantLimits())
     cap = m.get("concurrency", shapes.concurrency, _VENDOR.concurrency)
     enclosing = shapes.Enclosing(limits, tenant_limits, cap)
     return Vendor(
@@ -134,13 +141,21 @@ def _vendor(
         concurrency=cap,
         partition=m.section("partition", lambda w, n, p: shapes.build_partition(w, n, p, tenant.header), None),
         share=m.section("share", lambda w, n, p: build_share(w, n, p, not _absent(m.node_of("limits"))), None),
+        meters=m.section("meters", build_meters, ()),
     )
 
 
 def _warn_worst_cases(m: CheckedMapping, limits: tuple[Limit, ...], stated: tuple[Limit, ...]) -> None:
     """What a vendor counting requests in a sliding window may see from the whole fleet,
     against what the policy says it allows (``vendor_limit``): any excess is a warning (the
-    limits' bursts fill on top of their rates)."""
+    limits' bursts fill on top of their rates). A metered vendor without ``limits`` does not
+    count its requests at all."""
+    if stated and m.has("meters") and _absent(m.node_of("limits")):
+        message = (
+            "vendor_limit counts requests, and this vendor has no limits: nothing keeps the fleet's requests"
+            " within it (only its meters are counted)"
+        )
+        m.walk.warn(m.node_of("vendor_limit") or m.node, m.child("vendor_limit"), message)
     for allowed, worst in beyond(limits, stated):
         m.walk.warn(
             m.node_of("vendor_limit") or m.node,
@@ -237,32 +252,6 @@ def _ports(port: str | None) -> frozenset[int]:
 
 
 _DEFAULT_PORTS: Final = frozenset((80, 443))
-
-
-def _tenant_limits(walk: Walk, node: yaml.Node, path: str) -> TenantLimits:
-    m = walk.mapping(node, path, _TENANT_LIMITS_KEYS)
-    if m is None:
-        return TenantLimits()
-    return TenantLimits(
-        default=m.section("default", optional_limits, ()),
-        overrides=m.section("overrides", _overrides, ()),
-    )
-
-
-def _overrides(walk: Walk, node: yaml.Node, path: str) -> tuple[tuple[str, tuple[Limit, ...]], ...]:
-    m = walk.mapping(node, path, None)
-    if m is None:
-        return ()
-    overrides: list[tuple[str, tuple[Limit, ...]]] = []
-    for tenant, entry in m.entries.items():
-        sub = m.child(tenant)
-        try:
-            values.tenant_name("tenant", tenant)
-        except ValueError as exc:
-            walk.error(entry.key_node, sub, str(exc))
-            continue
-        overrides.append((tenant, optional_limits(walk, entry.value_node, sub)))
-    return tuple(overrides)
 
 
 def _on_limit(walk: Walk, node: yaml.Node, path: str) -> OnLimit:

@@ -340,3 +340,121 @@ def test_summary_of_a_share_without_tenants_or_classes(share: str, rows: list[st
     lines = text.splitlines()
     start = lines.index(rows[0])
     assert lines[start : start + len(rows) + 1] == [*rows, "  on_limit    hold, max_hold 500ms"]
+
+
+def test_summary_shows_each_meter_with_its_long_run_worst_case_estimate_and_settle():
+    policy = parse_policy(
+        """\
+version: 1
+vendors:
+  - name: openai
+    hosts: [api.openai.com]
+    limits: [{rate: 500, per: 1m}]
+    meters:
+      tokens:
+        limits: [{rate: 200000, per: 1m}]
+        tenant_limits: {default: [{rate: 50000, per: 1m}], overrides: {acme: [{rate: 100000, per: 1m}]}}
+        estimate: openai
+        settle: openai
+        default: 4000
+  - name: shopify
+    hosts: [shop.myshopify.com]
+    meters:
+      points:
+        limits: [{rate: 50, per: 1s, burst: 1000}]
+        estimate: {fixed: 100}
+        settle: {json: /extensions/cost/actualQueryCost}
+""",
+        "p.yaml",
+    )
+    lines = summarize(policy).splitlines()
+    start = lines.index("  sustained   8.33/s in the long run (500/1m binds)")
+    assert lines[start + 1 : start + 10] == [
+        "  meters      tokens: 200000/1m burst 200000",
+        "                long run 3333/s, 200000/min (200000/1m binds)",
+        "                worst case at most 400000 tokens in any 1m, fleet-wide; one request at most 200000"
+        " (the smallest burst)",
+        "                tenants default 50000/1m burst 50000; sustained 833/s",
+        "                  acme: 100000/1m burst 100000; sustained 1667/s",
+        "                estimate openai: prompt characters / 4, rounded up, + completion cap x n, as OpenAI admits"
+        " a request",
+        "                settle openai: the answer's usage.total_tokens (streamed: its usage chunk); without it the"
+        " estimate stands",
+        "                a body it cannot read (not JSON, too large) costs 4000 (default)",
+        "  partition   none: one quota for the whole vendor",
+    ]
+    start = lines.index("vendor shopify")
+    assert lines[start + 4 : start + 13] == [
+        "  limits      (none): requests are not counted, only its meters",
+        "  worst case  unbounded",
+        "  sustained   unbounded",
+        "  meters      points: 50/1s burst 1000",
+        "                long run 50/s, 3000/min (50/1s binds)",
+        "                worst case at most 1050 points in any 1s, fleet-wide; one request at most 1000 (the smallest"
+        " burst)",
+        "                estimate every request costs 100",
+        "                settle the number at /extensions/cost/actualQueryCost in the answer's JSON body; without it"
+        " the estimate stands",
+        "  partition   none: one quota for the whole vendor",
+    ]
+
+
+def test_summary_of_anthropic_meters_per_partition_and_the_general_forms():
+    policy = parse_policy(
+        """\
+version: 1
+vendors:
+  - name: anthropic
+    hosts: [api.anthropic.com]
+    partition: {header: x-api-key}
+    limits: [{rate: 50, per: 1m}]
+    meters:
+      input_tokens:
+        limits: [{rate: 40000, per: 1m, burst: 10000}, {rate: 1000000, per: 1d}]
+        estimate: anthropic_input
+        settle: anthropic_input
+      output_tokens:
+        limits: [{rate: 8000, per: 1m}]
+        estimate: anthropic_output
+        settle: anthropic_output
+  - name: graph
+    hosts: [api.graph.example]
+    meters:
+      points:
+        limits: [{rate: 5000, per: 1h}]
+        estimate: {json: /variables/first, default: 50}
+        settle: {header: X-Query-Cost}
+""",
+        "p.yaml",
+    )
+    lines = summarize(policy).splitlines()
+    start = lines.index("  meters      input_tokens: 40000/1m burst 10000; 1000000/1d burst 1000000")
+    assert lines[start + 1 : start + 13] == [
+        # The day's refill binds in the long run; the 1m bucket's burst bounds one request.
+        "                long run 11.6/s, 694/min (1000000/1d binds)",
+        "                worst case at most 50000 input_tokens in any 1m, 2000000 in any 1d, per value of"
+        " x-api-key; one request at most 10000 (the smallest burst)",
+        "                estimate anthropic_input: input characters / 4, rounded up, as Anthropic estimates input"
+        " tokens",
+        "                settle anthropic_input: the answer's usage.input_tokens + cache_creation_input_tokens"
+        " (streamed: message_start); without it the estimate stands",
+        "                a body it cannot read (not JSON, too large) costs 10000, the smallest burst",
+        "              output_tokens: 8000/1m burst 8000",
+        "                long run 133/s, 8000/min (8000/1m binds)",
+        "                worst case at most 16000 output_tokens in any 1m, per value of x-api-key; one request at"
+        " most 8000 (the smallest burst)",
+        "                estimate anthropic_output: the request's max_tokens, as Anthropic estimates output tokens",
+        "                settle anthropic_output: the answer's usage.output_tokens (streamed: the last message_delta);"
+        " without it the estimate stands",
+        "                a body it cannot read (not JSON, too large) costs 8000, the smallest burst",
+        "  partition   x-api-key: global, endpoint and meter buckets per value (hashed), requests without it share one",
+    ]
+    assert "                estimate the number at /variables/first in the request's JSON body, else 50" in lines
+    assert (
+        "                settle the number in the answer's X-Query-Cost header; without it the estimate stands" in lines
+    )
+
+
+def test_summary_without_meters_has_no_meter_rows():
+    lines = summarize(load_policy("config/example.yaml")).splitlines()
+    assert not any(line.startswith("  meters") for line in lines)
