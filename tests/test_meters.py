@@ -164,3 +164,10 @@ async def test_under_a_share_the_schedule_divides_requests_and_the_meter_is_take
             async with s.post(proxy.url + CHAT, json=chat(100)) as r:
                 assert r.status == 200, await r.text()
     assert vendor.mock.accepted == 3
+
+
+async def test_a_vendor_429_blocks_the_meter_too(vendor: Vendor, start_proxy: ProxyFactory, store_url: str) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url))
+    (v,) = proxy.runtime.policy.vendors
+    await proxy.runtime.limiter.block(v, 5.0)
+    assert await tokens_left(proxy) <= 0  # (refilling from empty after the block)

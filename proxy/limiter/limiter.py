@@ -34,6 +34,7 @@ from proxy.limiter.buckets import (
     buckets_for,
     endpoint_buckets,
     global_buckets,
+    meter_buckets,
     probe_key,
     replicas_key,
     state_key,
@@ -47,6 +48,7 @@ from proxy.limiter.quota_headers import QuotaReport
 from proxy.limiter.store import (
     SLOT_LIFE,
     AcquireResult,
+    BucketSpec,
     BucketStore,
     Leases,
     LeaseSet,
@@ -304,9 +306,11 @@ class Limiter:
         fleet-wide; returns the block's length.
 
         Never raises: the block is also kept locally, so this replica honours it
-        even when the store cannot record it.
+        even when the store cannot record it. The vendor's meters' buckets are blocked with
+        them (a token quota's 429 stops the calls as a request quota's does).
         """
-        buckets = global_buckets(self.key_prefix, vendor, partition)
+        requests = global_buckets(self.key_prefix, vendor, partition)
+        buckets = requests + self._meters(vendor, partition)
         until = seconds
         try:
             channel = block_channel(self.key_prefix, vendor.name, partition)
@@ -316,7 +320,7 @@ class Limiter:
         if result is not None:
             until = result.until
             self.observations.note_levels(
-                vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels
+                vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels[: len(requests)]
             )
         self.note_block(vendor.name, until, partition)
         if self.local is not None and self.local.active:
@@ -327,14 +331,20 @@ class Limiter:
         """Remaining quota below the low watermark: empty the (partition's) global buckets now."""
         if self.local is not None and self.local.active:
             await self.local.drain(vendor, partition)
-        buckets = global_buckets(self.key_prefix, vendor, partition)
+        requests = global_buckets(self.key_prefix, vendor, partition)
         try:
-            result = await self._feedback(self.store.drain(buckets))
+            result = await self._feedback(self.store.drain(requests + self._meters(vendor, partition)))
         except StoreUnavailable:
             return
         self.observations.note_levels(
-            vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels
+            vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels[: len(requests)]
         )
+
+    def _meters(self, vendor: Vendor, partition: str) -> tuple[BucketSpec, ...]:
+        """The vendor's (partition's) own buckets of its meters (not its tenants')."""
+        if not vendor.meters:
+            return ()
+        return tuple(s for s, _ in meter_buckets(self.key_prefix, vendor, "", partition) if s.scope == "global")
 
     async def refund(
         self,
