@@ -20,7 +20,13 @@ def _from_repo_root(monkeypatch):
 
 
 def test_the_examples_are_all_here():
-    assert {"config/example.yaml", "config/payments.yaml", "config/llm.yaml", "config/clients.yaml"} <= set(CONFIGS)
+    assert {
+        "config/example.yaml",
+        "config/payments.yaml",
+        "config/llm.yaml",
+        "config/anthropic.yaml",
+        "config/clients.yaml",
+    } <= set(CONFIGS)
 
 
 @pytest.mark.parametrize("path", CONFIGS)
@@ -46,6 +52,22 @@ def test_llm_example_is_per_key_with_streams_capped_and_embeddings_weighed():
     assert vendor.concurrency == 64
     by_name = {e.name: e for e in vendor.endpoints}
     assert by_name["chat"].concurrency == 32 and by_name["embeddings"].cost == 4
+    (tokens,) = vendor.meters
+    assert (tokens.name, tokens.estimate.kind, tokens.settle.kind) == ("tokens", "openai", "openai")
+
+
+def test_the_anthropic_example_meters_input_and_output_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    vendor = load_policy("config/anthropic.yaml").vendor("anthropic")
+    assert [(m.name, m.estimate.kind, m.settle.kind) for m in vendor.meters] == [
+        ("input_tokens", "anthropic_input", "anthropic_input"),
+        ("output_tokens", "anthropic_output", "anthropic_output"),
+    ]
+    assert vendor.answers.name == "anthropic"
+    assert main(["check", "-c", "config/anthropic.yaml"]) == 0
+    out = capsys.readouterr().out
+    # Each meter's worst case is the vendor's per-minute quota, and one call's most its burst.
+    assert "worst case at most 40000 input_tokens in any 1m, per value of x-api-key" in out
+    assert "worst case at most 8000 output_tokens in any 1m, per value of x-api-key" in out
 
 
 @pytest.mark.parametrize(
