@@ -235,7 +235,7 @@ for i = 1, n do
   if field ~= '' then
     p = field .. ':'
   end
-  fields[i] = {p .. 't', p .. 'ts', p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk', p .. 'z'}
+  fields[i] = {p .. 't', p .. 'ts', p .. 'lr', p .. 'lb', p .. 'lu', p .. 'bk', p .. 'z', p .. 'zh'}
   at[i] = ask(KEYS[i], fields[i])
 end
 for key, names in pairs(asks) do
@@ -260,14 +260,15 @@ end
 
 local levels, rates, bursts = {}, {}, {}
 -- above[i]: when bucket i last stood above empty before this call (`z`, written by every call
--- that writes the bucket: now if its level had been, or is, above 0; see "Late slots"); now
--- for a bucket not written (full) or written before `z` was (not known).
-local above, pre = {}, {}
+-- that writes the bucket: now if its level had been, or is, above 0; see "Late slots"), and
+-- half[i] above half its burst (`zh`); now for a bucket not written (full) or written before
+-- they were (not known).
+local above, half, pre = {}, {}, {}
 local void_before = lost or 0 -- reservations made before this are void (a loss, a vendor block)
 for i = 1, n do
   local rate, burst = tonumber(ARGV[F + 3 * i - 2]), tonumber(ARGV[F + 3 * i - 1])
   local r, o = replies[KEYS[i]], at[i]
-  local st = {r[o + 1], r[o + 2], r[o + 3], r[o + 4], r[o + 5], r[o + 6], r[o + 7]}
+  local st = {r[o + 1], r[o + 2], r[o + 3], r[o + 4], r[o + 5], r[o + 6], r[o + 7], r[o + 8]}
   if st[5] and tonumber(st[5]) > now then
     rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
   end
@@ -284,9 +285,9 @@ for i = 1, n do
   if st[6] and tonumber(st[6]) > void_before then
     void_before = tonumber(st[6])
   end
-  levels[i], pre[i], above[i] = level, level, now
-  if st[1] and st[7] then
-    above[i] = tonumber(st[7])
+  levels[i], pre[i], above[i], half[i] = level, level, now, now
+  if st[1] and st[7] and st[8] then
+    above[i], half[i] = tonumber(st[7]), tonumber(st[8])
   end
 end
 
@@ -569,11 +570,9 @@ local function write_levels()
     local rate, burst, level = rates[i], bursts[i], levels[i]
     put(KEYS[i], fields[i][1], string.format('%.6f', level))
     put(KEYS[i], fields[i][2], at_now)
-    if level > 0 or pre[i] > 0 or above[i] == now then
-      put(KEYS[i], fields[i][7], at_now)
-    else
-      put(KEYS[i], fields[i][7], string.format('%.3f', above[i]))
-    end
+    local high = math.max(level, pre[i])
+    put(KEYS[i], fields[i][7], (high > 0 or above[i] == now) and at_now or string.format('%.3f', above[i]))
+    put(KEYS[i], fields[i][8], (high > burst / 2 or half[i] == now) and at_now or string.format('%.3f', half[i]))
     local refilled = math.ceil((burst - level) / rate)
     if ARGV[F + 3 * i] == '' then
       own[KEYS[i]] = refilled + 1000
@@ -672,9 +671,9 @@ end
 -- whose spans ([its time, now)) overlap may together carry no more than the burst, less
 -- what the bucket holds now, and no window is overrun. A bucket that stood above empty
 -- since the slot's time (`above`) spent tokens of its own meanwhile, and a window there may
--- be full already: 4 at once where a burst of 2 allowed 2. Such a slot is not moved (nor its
--- tokens lost to the others': they go back to the tenant's buckets after `life`, as any
--- slot nobody claims). The moves of the last `life` ms
+-- be fuller: 4 at once where a burst of 2 allowed 2. Below half its burst all along (`half`),
+-- it leaves half the burst free; above it, none: such a slot is not moved (its tokens go
+-- back to the tenant's buckets after `life`, as any slot nobody claims). The moves of the last `life` ms
 -- are kept in `shifts` (member "<its time>:<units>:<now>:<k>", scored by now); a slot
 -- whose move would not fit serves what fits, or waits for its time to pass (`life`). A slot
 -- claimed late by its owner is a move too, which the others' must fit beside.
@@ -695,10 +694,13 @@ if rset and due and not held and full == 0 then
         last = tenants
       end
       for i = 1, last do
-        if above[i] >= at then
-          budget = 0
+        local room = bursts[i] - math.max(levels[i], 0)
+        if half[i] >= at then
+          room = 0
+        elseif above[i] >= at then
+          room = math.min(room, bursts[i] / 2)
         end
-        budget = math.min(budget, bursts[i] - math.max(levels[i], 0))
+        budget = math.min(budget, room)
       end
       if not moved then
         redis.call('ZREMRANGEBYSCORE', shifts, '-inf', string.format('(%.3f', now - life_ms))

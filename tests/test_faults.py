@@ -87,9 +87,10 @@ class CountingStore:
         leases: Leases | None = None,
         reserve: Reserve | None = None,
         share: ShareAsk | None = None,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
         self.acquires += 1
-        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share)
+        return await self.inner.acquire(buckets, cost, max_wait, queue, guard, leases, reserve, share, costs)
 
     def straight(
         self,

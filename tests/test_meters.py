@@ -171,3 +171,20 @@ async def test_a_vendor_429_blocks_the_meter_too(vendor: Vendor, start_proxy: Pr
     (v,) = proxy.runtime.policy.vendors
     await proxy.runtime.limiter.block(v, 5.0)
     assert await tokens_left(proxy) <= 0  # (refilling from empty after the block)
+
+
+async def test_status_shows_each_meter_and_its_buckets(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = await start_proxy(metered(vendor.url, store_url, settle="none"))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + CHAT, json=chat(300)) as r:
+            assert r.status == 200
+        async with s.get(proxy.admin_url + "/status") as r:
+            (entry,) = (await r.json())["vendors"]
+    (meter,) = entry["meters"]
+    assert (meter["name"], meter["estimate"], meter["settle"]) == ("tokens", "openai", "none")
+    assert meter["long_run_per_second"] == 1.0
+    (bucket,) = meter["buckets"]
+    assert bucket["bucket"] == "tokens 60/1m burst 1000"
+    assert bucket["tokens"] == pytest.approx(BURST - estimate(chat(300)), abs=3)

@@ -76,14 +76,14 @@ def late_units(
     levels: list[float],
     rates: list[float],
     bursts: list[float],
-    above: list[float],
+    above: list[tuple[float, float]],
     max_wait: float,
 ) -> tuple[float, list[float]] | None:
     """Late slots' units for a request of ``cost``: those of one scope in order of maturity,
     as many as the cost and the moves' budget allow, the rest from the buckets if they have
     it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
     wait and what to take from each bucket; None (nothing touched) otherwise. ``above``: when
-    each bucket last stood above empty (a slot older than that is not moved)."""
+    each bucket last stood above empty, and above half its burst (acquire.lua, "Late slots")."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
     oldest, newest = now - reserve.life, now - reserve.owner
     late = sorted((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest)
@@ -96,9 +96,7 @@ def late_units(
         if scope and slot.scope != scope:
             continue
         took = range(reserve.tenants if slot.scope == "t" else len(levels))  # the buckets it took from
-        if any(above[i] >= matures for i in took):
-            continue
-        budget = min(bursts[i] - max(levels[i], 0.0) for i in took)
+        budget = min(_room(bursts[i], levels[i], above[i], matures) for i in took)
         overlap = units + sum(u for end, u in moves if end > matures)
         take = min(slot.cost, cost - units, budget - overlap)
         if take <= 0:
@@ -124,6 +122,15 @@ def late_units(
             add_slot(kept, slot._replace(cost=slot.cost - take))
         moves.append((now + max(need, 0.0), take))  # (its span ends when the request goes)
     return need, takes
+
+
+def _room(burst: float, level: float, above: tuple[float, float], matures: float) -> float:
+    """What moves from a slot maturing at ``matures`` may carry in a bucket: its burst less
+    what it holds now; half its burst at most if it stood above empty since; none if above half."""
+    if above[1] >= matures:
+        return 0.0
+    room = burst - max(level, 0.0)
+    return min(room, burst / 2) if above[0] >= matures else room
 
 
 def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:

@@ -230,7 +230,11 @@ class Limiter:
             raise StoreUnavailable("circuit breaker open")
         try:
             guard = self.observations.guard(vendor, b.state_key)
-            result = await self.store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share, costs)
+            store = self.store
+            if costs is None:  # (the usual call, as every store has taken it)
+                result = await store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share)
+            else:
+                result = await store.acquire(b.all, cost, max_wait, queue, guard, leases, reserve, b.share, costs)
         except BaseException as exc:
             self._not_taken(exc)
             raise
@@ -339,6 +343,12 @@ class Limiter:
         self.observations.note_levels(
             vendor, partition, state_key(self.key_prefix, vendor.name, partition), result.levels[: len(requests)]
         )
+
+    async def peek_meters(self, vendor: Vendor) -> tuple[tuple[BucketSpec, ...], tuple[float, ...]]:
+        """The vendor's own meter buckets (of the default partition) and their levels, taking
+        nothing (/status)."""
+        specs = self._meters(vendor, "")
+        return specs, (await self._feedback(self.store.peek(specs)) if specs else ())
 
     def _meters(self, vendor: Vendor, partition: str) -> tuple[BucketSpec, ...]:
         """The vendor's (partition's) own buckets of its meters (not its tenants')."""

@@ -35,8 +35,8 @@ _KEPT_GRACE = 3600.0  # seconds after its last slot matured a reservation set is
 class MemoryStore:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        # key -> [tokens, ts, expires_at, above]; on the clock, seconds (above: when the level
-        # last stood above empty, acquire.lua's `z`)
+        # key -> [tokens, ts, expires_at, above, half]; on the clock, seconds (when the level
+        # last stood above empty, and above half its burst: acquire.lua's `z` and `zh`)
         self._state: dict[str, list[float]] = {}
         # deferral queue key -> (first free slot, expires_at), on the clock
         self._queues: dict[str, tuple[float, float]] = {}
@@ -82,12 +82,14 @@ class MemoryStore:
     def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
         # Same expiry as the scripts: once refilled the key equals a missing one.
         rate, burst = self._limits(b, ts)
-        above = ts if tokens > 0 or self._level(b, ts) > 0 else self._state[b.ident][3]
-        self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0, above]
+        high, st = max(tokens, self._level(b, ts)), self._state.get(b.ident)
+        above = ts if high > 0 or st is None else st[3]
+        half = ts if high > burst / 2 or st is None else st[4]
+        self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0, above, half]
 
-    def _above(self, b: BucketSpec, now: float) -> float:
+    def _above(self, b: BucketSpec, now: float) -> tuple[float, float]:
         st = self._state.get(b.ident)
-        return now if st is None or st[2] <= now else st[3]
+        return (now, now) if st is None or st[2] <= now else (st[3], st[4])
 
     def _tick(self, now: float) -> None:
         self._ops += 1
@@ -361,10 +363,12 @@ class MemoryStore:
         latest = now
         for i, b in enumerate(buckets):  # (_store's expiry and `above`)
             level, st = levels[i] - cost, state.get(b.ident)
-            above = now if levels[i] > 0 or st is None or st[2] <= now else st[3]
+            fresh = st is None or st[2] <= now
+            above = now if levels[i] > 0 or fresh else st[3]  # type: ignore[index]
+            half = now if levels[i] > b.burst / 2 or fresh else st[4]  # type: ignore[index]
             levels[i] = level
             expires = now + (b.burst - level) / b.rate + 1.0
-            state[b.ident] = [level, now, expires, above]
+            state[b.ident] = [level, now, expires, above, half]
             if expires > latest:
                 latest = expires
         if guard is not None:

@@ -205,6 +205,37 @@ async def _endpoint(limiter: Limiter, vendor: Vendor, endpoint: Endpoint) -> dic
     return entry
 
 
+async def _meters(limiter: Limiter, vendor: Vendor) -> list[dict[str, Any]]:
+    """Each meter (SPEC §14): its forms, limits and long-run rate, and its vendor-side
+    buckets' levels (of the default partition) as the store says now."""
+    try:
+        specs, levels = await limiter.peek_meters(vendor)
+        error = None
+    except StoreUnavailable as exc:
+        specs, levels, error = (), (), str(exc)
+    out = []
+    for meter in vendor.meters:
+        e, s = meter.estimate, meter.settle
+        entry: dict[str, Any] = {
+            "name": meter.name,
+            "estimate": e.kind
+            if e.kind not in ("fixed", "json")
+            else {e.kind: e.amount if e.kind == "fixed" else e.pointer},
+            "settle": s.kind if s.kind not in ("json", "header") else {s.kind: s.pointer or s.header},
+            "limits": [
+                {"rate": lim.rate, "per": lim.per, "burst": lim.burst, "rate_per_second": lim.per_second}
+                for lim in meter.limits
+            ],
+            "long_run_per_second": round(min(lim.per_second for lim in meter.limits), 6),
+        }
+        mine = [(b, level) for b, level in zip(specs, levels, strict=True) if b.field.startswith(f"m:{meter.name}:")]
+        entry["buckets"] = None if error else _buckets(tuple(b for b, _ in mine), tuple(x for _, x in mine))
+        if error:
+            entry["store_error"] = error
+        out.append(entry)
+    return out
+
+
 def _partitions(limiter: Limiter, vendor: Vendor) -> dict[str, Any] | None:
     """How many partitions this replica has seen lately and how many are blocked: counts
     only, never a value (they are credentials)."""
@@ -250,6 +281,8 @@ async def status(request: web.Request) -> web.Response:
         entry["quota"] = _quota(vendor, entry["buckets"])
         if vendor.endpoints:
             entry["endpoints"] = [await _endpoint(limiter, vendor, e) for e in vendor.endpoints]
+        if vendor.meters:
+            entry["meters"] = await _meters(limiter, vendor)
         if vendor.partition is not None:
             entry["partitions"] = _partitions(limiter, vendor)
         if limiter.local is not None:

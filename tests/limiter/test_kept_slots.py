@@ -407,3 +407,20 @@ async def test_a_late_slot_moves_no_more_than_the_bucket_lacks_of_its_burst(
     await later(store, clock, 0.45)  # level -4 + 4.5 = 0.5: above empty only since 0.4 s
     moved = [await store.acquire(b, 1, 0, QUEUE, guard(), None, kept) for _ in range(3)]
     assert [r.claimed for r in moved] == [True, False, False]
+
+
+async def test_a_bucket_a_little_above_empty_still_lets_late_slots_move_half_its_burst(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    """A bucket that rose a little above empty since the slots' time (demand about its rate,
+    as a tenant's precise retriers keep it) still leaves half its burst free in any window:
+    the slots move, up to that (a flooded tenant's quiet neighbour got 5/s of its 10 before)."""
+    b = (bucket("m", rate=10, burst=10),)
+    kept = KEPT._replace(owner=0.0, life=2.0)
+    for _ in range(10):
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, kept)).granted
+    for _ in range(4):  # slots at 0.1-0.4 s, nobody's
+        assert (await store.acquire(b, 1, 0, QUEUE, guard(), None, kept)).reserved
+    await later(store, clock, 0.65)  # level -4 + 6.5 = 2.5: above empty since 0.4 s, below half
+    moved = [await store.acquire(b, 1, 0, QUEUE, guard(), None, kept) for _ in range(4)]
+    assert all(r.granted and r.claimed for r in moved), [(r.granted, r.claimed) for r in moved]

@@ -259,6 +259,7 @@
     article.append(eventsSection(past));
     article.append(readingCharts(v, c, past, tightest));
     if (v.endpoints !== undefined && v.endpoints !== null) article.append(generic("Endpoints", v.endpoints, "endpoints"));
+    if (Array.isArray(v.meters)) article.append(generic("Meters (in their own currency)", v.meters, "meters"));
     if (v.learned !== undefined && v.learned !== null) article.append(generic("Learned from the vendor", v.learned, "learned"));
     return article;
   }
