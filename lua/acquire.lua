@@ -93,7 +93,9 @@
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
 -- ARGV[1]               cost: tokens to take from every bucket; or "<cost>|<c_1>,...,<c_n>":
 --                       bucket i takes c_i (a meter's estimate, SPEC §14), the request's
---                       cost is still `cost` (its share's turn); no slot is kept then
+--                       cost is still `cost` (its share's turn); its kept slot is its owner's
+--                       alone (not a late slot's units: "Late slots"), and a claim of it by a
+--                       call of other costs takes (or gives back) the difference
 -- ARGV[2]               max_wait: ms the caller will hold; 0 = grant only if available now
 -- ARGV[3]               "q": a queue key follows the lease sets; "" = none (the hint is the wait)
 -- ARGV[4]               seq_seen: the highest `seq` this caller has seen (0 = none); "" = no state
@@ -142,9 +144,10 @@ local max_wait = tonumber(ARGV[2])
 local debt = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local costs = {} -- what each bucket takes
+local cost_text, metered = ARGV[1], false
 if not cost then
   local c, list = string.match(ARGV[1], '^([^|]+)|(.*)$')
-  cost = tonumber(c)
+  cost, cost_text, metered = tonumber(c), c, true
   for x in string.gmatch(list, '[^,]+') do
     costs[#costs + 1] = tonumber(x)
   end
@@ -294,9 +297,17 @@ end
 -- Kept slots: reservations nobody claimed in time go back to the buckets they took from
 -- (those made before a block or a loss were absorbed by it: dropped); then this caller's
 -- claim, or one whose owner is late, is looked for.
-local function parse(member)
+local function parse(member) -- a metered slot's member ends ":m<tenant bucket costs>"
   local created, taken, scope = string.match(member, '^([^:]+):([^:]+):([at])')
-  return tonumber(created), tonumber(taken), scope
+  local own = string.match(member, '^[^:]+:[^:]+:[at]:m([^:]*)')
+  local tcosts = nil
+  if own then
+    tcosts = {}
+    for x in string.gmatch(own, '[^,]+') do
+      tcosts[#tcosts + 1] = tonumber(x)
+    end
+  end
+  return tonumber(created), tonumber(taken), scope, tcosts
 end
 local refunded = false
 local held = nil -- the member this call claims
@@ -313,10 +324,10 @@ end
 if rset and due then
   local stale = redis.call('ZRANGEBYSCORE', rset, '-inf', string.format('(%.3f', now - life_ms))
   for _, member in ipairs(stale) do
-    local created, taken = parse(member)
+    local created, taken, _, tcosts = parse(member)
     if created > void_before and tenants > 0 then
       for i = 1, tenants do
-        levels[i] = math.min(bursts[i], levels[i] + taken)
+        levels[i] = math.min(bursts[i], levels[i] + (tcosts and tcosts[i] or taken))
       end
       refunded = true
     end
@@ -651,7 +662,14 @@ local function add_slot(matures, name)
 end
 
 local function keep(matures, scope)
-  local name = string.format('%.3f', now) .. ':' .. ARGV[1] .. ':' .. scope
+  local name = string.format('%.3f', now) .. ':' .. cost_text .. ':' .. scope
+  if metered then -- what each bucket took: its tenant's given back should it never be
+    local own = {} -- claimed, and a claim by another call of other costs takes the difference
+    for i = 1, n do
+      own[i] = string.format('%.17g', costs[i])
+    end
+    name = name .. ':m' .. table.concat(own, ',')
+  end
   local member = add_slot(string.format('%.3f', matures), name)
   local last = redis.call('ZRANGE', rset, -1, -1, 'WITHSCORES')
   redis.call('PEXPIRE', rset, math.ceil(tonumber(last[2]) - now + life_ms) + 1000)
@@ -678,17 +696,17 @@ end
 -- whose move would not fit serves what fits, or waits for its time to pass (`life`). A slot
 -- claimed late by its owner is a move too, which the others' must fit beside.
 local pool = nil
-if rset and due and not held and full == 0 then
+if rset and due and not held and full == 0 and not metered then
   local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
     string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
   local moved = nil -- {units, end} of the moves kept that may overlap these
   local units, used, scope, first = 0, {}, nil, nil
   for k = 1, #late, 2 do
-    local created, taken, s = parse(late[k])
+    local created, taken, s, tcosts = parse(late[k])
     local at = tonumber(late[k + 1])
     if created <= void_before then
       redis.call('ZREM', rset, late[k])
-    elseif scope == nil or s == scope then
+    elseif (scope == nil or s == scope) and not tcosts then -- (a metered slot: its owner's alone)
       local budget, last = math.huge, n -- the buckets the slot took from: a `t` slot, the tenant's
       if s == 't' then
         last = tenants
@@ -822,7 +840,14 @@ elseif held then
   -- tenant's buckets alone (`t`: they bound) takes the vendor-side ones now. Claimed
   -- late, it was granted when it matured (the wait is negative): the replica's pacer
   -- then writes the ones after it no closer (pacing.py), however late its owner came.
-  local _, _, scope = parse(held)
+  local _, _, scope, tcosts = parse(held)
+  local function adjust(last) -- a metered slot: this call's costs, not the slot's, are taken
+    if tcosts then
+      for i = 1, last do
+        levels[i] = levels[i] - (costs[i] - (tcosts[i] or costs[i]))
+      end
+    end
+  end
   local need = claim_wait
   if scope == 't' then
     need = math.max(need, 0, vendor_wait)
@@ -836,7 +861,11 @@ elseif held then
       record_move(string.format('%.3f', now + need), cost, 'h', now)
     end
     if scope == 't' then
+      adjust(tenants)
       take(tenants + 1, n)
+      write_levels()
+    elseif tcosts then
+      adjust(n)
       write_levels()
     elseif refunded then
       write_levels()
@@ -846,6 +875,7 @@ elseif held then
   elseif full == 0 and scope == 't' and need <= horizon_ms then
     -- The vendor side has no room yet: the slot is kept on every bucket now, this caller's.
     redis.call('ZREM', rset, held)
+    adjust(tenants)
     take(tenants + 1, n)
     write_levels()
     reserved = keep(now + need, 'a')

@@ -25,6 +25,8 @@ class Slot(NamedTuple):
     """``a``: taken from every bucket; ``t``: from the tenant's own buckets alone."""
     left: bool = False
     """Its owner left (``left``) and no refusal has been offered it yet."""
+    costs: tuple[float, ...] | None = None
+    """A metered call's slot: what each bucket took (its owner's alone, never a late slot's units)."""
 
 
 STANDBY_GAIN: Final = 1.0
@@ -61,7 +63,7 @@ def drop_stale(
             del kept[member]
             if slot.created > void_before and reserve.tenants:
                 for i in range(reserve.tenants):
-                    levels[i] = min(bursts[i], levels[i] + slot.cost)
+                    levels[i] = min(bursts[i], levels[i] + (slot.cost if slot.costs is None else slot.costs[i]))
                 refunded = True
     return refunded
 
@@ -93,7 +95,7 @@ def late_units(
         if slot.created <= void_before:
             del kept[member]
             continue
-        if scope and slot.scope != scope:
+        if (scope and slot.scope != scope) or slot.costs is not None:
             continue
         took = range(reserve.tenants if slot.scope == "t" else len(levels))  # the buckets it took from
         budget = min(_room(bursts[i], levels[i], above[i], matures) for i in took)

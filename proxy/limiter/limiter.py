@@ -189,17 +189,14 @@ class Limiter:
         given before, keeping none should it be refused. ``owner``: how long after a slot
         matured this caller may take it when its owner has not (kept_slots.Caller.owner).
         ``estimates``: one per meter of the vendor (SPEC §14), what the request is estimated
-        to cost in that meter's currency, taken from its buckets with the others (no slot is
-        kept for a metered call: ``claim`` is ignored).
+        to cost in that meter's currency, taken from its buckets with the others.
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
         costs = b.costs(cost, estimates) if b.meters else None
-        reserve = None
-        if claim is not None and queue is not None and costs is None:
-            reserve = self.reserve(vendor, b, claim, keeps, owner)
+        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps, owner)
         if self._fallback is None:  # the store alone: its call itself, not one more coroutine around it
             return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve, costs)
         return self._fallback.acquire(vendor, tenant, b, cost, max_wait, queue, leases, reserve, costs)

@@ -158,8 +158,8 @@ class MemoryStore:
         lane.py, asks without a coroutine)."""
         now = self._clock.monotonic()
         self._tick(now)
-        if queue is None or costs is not None:
-            reserve = None  # (a slot is kept only for a caller told to retry, and not yet metered)
+        if queue is None:
+            reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
         if leases is None and reserve is None and share is None and not self._learned and costs is None:
             return self._take_plain(buckets, cost, max_wait, queue, guard, now)
         charge = costs if costs is not None else (cost,) * len(buckets)  # what each bucket takes
@@ -239,7 +239,7 @@ class MemoryStore:
 
         def keep(matures: float, scope: str) -> str:
             assert kept is not None
-            return add_slot(kept, Slot(matures, cost, now, scope))
+            return add_slot(kept, Slot(matures, cost, now, scope, costs=costs))
 
         def refused(slot: float, hint: float, reserved: str = "") -> AcquireResult:
             self._forget_empty()
@@ -247,7 +247,7 @@ class MemoryStore:
             return AcquireResult(*result, 0.0, reserved)
 
         pool = None
-        if kept and held is None and full < 0:
+        if kept and held is None and full < 0 and costs is None:  # (a metered call: no late units)
             assert reserve is not None
             moves = self._moves.setdefault(reserve.key, [])
             bursts = [burst for _, burst in limits]
@@ -267,15 +267,21 @@ class MemoryStore:
             return AcquireResult(*result, 0.0, "", True)
         if held is not None:  # a kept slot, matured (acquire.lua)
             assert kept is not None and reserve is not None
-            scope = kept[held].scope
+            scope, taken = kept[held].scope, kept[held].costs
+
+            def adjust(last: int) -> None:  # a metered slot: this call's costs are taken, not the slot's
+                for i in range(last if taken is not None else 0):
+                    levels[i] -= charge[i] - taken[i]  # type: ignore[index]
+
             need = max(claim_wait, 0.0, vendor_wait) if scope == "t" else claim_wait  # (late: negative)
             if full < 0 and need <= max_wait:
                 del kept[held]
                 if need < 0:  # claimed late: a move the late slots' must fit beside (late_slots.py)
                     self._moves.setdefault(reserve.key, []).append((now, cost))
+                adjust(tenants if scope == "t" else len(buckets))
                 if scope == "t":
                     take(tenants, len(buckets))
-                if scope == "t" or refunded:
+                if scope == "t" or refunded or taken is not None:
                     write()
                 take_leases(now + need)
                 seq = counted_grant()
@@ -283,6 +289,7 @@ class MemoryStore:
                 return AcquireResult(*result, 0.0, "", True)
             if full < 0 and scope == "t" and need <= reserve.horizon:
                 del kept[held]  # the vendor side has no room yet: kept on every bucket now
+                adjust(tenants)
                 take(tenants, len(buckets))
                 write()
                 member = keep(now + need, "a")

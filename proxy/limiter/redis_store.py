@@ -184,7 +184,7 @@ class RedisStore:
         sets = leases.sets if leases is not None else ()
         charge: float | str = cost  # acquire.lua's ARGV[1]
         if costs is not None:
-            charge, reserve = f"{cost!r}|{per_bucket(costs)}", None  # (no slot kept for a metered call yet)
+            charge = f"{cost!r}|{per_bucket(costs)}"
         shape = self._shape(buckets, queue, guard, sets, reserve, share)
         n = shape.n
         claim = "" if reserve is None or queue is None else reserve.claim

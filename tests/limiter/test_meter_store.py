@@ -14,7 +14,7 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import BucketSpec, BucketStore, StateGuard
+from proxy.limiter.store import BucketSpec, BucketStore, Reserve, StateGuard
 
 TOL = 0.03  # seconds of real time a Redis-backed assertion may drift
 STATE = "test:{m}:state"
@@ -105,3 +105,38 @@ async def test_a_refund_still_gives_one_cost_to_every_bucket(store: BucketStore)
     await store.acquire(b, 1, 0, None, guard(), costs=(1, 1000))
     levels = await store.refund(b, 1)
     assert levels == (pytest.approx(10, abs=0.5), pytest.approx(4001, abs=50))
+
+
+KEPT = Reserve("test:{m}:r:default", "", horizon=5.0, owner=0.0, life=2.0)
+
+
+async def test_a_metered_refusal_keeps_its_slot_with_its_estimate_taken(store: BucketStore, clock: ManualClock) -> None:
+    b = (requests("k"), tokens("k", rate=1000, burst=5000))
+    assert (await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 5000))).granted
+    kept = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 500))
+    assert not kept.granted and kept.reserved and kept.wait == pytest.approx(0.5, abs=TOL)
+    assert kept.levels[1] == pytest.approx(-500, abs=50)  # taken as a hold's
+    await later(store, clock, kept.wait + 0.05)
+    # Nobody else's: a metered slot is not a late slot's units for another call.
+    other = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 10))
+    assert not other.claimed
+    # Its owner claims it, with another estimate (its retry's body): the difference is taken.
+    claimed = await store.acquire(
+        b, 1, 0, QUEUE + "k", guard(), None, KEPT._replace(claim=kept.reserved), costs=(1, 800)
+    )
+    assert claimed.granted and claimed.claimed
+    assert claimed.levels[1] == pytest.approx(other.levels[1] - 300, abs=60)
+
+
+async def test_a_metered_slot_nobody_claims_gives_its_tenant_bucket_its_own_estimate_back(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    mine = BucketSpec("test:{m}:t:acme:m", 1000, 5000, "tenant", "tenant acme tokens")
+    b = (mine, tokens("s", rate=1, burst=5000))
+    kept = KEPT._replace(tenants=1, life=0.2)
+    assert (await store.acquire(b, 1, 0, QUEUE + "s", guard(), None, kept, costs=(5000, 100))).granted
+    slot = await store.acquire(b, 1, 0, QUEUE + "s", guard(), None, kept, costs=(700, 100))
+    assert slot.reserved and slot.levels[0] == pytest.approx(-700, abs=30)
+    await later(store, clock, slot.wait + 0.3)  # past its life: -700 + 1000 refilled
+    after = await store.acquire(b, 1, 0, QUEUE + "s", guard(), None, kept, costs=(1, 1))
+    assert after.levels[0] == pytest.approx(300 + 700 - 1, abs=40)  # its own 700 back (not the request's 1)
