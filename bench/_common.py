@@ -295,14 +295,17 @@ class Fleet:
         name: str = "vendor",
         cpus: str | None = None,
         window: str | None = None,
+        extra: Sequence[str] = (),
     ) -> Proc:
-        """The mock vendor: a token bucket (``rate``, ``burst``) or, with ``window`` (e.g.
-        ``"1s"``), a strict sliding window of ``rate x window`` requests."""
+        """The mock vendor: a token bucket (``rate``, ``burst``; 0: no request quota) or, with
+        ``window`` (e.g. ``"1s"``), a strict sliding window of ``rate x window`` requests;
+        ``extra``: more of its flags (``--tokens-per-minute N``...)."""
         argv = [sys.executable, "-m", "proxy", "mock-vendor", "--listen", f"{LOOPBACK}:0", "--rate", f"{rate:g}"]
         if burst is not None:
             argv += ["--burst", f"{burst:g}"]
         if window is not None:
             argv += ["--window", window]
+        argv += list(extra)
         proc = self.start(name, argv, cpus=cpus)
         m = self.wait_line(proc, _VENDOR_READY)
         proc.url = f"http://{m.group(1)}"

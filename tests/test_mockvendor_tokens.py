@@ -21,7 +21,7 @@ from proxy.clock import ManualClock
 from proxy.devtools import mockvendor_openai
 from proxy.devtools.mockvendor import MockVendor
 from proxy.devtools.mockvendor_openai import REPLY, count_tokens
-from proxy.devtools.mockvendor_shapes import write_events
+from proxy.devtools.mockvendor_shapes import OUTPUT_TOKENS_HEADER, write_events
 from proxy.devtools.mockvendor_tokens import Demand, Refused, Reservation, TokenWindow, reserve
 from proxy.quota.estimates import Estimate
 from tests.helpers.vendor_process import vendor_process
@@ -313,3 +313,76 @@ def test_help_names_the_token_flags(capsys) -> None:
     text = capsys.readouterr().out
     for flag in ("--tokens-per-minute", "--input-tokens-per-minute", "--output-tokens-per-minute", "--token-window"):
         assert flag in text
+
+
+# -- a reply of the size the request asks for (X-Mock-Output-Tokens) -------------------------------
+
+ASK = OUTPUT_TOKENS_HEADER
+
+
+async def test_a_request_asks_for_its_replys_size_up_to_its_cap(served, openai_client) -> None:
+    vendor = MockVendor(rate=None, tokens_per_minute=100_000)
+    client = openai_client(await served(vendor))
+    body = chat(1000, "x" * 400)  # 100 prompt tokens
+    sized = await client.chat.completions.create(**body, extra_headers={ASK: "300"})
+    text = sized.choices[0].message.content or ""
+    assert (len(text), count_tokens(text), sized.choices[0].finish_reason) == (1200, 300, "stop")
+    assert sized.usage is not None and (sized.usage.prompt_tokens, sized.usage.completion_tokens) == (100, 300)
+    assert tokens(vendor)["used"] == 400  # the estimate (100 + 1000) became the usage
+    capped = await client.chat.completions.create(**chat(100, n=2), extra_headers={ASK: "300"})
+    assert [c.finish_reason for c in capped.choices] == ["length", "length"]  # the cap cut it
+    assert capped.usage is not None and capped.usage.completion_tokens == 2 * 100
+    response = await client.responses.create(model="m", input="Hello", max_output_tokens=50, extra_headers={ASK: "20"})
+    assert response.usage is not None and response.usage.output_tokens == 20
+    assert (response.status, len(response.output_text)) == ("completed", 80)
+    plain = await client.chat.completions.create(**chat(1000))
+    assert plain.choices[0].message.content == REPLY  # without the header: as before
+
+
+async def test_a_sized_reply_streams_in_pieces_and_its_usage_says_so(served, openai_client) -> None:
+    vendor = MockVendor(rate=None, tokens_per_minute=100_000)
+    client = openai_client(await served(vendor))
+    stream = await client.chat.completions.create(
+        **chat(2000), stream=True, stream_options={"include_usage": True}, extra_headers={ASK: "1500"}
+    )
+    chunks = [chunk async for chunk in stream]
+    said = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len("".join(said)) == 4 * 1500
+    assert 50 <= len(said) <= 150  # runs of words of about 64 characters: not one event a word
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 1500
+    assert tokens(vendor)["tokens_accepted"] == usage.total_tokens
+
+
+async def test_anthropic_replies_at_the_size_asked_streamed_or_not(aiohttp_client) -> None:
+    vendor = MockVendor(rate=None, input_tokens_per_minute=100_000, output_tokens_per_minute=100_000)
+    client = await aiohttp_client(vendor.app())
+    body = {"model": "claude", "max_tokens": 500, "messages": [{"role": "user", "content": "x" * 40}]}
+    async with client.post("/v1/messages", json=body, headers={ASK: "120"}) as r:
+        made = await r.json()
+    assert made["usage"] == {"input_tokens": 10, "output_tokens": 120} and made["stop_reason"] == "end_turn"
+    assert len(made["content"][0]["text"]) == 480
+    async with client.post("/v1/messages", json={**body, "stream": True}, headers={ASK: "900"}) as r:
+        events = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: ")]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    (delta,) = [e for e in events if e["type"] == "message_delta"]
+    assert (len(text), delta["usage"]["output_tokens"], delta["delta"]["stop_reason"]) == (2000, 500, "max_tokens")
+    output = vendor.stats()["token_windows"]["anthropic"]["output_tokens"]
+    assert (output["used"], output["tokens_accepted"]) == (120 + 500, 120 + 500)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "1.5", ""])
+async def test_a_bad_size_is_the_shapes_400(aiohttp_client, value) -> None:
+    client = await aiohttp_client(MockVendor(rate=None, tokens_per_minute=100_000).app())
+    async with client.post(CHAT, json=chat(10), headers={ASK: value}) as r:
+        assert r.status == 400
+        assert ASK in (await r.json())["error"]["message"]
+    async with client.post("/v1/messages", json={**chat(10), "model": "c"}, headers={ASK: value}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+def test_help_names_the_size_header(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["mock-vendor", "--help"])
+    assert "X-Mock-Output-Tokens" in re.sub(r"\s+", "", capsys.readouterr().out)  # argparse may wrap it

@@ -9,10 +9,13 @@
                         ``content_block_stop``, ``message_delta`` (``stop_reason``,
                         ``usage.output_tokens``: the total), ``message_stop``
 
-The reply is ``REPLY``, cut short by a smaller ``max_tokens`` (``stop_reason: "max_tokens"``,
-else ``"end_turn"``). ``usage.input_tokens`` counts the prompt as the proxy's estimate
-``anthropic_input`` does (the characters of ``system``, messages and tools / 4, rounded up; at
-least 1), ``output_tokens`` the reply (``count_tokens``). Bad input is Anthropic's 400
+The reply is ``REPLY``, or, when the request asks for a size with the mock-only header
+``X-Mock-Output-Tokens: N`` (a positive integer; else a 400), made-up text of ``N`` tokens as
+``count_tokens`` counts them, streamed in runs of words (``mockvendor_shapes``); either is cut
+short by a smaller ``max_tokens`` (``stop_reason: "max_tokens"``, else ``"end_turn"``).
+``usage.input_tokens`` counts the prompt as the proxy's estimate ``anthropic_input`` does (the
+characters of ``system``, messages and tools / 4, rounded up; at least 1), ``output_tokens`` the
+reply (``count_tokens``). Bad input is Anthropic's 400
 ``{"type": "error", "error": {"type": "invalid_request_error", "message"}}`` (``model``,
 ``max_tokens`` and ``messages`` required; roles ``user``/``assistant``; content a string or
 blocks, not empty but in a final assistant turn); another method than POST is a 405. Answers
@@ -43,6 +46,7 @@ from aiohttp import web
 from proxy.devtools.mockvendor_quota import format_number, retry_after, rfc3339_in
 from proxy.devtools.mockvendor_shapes import (
     BadInput,
+    asked_output,
     json_answer,
     made_up_id,
     pieces,
@@ -153,7 +157,8 @@ class AnthropicShape:
                 return json_answer(405, _error("invalid_request_error", message), {**headers, "Allow": "POST"})
             raw = await request.read()
             body = await read_json_object(request)
-            message_made, stream = _message(body, raw, request.headers.get("Content-Type"))
+            asked = asked_output(request)
+            message_made, stream = _message(body, raw, request.headers.get("Content-Type"), asked)
             used = dict(message_made["usage"])
             if not stream:
                 return json_answer(200, message_made, headers)
@@ -166,8 +171,11 @@ class AnthropicShape:
             reservation.settle(**used)  # the answer is produced (a stream: written)
 
 
-def _message(body: dict[str, Any], raw: bytes, content_type: str | None) -> tuple[dict[str, Any], bool]:
-    """The message answering ``body`` (checked as Anthropic checks it), and whether to stream it."""
+def _message(
+    body: dict[str, Any], raw: bytes, content_type: str | None, asked: int | None = None
+) -> tuple[dict[str, Any], bool]:
+    """The message answering ``body`` (checked as Anthropic checks it), and whether to stream it;
+    ``asked``: the reply's size ``X-Mock-Output-Tokens`` asks for."""
     model = body.get("model")
     if model is None:
         raise _Invalid("model: Field required")
@@ -187,7 +195,7 @@ def _message(body: dict[str, Any], raw: bytes, content_type: str | None) -> tupl
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _Invalid("stream: Input should be a valid boolean")
-    text, output, cut = reply(cap)
+    text, output, cut = reply(cap, asked)
     # Input as the vendor counted it at arrival (the proxy's estimate): the window keeps it as is.
     read = max(1, math.ceil(_INPUT_ESTIMATE.cost(raw, 0.0, content_type=content_type)))
     made = {

@@ -115,7 +115,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "N x --token-window / 60 tokens: a request is admitted by the vendor's own estimate at arrival (as "
         "the proxy's meters estimate it) and refused with the vendor's 429 for tokens when the window lacks "
         "room; its answer's usage replaces the estimate once produced. /__mock/stats reports each window "
-        "(token_windows: limit, used, tokens_window_max, tokens_accepted, rejected).",
+        "(token_windows: limit, used, tokens_window_max, tokens_accepted, rejected). A request to OpenAI's or "
+        "Anthropic's paths may ask for a reply of N tokens with the mock-only header X-Mock-Output-Tokens: N "
+        "(cut to its completion cap; streamed in pieces, its usage says so): how a bench drives the usage.",
     )
     tokens.add_argument(
         "--tokens-per-minute",

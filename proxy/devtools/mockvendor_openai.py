@@ -12,13 +12,18 @@ Every answer reports ``usage`` (``prompt_tokens``, ``completion_tokens``, ``tota
 ``input_tokens``/``output_tokens`` for responses), counted as one token per four characters,
 at least one per text: not a tokenizer, a stand-in that grows with the input. A stream
 reports it in a last chunk (``choices: []``) when ``stream_options.include_usage`` is set.
-The reply is always ``REPLY``. Answers carry ``x-request-id`` and OpenAI's quota headers,
+The reply is ``REPLY``, or, when the request asks for a size with the mock-only header
+``X-Mock-Output-Tokens: N`` (a positive integer; else a 400), made-up text of ``N`` tokens as
+``count_tokens`` counts them, streamed in runs of words (``mockvendor_shapes``), each of the ``n``
+choices alike: ``usage.completion_tokens`` is ``n x N`` (``output_tokens`` for responses;
+embeddings ignore the header). Answers carry ``x-request-id`` and OpenAI's quota headers,
 ``x-ratelimit-limit-requests`` (per minute), ``-remaining-requests``, ``-reset-requests``;
 the quota's 429 is OpenAI's ``rate_limit_exceeded`` error with ``Retry-After``. Bad input is
 OpenAI's 400 ``invalid_request_error`` naming the parameter; another method than POST is a
 405. No API key is checked. A completion cap (``max_completion_tokens``, ``max_tokens``,
 ``max_output_tokens``: a positive integer) below the reply's tokens cuts it short, as a model
-does: ``finish_reason: "length"`` (a response: ``status: "incomplete"``).
+does: ``finish_reason: "length"`` (a response: ``status: "incomplete"``); so ``N`` above the cap
+gets the cap.
 
 With a token quota (``OpenAITokens``: ``MockVendor(tokens_per_minute=N)``, ``--tokens-per-minute``)
 the vendor counts tokens as OpenAI does, in a strict sliding window (``mockvendor_tokens``) of
@@ -50,6 +55,7 @@ from proxy.devtools.mockvendor_quota import format_number, go_duration, retry_af
 from proxy.devtools.mockvendor_shapes import (
     REPLY,
     BadInput,
+    asked_output,
     count_tokens,
     json_answer,
     made_up_id,
@@ -255,7 +261,7 @@ class OpenAIShape:
             created = int(time.time())
             cap = _cap(body)
             if path == "/v1/responses":
-                made = self._response(body, model, created, cap)
+                made = self._response(body, model, created, cap, asked_output(request))
                 used = made["usage"]["total_tokens"]
                 if not stream:
                     return json_answer(200, made, headers)
@@ -263,7 +269,7 @@ class OpenAIShape:
             chat = path == "/v1/chat/completions"
             prompts = _messages(body.get("messages"), "messages") if chat else _texts(body.get("prompt"), "prompt")
             n = _choices(body)
-            text, tokens, cut = reply(cap)
+            text, tokens, cut = reply(cap, asked_output(request))
             usage = _usage(sum(count_tokens(t) for t in prompts), n * tokens)
             used = usage["total_tokens"]
             made_id = made_up_id("chatcmpl-" if chat else "cmpl-", 29)
@@ -299,7 +305,9 @@ class OpenAIShape:
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return {"object": "list", "data": data, "model": model, "usage": usage}
 
-    def _response(self, body: dict[str, Any], model: str, created: int, cap: int | None) -> dict[str, Any]:
+    def _response(
+        self, body: dict[str, Any], model: str, created: int, cap: int | None, asked: int | None
+    ) -> dict[str, Any]:
         given = body.get("input")
         texts = _messages(given, "input") if isinstance(given, list) and given and isinstance(given[0], dict) else None
         prompt = sum(count_tokens(t) for t in (texts if texts is not None else _texts(given, "input")))
@@ -308,7 +316,7 @@ class OpenAIShape:
             raise _Invalid("'instructions' must be a string", "instructions")
         if instructions:
             prompt += count_tokens(instructions)
-        said, completion, cut = reply(cap)
+        said, completion, cut = reply(cap, asked)
         status = "incomplete" if cut else "completed"
         text = {"type": "output_text", "text": said, "annotations": [], "logprobs": []}
         message = {"type": "message", "id": made_up_id("msg_", 32), "status": status, "role": "assistant"}

@@ -11,6 +11,13 @@ admitting the request, takes the meter's estimate from its windows, and the shap
 
 The helpers here are what every shape writes with: JSON answers, server-sent events, a
 request body read as a JSON object, made-up ids, and the LLM shapes' reply and token count.
+
+The LLM shapes answer ``REPLY`` (7 tokens) unless the request asks for another size with the
+mock-only header ``X-Mock-Output-Tokens: N`` (``OUTPUT_TOKENS_HEADER``; a positive integer, else
+the shape's 400): the reply is then made-up text of exactly ``N`` tokens as ``count_tokens``
+counts them (``4 x N`` characters), cut short by the call's completion cap like ``REPLY``, and
+streamed in runs of words of about 64 characters. A real vendor ignores the header; it is how a
+bench drives the answers' usage (issue 35: "actual output 5-100 % of the cap").
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from proxy.devtools.mockvendor_control import JSON_TYPE
 from proxy.devtools.mockvendor_tokens import Reservation, ShapeMeter
 
 __all__ = [
+    "OUTPUT_TOKENS_HEADER",
     "REPLY",
     "BadInput",
     "Shape",
+    "asked_output",
     "count_tokens",
     "json_answer",
     "made_up_id",
@@ -38,13 +47,23 @@ __all__ = [
     "pieces",
     "read_json_object",
     "reply",
+    "sized_text",
     "write_events",
 ]
 
 _ALNUM: Final = string.ascii_letters + string.digits
 
 REPLY: Final = "Hello from the mock vendor."
-"""What the LLM shapes always answer (cut short by a smaller completion cap)."""
+"""What the LLM shapes answer (cut short by a smaller completion cap) unless the request asks for
+another size with ``X-Mock-Output-Tokens``."""
+
+
+OUTPUT_TOKENS_HEADER: Final = "X-Mock-Output-Tokens"
+"""The request header that asks for a reply of so many tokens (see the module docstring)."""
+
+_FILLER: Final = "The mock vendor writes as many tokens as the request asked it for, and no more. "
+_WORD_BY_WORD: Final = 256  # a longer text (a sized reply) streams in runs of words ...
+_PIECE: Final = 64  # ... of about this many characters
 
 
 def count_tokens(text: str) -> int:
@@ -52,19 +71,54 @@ def count_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-def reply(cap: int | None) -> tuple[str, int, bool]:
-    """``REPLY`` as a model with at most ``cap`` tokens to give writes it: (text, its tokens,
-    whether the cap cut it)."""
-    full = count_tokens(REPLY)
+def asked_output(request: web.BaseRequest) -> int | None:
+    """The reply's size in tokens the request asks for with ``X-Mock-Output-Tokens``, or ``None``
+    (no header: ``REPLY``); BadInput when it is not a positive integer."""
+    raw = request.headers.get(OUTPUT_TOKENS_HEADER)
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isdigit() or int(text) < 1:
+        raise BadInput(f"{OUTPUT_TOKENS_HEADER} must be a positive integer (tokens), not {raw!r}")
+    return int(text)
+
+
+def sized_text(tokens: int) -> str:
+    """Made-up text of exactly ``tokens`` tokens as ``count_tokens`` counts them: ``4 x tokens``
+    characters of words."""
+    size = 4 * tokens
+    return (_FILLER * (size // len(_FILLER) + 1))[:size]
+
+
+def reply(cap: int | None, asked: int | None = None) -> tuple[str, int, bool]:
+    """The reply, as a model with at most ``cap`` tokens to give writes it: (text, its tokens,
+    whether the cap cut it). ``asked``: the tokens ``X-Mock-Output-Tokens`` asks for (``None``:
+    ``REPLY``)."""
+    text = REPLY if asked is None else sized_text(asked)
+    full = count_tokens(text)
     if cap is None or cap >= full:
-        return REPLY, full, False
-    return REPLY[: 4 * cap], cap, True  # 4 x cap characters: `cap` tokens exactly
+        return text, full, False
+    return text[: 4 * cap], cap, True  # 4 x cap characters: `cap` tokens exactly
 
 
 def pieces(text: str) -> list[str]:
-    """``text`` cut as a stream delivers it: word by word, spaces kept."""
+    """``text`` cut as a stream delivers it: word by word, spaces kept; a text longer than 256
+    characters (a sized reply) in runs of whole words of about 64 characters, so that a long
+    answer is not thousands of events."""
     words = text.split(" ")
-    return [w if i == 0 else f" {w}" for i, w in enumerate(words)]
+    cut = [w if i == 0 else f" {w}" for i, w in enumerate(words)]
+    if len(text) <= _WORD_BY_WORD:
+        return cut
+    runs: list[str] = []
+    run = ""
+    for word in cut:
+        run += word
+        if len(run) >= _PIECE:
+            runs.append(run)
+            run = ""
+    if run:
+        runs.append(run)
+    return runs
 
 
 class Shape(Protocol):

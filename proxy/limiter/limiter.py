@@ -189,14 +189,19 @@ class Limiter:
         given before, keeping none should it be refused. ``owner``: how long after a slot
         matured this caller may take it when its owner has not (kept_slots.Caller.owner).
         ``estimates``: one per meter of the vendor (SPEC §14), what the request is estimated
-        to cost in that meter's currency, taken from its buckets with the others.
+        to cost in that meter's currency, taken from its buckets with the others (no slot is
+        kept for it: ``claim`` is not used).
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
         costs = b.costs(cost, estimates) if b.meters else None
-        reserve = None if claim is None or queue is None else self.reserve(vendor, b, claim, keeps, owner)
+        # A metered call keeps no slot (yet): SDKs retry on another pooled connection without an
+        # Idempotency-Key, so its slot went unclaimed, its estimate held from everyone (an OpenAI
+        # pool of 8 finished 5 of 30 calls); the store can keep one (acquire.lua, "Kept slots").
+        keeping = claim is not None and queue is not None and costs is None
+        reserve = self.reserve(vendor, b, claim or "", keeps, owner) if keeping else None
         if self._fallback is None:  # the store alone: its call itself, not one more coroutine around it
             return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve, costs)
         return self._fallback.acquire(vendor, tenant, b, cost, max_wait, queue, leases, reserve, costs)
