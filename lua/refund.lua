@@ -16,7 +16,10 @@
 --
 -- KEYS[i]       bucket i
 -- ARGV[1]       cost: tokens to give back to every bucket; or "|<a_1>,...,<a_n>": a_i to
---               bucket i (negative: a debt)
+--               bucket i (negative: a debt), then "|<since>" (ms since the request took its
+--               tokens): a refund is no more than the bucket's history allows (its `z` and
+--               `zh`, acquire.lua "Late slots": tokens not spent would have overflowed a
+--               bucket that stood above empty since; half its burst at most, none above half)
 -- ARGV[3i - 1]  rate of bucket i, tokens per ms
 -- ARGV[3i]      burst of bucket i, tokens
 -- ARGV[3i + 1]  field: "" = the bucket is KEYS[i] itself; else its fields' prefix
@@ -30,14 +33,19 @@ local time = redis.call('TIME')
 local now = (tonumber(time[1]) - EPOCH) * 1000 + tonumber(time[2]) / 1000
 
 local amounts = {}
+local since = nil
 local cost = tonumber(ARGV[1])
 if cost then
   for i = 1, #KEYS do
     amounts[i] = cost
   end
 else
-  for x in string.gmatch(string.sub(ARGV[1], 2), '[^,]+') do
+  local list, ago = string.match(ARGV[1], '^|([^|]*)|?([^|]*)$')
+  for x in string.gmatch(list, '[^,]+') do
     amounts[#amounts + 1] = tonumber(x)
+  end
+  if ago ~= '' then
+    since = now - tonumber(ago) + 0.001
   end
 end
 local out = {}
@@ -48,7 +56,8 @@ for i = 1, #KEYS do
   if field ~= '' then
     ft, fts = field .. ':t', field .. ':ts'
   end
-  local state = redis.call('HMGET', KEYS[i], ft, fts, ft:sub(1, -2) .. 'lr', ft:sub(1, -2) .. 'lb', ft:sub(1, -2) .. 'lu')
+  local p = ft:sub(1, -2)
+  local state = redis.call('HMGET', KEYS[i], ft, fts, p .. 'lr', p .. 'lb', p .. 'lu', p .. 'z', p .. 'zh')
   if state[5] and tonumber(state[5]) > now then -- a learned limit (acquire.lua)
     rate, burst = math.min(rate, tonumber(state[3])), math.min(burst, tonumber(state[4]))
   end
@@ -56,6 +65,15 @@ for i = 1, #KEYS do
   if state[1] or amount < 0 then
     if state[1] then
       level = math.min(burst, tonumber(state[1]) + (now - tonumber(state[2])) * rate)
+    end
+    if amount > 0 and since then
+      local room = burst - math.max(level, 0)
+      if not state[7] or tonumber(state[7]) >= since then
+        room = 0
+      elseif not state[6] or tonumber(state[6]) >= since then
+        room = math.min(room, burst / 2)
+      end
+      amount = math.min(amount, room)
     end
     level = math.min(burst, level + amount)
     redis.call('HSET', KEYS[i], ft, string.format('%.6f', level), fts, string.format('%.3f', now))

@@ -98,7 +98,7 @@ def late_units(
         if (scope and slot.scope != scope) or slot.costs is not None:
             continue
         took = range(reserve.tenants if slot.scope == "t" else len(levels))  # the buckets it took from
-        budget = min(_room(bursts[i], levels[i], above[i], matures) for i in took)
+        budget = min(late_room(bursts[i], levels[i], above[i], matures) for i in took)
         overlap = units + sum(u for end, u in moves if end > matures)
         take = min(slot.cost, cost - units, budget - overlap)
         if take <= 0:
@@ -126,7 +126,7 @@ def late_units(
     return need, takes
 
 
-def _room(burst: float, level: float, above: tuple[float, float], matures: float) -> float:
+def late_room(burst: float, level: float, above: tuple[float, float], matures: float) -> float:
     """What moves from a slot maturing at ``matures`` may carry in a bucket: its burst less
     what it holds now; half its burst at most if it stood above empty since; none if above half."""
     if above[1] >= matures:

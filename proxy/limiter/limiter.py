@@ -389,7 +389,7 @@ class Limiter:
         self.observations.observe(vendor, b, levels)
         return True
 
-    async def settle(self, b: Buckets, differences: tuple[float, ...]) -> tuple[float, ...] | None:
+    async def settle(self, b: Buckets, differences: tuple[float, ...], since: float = 0.0) -> tuple[float, ...] | None:
         """A metered request's answer said what it cost (SPEC §14): each of its meters'
         buckets gets ``differences[k]`` (meter k's estimate less its actual amount) back, or
         owes it (negative). Levels of the meters' buckets after; None when the store could
@@ -399,7 +399,7 @@ class Limiter:
         if not any(amounts):
             return None
         try:
-            return await self._feedback(self.store.settle(metered, amounts))
+            return await self._feedback(self.store.settle(metered, amounts, since))
         except StoreUnavailable:
             return None
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.late_slots import Move, Slot, add_slot, drop_stale, late_units, leave, standby
+from proxy.limiter.late_slots import Move, Slot, add_slot, drop_stale, late_room, late_units, leave, standby
 from proxy.limiter.memory_straight import TakeNow
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
@@ -471,14 +471,20 @@ class MemoryStore:
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         return self._settle(buckets, (cost,) * len(buckets))
 
-    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
-        return self._settle(buckets, amounts)
+    async def settle(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
+    ) -> tuple[float, ...]:
+        return self._settle(buckets, amounts, since)
 
-    def _settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+    def _settle(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
+    ) -> tuple[float, ...]:
         now = self._clock.monotonic()
         levels: list[float] = []
         for b, amount in zip(buckets, amounts, strict=True):
             level = self._level(b, now)
+            if amount > 0 and since > 0:  # (store.settle: what its history allows)
+                amount = min(amount, late_room(self._limits(b, now)[1], level, self._above(b, now), now - since + 1e-6))
             if amount < 0 or (b.ident in self._state and self._state[b.ident][2] > now):
                 level = min(self._limits(b, now)[1], level + amount)
                 self._store(b, level, now)

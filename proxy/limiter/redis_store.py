@@ -371,8 +371,11 @@ class RedisStore:
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         return await self._refund_as(buckets, cost)
 
-    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
-        return await self._refund_as(buckets, "|" + per_bucket(amounts))
+    async def settle(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
+    ) -> tuple[float, ...]:
+        tail = f"|{since * _MS:.3f}" if since > 0 else ""
+        return await self._refund_as(buckets, "|" + per_bucket(amounts) + tail)
 
     async def _refund_as(self, buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[float, ...]:
         keys = [b.key for b in buckets]

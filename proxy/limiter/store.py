@@ -321,11 +321,17 @@ class BucketStore(Protocol):
         """Give ``cost`` back to every bucket (a hold that never went out), never above
         its burst; a missing bucket is left alone. Levels after."""
 
-    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+    async def settle(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
+    ) -> tuple[float, ...]:
         """Settle a metered request (SPEC §14): give ``amounts[i]`` back to bucket i (its
         estimate less the actual amount), never above its burst, or take it as debt (a
         negative amount: later requests wait it out), on the store's clock. A bucket that is
-        missing (full) is left alone by a refund and owes a debt from its burst. Levels after."""
+        missing (full) is left alone by a refund and owes a debt from its burst. With
+        ``since`` (seconds since the request took its tokens), a refund is no more than the
+        bucket's history allows: the tokens given back were not spent, and a bucket that stood
+        above empty meanwhile would have overflowed some (acquire.lua's ``z`` and ``zh``: half
+        its burst at most, or none above half). Levels after."""
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""

@@ -486,7 +486,7 @@ class ProxyHandler:
                 )
             except BaseException:
                 if metered:  # a failed exchange gives its estimate back
-                    metering.settle(deps, match, rec, None, None)
+                    metering.settle(deps, match, rec, None, None, deps.clock.monotonic() - sent)
                 raise
         else:  # the straight path sent it
             sent = carried.sent
@@ -523,7 +523,7 @@ class ProxyHandler:
             )
         finally:
             if metered:  # (a vendor 429 gives the estimate back; a worker gone settles with what was said)
-                metering.settle(deps, match, rec, settlement, upstream.headers)
+                metering.settle(deps, match, rec, settlement, upstream.headers, deps.clock.monotonic() - sent)
         elapsed = deps.clock.monotonic() - sent
         deps.tally(vendor.name).timed(elapsed)
         rec.outcome = admission.outcome

@@ -94,11 +94,17 @@ def refused(deps: Deps, vendor: Vendor, b: Buckets, binding: int) -> None:
 
 
 def settle(
-    deps: Deps, match: Match, rec: AccessRecord, settlement: Settlement | None, headers: Mapping[str, str] | None
+    deps: Deps,
+    match: Match,
+    rec: AccessRecord,
+    settlement: Settlement | None,
+    headers: Mapping[str, str] | None,
+    since: float = 0.0,
 ) -> None:
     """Replace a metered request's estimates with what its answer said, in the background
     (the worker is not kept waiting for the store); ``settlement`` None: the request was not
-    served (a vendor 429, a failed exchange), its estimates go back."""
+    served (a vendor 429, a failed exchange), its estimates go back. ``since``: seconds since
+    it went (what a refund may give back depends on its buckets since: ``store.settle``)."""
     estimated = tuple(e for _, e, _ in rec.metered)
     if settlement is None:
         actual: tuple[float | None, ...] = (0.0,) * len(estimated)
@@ -111,7 +117,7 @@ def settle(
         if settlement is not None and a is not None:
             deps.metrics.meter_settled.labels(name, meter).inc(a)
     b = deps.limiter.buckets(match.vendor, match.tenant, match.endpoint, match.partition, match.klass)
-    spawn(deps.limiter.settle(b, differences(estimated, actual)), name=f"settle-{match.vendor.name}")
+    spawn(deps.limiter.settle(b, differences(estimated, actual), since), name=f"settle-{match.vendor.name}")
 
 
 async def estimates(vendor: Vendor, request: Request, path: str, b: Buckets) -> tuple[float, ...]:

@@ -88,9 +88,11 @@ class FlakyStore(MemoryStore):
         await self._enter()
         return await super().refund(buckets, cost)
 
-    async def settle(self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...]) -> tuple[float, ...]:
+    async def settle(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
+    ) -> tuple[float, ...]:
         await self._enter()
-        return await super().settle(buckets, amounts)
+        return await super().settle(buckets, amounts, since)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         await self._enter()

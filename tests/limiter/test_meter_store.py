@@ -140,3 +140,24 @@ async def test_a_metered_slot_nobody_claims_gives_its_tenant_bucket_its_own_esti
     await later(store, clock, slot.wait + 0.3)  # past its life: -700 + 1000 refilled
     after = await store.acquire(b, 1, 0, QUEUE + "s", guard(), None, kept, costs=(1, 1))
     assert after.levels[0] == pytest.approx(300 + 700 - 1, abs=40)  # its own 700 back (not the request's 1)
+
+
+async def test_a_refund_gives_back_only_what_the_bucket_would_have_held(store: BucketStore, clock: ManualClock) -> None:
+    """Tokens a call did not use were not spent; but given back now, to a bucket that stood
+    above half its burst since the call went, they land on top of what it granted meanwhile
+    (tokens the bucket would have overflowed): the vendor's window, counting actual usage, saw
+    a fleet whose refunds had come in after a full bucket overrun it (bench/meters.py)."""
+    below = (tokens("rb", rate=100, burst=1000),)
+    assert (await store.acquire(below, 1, 0, None, guard(), costs=(1000,))).granted
+    assert (await store.acquire(below, 1, 10.0, None, guard(), costs=(500,))).granted  # held: below empty
+    await later(store, clock, 0.1)
+    levels = await store.settle(below, (400,), 0.05)  # below empty all along: all of it back
+    assert levels[0] == pytest.approx(-500 + 10 + 400, abs=10)
+
+    full = (tokens("rf", rate=100, burst=1000),)
+    assert (await store.acquire(full, 1, 0, None, guard(), costs=(300,))).granted
+    await later(store, clock, 0.1)
+    assert (await store.acquire(full, 1, 0, None, guard(), costs=(10,))).granted  # above half since
+    await later(store, clock, 0.05)
+    levels = await store.settle(full, (250,), 0.1)  # nothing back: it would have overflowed
+    assert levels[0] == pytest.approx(700 + 15 - 10, abs=10)
