@@ -166,24 +166,27 @@ def meter_buckets(prefix: str, vendor: Vendor, tenant: str, partition: str = "")
     buckets), then the vendor's (fields ``m:<meter>:<limit>`` of the partition's state hash:
     a lost state is noticed for them too)."""
     ns = vendor_namespace(prefix, vendor.name)
-    state = state_key(prefix, vendor.name, partition)
     out: list[tuple[BucketSpec, int]] = []
     for k, meter in enumerate(vendor.meters):
         out += (
             (BucketSpec(f"{ns}:t:{tenant}:m:{meter.name}:{lim.key}", lim.per_second, lim.burst, "tenant",
                         f"tenant {tenant} {meter.name} {lim.label}"), k)
-            for lim in _tenant_meter_limits(meter, tenant)
+            for lim in meter.tenant_limits.for_tenant(tenant)
         )  # fmt: skip
-        out += (
-            (BucketSpec(state, lim.per_second, lim.burst, "global", f"{meter.name} {lim.label}",
-                        field=f"m:{meter.name}:{lim.key}"), k)
-            for lim in meter.limits
-        )  # fmt: skip
+        out += ((spec, k) for spec in meter_vendor_buckets(prefix, vendor, meter, partition))
     return tuple(out)
 
 
-def _tenant_meter_limits(meter: Meter, tenant: str) -> tuple[Limit, ...]:
-    return meter.tenant_limits.for_tenant(tenant)
+def meter_vendor_buckets(prefix: str, vendor: Vendor, meter: Meter, partition: str = "") -> tuple[BucketSpec, ...]:
+    """A meter's own buckets (not its tenants'), one per limit in order: what a vendor 429
+    blocks, its token headers teach and /status shows."""
+    state = state_key(prefix, vendor.name, partition)
+    return tuple(
+        BucketSpec(
+            state, lim.per_second, lim.burst, "global", f"{meter.name} {lim.label}", field=f"m:{meter.name}:{lim.key}"
+        )
+        for lim in meter.limits
+    )
 
 
 def queue_key(prefix: str, vendor: str, tenant: str, endpoint: Endpoint | None = None, partition: str = "") -> str:

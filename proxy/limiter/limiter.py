@@ -34,7 +34,7 @@ from proxy.limiter.buckets import (
     buckets_for,
     endpoint_buckets,
     global_buckets,
-    meter_buckets,
+    meter_vendor_buckets,
     probe_key,
     replicas_key,
     state_key,
@@ -353,10 +353,10 @@ class Limiter:
         return specs, (await self._feedback(self.store.peek(specs)) if specs else ())
 
     def _meters(self, vendor: Vendor, partition: str) -> tuple[BucketSpec, ...]:
-        """The vendor's (partition's) own buckets of its meters (not its tenants')."""
-        if not vendor.meters:
-            return ()
-        return tuple(s for s, _ in meter_buckets(self.key_prefix, vendor, "", partition) if s.scope == "global")
+        """The vendor's (partition's) own buckets of its meters (not its tenants'), meter by meter."""
+        return tuple(
+            s for meter in vendor.meters for s in meter_vendor_buckets(self.key_prefix, vendor, meter, partition)
+        )
 
     async def refund(
         self,

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from proxy.clock import Clock
-from proxy.limiter.buckets import endpoint_buckets, global_buckets, meter_buckets
+from proxy.limiter.buckets import endpoint_buckets, global_buckets, meter_vendor_buckets
 from proxy.limiter.learning import LearnedLimits, Teaching, plan
 from proxy.limiter.observations import Observation, Observations
 from proxy.limiter.quota_headers import QuotaReport
@@ -61,12 +61,11 @@ class Teacher:
         (``quota_headers.read_meter_quota``) what the vendor says of it: its vendor-side
         buckets, only ever tightening (SPEC §14). Never raises; whether the store was called."""
         called = False
-        metered = meter_buckets(self.key_prefix, vendor, "", partition)
-        for k, meter in enumerate(vendor.meters):
+        for meter in vendor.meters:
             report = reports.get(meter.estimate.kind)
             if report is None:
                 continue
-            specs = tuple(spec for spec, i in metered if i == k and spec.scope == "global")
+            specs = meter_vendor_buckets(self.key_prefix, vendor, meter, partition)
             buckets = tuple(zip(specs, meter.limits, strict=True))
             teachings = plan([report], meter.limits)
             now = self.clock.monotonic()

@@ -213,7 +213,7 @@ async def _meters(limiter: Limiter, vendor: Vendor) -> list[dict[str, Any]]:
         error = None
     except StoreUnavailable as exc:
         specs, levels, error = (), (), str(exc)
-    out = []
+    out, at = [], 0
     for meter in vendor.meters:
         e, s = meter.estimate, meter.settle
         entry: dict[str, Any] = {
@@ -228,8 +228,9 @@ async def _meters(limiter: Limiter, vendor: Vendor) -> list[dict[str, Any]]:
             ],
             "long_run_per_second": round(min(lim.per_second for lim in meter.limits), 6),
         }
-        mine = [(b, level) for b, level in zip(specs, levels, strict=True) if b.field.startswith(f"m:{meter.name}:")]
-        entry["buckets"] = None if error else _buckets(tuple(b for b, _ in mine), tuple(x for _, x in mine))
+        mine = slice(at, at + len(meter.limits))  # (peek_meters: meter by meter, a bucket per limit)
+        at = mine.stop
+        entry["buckets"] = None if error else _buckets(specs[mine], levels[mine])
         if error:
             entry["store_error"] = error
         out.append(entry)
