@@ -230,6 +230,7 @@ async def test_beyond_max_connections_a_new_one_gets_503_connection_close(vendor
             writer.close()
         async with s.get(f"{proxy.url}/payments/v1/x") as r:
             assert r.status == 200
+        vendor.mock.release_delays()  # the proxy's stop would hear the three answers out
 
 
 async def test_at_the_cap_a_connection_stalled_in_its_head_gives_way_to_a_new_one(

@@ -73,12 +73,54 @@ async def test_a_bucket_with_room_for_the_lag_carries_none() -> None:
     await clock.advance(0.3)
     assert pacer.reserve(BUCKET, start, W, [0.0]) == 0.0  # written 0.3 s late
     now = clock.monotonic()
-    assert round(pacer.reserve(BUCKET, now, W, [3.5]), 3) == 0.3  # not room enough: kept
     assert pacer.reserve(BUCKET, now, W, [4.0]) == 0.0  # room: the lag ends here
     assert pacer.reserve(BUCKET, now, W, [0.0]) == 0.0  # and is not carried on
     huge = [spec(1e9, 1e9, "huge")]
     assert pacer.reserve(huge, start, W, [1e9]) == 0.0
     assert pacer.reserve(huge, clock.monotonic(), W, [1e9 - 1]) == 0.0
+
+
+async def test_a_room_for_part_of_the_lag_drops_that_part_once_per_window() -> None:
+    """A lag of 0.3 s at 10/s, and a request granted with 3.5 tokens left (2.5 besides its
+    own): 0.25 s of the lag can end (2.5 requests early at most), not all of it. The next
+    requests, granted with the same room within the window, drop no more: one room pays
+    for one drop. A window after the lag's peak, the room drops the rest."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    start = clock.monotonic()
+    await clock.advance(0.3)
+    assert pacer.reserve(BUCKET, start, W, [0.0]) == 0.0  # written 0.3 s late
+    now = clock.monotonic()
+    assert round(pacer.reserve(BUCKET, now, W, [3.5]), 3) == 0.05
+    for _ in range(4):
+        await clock.advance(0.2)
+        assert round(pacer.reserve(BUCKET, clock.monotonic(), W, [3.5]), 3) == 0.05
+    await clock.advance(0.2)  # a window after the peak's write
+    assert pacer.reserve(BUCKET, clock.monotonic(), W, [3.5]) == 0.0
+
+
+async def test_a_long_lag_on_a_bucket_below_its_rate_ends_while_requests_keep_coming() -> None:
+    """A replica's loop stalled 0.9 s; its vendor bucket (30/s, burst 10) then grants 20/s,
+    each request with ~9 tokens to spare besides its own, and each wakes 5 ms late (a busy
+    loop). Room for the whole lag (27 tokens) never comes with a burst of 10: the lag used
+    to stay (and grow by the late wake-ups, up to MAX_WAIT), every request written ~1 s
+    late for as long as traffic went on. Now each window drops 0.3 s of it."""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    bucket = [spec(30, 10)]
+    start = clock.monotonic()
+    await clock.advance(0.9)
+    assert pacer.reserve(bucket, start, W, [0.0]) == 0.0  # written 0.9 s late
+    waits = []
+    for _ in range(100):  # 5 s at 20/s
+        granted = clock.monotonic()
+        await clock.advance(0.005)  # woken late
+        wait = pacer.reserve(bucket, granted, W, [9.0])
+        waits.append(wait)
+        await clock.advance(wait)
+        await clock.advance(0.05 - 0.005 - wait if wait < 0.045 else 0.0)
+    assert waits[0] > 0.5  # a lag is not dropped at once without room for all of it
+    assert max(waits[-20:]) < 0.01, waits[-20:]
 
 
 async def test_a_lag_is_the_longest_stall_not_the_sum_of_them() -> None:
@@ -247,7 +289,8 @@ async def test_a_stall_on_one_replica_shifts_the_other_replicas_writes(vendor, s
     """Two replicas on one Redis. One of them writes 0.3 s late (a stall): the other hears
     it through the store and its next request, granted at once, is written 0.3 s late too,
     rather than into the windows that already hold the stalled replica's late ones."""
-    policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 100, per: 1s, burst: 5}]")
+    # (Burst 1: no room besides the request's own, which would end part of the lag.)
+    policy = vendor_policy(vendor.url, store=redis_url, limits="[{rate: 100, per: 1s, burst: 1}]")
     a = await start_proxy(policy)
     b = await start_proxy(policy)
     deps_a, deps_b = a.runtime.deps, b.runtime.deps

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import hashlib
 import math
 import time
@@ -215,6 +216,7 @@ class MockVendor(VendorQuota):
         self.max_in_flight = 0
         self._recorded: deque[tuple[str, URL, _Raw]] = deque(maxlen=max_recorded)
         self._scripts: deque[_Script] = deque()
+        self._released = asyncio.Event()  # ends every /delay wait (``release_delays``)
         self.shapes: tuple[Shape, ...] = (
             StripeShape(),
             OpenAIShape(None if openai is None else OpenAITokens(openai)),
@@ -223,6 +225,11 @@ class MockVendor(VendorQuota):
         """The vendors imitated, each owning its paths (the first that owns a path answers it)."""
 
     # -- in-process helpers ------------------------------------------------------------
+
+    def release_delays(self) -> None:
+        """Answer every ``/delay`` waiting now, and any asked later, at once (a test's end:
+        the proxy's stop would wait for the answers it is still hearing out)."""
+        self._released.set()
 
     @property
     def requests(self) -> list[RecordedRequest]:
@@ -525,7 +532,8 @@ class MockVendor(VendorQuota):
             ms = math.nan
         if not (math.isfinite(ms) and ms >= 0):
             return json_response(400, {"error": "bad_request", "detail": "/delay/{ms} needs milliseconds"}, headers)
-        await asyncio.sleep(ms / 1000.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._released.wait(), ms / 1000.0)
         payload = {
             "ok": True,
             "method": request.method,

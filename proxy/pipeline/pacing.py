@@ -20,10 +20,16 @@ window can hold both), and until then costs every request of the spell that much
 
 A lag may not shrink while requests keep coming, unless the bucket had room for it: a
 request written less late than the one before it is early against the shifted stream, as
-are the ones after it, and their number is at most what the bucket grants over the lag
-(rate x lag). So a request granted with that many tokens (and its own) still in the bucket
-(the store says how many were left) may drop the lag to its own: a vendor whose limit does
-not bind never carries a lag, and a bound one keeps it until a quiet window.
+are the ones after it, and their number is at most what the bucket grants over the drop
+(rate x drop). So a request granted with that many tokens (and its own) still in the bucket
+(the store says how many were left) may drop the lag by that much: by all of it when the
+room covers the whole lag (a vendor whose limit does not bind never carries a lag), by
+room / rate otherwise, and by no more than that over a window counted from the lag's
+highest (``_Lag.peak``), or one room would pay for many drops. A bound bucket keeps its
+lag until a quiet window. (Before, only a room for the whole lag dropped it: a lag above
+burst / rate never ended while requests kept coming, and on a busy loop every late wake-up
+added to it, up to ``MAX_WAIT``: a bucket at two thirds of its rate wrote every request
+~1 s late for good.)
 
 The lag is the fleet's, not only the replica's: a replica whose lag grows (a stall) tells
 the others through the store (``on_grown``; rare: once per stall), and they ``adopt`` it,
@@ -95,12 +101,23 @@ def longest_window(vendor: Vendor) -> float:
     return window
 
 
+class _Lag(NamedTuple):
+    """A bucket's lag: that of the replica's last write to it, and when that was."""
+
+    lag: float
+    at: float
+    peak: float
+    """The highest lag since ``since``: within a window of it the lag drops by no more than
+    one room allows."""
+    since: float
+
+
 class Pacer:
-    """Per vendor-side bucket: the lag of the replica's last write to it, and when that was."""
+    """Per vendor-side bucket: the lag of the replica's last write to it (``_Lag``)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self._lag: dict[str, tuple[float, float]] = {}
+        self._lag: dict[str, _Lag] = {}
         self.on_grown: Callable[[tuple[str, ...], float], None] | None = None
         """Told the buckets whose lag a write made grow by ``GROWN`` or more, and the lag."""
         self._live_until = 0.0
@@ -171,8 +188,8 @@ class Pacer:
         lags = self._lag
         for ident in idents:
             last = lags.get(ident)
-            if last is None or last[0] < lag:
-                lags[ident] = (lag, now)
+            if last is None or last.lag < lag:
+                lags[ident] = _Lag(lag, now, lag, now)
                 self._live_until = max(self._live_until, now + self._longest)
 
     def reserve(
@@ -204,11 +221,17 @@ class Pacer:
         # (no function): it is asked twice per bucket of every request.
         for k, spec in enumerate(specs):
             last = lags.get(spec.ident)
-            if last is None or now - last[1] >= window:
+            if last is None or now - last.at >= window:
                 continue
-            lag = last[0]
-            if k < roomy and room[k] >= spec.rate * lag + cost:
-                continue
+            lag = last.lag
+            if k < roomy:
+                # Early by what the room covers (``spare`` seconds), counted from the peak.
+                spare = (room[k] - cost) / spec.rate
+                peak = last.peak if now - last.since < window else lag
+                if spare >= peak:
+                    continue
+                if peak - spare < lag:
+                    lag = peak - spare
             earliest = granted + lag
             if earliest > at:
                 at = earliest
@@ -217,21 +240,27 @@ class Pacer:
         if len(lags) >= _MAX_TRACKED:
             lags.clear()  # forgotten: on time, as at start
         lag = at - granted
-        entry = (lag, at)
-        kept = (0.0, at)
+        kept = _Lag(0.0, at, 0.0, at)
         grown: list[str] | None = None
         for k, spec in enumerate(specs):
             ident = spec.ident
-            if k < roomy and room[k] >= spec.rate * lag + cost:
+            last = lags.get(ident)
+            peak = last.peak if last is not None and now - last.since < window else 0.0
+            if k < roomy and room[k] >= spec.rate * (lag if lag > peak else peak) + cost:
                 # Room for this lag's end too: nothing to keep, nothing to tell (a vendor
                 # whose limit does not bind: every request's own delay would be "growth").
                 lags[ident] = kept
                 continue
-            if lag >= GROWN and self.on_grown is not None:
-                last = lags.get(ident)
-                if last is None or lag - last[0] >= GROWN or now - last[1] >= window:
-                    grown = [ident] if grown is None else [*grown, ident]
-            lags[ident] = entry
+            if (
+                lag >= GROWN
+                and self.on_grown is not None
+                and (last is None or lag - last.lag >= GROWN or now - last.at >= window)
+            ):
+                grown = [ident] if grown is None else [*grown, ident]
+            if last is None or lag >= last.peak or now - last.since >= window:
+                lags[ident] = _Lag(lag, at, lag, at)  # a new peak, or the old one's window ended
+            else:
+                lags[ident] = _Lag(lag, at, last.peak, last.since)
             if lag > 0 and at + window > self._live_until:
                 self._live_until = at + window
         if grown is not None and self.on_grown is not None:

@@ -25,6 +25,10 @@ from proxy.wire.refusals import BadRequest, Denied
 log = logging.getLogger("quota_proxy.connect")
 
 _HANDSHAKE_TIMEOUT = 10.0
+_SHUTDOWN_TIMEOUT = 5.0
+"""Seconds a closing connection waits for the worker's close_notify (asyncio's default is
+30): an idle pooled client does not read its socket, so at a drain each of its connections
+held the proxy until drain_timeout, and a closed one held a place under max_connections."""
 
 
 class LeafSource(Protocol):
@@ -80,7 +84,14 @@ class Handshake:
         began = loop.time()
         try:
             handshake = asyncio.ensure_future(
-                loop.start_tls(transport, pending, self.ctx, server_side=True, ssl_handshake_timeout=_HANDSHAKE_TIMEOUT)
+                loop.start_tls(
+                    transport,
+                    pending,
+                    self.ctx,
+                    server_side=True,
+                    ssl_handshake_timeout=_HANDSHAKE_TIMEOUT,
+                    ssl_shutdown_timeout=_SHUTDOWN_TIMEOUT,
+                )
             )
             if early:
                 # A ClientHello sent right behind the CONNECT head was read with it. start_tls has
