@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from proxy.clock import ManualClock
+from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import BucketSpec
 from proxy.pipeline import forward
-from proxy.pipeline.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer
+from proxy.pipeline.pacing import _MAX_TRACKED, MAX_WAIT, Paced, Pacer, vendor_room
 from proxy.wire.pool import Pool
 from tests.conftest import client_session, eventually, vendor_policy
 
@@ -121,6 +122,33 @@ async def test_a_long_lag_on_a_bucket_below_its_rate_ends_while_requests_keep_co
         await clock.advance(0.05 - 0.005 - wait if wait < 0.045 else 0.0)
     assert waits[0] > 0.5  # a lag is not dropped at once without room for all of it
     assert max(waits[-20:]) < 0.01, waits[-20:]
+
+
+async def test_a_metered_request_is_paced_on_its_meters_own_buckets_at_its_estimate() -> None:
+    """SPEC §14: the vendor counts a meter's tokens as it counts requests, so a stall that
+    bunches grants bunches tokens: a meter's own bucket (not its tenant's) keeps a lag like
+    a request bucket, its room weighed against the call's estimate (2,000 tokens), not 1.
+    (Before, only request buckets were paced: a vendor with meters alone, none.)"""
+    clock = ManualClock()
+    pacer = Pacer(clock)
+    tenant, requests = spec(10, 10, "t"), spec(100, 100, "v")
+    tenant_tokens = BucketSpec("t-m", 100, 4000, "tenant", "tenant tokens")
+    tokens = BucketSpec("v", 1000, 4000, "global", "tokens 1000/1s burst 4000", field="m:tokens:0")
+    b = Buckets((tenant, requests, tenant_tokens, tokens), tenant_count=1, meters=(0, 0))
+    specs, room = vendor_room(b, (5.0, 0.0, 900.0, 0.0), 0.0, 1.0, (2000.0,))
+    assert specs == (requests, tokens)
+    assert room == (0.0, 0.0 - 2000.0 + 1.0)
+    start = clock.monotonic()
+    await clock.advance(0.3)
+    assert pacer.reserve(specs, start, W, room) == 0.0  # a stall: written 0.3 s late
+    now = clock.monotonic()
+    # Room for the request (100 left) but not for the tokens (2,000: the call's own): the
+    # meter keeps the lag.
+    specs, room = vendor_room(b, (5.0, 100.0, 900.0, 2000.0), 0.0, 1.0, (2000.0,))
+    assert round(pacer.reserve(specs, now, W, room), 3) == 0.3
+    # 4,000 left is room for 0.3 s at 1,000/s (300) besides the call's own 2,000: none kept.
+    specs, room = vendor_room(b, (5.0, 100.0, 900.0, 4000.0), 0.0, 1.0, (2000.0,))
+    assert pacer.reserve(specs, now, W, room) == 0.0
 
 
 async def test_a_lag_is_the_longest_stall_not_the_sum_of_them() -> None:

@@ -261,7 +261,7 @@ async def test_a_restarted_worker_runs_the_fleets_policy_not_the_files_unreloade
     assert copy.stat().st_mode & 0o777 == 0o600
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (asserts outcomes only: runs beside the timed tests)
 async def test_a_reload_one_worker_fails_is_undone_in_every_worker(
     tmp_path: Path, vendor: Vendor, redis_url: str, start: Start, session: aiohttp.ClientSession
 ) -> None:

@@ -51,8 +51,15 @@ class Buckets:
     """The request buckets the vendor counts itself: the endpoint class's and the global ones
     (the pacer keeps a lag per bucket: pacing.py)."""
 
+    paced_meters: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The indexes in ``all`` of the meters' own buckets (not their tenants'): the vendor
+    counts those too, so the pacer keeps their lag as well (each at its meter's estimate)."""
+
     def __post_init__(self) -> None:
-        object.__setattr__(self, "vendor_side", self.all[self.tenant_count : len(self.all) - len(self.meters)])
+        first_meter = len(self.all) - len(self.meters)
+        object.__setattr__(self, "vendor_side", self.all[self.tenant_count : first_meter])
+        paced = tuple(i for i in range(first_meter, len(self.all)) if self.all[i].scope == "global")
+        object.__setattr__(self, "paced_meters", paced)
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:

@@ -32,7 +32,7 @@ from proxy.pipeline.lane import Lane
 from proxy.pipeline.ledger import INTERNAL_ERROR, Ledger, accounted
 from proxy.pipeline.match import Match, interception_of
 from proxy.pipeline.metering import Settlement
-from proxy.pipeline.pacing import Paced, longest_window
+from proxy.pipeline.pacing import Paced, longest_window, vendor_room
 from proxy.pipeline.ratelimit_fields import blocked_item, fields_for_forwarded, request_limits, tightest
 from proxy.pipeline.responses import write_answer
 from proxy.pipeline.share_lines import ShareLines, line_of
@@ -335,7 +335,9 @@ class ProxyHandler:
         if line is not None and not result.granted and result.full < 0:
             take = functools.partial(attempt, turn=True)
             result, lined = await self._turn(deps, vendor.name, wish, slot, line, result, take)
-        return await self._admitted(deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined)
+        return await self._admitted(
+            deps, vendor, tenant, wish, rec, slot, b, result, cost, endpoint, partition, lined, estimates
+        )
 
     async def _turn(
         self,
@@ -376,6 +378,7 @@ class ProxyHandler:
         endpoint: Endpoint | None,
         partition: str,
         lined: float = 0.0,
+        estimates: tuple[float, ...] = (),
     ) -> Admission:
         """What the store's ``result`` makes of the request: refused (raised), held, or let go.
         ``lined``: seconds it waited for its turn already (``_turn``)."""
@@ -387,11 +390,8 @@ class ProxyHandler:
             raise refusal(decision, result, b, request_limits(vendor, tenant, endpoint), reason)
         quota = tightest(request_limits(vendor, tenant, endpoint), result.levels) if vendor.ratelimit_headers else None
         wait = result.wait
-        # The room each vendor-side bucket had at the grant (a hold's refills while it waits).
-        room = result.levels[b.tenant_count :]
-        if wait > 0:
-            room = tuple(level + wait * spec.rate for spec, level in zip(b.vendor_side, room, strict=False))
-        pace = Paced(b.vendor_side, deps.clock.monotonic() + wait, longest_window(vendor), room, cost)
+        specs, room = vendor_room(b, result.levels, wait, cost, estimates)
+        pace = Paced(specs, deps.clock.monotonic() + wait, longest_window(vendor), room, cost)
         if slot.waited:
             rec.detail = f"waited {slot.waited * 1000:.0f}ms for a concurrency slot"
         waited = slot.waited + lined

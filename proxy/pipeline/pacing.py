@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from proxy.clock import Clock
+from proxy.limiter.buckets import Buckets
 from proxy.limiter.store import BucketSpec
 from proxy.policy.model import Vendor
 
@@ -84,6 +85,27 @@ class Paced(NamedTuple):
     cost: float
 
 
+def vendor_room(
+    b: Buckets, levels: Sequence[float], wait: float, cost: float, estimates: tuple[float, ...] = ()
+) -> tuple[tuple[BucketSpec, ...], tuple[float, ...]]:
+    """``Paced.specs`` and ``Paced.room`` of a request granted with ``levels`` (the store's,
+    one per bucket of ``b``) to be written ``wait`` seconds on (a hold: its buckets refill
+    meanwhile). Its request buckets the vendor counts, then, for a metered request, its
+    meters' own (SPEC §14: the vendor counts those too, and a stall bunches their tokens as
+    it bunches requests), each meter's room told less its estimate and plus ``cost``, as the
+    pacer weighs a bucket's room against the request's ``cost``."""
+    specs = b.vendor_side
+    first = b.tenant_count
+    room = list(levels[first : first + len(specs)])
+    if b.paced_meters and estimates:
+        costs = b.costs(cost, estimates)
+        specs = specs + tuple(b.all[i] for i in b.paced_meters)
+        room += [levels[i] - costs[i] + cost for i in b.paced_meters]
+    if wait > 0:
+        room = [level + wait * spec.rate for spec, level in zip(specs, room, strict=False)]
+    return specs, tuple(room)
+
+
 _WINDOWS: dict[int, tuple[Vendor, float]] = {}  # per policy vendor: asked on every request
 
 
@@ -93,7 +115,11 @@ def longest_window(vendor: Vendor) -> float:
     hit = _WINDOWS.get(id(vendor))
     if hit is not None and hit[0] is vendor:
         return hit[1]
-    limits = [*vendor.limits, *(limit for endpoint in vendor.endpoints for limit in endpoint.limits)]
+    limits = [
+        *vendor.limits,
+        *(limit for endpoint in vendor.endpoints for limit in endpoint.limits),
+        *(limit for meter in vendor.meters for limit in meter.limits),
+    ]
     window = max((limit.per for limit in limits), default=1.0)
     if len(_WINDOWS) >= 1024:  # reloads leave old vendors behind
         _WINDOWS.clear()

@@ -80,7 +80,7 @@ def test_without_redis_server_the_command_says_so_and_starts_nothing(tmp_path: P
     assert not (work / "deploy" / "k8s" / "stripe" / ".local").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (asserts outcomes only: runs beside the timed tests)
 def test_the_local_command_runs_as_printed(tmp_path: Path) -> None:
     assert shutil.which("redis-server"), "redis-server is required (Celery's broker): apt install redis-server"
     for module in ("celery", "stripe"):
