@@ -31,7 +31,7 @@ from tests.helpers.guide import GUIDE, PROXY_ADDRESS, VENDOR_ADDRESS, GuideWorke
 from tests.helpers.sdks import connects, outcomes
 from tests.helpers.vendor_process import VendorProcess, vendor_process
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = pytest.mark.long  # fresh processes, seconds each; the one timed test is marked below
 
 STRIPE = "api.stripe.com"
 SPENT = "[{rate: 1, per: 1h, burst: 1}]"
@@ -211,6 +211,7 @@ async def test_an_exported_bundle_beats_session_verify(mocked: Mocked) -> None:
     assert await mocked.paths() == ["/v1/customers/cus_123"]
 
 
+@pytest.mark.timing  # its snippet must start inside the 3 s slot it is deferred to
 async def test_urllib3_retry_waits_out_a_defer_and_leaves_a_shed_alone(mocked: Mocked) -> None:
     deferring = await mocked.start(limits="[{rate: 1, per: 3s, burst: 1}]", on_limit="{action: defer}")
     await spend_the_token(deferring)
