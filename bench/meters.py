@@ -120,7 +120,7 @@ class Call:
 
     def anthropic(self) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": "claude-sonnet-4-5",
+            "model": "claude-sonnet-5-5",
             "max_tokens": self.cap,
             "messages": [{"role": "user", "content": text(self.prompt)}],
         }

@@ -25,7 +25,7 @@ from proxy.devtools.mockvendor_shapes import write_events
 from proxy.quota.estimates import Estimate
 
 MESSAGES = "/v1/messages"
-MODEL = "claude-sonnet-4-5"
+MODEL = "claude-sonnet-5-5"
 
 
 @pytest.fixture

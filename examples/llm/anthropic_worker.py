@@ -22,7 +22,7 @@ from typing import Protocol
 
 import anthropic
 
-MODEL = "claude-sonnet-4-5"
+MODEL = "claude-sonnet-5-5"
 WORDS = ("the", "fleet", "shares", "one", "quota", "of", "tokens", "per", "minute", "and", "every", "worker", "asks")
 
 

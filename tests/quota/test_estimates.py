@@ -231,7 +231,7 @@ def test_openai(body, kwargs, expected):
 
 
 ANTHROPIC_BODY = {
-    "model": "claude-sonnet-4-5",
+    "model": "claude-sonnet-5-5",
     "max_tokens": 1024,
     "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
     "tools": [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}],
