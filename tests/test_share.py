@@ -98,13 +98,13 @@ HOLD, DEFER = "{action: hold, max_hold: 1s}", "{action: defer}"
 @pytest.mark.parametrize(
     ("which", "on_limit", "share"),
     [
+        # Each store and each action once (tests/limiter/test_share_store.py runs both stores
+        # through every rule); the suite's serial time goes to what only a fleet shows.
         ("memory", HOLD, WEIGHTS),
-        ("memory", DEFER, WEIGHTS),
-        ("redis", HOLD, WEIGHTS),
         ("redis", DEFER, WEIGHTS),
         ("redis", DEFER, None),  # the same without share: each tenant gets about a third
     ],
-    ids=["memory-hold", "memory-defer", "redis-hold", "redis-defer", "first-come"],
+    ids=["memory-hold", "redis-defer", "first-come"],
 )
 async def test_weights_divide_the_quota(
     window_vendor: VendorProcess,
@@ -147,8 +147,8 @@ async def test_the_one_left_takes_the_whole_quota_within_a_second(
 
 @pytest.mark.parametrize(
     ("which", "share"),
-    [("memory", CLASSES), ("redis", CLASSES), ("redis", None)],
-    ids=["memory", "redis", "first-come"],
+    [("redis", CLASSES), ("redis", None)],  # memory:// classes: test_share_store.py and the weights test
+    ids=["redis", "first-come"],
 )
 async def test_checkout_goes_before_a_batch_flood(
     window_vendor: VendorProcess, start_proxy: Any, request: pytest.FixtureRequest, which: str, share: str | None

@@ -177,6 +177,7 @@ async def test_an_sdk_that_retries_early_is_told_the_same_slot_until_it_comes(sd
     assert sdk_proxies.vendor.mock.paths() == [sdk.path, sdk.path]
 
 
+@pytest.mark.long  # the SDKs' backoff sleeps; the proxy's read timeout gives the 504 whatever the load
 @pytest.mark.parametrize("key", [None, "order-42"], ids=["no-key", "idempotency-key"])
 @pytest.mark.parametrize("name", NAMES)
 async def test_a_504_on_a_post_is_retried_only_when_it_is_safe(name, key, sdk_proxies):
