@@ -83,8 +83,8 @@ def connect(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
 
 
 def close_pubsub(pubsub: aioredis.client.PubSub) -> Awaitable[None]:
-    """`pubsub.aclose()`, typed whichever redis-py runs: 5.x leaves it unannotated and 6+
-    annotates it, so a `type: ignore` one needs the other flags as unused."""
+    """`pubsub.aclose()`, typed whichever redis-py runs: the floor (6.4) leaves it unannotated
+    and newer releases (8.x) annotate it, so a `type: ignore` one needs the other flags as unused."""
     aclose: Callable[[], Awaitable[None]] = pubsub.aclose
     return aclose()
 
