@@ -87,7 +87,7 @@
 -- KEYS[n + m + 1]       the deferral queue of this bucket set, when ARGV[3] = "q"
 -- KEYS[n + m + 2]       its reservation set, when ARGV[10] ~= "" (with a queue), then the
 --                       set of those of its slots whose owners left (leave.lua), then the
---                       moves of late slots ("Late slots")
+--                       moves of late slots ("Late slots"), then the slots offered ("Standby")
 -- KEYS[.. + 1 ..]       with a share (ARGV[11] ~= ""): its hash, its expiry set, then per class
 --                       its waiting sets and then its tag sets ("Share")
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
@@ -104,7 +104,8 @@
 -- ARGV[7]               lease id ("" when m = 0)
 -- ARGV[8]               lease life: ms a lease lives past the reservation's maturity
 -- ARGV[9]               claim: the reservation this caller holds ("" = none); after a "?",
---                       one it may claim only once it has matured (else it is a new caller)
+--                       one it may claim only once it has matured (else it is a new caller);
+--                       after a "~", a slot it was offered ("Standby"): it claims none
 -- ARGV[10]              "<horizon>:<owner>:<life>:<tenants>:<standby>" (ms, how many of the
 --                       buckets are the tenant's own, ms): refusals keep their slot; "" = they do not
 -- ARGV[11]              "<class>:<classes>:<weight>:<min_share>:<horizon>:<tau>:<grace>:<cgrace>:<slack>:<g>"
@@ -163,9 +164,9 @@ local queue = nil
 if ARGV[3] == 'q' then
   queue = KEYS[n + m + 1]
 end
-local rset, left, shifts, horizon_ms, owner_ms, life_ms, tenants, standby_ms = nil, nil, nil, 0, 0, 0, 0, 0
+local rset, left, shifts, offers, horizon_ms, owner_ms, life_ms, tenants, standby_ms = nil, nil, nil, 0, 0, 0, 0, 0
 if ARGV[10] ~= '' then
-  rset, left, shifts = KEYS[n + m + 2], KEYS[n + m + 3], KEYS[n + m + 4]
+  rset, left, shifts, offers = KEYS[n + m + 2], KEYS[n + m + 3], KEYS[n + m + 4], KEYS[n + m + 5]
   local h, o, l, t, s = string.match(ARGV[10], '^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$')
   horizon_ms, owner_ms, life_ms, tenants, standby_ms = tonumber(h), tonumber(o), tonumber(l), tonumber(t), tonumber(s)
 end
@@ -341,6 +342,9 @@ if rset then
   local weak = claim:sub(1, 1) == '?' -- a claim honoured only once its slot has matured
   if weak then
     claim = claim:sub(2)
+  end
+  if claim:sub(1, 1) == '~' then -- a slot offered, not its own: it asks as a new caller
+    claim = ''
   end
   mine = claim
   if claim ~= '' then
@@ -681,7 +685,9 @@ end
 -- use, one that holds a later slot of its own included (it moves up), and a costly slot
 -- serves several cheaper requests (what is left of it stays, maturing when it did). Never
 -- given back to a level: a level is a count, not a schedule (see "Kept slots"). Units of one
--- scope, in order of maturity, as many as the cost; the rest from the buckets, granted only
+-- scope, the latest matured first (the shortest moves, which overlap the fewest: taken
+-- earliest first, a slot offered to a caller as its standby went unused beside the older
+-- one it moved instead), as many as the cost; the rest from the buckets, granted only
 -- if they have it within `max_wait` (else nothing of the pool is touched).
 -- A slot used late moves a request from its time to now: every vendor window that starts
 -- in between holds one more than the schedule gave it. While a bucket stays below empty the
@@ -697,8 +703,8 @@ end
 -- claimed late by its owner is a move too, which the others' must fit beside.
 local pool = nil
 if rset and due and not held and full == 0 and not metered then
-  local late = redis.call('ZRANGEBYSCORE', rset, string.format('%.3f', now - life_ms),
-    string.format('%.3f', now - owner_ms), 'WITHSCORES', 'LIMIT', 0, 64)
+  local late = redis.call('ZREVRANGEBYSCORE', rset, string.format('%.3f', now - owner_ms),
+    string.format('%.3f', now - life_ms), 'WITHSCORES', 'LIMIT', 0, 64)
   local moved = nil -- {units, end} of the moves kept that may overlap these
   local units, used, scope, first = 0, {}, nil, nil
   for k = 1, #late, 2 do
@@ -785,20 +791,44 @@ end
 -- start), when it asks and, the slot unclaimed, takes it (moves up, "Late slots"); claimed,
 -- it is refused with its own slot again. Only slots left behind: a hint that is a guess
 -- costs a refusal, and precise retriers whose owners come back would pay it every time.
--- Only a slot at least STANDBY_GAIN ms before the caller's own is offered: many clients
--- open a connection per call and come back for their slot on a new one, and the refusal a
--- standby costs when they do (a retry of an SDK's few) is worth a second gained, not less.
+-- The offer is kept with the caller's own slot (`offers`: its member -> the slot offered):
+-- should that caller leave too (leave.lua), the slot is offered again. A refusal beyond the
+-- horizon keeps no slot of its own: it is offered one left behind all the same (a queue full
+-- of slots whose owners gave up would send every caller past them, and they would stand
+-- idle), and its claim is `~<the slot offered>`, which claims nothing but is left with its
+-- connection (leave.lua) like any other.
+-- The head start is at most half the schedule's interval (the binding bucket's cost / rate):
+-- taken later, the slot's move would overlap the next slots' owners' few ms of lateness
+-- (each a move too), and at a small burst it would not fit (at 95/s burst 1 a 50 ms head
+-- start left a fifth of the quota unused). Only a slot at least STANDBY_GAIN ms, or ten
+-- intervals if less, before the caller's own is offered: many clients open a connection per
+-- call and come back for their slot on a new one, and the refusal a standby may cost them
+-- (a retry of an SDK's few) is worth that much gained, not less.
 local STANDBY_GAIN = 1000
-local function standby(own) -- ms: when this caller should ask again, its slot maturing at `own`
+local function schedule_interval() -- ms between two slots of the binding bucket
+  local interval = 0
+  for i = 1, n do
+    interval = math.max(interval, costs[i] / rates[i])
+  end
+  return interval
+end
+local function standby(own, member) -- ms: when the caller of slot `member` (maturing at `own`) asks again
+  local interval = schedule_interval()
+  local head = math.min(math.max(standby_ms, owner_ms), interval / 2)
+  local gain = math.min(STANDBY_GAIN, 10 * interval)
   for _ = 1, 4 do
     local found = redis.call('ZRANGEBYSCORE', left, string.format('(%.3f', now),
-      string.format('(%.3f', own - STANDBY_GAIN - math.max(standby_ms, owner_ms)), 'WITHSCORES', 'LIMIT', 0, 1)
+      string.format('(%.3f', own - gain - head), 'WITHSCORES', 'LIMIT', 0, 1)
     if not found[1] then
       break
     end
     redis.call('ZREM', left, found[1])
     if redis.call('ZSCORE', rset, found[1]) then -- (claimed meanwhile: gone from the slots)
-      return math.min(tonumber(found[2]) + math.max(standby_ms, owner_ms), own) - now
+      if member ~= '' then
+        redis.call('HSET', offers, member, found[1])
+        redis.call('PEXPIRE', offers, math.max(redis.call('PTTL', rset), 1))
+      end
+      return math.min(tonumber(found[2]) + head, own) - now, found[1]
     end
   end
   return own - now
@@ -832,7 +862,15 @@ if pool then
     redis.call('PEXPIRE', left, math.max(redis.call('PTTL', rset), 1))
   end
   granted, claimed = 1, 1
-  wait, hint = pool.wait, pool.wait
+  -- Granted at most half the schedule's interval before now, as the replica's pacer sees it
+  -- (pacing.py): a short move (a standby's head start, a few ms of lateness) shifts the
+  -- replica's later writes as a late owner's claim does, and the burst stays free for the
+  -- jitter of arrivals (at 95/s burst 1, moves that went at once, one after another, used it
+  -- all, and a request a few ms slower than the next made a window of 97); a longer move
+  -- was fitted beside the others', and as a lag it would hold every later write back as long
+  -- (at 2/s burst 1 up to a second, until it ran past pacing.MAX_WAIT and they bunched).
+  wait = math.max(pool.wait, -schedule_interval() / 2)
+  hint = wait
   take_leases(now + math.max(pool.wait, 0))
   count_grant()
 elseif held then
@@ -891,7 +929,7 @@ elseif held then
   end
 elseif early then
   -- This caller's slot is still ahead: refused with it again, never a new one.
-  wait, hint, reserved = early, standby(now + early), claim
+  wait, hint, reserved = early, standby(now + early, claim), claim
   if refunded then
     write_levels()
   end
@@ -925,7 +963,7 @@ elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
     write_levels()
     reserved = keep(now + wait, 'a')
   end
-  hint = standby(now + wait)
+  hint = standby(now + wait, reserved)
   count_grant()
   if share then -- its turn, taken; it waits for it, as a tenant refused does
     share_load()
@@ -961,6 +999,12 @@ else
       step = gate_step
     end
     redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
+  end
+  if rset and not share and full == 0 then -- beyond the horizon: a slot left behind may be its
+    local offer, offered = standby(now + hint, '')
+    if offered then
+      hint, reserved = offer, '~' .. offered
+    end
   end
   if share and full == 0 and (not gate_ok or binding >= share.g) then
     share_waits(hint, false)

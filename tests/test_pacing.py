@@ -7,6 +7,7 @@ import itertools
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 
 from proxy.clock import ManualClock
@@ -434,3 +435,38 @@ async def test_the_short_cut_is_taken_only_while_no_lag_can_be_live() -> None:
     pacer.adopt([BUCKET[0].ident], 0.1)  # another replica's stall
     now = clock.monotonic()
     assert round(pacer.reserve(BUCKET, now, W, [0.0]), 3) == 0.1
+
+
+async def test_a_late_slot_taken_shifts_the_writes_after_it_half_an_interval_at_most(vendor, start_proxy):
+    """A slot nobody claimed, taken late (acquire.lua, "Late slots"), is a move the store
+    fitted beside the schedule. Paced as granted when the slot matured, it gave the replica a
+    lag of the whole move: every later write of that bucket went out that much late
+    (bench/quota.py giveup-fresh, 2/s burst 1: requests written up to 1 s after their grants,
+    and the vendor's strict window overrun). Now half the schedule's interval at most."""
+    policy = vendor_policy(vendor.url, limits="[{rate: 1, per: 1s, burst: 1}]", on_limit="{action: defer}")
+    proxy = await start_proxy(policy)
+    host = "http://api.payments.example"
+
+    async def fresh(path: str) -> aiohttp.ClientResponse:
+        async with client_session() as s, s.get(f"{host}{path}", proxy=proxy.url) as r:
+            await r.read()
+            return r
+
+    began = time.monotonic()
+    assert (await fresh("/a")).status == 200
+    left = await fresh("/b")  # deferred, its slot at 1 s; its connection gone: nobody's
+    assert left.status == 429 and left.headers["X-Quota-Action"] == "defer"
+    async with client_session() as mine:
+        async with mine.get(f"{host}/e", proxy=proxy.url) as r:  # its slot at 2 s
+            await r.read()
+            assert r.status == 429
+            back = time.monotonic() + int(r.headers["retry-after-ms"]) / 1000 + 0.01
+        await asyncio.sleep(max(began + 1.95 - time.monotonic(), 0))
+        assert (await fresh("/c")).status == 200  # takes the 1 s slot, 0.95 s late
+        await asyncio.sleep(max(back - time.monotonic(), 0))
+        sent = time.monotonic()
+        async with mine.get(f"{host}/e", proxy=proxy.url) as r:  # its own slot, on time
+            await r.read()
+            assert r.status == 200, dict(r.headers)
+    written = vendor.mock.arrivals[-1] - sent
+    assert written < 0.75, f"written {written * 1000:.0f} ms after it was sent"  # (0.5 s: half the interval)

@@ -5,11 +5,13 @@ A late slot's units serve whoever asks next in its bucket set; used late, a slot
 request from its time to now, so the moves whose spans overlap carry together no more
 than the tightest bucket's burst less what it holds now, and none moves past a time its
 bucket stood above empty (every vendor window keeps within rate x window + burst).
-A slot whose owner left (its connection closed) is offered to one later refusal as its hint.
+A slot whose owner left (its connection closed) is offered to one later refusal as its hint,
+and again should that caller leave too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 from proxy.limiter.store import Reserve
@@ -27,12 +29,15 @@ class Slot(NamedTuple):
     """Its owner left (``left``) and no refusal has been offered it yet."""
     costs: tuple[float, ...] | None = None
     """A metered call's slot: what each bucket took (its owner's alone, never a late slot's units)."""
+    offered: str = ""
+    """The slot left behind that its caller was offered (``standby``): offered again should it leave."""
 
 
 STANDBY_GAIN: Final = 1.0
-"""Seconds a slot left by its owner must gain a caller to be offered it (acquire.lua): many
-clients open a connection per call and come back for their slot on a new one, and the refusal
-a standby costs when they do (a retry of an SDK's few) is worth a second gained, not less."""
+"""Seconds a slot left by its owner must gain a caller to be offered it, or ten of the
+schedule's intervals if less (acquire.lua): many clients open a connection per call and come
+back for their slot on a new one, and the refusal a standby may cost them (a retry of an
+SDK's few) is worth that much gained, not less."""
 
 
 def add_slot(kept: dict[str, Slot], slot: Slot) -> str:
@@ -46,6 +51,10 @@ def add_slot(kept: dict[str, Slot], slot: Slot) -> str:
     kept[member] = slot
     return member
 
+
+OFFERED: Final = "~"
+"""Before the claim of a refusal beyond the horizon (no slot of its own): the slot it was
+offered, which it claims nothing by but leaves with its connection (acquire.lua, "Standby")."""
 
 Move = tuple[float, float]
 """A late slot used: (when its span ended: the grant, units)."""
@@ -81,14 +90,15 @@ def late_units(
     above: list[tuple[float, float]],
     max_wait: float,
 ) -> tuple[float, list[float]] | None:
-    """Late slots' units for a request of ``cost``: those of one scope in order of maturity,
-    as many as the cost and the moves' budget allow, the rest from the buckets if they have
-    it within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
-    wait and what to take from each bucket; None (nothing touched) otherwise. ``above``: when
-    each bucket last stood above empty, and above half its burst (acquire.lua, "Late slots")."""
+    """Late slots' units for a request of ``cost``: those of one scope, the latest matured
+    first (the shortest moves: acquire.lua), as many as the cost and the moves' budget allow,
+    the rest from the buckets if they have it within ``max_wait``. Takes the units (a slot
+    keeps what is left of it) and returns the wait and what to take from each bucket; None
+    (nothing touched) otherwise. ``above``: when each bucket last stood above empty, and
+    above half its burst (acquire.lua, "Late slots")."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
     oldest, newest = now - reserve.life, now - reserve.owner
-    late = sorted((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest)
+    late = sorted(((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest), reverse=True)
     units, used, scope, first = 0.0, [], "", 0.0
     for matures, member in late:
         slot = kept[member]
@@ -135,16 +145,29 @@ def late_room(burst: float, level: float, above: tuple[float, float], matures: f
     return min(room, burst / 2) if above[0] >= matures else room
 
 
-def standby(kept: dict[str, Slot], now: float, own: float, reserve: Reserve) -> float:
-    """Seconds until a caller whose slot matures at ``own`` should ask again: a slot left by
-    its owner maturing at least ``STANDBY_GAIN`` before it (each offered once), else its own."""
-    latest = own - STANDBY_GAIN - max(reserve.standby, reserve.owner)
+def standby(
+    kept: dict[str, Slot], now: float, own: float, reserve: Reserve, mine: str, interval: float
+) -> tuple[float, str]:
+    """Seconds until the caller of slot ``mine`` ("" beyond the horizon: none), maturing at
+    ``own``, should ask again: a slot left by its owner maturing at least ``STANDBY_GAIN`` (or
+    ten of the schedule's ``interval`` if less) before it, each offered once, and again should
+    that caller leave (``Slot.offered``, ``OFFERED``), its owner's head start at most half the
+    interval (acquire.lua, "Standby"); else its own. And the slot offered ("" for none)."""
+    head = min(max(reserve.standby, reserve.owner), interval / 2)
+    latest = own - min(STANDBY_GAIN, 10 * interval) - head
     offered = [(m.matures, k) for k, m in kept.items() if m.left and now < m.matures < latest]
     if not offered:
-        return own - now
+        return own - now, ""
     matures, member = min(offered)
     kept[member] = kept[member]._replace(left=False)
-    return min(matures + max(reserve.standby, reserve.owner), own) - now
+    if mine in kept:
+        kept[mine] = kept[mine]._replace(offered=member)
+    return min(matures + head, own) - now, member
+
+
+def interval(costs: Sequence[float], rates: Sequence[float]) -> float:
+    """The schedule's interval: seconds between two slots of the binding bucket (cost / rate)."""
+    return max(c / r for c, r in zip(costs, rates, strict=True))
 
 
 def leave(kept: dict[str, Slot], now: float, claim: str, owner: float) -> None:

@@ -11,7 +11,18 @@ import math
 from collections.abc import Callable
 
 from proxy.clock import Clock
-from proxy.limiter.late_slots import Move, Slot, add_slot, drop_stale, late_room, late_units, leave, standby
+from proxy.limiter.late_slots import (
+    OFFERED,
+    Move,
+    Slot,
+    add_slot,
+    drop_stale,
+    interval,
+    late_room,
+    late_units,
+    leave,
+    standby,
+)
 from proxy.limiter.memory_straight import TakeNow
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
@@ -183,6 +194,8 @@ class MemoryStore:
             weak = reserve.claim.startswith("?")  # (acquire.lua: honoured only once matured)
             if weak:
                 reserve = reserve._replace(claim=reserve.claim[1:])
+            if reserve.claim.startswith(OFFERED):  # a slot offered, not its own: a new caller
+                reserve = reserve._replace(claim="")
             own_claim = reserve.claim
             own = kept.get(reserve.claim) if reserve.claim else None
             if own is not None:
@@ -261,7 +274,8 @@ class MemoryStore:
             write()
             if own_claim:
                 leave(kept, now, own_claim, reserve.owner)
-            take_leases(now + max(need, 0.0))
+            need = max(need, -interval(charge, rates) / 2)  # paced as granted then (acquire.lua)
+            take_leases(now + need)
             seq = counted_grant()
             result = (True, need, binding, tuple(levels), need, seq, False, -1, tuple(inflight))
             return AcquireResult(*result, 0.0, "", True)
@@ -303,7 +317,8 @@ class MemoryStore:
             if refunded:
                 write()
             assert kept is not None
-            return refused(early, standby(kept, now, now + early, reserve), reserve.claim)
+            hint, _ = standby(kept, now, now + early, reserve, reserve.claim, interval(charge, rates))
+            return refused(early, hint, reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             take(0, len(buckets))
             write()
@@ -321,7 +336,7 @@ class MemoryStore:
             if turn is not None:
                 turn.kept(wait)
             assert kept is not None
-            return refused(wait, standby(kept, now, now + wait, reserve), member)
+            return refused(wait, standby(kept, now, now + wait, reserve, member, interval(charge, rates))[0], member)
         if refunded:
             write()
         if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)
@@ -329,7 +344,12 @@ class MemoryStore:
             oldest = min(self._live(sets[full].key, now).values())
             return refused(wait, max(0.0, now - (oldest - leases.life)))
         if turn is None:
-            return refused(wait, self._slot(queue, now, wait, charge[binding] / rates[binding]))
+            hint = self._slot(queue, now, wait, charge[binding] / rates[binding])
+            if kept is not None and reserve is not None:  # beyond the horizon: a slot left behind may be its
+                offer, offered = standby(kept, now, now + hint, reserve, "", interval(charge, rates))
+                if offered:
+                    return refused(wait, offer, OFFERED + offered)
+            return refused(wait, hint)
         wait, binding, step = turn.refused(wait, binding, charge[binding] / rates[binding])
         hint = self._slot(queue, now, wait, step)
         turn.refused_with(binding, hint)
@@ -544,9 +564,14 @@ class MemoryStore:
 
     async def left(self, kept_key: str, claims: tuple[str, ...]) -> int:
         kept = self._kept.get(kept_key, {})
+        claims = tuple(c[len(OFFERED) :] if c.startswith(OFFERED) else c for c in claims)  # (offered again)
         found = [claim for claim in claims if claim in kept]
         for claim in found:
             kept[claim] = kept[claim]._replace(left=True)
+        for claim in found:  # the slots their callers were offered: offered again (leave.lua)
+            offered = kept[claim].offered
+            if offered in kept:
+                kept[offered] = kept[offered]._replace(left=True)
         return len(found)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:

@@ -76,7 +76,7 @@ class AcquireShape:
         if queue is not None:
             keys.append(queue)
             if reserve is not None:
-                keys += (reserve.key, reserve.left, reserve.shifts)
+                keys += (reserve.key, reserve.left, reserve.shifts, reserve.offers)
         if share is not None:
             keys += share.keys
         if state is not None:

@@ -50,6 +50,7 @@ from proxy.limiter.store import (
     StateGuard,
     StoreUnavailable,
     left_key,
+    offers_key,
 )
 from proxy.tasks import spawn
 
@@ -394,7 +395,7 @@ class RedisStore:
         return tuple(float(x) for x in out)
 
     async def left(self, kept: str, claims: tuple[str, ...]) -> int:
-        keys, args = [kept, left_key(kept)], list[float | str](claims)
+        keys, args = [kept, left_key(kept), offers_key(kept)], list[float | str](claims)
         if self._leave_fast is not None:
             return int(await self._call_fast(self._leave_fast, keys, args))
         return int(await self._call(lambda: self._leave(keys=keys, args=args)))

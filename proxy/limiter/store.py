@@ -120,11 +120,22 @@ class Reserve(NamedTuple):
         """The key of the moves of its late slots (acquire.lua, "Late slots")."""
         return self.key + "/shifts"
 
+    @property
+    def offers(self) -> str:
+        """The key of the slots left behind offered to a refusal (``offers_key``)."""
+        return offers_key(self.key)
+
 
 def left_key(kept: str) -> str:
     """The set of reservation set ``kept``'s slots whose owners left (acquire.lua, "Standby"):
     beside it (a tenant name never holds ``/``)."""
     return kept + "/left"
+
+
+def offers_key(kept: str) -> str:
+    """Reservation set ``kept``'s slots left behind offered to a refusal, by the member of the
+    refused caller's own slot (acquire.lua, "Standby"): offered again should that caller leave."""
+    return kept + "/offers"
 
 
 class ShareAsk(NamedTuple):
@@ -153,8 +164,10 @@ class AcquireResult(NamedTuple):
     granted: bool
     """True: ``cost`` was taken from every bucket. False: from none."""
     wait: float
-    """Seconds. Granted: until the reservation matures (0 = go now; a kept slot claimed after
-    it matured: how long ago, negative, so that the write is paced as granted then).
+    """Seconds. Granted: until the reservation matures (0 = go now; a kept slot claimed by its
+    owner after it matured: how long ago, negative, so that the write is paced as granted
+    then; a late slot taken by another caller: as much, but half the schedule's interval at
+    most, the rest of its move fitted by the store: acquire.lua, "Late slots").
     Refused: until every bucket could grant without waiting."""
     binding: int
     """Index of the bucket with the longest wait, -1 when none waits."""

@@ -87,7 +87,7 @@ def reference(
         keys.append(queue)
         args[2] = "q"
         if reserve is not None:
-            keys += (reserve.key, reserve.key + "/left", reserve.key + "/shifts")
+            keys += (reserve.key, reserve.key + "/left", reserve.key + "/shifts", reserve.key + "/offers")
             args[8] = reserve.claim
             args[9] = (
                 f"{reserve.horizon * 1000:.3f}:{reserve.owner * 1000:.3f}:{reserve.life * 1000:.3f}:0"
