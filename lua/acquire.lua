@@ -93,9 +93,10 @@
 -- KEYS[#KEYS]           the state hash, when ARGV[4] ~= ""
 -- ARGV[1]               cost: tokens to take from every bucket; or "<cost>|<c_1>,...,<c_n>":
 --                       bucket i takes c_i (a meter's estimate, SPEC §14), the request's
---                       cost is still `cost` (its share's turn); its kept slot is its owner's
---                       alone (not a late slot's units: "Late slots"), and a claim of it by a
---                       call of other costs takes (or gives back) the difference
+--                       cost is still `cost` (its share's turn); its kept slot holds c_i in
+--                       bucket i (late, they serve other calls bucket by bucket: "Late
+--                       slots"), and a claim of it by a call of other costs takes (or gives
+--                       back) the difference
 -- ARGV[2]               max_wait: ms the caller will hold; 0 = grant only if available now
 -- ARGV[3]               "q": a queue key follows the lease sets; "" = none (the hint is the wait)
 -- ARGV[4]               seq_seen: the highest `seq` this caller has seen (0 = none); "" = no state
@@ -309,6 +310,18 @@ local function parse(member) -- a metered slot's member ends ":m<tenant bucket c
     end
   end
   return tonumber(created), tonumber(taken), scope, tcosts
+end
+-- A move's units (acquire.lua's `shifts`): one number for every bucket, or "u_1,...,u_n".
+local function units_of(text)
+  local u = {}
+  if string.find(text, ',', 1, true) then
+    for x in string.gmatch(text, '[^,]+') do
+      u[#u + 1] = tonumber(x)
+    end
+  else
+    u[0] = tonumber(text)
+  end
+  return u
 end
 local refunded = false
 local held = nil -- the member this call claims
@@ -687,8 +700,10 @@ end
 -- given back to a level: a level is a count, not a schedule (see "Kept slots"). Units of one
 -- scope, the latest matured first (the shortest moves, which overlap the fewest: taken
 -- earliest first, a slot offered to a caller as its standby went unused beside the older
--- one it moved instead), as many as the cost; the rest from the buckets, granted only
--- if they have it within `max_wait` (else nothing of the pool is touched).
+-- one it moved instead), in each bucket as many as the request takes there (a metered
+-- slot's tokens serve metered calls of other estimates: what each needs, the rest staying);
+-- the rest from the buckets, granted only if they have it within `max_wait` (else nothing
+-- of the pool is touched). Each bucket's moves are its own: the budget below is per bucket.
 -- A slot used late moves a request from its time to now: every vendor window that starts
 -- in between holds one more than the schedule gave it. While a bucket stays below empty the
 -- schedule gives each window no more than rate x window, leaving the burst free: moves
@@ -698,25 +713,38 @@ end
 -- be fuller: 4 at once where a burst of 2 allowed 2. Below half its burst all along (`half`),
 -- it leaves half the burst free; above it, none: such a slot is not moved (its tokens go
 -- back to the tenant's buckets after `life`, as any slot nobody claims). The moves of the last `life` ms
--- are kept in `shifts` (member "<its time>:<units>:<now>:<k>", scored by now); a slot
+-- are kept in `shifts` (member "<its time>:<u_1,...,u_n>:<now>:<k>", scored by now); a slot
 -- whose move would not fit serves what fits, or waits for its time to pass (`life`). A slot
 -- claimed late by its owner is a move too, which the others' must fit beside.
 local pool = nil
-if rset and due and not held and full == 0 and not metered then
+if rset and due and not held and full == 0 then
   local late = redis.call('ZREVRANGEBYSCORE', rset, string.format('%.3f', now - owner_ms),
     string.format('%.3f', now - life_ms), 'WITHSCORES', 'LIMIT', 0, 64)
-  local moved = nil -- {units, end} of the moves kept that may overlap these
-  local units, used, scope, first = 0, {}, nil, nil
+  local moved = nil -- {units, end} of the moves kept that may overlap these (units: per bucket)
+  local got, used, scope, first = {}, {}, nil, nil -- got[i]: units of late slots bucket i takes
+  for i = 1, n do
+    got[i] = 0
+  end
   for k = 1, #late, 2 do
     local created, taken, s, tcosts = parse(late[k])
     local at = tonumber(late[k + 1])
     if created <= void_before then
       redis.call('ZREM', rset, late[k])
-    elseif (scope == nil or s == scope) and not tcosts then -- (a metered slot: its owner's alone)
-      local budget, last = math.huge, n -- the buckets the slot took from: a `t` slot, the tenant's
+    elseif scope == nil or s == scope then
+      local last = n -- the buckets the slot took from: a `t` slot, the tenant's
       if s == 't' then
         last = tenants
       end
+      if not moved then
+        redis.call('ZREMRANGEBYSCORE', shifts, '-inf', string.format('(%.3f', now - life_ms))
+        moved = {}
+        local live = redis.call('ZRANGEBYSCORE', shifts, '-inf', '+inf', 'WITHSCORES')
+        for q = 1, #live, 2 do
+          moved[#moved + 1] = {units_of(string.match(live[q], '^[^:]+:([^:]+):')), tonumber(live[q + 1])}
+        end
+      end
+      -- Per bucket: what the slot holds, what the request still needs, and what a move fits.
+      local takes, any, done = {}, false, true
       for i = 1, last do
         local room = bursts[i] - math.max(levels[i], 0)
         if half[i] >= at then
@@ -724,29 +752,25 @@ if rset and due and not held and full == 0 and not metered then
         elseif above[i] >= at then
           room = math.min(room, bursts[i] / 2)
         end
-        budget = math.min(budget, room)
-      end
-      if not moved then
-        redis.call('ZREMRANGEBYSCORE', shifts, '-inf', string.format('(%.3f', now - life_ms))
-        moved = {}
-        local live = redis.call('ZRANGEBYSCORE', shifts, '-inf', '+inf', 'WITHSCORES')
-        for q = 1, #live, 2 do
-          moved[#moved + 1] = {tonumber(string.match(live[q], '^[^:]+:([^:]+):')), tonumber(live[q + 1])}
+        local overlap = got[i] -- this call's moves so far all overlap this one (they end now)
+        for _, mv in ipairs(moved) do
+          if mv[2] > at then -- a span ending after this slot's time overlaps its own
+            overlap = overlap + (mv[1][i] or mv[1][0] or 0)
+          end
         end
+        local t = math.max(math.min(tcosts and tcosts[i] or taken, costs[i] - got[i], room - overlap), 0)
+        takes[i] = t
+        any = any or t > 0
       end
-      local overlap = units -- this call's moves so far all overlap this one (they end now)
-      for _, mv in ipairs(moved) do
-        if mv[2] > at then -- a span ending after this slot's time overlaps its own
-          overlap = overlap + mv[1]
-        end
-      end
-      local take = math.min(taken, cost - units, budget - overlap)
-      if take > 0 then -- (else its move would not fit: a later slot's may)
+      if any then -- (else its move would not fit: a later slot's may)
         scope = scope or s
         first = first or at - now
-        used[#used + 1] = {late[k], taken, late[k + 1], take}
-        units = units + take
-        if units >= cost then
+        used[#used + 1] = {late[k], late[k + 1], takes, last, taken, tcosts}
+        for i = 1, last do
+          got[i] = got[i] + takes[i]
+          done = done and got[i] >= costs[i]
+        end
+        if done then
           break
         end
       end
@@ -755,10 +779,7 @@ if rset and due and not held and full == 0 and not metered then
   if scope then
     local need, takes = first, {}
     for i = 1, n do
-      takes[i] = cost - units
-      if scope == 't' and i > tenants then
-        takes[i] = cost
-      end
+      takes[i] = costs[i] - got[i]
       if takes[i] > 0 then
         need = math.max(need, (takes[i] - levels[i]) / rates[i])
       end
@@ -778,9 +799,13 @@ end
 
 -- A slot of time `at` (a score string) used by `units` of a request that goes at `ends` (ms;
 -- now, or when the bucket's rest matures): a move the later ones must fit beside.
-local function record_move(at, units, tag, ends)
+local function record_move(at, units, tag, ends) -- (units: per bucket)
   local at_now = string.format('%.3f', ends)
-  redis.call('ZADD', shifts, at_now, at .. ':' .. num(units) .. ':' .. at_now .. ':' .. tag)
+  local text = {}
+  for i = 1, n do
+    text[i] = num(units[i])
+  end
+  redis.call('ZADD', shifts, at_now, at .. ':' .. table.concat(text, ',') .. ':' .. at_now .. ':' .. tag)
   redis.call('PEXPIRE', shifts, math.ceil(life_ms) + 1000)
 end
 
@@ -842,13 +867,27 @@ if pool then
   -- what this request did not need. A slot of this caller's own, still ahead, is nobody's
   -- now: it is late from its maturity on, for whoever asks then.
   for k, slot in ipairs(pool.used) do
-    redis.call('ZREM', rset, slot[1])
-    redis.call('ZREM', left, slot[1])
-    if slot[4] < slot[2] then
-      local created, scope = string.match(slot[1], '^([^:]+):[^:]+:([at])')
-      add_slot(slot[3], created .. ':' .. num(slot[2] - slot[4]) .. ':' .. scope)
+    local member, at, takes, last, taken, tcosts = slot[1], slot[2], slot[3], slot[4], slot[5], slot[6]
+    redis.call('ZREM', rset, member)
+    redis.call('ZREM', left, member)
+    local rest, some, even = {}, false, true -- what it holds on: the same in every bucket, or not
+    for i = 1, n do
+      rest[i] = i <= last and (tcosts and tcosts[i] or taken) - takes[i] or 0
+      some = some or rest[i] > 0
+      even = even and (i > last or rest[i] == rest[1])
+      takes[i] = i <= last and takes[i] or 0
     end
-    record_move(slot[3], slot[4], k, now + math.max(pool.wait, 0))
+    local created, scope = string.match(member, '^([^:]+):[^:]+:([at])')
+    if some and even and not tcosts then
+      add_slot(at, created .. ':' .. num(rest[1]) .. ':' .. scope)
+    elseif some then
+      local text = {}
+      for i = 1, n do
+        text[i] = num(rest[i])
+      end
+      add_slot(at, created .. ':' .. num(rest[n]) .. ':' .. scope .. ':m' .. table.concat(text, ','))
+    end
+    record_move(at, takes, k, now + math.max(pool.wait, 0))
   end
   for i = 1, n do
     levels[i] = levels[i] - pool.takes[i]
@@ -896,7 +935,7 @@ elseif held then
     redis.call('ZREM', rset, held)
     redis.call('ZREM', left, held)
     if need < 0 then -- claimed late: a move like a late slot's, which the others' must fit beside
-      record_move(string.format('%.3f', now + need), cost, 'h', now)
+      record_move(string.format('%.3f', now + need), costs, 'h', now)
     end
     if scope == 't' then
       adjust(tenants)

@@ -28,7 +28,8 @@ class Slot(NamedTuple):
     left: bool = False
     """Its owner left (``left``) and no refusal has been offered it yet."""
     costs: tuple[float, ...] | None = None
-    """A metered call's slot: what each bucket took (its owner's alone, never a late slot's units)."""
+    """A metered call's slot (or what is left of a slot, bucket by bucket): what each bucket
+    took; None: ``cost`` in every bucket."""
     offered: str = ""
     """The slot left behind that its caller was offered (``standby``): offered again should it leave."""
 
@@ -56,8 +57,8 @@ OFFERED: Final = "~"
 """Before the claim of a refusal beyond the horizon (no slot of its own): the slot it was
 offered, which it claims nothing by but leaves with its connection (acquire.lua, "Standby")."""
 
-Move = tuple[float, float]
-"""A late slot used: (when its span ended: the grant, units)."""
+Move = tuple[float, tuple[float, ...]]
+"""A late slot used: (when its span ended: the grant, its units in each bucket)."""
 
 
 def drop_stale(
@@ -82,7 +83,7 @@ def late_units(
     moves: list[Move],
     now: float,
     reserve: Reserve,
-    cost: float,
+    costs: Sequence[float],
     void_before: float,
     levels: list[float],
     rates: list[float],
@@ -90,49 +91,59 @@ def late_units(
     above: list[tuple[float, float]],
     max_wait: float,
 ) -> tuple[float, list[float]] | None:
-    """Late slots' units for a request of ``cost``: those of one scope, the latest matured
-    first (the shortest moves: acquire.lua), as many as the cost and the moves' budget allow,
-    the rest from the buckets if they have it within ``max_wait``. Takes the units (a slot
-    keeps what is left of it) and returns the wait and what to take from each bucket; None
-    (nothing touched) otherwise. ``above``: when each bucket last stood above empty, and
-    above half its burst (acquire.lua, "Late slots")."""
+    """Late slots' units for a request taking ``costs`` (one per bucket): those of one scope,
+    the latest matured first (the shortest moves: acquire.lua), in each bucket as many as the
+    request needs and the moves' budget allows, the rest from the buckets if they have it
+    within ``max_wait``. Takes the units (a slot keeps what is left of it) and returns the
+    wait and what to take from each bucket; None (nothing touched) otherwise. ``above``: when
+    each bucket last stood above empty, and above half its burst (acquire.lua, "Late slots")."""
     moves[:] = [m for m in moves if m[0] >= now - reserve.life]
     oldest, newest = now - reserve.life, now - reserve.owner
     late = sorted(((m.matures, k) for k, m in kept.items() if oldest <= m.matures <= newest), reverse=True)
-    units, used, scope, first = 0.0, [], "", 0.0
+    count = len(levels)
+    got = [0.0] * count
+    used: list[tuple[str, list[float]]] = []
+    scope, first = "", 0.0
     for matures, member in late:
         slot = kept[member]
         if slot.created <= void_before:
             del kept[member]
             continue
-        if (scope and slot.scope != scope) or slot.costs is not None:
+        if scope and slot.scope != scope:
             continue
-        took = range(reserve.tenants if slot.scope == "t" else len(levels))  # the buckets it took from
-        budget = min(late_room(bursts[i], levels[i], above[i], matures) for i in took)
-        overlap = units + sum(u for end, u in moves if end > matures)
-        take = min(slot.cost, cost - units, budget - overlap)
-        if take <= 0:
+        last = reserve.tenants if slot.scope == "t" else count  # the buckets it took from
+        takes = [0.0] * count
+        for i in range(last):
+            room = late_room(bursts[i], levels[i], above[i], matures)
+            overlap = got[i] + sum(u[i] for end, u in moves if end > matures)
+            held = slot.cost if slot.costs is None else slot.costs[i]
+            takes[i] = max(min(held, costs[i] - got[i], room - overlap), 0.0)
+        if not any(takes):
             continue  # its move would not fit: a later slot's may
         if not scope:
             scope, first = slot.scope, matures - now
-        used.append((member, take))
-        units += take
-        if units >= cost:
+        used.append((member, takes))
+        got = [g + t for g, t in zip(got, takes, strict=True)]
+        if all(got[i] >= costs[i] for i in range(last)):
             break
     if not scope:
         return None
-    takes = [cost if scope == "t" and i >= reserve.tenants else cost - units for i in range(len(levels))]
+    takes = [c - g for c, g in zip(costs, got, strict=True)]
     need = first
     for take, level, rate in zip(takes, levels, rates, strict=True):
         if take > 0:
             need = max(need, (take - level) / rate)
     if need > max_wait:
         return None
-    for member, take in used:
+    for member, took in used:
         slot = kept.pop(member)
-        if take < slot.cost:  # what the request did not need stays, maturing when it did
-            add_slot(kept, slot._replace(cost=slot.cost - take))
-        moves.append((now + max(need, 0.0), take))  # (its span ends when the request goes)
+        holds = list(slot.costs) if slot.costs is not None else [slot.cost] * count
+        last = reserve.tenants if slot.scope == "t" else count
+        rest = [holds[i] - took[i] if i < last else 0.0 for i in range(count)]
+        if any(r > 0 for r in rest):  # what the request did not need stays, maturing when it did
+            even = slot.costs is None and all(r == rest[0] for r in rest[:last])
+            add_slot(kept, slot._replace(cost=rest[0] if even else rest[-1], costs=None if even else tuple(rest)))
+        moves.append((now + max(need, 0.0), tuple(took)))  # (its span ends when the request goes)
     return need, takes
 
 

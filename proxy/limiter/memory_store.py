@@ -260,12 +260,12 @@ class MemoryStore:
             return AcquireResult(*result, 0.0, reserved)
 
         pool = None
-        if kept and held is None and full < 0 and costs is None:  # (a metered call: no late units)
+        if kept and held is None and full < 0:
             assert reserve is not None
             moves = self._moves.setdefault(reserve.key, [])
             bursts = [burst for _, burst in limits]
             above = [self._above(b, now) for b in buckets]
-            pool = late_units(kept, moves, now, reserve, cost, void_before, levels, rates, bursts, above, max_wait)
+            pool = late_units(kept, moves, now, reserve, charge, void_before, levels, rates, bursts, above, max_wait)
         if pool is not None:  # late slots' units (acquire.lua, "Late slots")
             assert kept is not None and reserve is not None
             need, takes = pool
@@ -291,7 +291,7 @@ class MemoryStore:
             if full < 0 and need <= max_wait:
                 del kept[held]
                 if need < 0:  # claimed late: a move the late slots' must fit beside (late_slots.py)
-                    self._moves.setdefault(reserve.key, []).append((now, cost))
+                    self._moves.setdefault(reserve.key, []).append((now, tuple(charge)))
                 adjust(tenants if scope == "t" else len(buckets))
                 if scope == "t":
                     take(tenants, len(buckets))

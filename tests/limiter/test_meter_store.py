@@ -112,20 +112,42 @@ KEPT = Reserve("test:{m}:r:default", "", horizon=5.0, owner=0.0, life=2.0)
 
 async def test_a_metered_refusal_keeps_its_slot_with_its_estimate_taken(store: BucketStore, clock: ManualClock) -> None:
     b = (requests("k"), tokens("k", rate=1000, burst=5000))
-    assert (await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 5000))).granted
-    kept = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 500))
+    owned = KEPT._replace(owner=0.2)  # its owner's alone for 0.2 s after it matures
+    assert (await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, owned, costs=(1, 5000))).granted
+    kept = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, owned, costs=(1, 500))
     assert not kept.granted and kept.reserved and kept.wait == pytest.approx(0.5, abs=TOL)
     assert kept.levels[1] == pytest.approx(-500, abs=50)  # taken as a hold's
     await later(store, clock, kept.wait + 0.05)
-    # Nobody else's: a metered slot is not a late slot's units for another call.
-    other = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, KEPT, costs=(1, 10))
-    assert not other.claimed
+    other = await store.acquire(b, 1, 0, QUEUE + "k", guard(), None, owned, costs=(1, 10))
+    assert not other.claimed  # within its owner's head start
     # Its owner claims it, with another estimate (its retry's body): the difference is taken.
     claimed = await store.acquire(
-        b, 1, 0, QUEUE + "k", guard(), None, KEPT._replace(claim=kept.reserved), costs=(1, 800)
+        b, 1, 0, QUEUE + "k", guard(), None, owned._replace(claim=kept.reserved), costs=(1, 800)
     )
     assert claimed.granted and claimed.claimed
     assert claimed.levels[1] == pytest.approx(other.levels[1] - 300, abs=60)
+
+
+async def test_a_metered_slot_nobody_claims_serves_the_next_metered_calls(
+    store: BucketStore, clock: ManualClock
+) -> None:
+    """Issue 34 with meters (SPEC §6, §14): a deferred LLM call's slot holds its estimate of
+    tokens; its owner gone, the tokens serve the next metered calls, as many as they need (a
+    costly slot serves several cheaper calls), instead of standing idle until the slot is
+    dropped (before, a metered slot was its owner's alone)."""
+    b = (requests("n"), tokens("n", rate=1000, burst=5000))
+    assert (await store.acquire(b, 1, 0, QUEUE + "n", guard(), None, KEPT, costs=(1, 5000))).granted
+    kept = await store.acquire(b, 1, 0, QUEUE + "n", guard(), None, KEPT, costs=(1, 500))
+    assert kept.reserved and kept.wait == pytest.approx(0.5, abs=TOL)
+    await later(store, clock, kept.wait + 0.05)  # matured, nobody claimed it: 50 tokens refilled since
+    first = await store.acquire(b, 1, 0, QUEUE + "n", guard(), None, KEPT, costs=(1, 200))
+    assert first.granted and first.claimed
+    assert first.levels[1] == pytest.approx(50, abs=40)  # its 200 tokens were the slot's
+    second = await store.acquire(b, 1, 0, QUEUE + "n", guard(), None, KEPT, costs=(1, 300))
+    assert second.granted and second.claimed
+    assert second.levels[1] == pytest.approx(50, abs=40)  # and these 300, the slot's rest
+    third = await store.acquire(b, 1, 0, QUEUE + "n", guard(), None, KEPT, costs=(1, 100))
+    assert not third.claimed  # the slot's tokens are spent: these must come from the bucket
 
 
 async def test_a_metered_slot_nobody_claims_gives_its_tenant_bucket_its_own_estimate_back(
