@@ -181,6 +181,21 @@ def interval(costs: Sequence[float], rates: Sequence[float]) -> float:
     return max(c / r for c, r in zip(costs, rates, strict=True))
 
 
+def left_behind(kept: dict[str, Slot], claims: tuple[str, ...]) -> int:
+    """Slots whose owners' connection closed (leave.lua): each offered to a later refusal, and
+    so is the slot each of their callers was offered (``Slot.offered``; a claim ``OFFERED``
+    + slot names one offered beyond the horizon). Returns how many were still kept."""
+    claims = tuple(c[len(OFFERED) :] if c.startswith(OFFERED) else c for c in claims)
+    found = [claim for claim in claims if claim in kept]
+    for claim in found:
+        kept[claim] = kept[claim]._replace(left=True)
+    for claim in found:
+        offered = kept[claim].offered
+        if offered in kept:
+            kept[offered] = kept[offered]._replace(left=True)
+    return len(found)
+
+
 def leave(kept: dict[str, Slot], now: float, claim: str, owner: float) -> None:
     """The caller holding ``claim`` took a late slot instead: its own is nobody's, late from
     its maturity and offered to a later refusal."""

@@ -21,6 +21,7 @@ from proxy.limiter.late_slots import (
     late_room,
     late_units,
     leave,
+    left_behind,
     standby,
 )
 from proxy.limiter.memory_straight import TakeNow
@@ -563,16 +564,7 @@ class MemoryStore:
         return  # one process: it knows its own blocks, releases and lags
 
     async def left(self, kept_key: str, claims: tuple[str, ...]) -> int:
-        kept = self._kept.get(kept_key, {})
-        claims = tuple(c[len(OFFERED) :] if c.startswith(OFFERED) else c for c in claims)  # (offered again)
-        found = [claim for claim in claims if claim in kept]
-        for claim in found:
-            kept[claim] = kept[claim]._replace(left=True)
-        for claim in found:  # the slots their callers were offered: offered again (leave.lua)
-            offered = kept[claim].offered
-            if offered in kept:
-                kept[offered] = kept[offered]._replace(left=True)
-        return len(found)
+        return left_behind(self._kept.get(kept_key, {}), claims)
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         now = self._clock.monotonic()
