@@ -32,7 +32,8 @@ from tests.helpers.sdks import HOSTS
 GUIDE = ROOT / "docs" / "clients.md"
 
 _BLOCK = re.compile(
-    r"(?:<!-- (?P<kind>snippet|untested): (?P<name>[\w-]+) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S
+    r"(?:<!-- (?P<kind>snippet|untested|excerpt|output): (?P<name>[\w-]+) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```",
+    re.S,
 )
 _CLIENT_ENV = (*TRUST_VARS, "NODE_OPTIONS", "CELERY_BROKER_URL", "STRIPE_API_KEY", "OPENAI_API_KEY")
 PROXY_ADDRESS = "http://127.0.0.1:8080"
@@ -60,7 +61,8 @@ stripe.api_base = stripe._stripe_client.DEFAULT_API_BASE = "https://{HOSTS["stri
 @dataclass(frozen=True)
 class Block:
     kind: str | None
-    """snippet, untested, or None (no marker)"""
+    """snippet (run), untested (runnable, said not run), excerpt (part of a file, compared with
+    it), output (what a snippet prints, compared with what it printed), or None (no marker)"""
     name: str | None
     lang: str
     code: str

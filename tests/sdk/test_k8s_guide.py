@@ -114,6 +114,47 @@ def offline(line: str, workdir: Path) -> list[dict[str, Any]]:
     raise AssertionError(f"the test does not know how to run {line!r} offline")
 
 
+def contained(part: Any, whole: Any) -> bool:
+    """Whether YAML ``part`` is a piece of ``whole``: its keys there with values contained in
+    the whole's, each of its list items contained in one of the whole's, its scalars equal."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(k in whole and contained(v, whole[k]) for k, v in part.items())
+    if isinstance(part, list):
+        return isinstance(whole, list) and all(any(contained(p, w) for w in whole) for p in part)
+    return bool(part == whole)
+
+
+def test_every_block_of_the_page_is_run_or_compared() -> None:
+    """A block added to the guide without a marker fails here: it would go untested."""
+    found = blocks(PAGE.read_text())
+    unmarked = [b.code[:60] for b in found if b.kind is None]
+    assert not unmarked, f"blocks without a snippet, excerpt or output marker: {unmarked}"
+    assert [(b.kind, b.name) for b in found] == [
+        ("snippet", "images"),  # test_the_guide_commands_run_as_printed
+        ("excerpt", "policy"),  # test_the_pages_excerpts_are_parts_of_the_files
+        ("snippet", "check"),  # test_the_guide_commands_run_as_printed
+        ("snippet", "deploy"),  # (the same)
+        ("snippet", "workers-namespace"),  # (the same)
+        ("excerpt", "worker-env"),  # test_the_pages_excerpts_are_parts_of_the_files
+        ("snippet", "jobs"),  # test_k8s_local.py: the task module is the one the page prints
+        ("snippet", "local"),  # test_k8s_local.py: the local command runs as printed
+        ("output", "local-output"),  # (the same: what it printed)
+    ]
+
+
+def test_the_pages_excerpts_are_parts_of_the_files() -> None:
+    """The policy the page shows is part of the overlay's policy, and the worker's environment
+    it shows is the manifest's (the other way round: the test below)."""
+    found = {b.name: b.code for b in blocks(PAGE.read_text()) if b.kind == "excerpt"}
+    policy = yaml.safe_load(found["policy"])
+    assert policy and contained(policy, yaml.safe_load((OVERLAY / "policy.yaml").read_text())), found["policy"]
+    (worker,) = documents(OVERLAY / "worker.yaml")
+    (container,) = worker["spec"]["template"]["spec"]["containers"]
+    manifest = {e["name"]: e.get("value") for e in container["env"]}
+    shown = {e["name"]: e["value"] for e in yaml.safe_load(found["worker-env"])["env"]}
+    assert shown and all(manifest.get(name) == value for name, value in shown.items()), (shown, manifest)
+
+
 def test_kubectl_kustomize_builds_every_kustomization_under_deploy() -> None:
     folders = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
     assert BASE in folders and OVERLAY in folders, folders

@@ -24,6 +24,7 @@ import yaml
 
 from proxy.devtools.mockvendor_tls import vendor_tls
 from proxy.policy import load_policy
+from tests.helpers.guide import blocks
 from tests.sdk.test_k8s_guide import OVERLAY, PAGE, copy_of_the_repository, reader_shell, snippet
 
 RUN_TIMEOUT = 240  # seconds: the command's own --timeout (120 s) plus starting and stopping
@@ -124,6 +125,12 @@ def test_the_local_command_runs_as_printed(tmp_path: Path) -> None:
     assert vendor is not None, out
     assert (int(vendor[1]), int(vendor[2])) == (jobs, 0), out
     assert int(vendor[3]) <= 100, out
+    # What the page says it prints, its figures aside.
+    printed = next(b.code for b in blocks(PAGE.read_text()) if b.kind == "output" and b.name == "local-output")
+    for line in printed.splitlines():
+        parts = re.split(r"(\d+(?:\.\d+)?)", line)
+        shape = "".join(re.escape(p) if i % 2 == 0 else r"\d+(?:\.\d+)?" for i, p in enumerate(parts))
+        assert re.search(f"^{shape}$", out, re.M), f"the page says it prints {line!r}:\n{out}"
 
     # Through the proxy, intercepted: the proxy's access log has each call the vendor answered.
     access = [json.loads(x) for x in (run / "quota-proxy.log").read_text().splitlines() if x.startswith("{")]
