@@ -1,5 +1,6 @@
 """README.md's "Install and run", run as printed from a reader's directory: the proxy on
-``config/example.yaml``, then, in "another terminal", the mock vendor and the three curls.
+``config/example.yaml``, then, in "another terminal", the mock vendor and the three curls; and
+the same set-up as docs/clients.md's "Plain HTTP first" words it, inline.
 
 What differs from a reader's machine, and only that: the ports (127.0.0.1:8080, :8081 and
 :9090 become free ones, in the commands and in the reader's copy of ``config/example.yaml``),
@@ -11,6 +12,7 @@ checkout) and ``../shared/tools/newcomer-check`` (a fresh venv from PyPI) run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -146,3 +148,30 @@ def test_the_quick_start_runs_as_printed(reader: Reader) -> None:
     stats = json.loads(reader.run("curl -s http://127.0.0.1:8081/__mock/stats"))
     assert stats["accepted"] == 2, stats  # both calls reached the vendor, through the proxy
     assert reader.stop() == [0, 0]  # SIGTERM: both drain and exit 0
+
+
+def test_the_clients_pages_plain_http_commands_run_as_printed(reader: Reader) -> None:
+    """docs/clients.md's "Plain HTTP first" starts the example as the README does, in words, and
+    gives the curl forms inline: each code span that is a command runs as printed (the
+    reader's venv on PATH, as after ``pip install .``)."""
+    page = (ROOT / "docs" / "clients.md").read_text()
+    section = page[page.index("## Plain HTTP first") : page.index("## Troubleshooting")]
+    prose = re.sub(r"```.*?```", "", section, flags=re.S)  # (the fenced snippets: tests/sdk)
+    spans = [" ".join(code.split()) for code in re.findall(r"`([^`]+)`", prose)]
+    commands = [c for c in spans if c.startswith(("quota-proxy ", "curl "))]
+    assert commands == [
+        "quota-proxy mock-vendor --listen 127.0.0.1:8081 &",
+        "quota-proxy run -c config/example.yaml",
+        "curl -x http://127.0.0.1:8080 -H 'X-Tenant-Id: acme' http://api.mock-vendor.example/v1/ping",
+        "curl http://127.0.0.1:8080/mock-vendor/v1/ping",
+    ], commands
+    reader.env["PATH"] = f"{reader.work / '.venv' / 'bin'}{os.pathsep}{reader.env['PATH']}"
+    vendor = reader.start(commands[0].removesuffix(" &"))  # (in the background, as `&` puts it)
+    reader.wait_for(8081, "/__mock/stats", vendor)
+    proxy = reader.start(commands[1])
+    reader.wait_for(9090, "/readyz", proxy)
+    for curl in commands[2:]:
+        assert json.loads(reader.run(curl))["path"] == "/v1/ping", curl
+    stats = json.loads(reader.run("curl -s http://127.0.0.1:8081/__mock/stats"))
+    assert stats["accepted"] == 2, stats
+    assert reader.stop() == [0, 0]
