@@ -745,6 +745,9 @@ if rset and due and not held and full == 0 then
       end
       -- Per bucket: what the slot holds, what the request still needs, and what a move fits.
       local takes, any, done = {}, false, true
+      for i = last + 1, n do -- (a `t` slot holds nothing in the vendor's buckets)
+        takes[i] = 0
+      end
       for i = 1, last do
         local room = bursts[i] - math.max(levels[i], 0)
         if half[i] >= at then
@@ -875,7 +878,6 @@ if pool then
       rest[i] = i <= last and (tcosts and tcosts[i] or taken) - takes[i] or 0
       some = some or rest[i] > 0
       even = even and (i > last or rest[i] == rest[1])
-      takes[i] = i <= last and takes[i] or 0
     end
     local created, scope = string.match(member, '^([^:]+):[^:]+:([at])')
     if some and even and not tcosts then

@@ -31,7 +31,7 @@ for i = 1, #ARGV do
     end
   end
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
+if n > 0 then -- (a slot offered again is one more only where a claim was still kept)
   redis.call('PEXPIRE', KEYS[2], math.max(redis.call('PTTL', KEYS[1]), 1))
 end
 return n

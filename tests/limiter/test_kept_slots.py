@@ -14,7 +14,7 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
-from proxy.limiter.store import BucketSpec, BucketStore, Leases, LeaseSet, Reserve, StateGuard
+from proxy.limiter.store import AcquireResult, BucketSpec, BucketStore, Leases, LeaseSet, Reserve, StateGuard
 
 TOL = 0.03  # seconds of real time a Redis-backed assertion may drift
 QUEUE = "test:{v}:q:default"
@@ -35,6 +35,14 @@ async def later(store: BucketStore, clock: ManualClock, seconds: float) -> None:
 
 def guard(seen: int = 0) -> StateGuard:
     return StateGuard(STATE, seen, 0.0)
+
+
+async def back_at_its_hint(
+    store: BucketStore, clock: ManualClock, b: tuple[BucketSpec, ...], refused: AcquireResult
+) -> AcquireResult:
+    """A precise retrier refused with ``refused``: it asks again at its hint, with its claim."""
+    await later(store, clock, refused.hint)
+    return await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=refused.reserved))
 
 
 async def test_a_refusal_keeps_its_slot_and_the_next_one_comes_after_it(store: BucketStore) -> None:
@@ -321,8 +329,7 @@ async def test_a_slot_its_owner_left_is_offered_to_one_later_refusal(store: Buck
     # per slot left, no herd.
     assert mine.hint == pytest.approx(gone.wait + KEPT.owner, abs=TOL)  # (owner > standby here)
     assert mine.retry_after == mine.hint and other.hint == pytest.approx(other.wait, abs=TOL)
-    await later(store, clock, mine.hint)
-    moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=mine.reserved))
+    moved = await back_at_its_hint(store, clock, b, mine)
     assert moved.granted and moved.claimed
 
 
@@ -344,8 +351,7 @@ async def test_a_slot_offered_to_a_caller_that_left_too_is_offered_again(
     assert await store.left(KEPT.key, (offered.reserved,)) == 1  # it gives up too: both offered again
     nxt = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)  # 2.5 s, told 0.5 s
     assert nxt.hint == pytest.approx(gone.wait + KEPT.owner, abs=TOL)
-    await later(store, clock, nxt.hint)
-    moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=nxt.reserved))
+    moved = await back_at_its_hint(store, clock, b, nxt)
     assert moved.granted and moved.claimed
 
 
@@ -371,8 +377,7 @@ async def test_a_refusal_beyond_the_horizon_is_offered_a_slot_left_behind(
     await store.left(KEPT.key, (beyond.reserved,))
     again = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT)
     assert again.reserved == beyond.reserved and again.hint == pytest.approx(beyond.hint, abs=TOL)
-    await later(store, clock, again.hint)
-    moved = await store.acquire(b, 1, 0, QUEUE, guard(), None, KEPT._replace(claim=again.reserved))
+    moved = await back_at_its_hint(store, clock, b, again)
     assert moved.granted and moved.claimed
 
 
