@@ -31,6 +31,10 @@ Parts (``--parts``, default all):
     c  Anthropic shape (``/v1/messages``), 40 workers, meters ``input_tokens`` and
        ``output_tokens``, hold: each meter's fullest window <= its limit, no vendor 429 after the
        first window, the binding one >= 90 % used.
+    s  a's fleet (hold) in three tenants (``X-Tenant-Id``: t1, t2, t5; a third of the workers
+       each) under ``share: {weights: {default: 1, t2: 2, t5: 5}}``, and the same without it
+       (first come, the baseline): each tenant's part of the tokens its answers used after the
+       first window. Target (share): each within 5 points of its weight's (1/8, 2/8, 5/8).
 
 "Used" is the rate at which the vendor's ``tokens_accepted`` (what the admitted calls hold: their
 usage once answered) grew from the end of the first window to the end of the run (the
@@ -78,7 +82,8 @@ ASK = "X-Mock-Output-Tokens"
 OPENAI_PATH = "/v1/chat/completions"
 ANTHROPIC_PATH = "/v1/messages"
 FILLER = "Summarise the quarterly report for the board in plain words, please. "
-PARTS = ("a", "d", "b", "c")
+PARTS = ("a", "d", "b", "c", "s")
+TENANTS = (("t1", 1), ("t2", 2), ("t5", 5))  # part s: the tenants and their weights
 REQUESTS = Limit(1000, "1s", 100)  # the metered rows' request bucket: never the one that binds
 SAMPLE_EVERY = 0.5  # seconds between the vendor's counts, from the end of the first window
 
@@ -149,6 +154,7 @@ class Tally:
     errors: int = 0
     unfinished: int = 0  # calls still deferred at the deadline
     usage: dict[str, int] = field(default_factory=dict)  # what the answers said they used
+    by_tenant: dict[str, int] = field(default_factory=dict)  # part s: tokens used after the first window
 
 
 def usage_of(shape: str, stream: bool, body: bytes) -> dict[str, int]:
@@ -181,8 +187,11 @@ async def one_call(
     tally: Tally,
     t0: float,
     deadline: float,
+    tenant: str | None = None,
+    since: float = 0.0,
 ) -> bool:
-    """One call until it is answered (or, deferred past ``deadline``, given up: False)."""
+    """One call until it is answered (or, deferred past ``deadline``, given up: False); as
+    ``tenant``, whose tokens answered ``since`` seconds in and later are tallied apart."""
     path = OPENAI_PATH if shape == "openai" else ANTHROPIC_PATH
     body = call.openai() if shape == "openai" else call.anthropic()
     headers = {ASK: str(call.output)}
@@ -190,6 +199,8 @@ async def one_call(
         headers |= {"x-api-key": "sk-ant-mock", "anthropic-version": "2023-06-01"}
     else:
         headers["Authorization"] = "Bearer sk-mock"
+    if tenant is not None:
+        headers["X-Tenant-Id"] = tenant
     url = f"http://{VENDOR_HOST}{path}"
     while True:
         try:
@@ -203,8 +214,11 @@ async def one_call(
             tally.done += 1
             tally.done_in_time += time.monotonic() <= deadline
             tally.streamed += call.stream
-            for k, v in usage_of(shape, call.stream, raw).items():
+            used = usage_of(shape, call.stream, raw)
+            for k, v in used.items():
                 tally.usage[k] = tally.usage.get(k, 0) + v
+            if tenant is not None and time.monotonic() >= t0 + since:
+                tally.by_tenant[tenant] = tally.by_tenant.get(tenant, 0) + sum(used.values())
             return True
         if status == 429 and told.get("X-Quota-Action"):
             tally.defers += 1
@@ -265,9 +279,11 @@ async def fleet_run(
     window: float,
     mix: Mix,
     seed: int,
+    tenants: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``workers`` looping calls for ``seconds``; the vendor's counts at the end of the first
-    window, at the deadline and once every worker is done."""
+    """``workers`` looping calls for ``seconds`` (worker i as ``tenants[i % len(tenants)]``, if
+    any); the vendor's counts at the end of the first window, at the deadline and once every
+    worker is done."""
     tally = Tally()
     stats_url = setup.vendor.url + "/__mock/stats"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
@@ -278,11 +294,12 @@ async def fleet_run(
     async def worker(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         proxy = setup.replicas[i % len(setup.replicas)].url
+        tenant = tenants[i % len(tenants)] if tenants else None
         async with aiohttp.ClientSession(timeout=timeout) as session:
             n = 0
             while time.monotonic() < deadline:
                 call = draw(rng, mix, stream=(i + n) % 2 == 1)
-                if not await one_call(session, proxy, shape, call, tally, t0, deadline):
+                if not await one_call(session, proxy, shape, call, tally, t0, deadline, tenant, window):
                     break
                 n += 1
 
@@ -312,6 +329,7 @@ async def fleet_run(
         "errors": tally.errors,
         "unfinished": tally.unfinished,
         "worker_usage": tally.usage,
+        "tenant_tokens": tally.by_tenant,
         "outcomes": [outcome_delta(b, a) for b, a in zip(before, after, strict=True)],
         "vendor_rejected": final[1]["rejected"],
         "meters": {},
@@ -412,6 +430,44 @@ def part_d(fleet: Fleet, args: argparse.Namespace, kind: str, seed: int) -> dict
     finally:
         result_codes = stop(fleet, setup)
     result |= {"policy": f"requests {rate:g}/s burst {burst}", "exit_codes": result_codes}
+    check_failures(result)
+    return result
+
+
+def part_s(fleet: Fleet, args: argparse.Namespace, shared: bool, seed: int) -> dict[str, Any]:
+    mix, window, limit = Mix(used=args.used), args.window, args.window_tokens
+    burst = mix.costliest
+    rate = (limit - burst) / window
+    vendor = ["--tokens-per-minute", f"{limit * 60 / window:g}", "--token-window", f"{window:g}s"]
+    weights = ", ".join(f"{t}: {w}" for t, w in TENANTS if w != 1)
+
+    def yaml(vendor_url: str, redis_url: str) -> str:
+        extra = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
+        if shared:
+            extra.append(f"share: {{weights: {{default: 1, {weights}}}}}")
+        return policy(
+            vendor_url,
+            [REQUESTS],
+            store=redis_url,
+            action="hold",
+            max_hold=args.max_hold,
+            access_log=False,
+            vendor_extra=extra,
+        )
+
+    setup = start(fleet, vendor, yaml, args.replicas)
+    names = [t for t, _ in TENANTS]
+    try:
+        result = asyncio.run(fleet_run(setup, "openai", args.workers, args.seconds, window, mix, seed, names))
+    finally:
+        result_codes = stop(fleet, setup)
+    used = result["tenant_tokens"]
+    whole = sum(used.values()) or 1
+    result |= {
+        "policy": f"tokens {rate:g}/s burst {burst}" + (", share 1:2:5" if shared else ", first come"),
+        "tenant_parts": {t: used.get(t, 0) / whole for t in names},
+        "exit_codes": result_codes,
+    }
     check_failures(result)
     return result
 
@@ -553,7 +609,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--parts", default=",".join(PARTS), help="which parts, of a,d,b,c (default all)")
+    p.add_argument("--parts", default=",".join(PARTS), help="which parts, of a,d,b,c,s (default all)")
     p.add_argument("--seconds", type=float, default=30.0, help="each fleet row's run, a, d and c (default 30)")
     p.add_argument("--window", type=float, default=10.0, help="the vendor's token window, seconds (default 10)")
     p.add_argument(
@@ -595,7 +651,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     if any(b not in ("worst", "mean") for b in baselines):
         p.error("--baselines: of worst,mean")
     rows_per_round = (len(actions) if "a" in parts else 0) + (len(baselines) if "d" in parts else 0)
-    rows_per_round += "c" in parts
+    rows_per_round += ("c" in parts) + 2 * ("s" in parts)
     budget = args.rounds * (rows_per_round * (args.seconds + 45) + ("b" in parts) * (args.b_seconds + 45))
     watchdog(fleet, 60 + budget)
     print(f"bench/meters.py: load average {loadavg()} at start (2 cores shared: figures are provisional)", flush=True)
@@ -616,6 +672,14 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             plan.append(("b 200 at once", functools.partial(part_b, fleet, args, seed)))
         if "c" in parts:
             plan.append(("c anthropic, hold", functools.partial(part_c, fleet, args, seed)))
+        if "s" in parts:
+            plan += [
+                (
+                    f"s tenants, {'share' if shared else 'first come'}",
+                    functools.partial(part_s, fleet, args, shared, seed),
+                )
+                for shared in (True, False)
+            ]
         for name, run in plan:
             t = time.monotonic()
             r = run()
@@ -626,7 +690,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     missed: list[str] = []
     fleet_rows: list[list[str]] = []
     for name, results in got.items():
-        if name.startswith("b "):
+        if name.startswith(("b ", "s ")):
             continue
         metered = not name.startswith("d ")
         for currency in results[0]["meters"]:
@@ -712,6 +776,33 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                 ["proxy policy", "fullest/limit", "vendor 429", "done", "proxy defers", "unfinished", "target"],
             )
         )
+    share_rows = []
+    for name, results in got.items():
+        if not name.startswith("s "):
+            continue
+        parts_of = {t: statistics.median(r["tenant_parts"][t] for r in results) for t, _ in TENANTS}
+        off = max(abs(parts_of[t] - w / 8) for t, w in TENANTS)
+        verdict = "-"
+        if name.endswith("share"):
+            verdict = "ok" if off <= 0.05 and total(results, "vendor_429_after_first_window") == 0 else "MISSED"
+            if verdict != "ok":
+                missed.append(name)
+        share_rows.append(
+            [
+                name,
+                *(f"{100 * parts_of[t]:.1f} %" for t, _ in TENANTS),
+                f"{100 * off:.1f}",
+                f"{total(results, 'vendor_429') - total(results, 'vendor_429_after_first_window')}/"
+                f"{total(results, 'vendor_429_after_first_window')}",
+                verdict,
+            ]
+        )
+    if share_rows:
+        print(
+            f"\nThree tenants, a third of the {args.workers} workers each, hold; each tenant's part of the tokens "
+            f"its answers used after the first window (median of {args.rounds}; weights 1:2:5 = 12.5/25/62.5 %):"
+        )
+        print(table(share_rows, ["row", "t1", "t2", "t5", "worst off (points)", "vendor 429", "target"]))
     exits = unclean_exits({"exit_code": c} for rs in got.values() for r in rs for c in r["exit_codes"])
     for line in exits:
         print(f"bench: {line}")

@@ -445,13 +445,25 @@ if share then
     sh.x = tonumber(first[2])
     sh.dirty = true
   end
-  -- The slowest of the vendor's global buckets, and its tokens now less one kept for the
-  -- higher class's waiting request.
-  local rate, spare = math.huge, math.huge
+  -- The slowest of the vendor's global request buckets (a meter's first, without them) sets
+  -- the schedule's unit; a metered call's turn counts the quota's part it takes most of (its
+  -- cost in each meter bucket as that bucket's time, in units: weights divide each meter),
+  -- and `room` is how many more of this call the tightest bucket holds after it (one
+  -- request, or this estimate): under one, it dips into what a higher class waits for.
+  local rate, room = math.huge, math.huge
   for i = share.g, share.last do
-    rate, spare = math.min(rate, rates[i]), math.min(spare, levels[i] - 1)
+    rate, room = math.min(rate, rates[i]), math.min(room, levels[i] - costs[i])
   end
-  share.rate = rate
+  local scost = cost
+  if rate == math.huge then
+    rate, scost = rates[share.last + 1] or 1, 0
+  end
+  for i = share.last + 1, n do -- (a meter's own buckets: fields "m:..."; its tenants' are their caps)
+    if costs[i] > 0 and string.sub(ARGV[F + 3 * i], 1, 2) == 'm:' then
+      scost, room = math.max(scost, costs[i] * rate / rates[i]), math.min(room, levels[i] / costs[i] - 1)
+    end
+  end
+  share.cost = scost
   local c = share.c
   local busy = 0
   for i = 1, c - 1 do
@@ -463,21 +475,21 @@ if share then
   if busy <= now and sh.cr[c] > 0 then -- credit is for while a higher class waits, not to keep
     sh.cr[c], sh.dirty = 0, true
   end
-  if busy > now and spare < cost then -- a higher class is waiting: this one takes only on credit
+  if busy > now and room < 1 then -- a higher class is waiting: this one takes only on credit
     local credit = sh.cr[c]
     if sh.u[c] and now - sh.u[c] < 1000 then
       credit = credit + (now - sh.u[c]) * share.min * rate
     end
-    credit = math.min(credit, math.max(cost, 1) + share.min * rate * 50) -- (50 ms of it: asks come late)
+    credit = math.min(credit, math.max(scost, 1) + share.min * rate * 50) -- (50 ms of it: asks come late)
     sh.cr[c], sh.u[c], sh.dirty = credit, now, true
     class_rate = share.min * rate
-    if credit >= cost then
+    if credit >= scost then
       credit_used = true
     else
       gate_ok = false
       gate_wait = math.max(gate_wait, busy - now)
       if share.min > 0 then
-        gate_wait = math.min(gate_wait, (cost - credit) / class_rate)
+        gate_wait = math.min(gate_wait, (scost - credit) / class_rate)
       end
     end
   end
@@ -489,8 +501,8 @@ if share then
   if share.V then
     local f = tonumber(redis.call('ZSCORE', share.tags[c], share.member)) or share.V
     share.F = math.max(f, share.V)
-    local ahead = share.F - share.V - math.max(cost, rate * share.slack) / share.w
-    if ahead > 0 and spare < cost then -- the tenants behind it take theirs first (tokens to spare: not held)
+    local ahead = share.F - share.V - math.max(scost, rate * share.slack) / share.w
+    if ahead > 0 and room < 1 then -- the tenants behind it take theirs first (tokens to spare: not held)
       local behind = ahead * sh.w[c] / math.max(class_rate, 1e-9)
       if gate_ok then
         gate_ok, gate_wait = false, math.max(gate_wait, behind)
@@ -498,23 +510,23 @@ if share then
         gate_wait = behind
       end
     end
-    gate_step = cost * sh.w[c] / (share.w * math.max(class_rate, 1e-9)) -- its fair interval
+    gate_step = scost * sh.w[c] / (share.w * math.max(class_rate, 1e-9)) -- its fair interval
   end
   if not gate_ok and share.min > 0 and busy > now then
-    gate_step = math.max(gate_step or 0, cost / class_rate)
+    gate_step = math.max(gate_step or 0, scost / class_rate)
   end
 end
 
 local function share_granted(held_for)
   local c = share.c
   if credit_used then
-    sh.cr[c], sh.dirty = sh.cr[c] - cost, true
+    sh.cr[c], sh.dirty = sh.cr[c] - share.cost, true
   end
   if held_for > 0 and now + held_for + share.cgrace > sh.b[c] then -- a hold waits: its class is busy
     sh.b[c], sh.dirty = now + held_for + share.cgrace, true
   end
   if share.V then
-    local tag = string.format('%.6f', share.F + cost / share.w)
+    local tag = string.format('%.6f', share.F + share.cost / share.w)
     redis.call('ZADD', share.tags[c], tag, share.member)
     redis.call('ZADD', share.waiting[c], 'XX', tag, share.member) -- still waiting: its place moves on
   end
@@ -1010,7 +1022,7 @@ elseif rset and gate_ok and full == 0 and wait <= horizon_ms then
     share_load()
     share.V = share.V or share.F
     share_granted(wait)
-    share.F = share.F + cost / share.w
+    share.F = share.F + share.cost / share.w
     share_waits(wait, true)
   end
 else

@@ -66,6 +66,13 @@ class Buckets:
         return self.all[self.tenant_count + self.endpoint_count : len(self.all) - len(self.meters)]
 
     @property
+    def fleet_indexes(self) -> tuple[int, ...]:
+        """The indexes in ``all`` of the vendor's own buckets, the requests' then the meters'
+        (not the tenants' nor an endpoint's): what local shares start from the levels last
+        seen and charge back (degraded.py)."""
+        return (*range(self.tenant_count + self.endpoint_count, self.request_count), *self.paced_meters)
+
+    @property
     def request_count(self) -> int:
         """How many of ``all`` count requests (the first): the rest are meters'."""
         return len(self.all) - len(self.meters)

@@ -96,15 +96,16 @@ def share(spec: BucketSpec, replicas: int) -> BucketSpec:
 
 @dataclass(slots=True)
 class _Spent:
-    """A vendor's (partition's) global buckets as this replica keeps them while degraded."""
+    """A vendor's (partition's) own buckets, the requests' then the meters' (``Buckets.
+    fleet_indexes``), as this replica keeps them while degraded."""
 
     vendor: Vendor
     partition: str
     shared: tuple[BucketSpec, ...]
     local: tuple[BucketSpec, ...]
-    alone: float = 0.0
-    """Tokens granted by the local shares alone (the store took none of them) since the
-    shared buckets were last charged."""
+    alone: list[float]
+    """Per bucket: what the local shares granted alone (the store took none of it) since the
+    shared buckets were last charged, in its own units (requests, or a meter's tokens)."""
 
 
 class LocalShares:
@@ -231,7 +232,13 @@ class LocalShares:
             self._store.set_level(b, min(level, 0.0), now)
         if blocked_for > 0:
             await self._store.block(local, blocked_for, "")
-        alone = before.alone if before is not None else 0.0
+        owed = {} if before is None else dict(zip((x.ident for x in before.shared), before.alone, strict=True))
+        alone = [owed.get(x.ident, 0.0) for x in shared]
+        if before is not None:  # new limits: a request bucket owes what the old ones did (requests)
+            old = max(
+                (a for x, a in zip(before.shared, before.alone, strict=True) if x.field.startswith("g:")), default=0.0
+            )
+            alone = [max(a, old) if x.field.startswith("g:") else a for x, a in zip(shared, alone, strict=True)]
         self._vendors[(vendor.name, partition)] = _Spent(vendor, partition, shared, local, alone)
 
     def _shares(self, vendor: Vendor, tenant: str, b: Buckets) -> tuple[BucketSpec, ...]:
@@ -268,7 +275,7 @@ class LocalShares:
         if result.granted and mine is not None:
             self._leased.add(mine.id)
         if result.granted and alone:
-            self.spent_alone(vendor, cost, b.partition)
+            self.spent_alone(vendor, b, cost, costs)
         return result
 
     async def release(self, leases: Leases) -> tuple[int, ...] | None:
@@ -285,8 +292,11 @@ class LocalShares:
         if mine:
             await self._store.renew(mine, life)
 
-    def spent_alone(self, vendor: Vendor, cost: float, partition: str = "") -> None:
-        self._vendors[(vendor.name, partition)].alone += cost
+    def spent_alone(self, vendor: Vendor, b: Buckets, cost: float, costs: tuple[float, ...] | None = None) -> None:
+        """A grant of ``cost`` (``costs``: per bucket of ``b``) that the store did not take."""
+        alone = self._vendors[(vendor.name, b.partition)].alone
+        for j, i in enumerate(b.fleet_indexes):
+            alone[j] += cost if costs is None else costs[i]
 
     async def refund(
         self, vendor: Vendor, tenant: str, b: Buckets, cost: float, costs: tuple[float, ...] | None = None
@@ -313,18 +323,18 @@ class LocalShares:
 
     def owing(self) -> list[tuple[Vendor, str]]:
         """(vendor, partition) whose local spending the shared buckets have not been charged with."""
-        return [(s.vendor, s.partition) for s in self._vendors.values() if s.alone > 0]
+        return [(s.vendor, s.partition) for s in self._vendors.values() if max(s.alone, default=0.0) > 0]
 
     async def debts(self, vendor: Vendor, partition: str = "") -> list[tuple[BucketSpec, float]]:
         """(shared bucket, tokens to take from it) for each global bucket of ``vendor``'s
         ``partition``: what this replica granted alone, but no more than its share is short of full."""
         spent = self._vendors.get((vendor.name, partition))
-        if spent is None or spent.alone <= 0:
+        if spent is None or max(spent.alone, default=0.0) <= 0:
             return []
         levels = await self._store.peek(spent.local)
         out = []
-        for shared, local, level in zip(spent.shared, spent.local, levels, strict=True):
-            debt = min(local.burst - level, spent.alone)
+        for shared, local, level, alone in zip(spent.shared, spent.local, levels, spent.alone, strict=True):
+            debt = min(local.burst - level, alone)
             if debt > 0:
                 out.append((shared, debt))
         return out
@@ -332,7 +342,7 @@ class LocalShares:
     def settled(self, vendor: Vendor, partition: str = "") -> None:
         spent = self._vendors.get((vendor.name, partition))
         if spent is not None:
-            spent.alone = 0.0
+            spent.alone = [0.0] * len(spent.shared)
 
     # -- what people read --------------------------------------------------------------
 

@@ -82,8 +82,14 @@ class Fallback:
         local = self.local
         part = b.partition
         if not local.knows(vendor, part):
+            fleet = tuple(b.all[i] for i in b.fleet_indexes)
             levels = self._observations.levels_now(vendor, part)
-            await local.begin(vendor, b.global_part, levels, self._blocks.left(vendor.name, part), part)
+            if b.paced_meters:  # (a meter never seen: 0, as a request bucket never seen)
+                requests = len(fleet) - len(b.paced_meters)
+                meters = self._observations.meter_levels_now(vendor, b.state_key)
+                if levels is not None or meters is not None:
+                    levels = (*(levels or ())[:requests], *(0.0,) * (requests - len(levels or ())), *(meters or ()))
+            await local.begin(vendor, fleet, levels, self._blocks.left(vendor.name, part), part)
 
     async def _acquire_local(
         self,
@@ -165,7 +171,7 @@ class Fallback:
             result = await self._shared(vendor, b, cost, 0.0, queue, leases, None, costs)
         except StoreUnavailable as exc:
             local.engage(exc)  # out again: the local grant stands, owed to the store
-            local.spent_alone(vendor, cost, b.partition)
+            local.spent_alone(vendor, b, cost, costs)
             return mine
         if not result.granted:
             await local.refund(vendor, tenant, b, cost, costs)

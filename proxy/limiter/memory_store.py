@@ -218,9 +218,7 @@ class MemoryStore:
         # The vendor's schedule (share_memory.py; acquire.lua, "Share").
         turn = None
         if share is not None:
-            g0 = share.first_global
-            g1 = len(buckets) - share.metered  # (a meter's buckets after the global ones)
-            turn = Turn(self._schedules, share, cost, min(rates[g0:g1]), min(levels[g0:g1]), now)
+            turn = Turn(self._schedules, share, buckets, charge, rates, levels, now)
         mine = turn is None or turn.gate.ok
         sets = leases.sets if leases is not None else ()
         inflight = [len(self._live(ls.key, now)) for ls in sets]
@@ -326,7 +324,7 @@ class MemoryStore:
             take_leases(now + wait)
             seq = counted_grant()
             if turn is not None:
-                turn.granted(wait, levels[: turn.ask.first_global])
+                turn.granted(wait, any(lv < c for lv, c in zip(levels[: turn.ask.first_global], charge, strict=False)))
             return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, tuple(inflight))
         if reserve is not None and mine and full < 0 and wait <= reserve.horizon:
             tenant_bound = binding < tenants  # (acquire.lua: only the tenant's buckets, then)

@@ -56,6 +56,8 @@ class Observations:
         """Per vendor: its (default partition's) global buckets as the store last said."""
         self.observed_parts: dict[str, Observation] = {}
         """Per state key of a partition other than the default: the same, bounded."""
+        self.observed_meters: dict[str, Observation] = {}
+        """Per state key (any partition): its meters' own buckets (SPEC §14), bounded."""
         # Per state key: the highest counter the store reported, and until when (local clock)
         # a missing state would mean a loss: after that its buckets were full again anyway.
         self.seen: dict[str, tuple[int, float]] = {}
@@ -72,6 +74,13 @@ class Observations:
             else:
                 at = self.clock.monotonic() if now is None else now
                 self.observed[vendor.name] = Observation(levels[start:end], at)
+        if b.paced_meters and len(levels) == len(b.all):
+            at = self.clock.monotonic() if now is None else now
+            obs = Observation(tuple(levels[i] for i in b.paced_meters), at)
+            if b.state_key not in self.observed_meters:
+                horizon = at - 3600.0
+                _bounded(self.observed_meters, lambda o: o.at < horizon, self.limit)
+            self.observed_meters[b.state_key] = obs
 
     def note_levels(self, vendor: Vendor, partition: str, key: str, levels: tuple[float, ...]) -> None:
         obs = Observation(levels, self.clock.monotonic())
@@ -96,6 +105,18 @@ class Observations:
         return tuple(
             min(lim.burst, level + elapsed * lim.per_second)
             for lim, level in zip(vendor.limits, obs.levels, strict=False)
+        )
+
+    def meter_levels_now(self, vendor: Vendor, key: str) -> tuple[float, ...] | None:
+        """The meters' own buckets of state ``key`` (their limits in order, meter by meter),
+        extrapolated from the last store answer; None before any."""
+        obs = self.observed_meters.get(key)
+        if obs is None:
+            return None
+        elapsed = self.clock.monotonic() - obs.at
+        limits = [lim for meter in vendor.meters for lim in meter.limits]
+        return tuple(
+            min(lim.burst, level + elapsed * lim.per_second) for lim, level in zip(limits, obs.levels, strict=False)
         )
 
     # -- state counters --------------------------------------------------------

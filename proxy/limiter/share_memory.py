@@ -5,10 +5,11 @@ why it works as it does; this module keeps the same arithmetic, in seconds."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.limiter.share import CLASS_GRACE, GRACE, HORIZON, SLACK, TAU
-from proxy.limiter.store import ShareAsk
+from proxy.limiter.store import BucketSpec, ShareAsk
 
 _LIFE = 60.0  # seconds a schedule nobody touched is kept (acquire.lua's PEXPIRE)
 
@@ -56,16 +57,17 @@ class Schedule:
         self.credit = [0.0] * k
         self.credited = [None] * k
 
-    def gate(self, ask: ShareAsk, cost: float, rate: float, now: float, level: float = 0.0) -> Gate:
-        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
-        the fewest tokens in them now."""
+    def gate(self, ask: ShareAsk, cost: float, rate: float, now: float, room: float = 0.0) -> Gate:
+        """``cost`` in the schedule's unit, whose ``rate`` (per second) is the slowest of the
+        vendor's global request buckets; ``room``: how many more of this request the
+        tightest of the vendor's buckets holds after it (``Turn``)."""
         c = ask.klass
         g = Gate()
         busy = max(self.busy[:c], default=0.0)
         class_rate = rate
         if busy <= now and self.credit[c] > 0:  # credit is for while a higher class waits, not to keep
             self.credit[c] = 0.0
-        if busy > now and level - 1 < cost:  # a higher class waits (and no token more than its): credit only
+        if busy > now and room < 1:  # a higher class waits (and no token more than its): credit only
             credit = self.credit[c]
             last = self.credited[c]
             if last is not None and now - last < 1.0:
@@ -86,7 +88,7 @@ class Schedule:
             g.low = low
             g.tag = max(self.tags[c].get(ask.member, low), low)
             ahead = g.tag - low - max(cost, rate * SLACK) / ask.weight
-            if ahead > 0 and level - 1 < cost:  # (tokens to spare: the one behind is not there for them)
+            if ahead > 0 and room < 1:  # (tokens to spare: the one behind is not there for them)
                 behind = ahead * self.weights[c] / max(class_rate, 1e-9)
                 g.wait = max(g.wait, behind)
                 g.ok = False
@@ -185,22 +187,44 @@ class Turn:
 
     __slots__ = ("ask", "cost", "gate", "now", "schedule")
 
-    def __init__(self, schedules: Schedules, ask: ShareAsk, cost: float, rate: float, level: float, now: float) -> None:
-        """``rate``: the slowest of the vendor's global buckets, tokens per second; ``level``:
-        the fewest tokens in them now."""
+    def __init__(
+        self,
+        schedules: Schedules,
+        ask: ShareAsk,
+        buckets: Sequence[BucketSpec],
+        charge: Sequence[float],
+        rates: Sequence[float],
+        levels: Sequence[float],
+        now: float,
+    ) -> None:
+        """A request taking ``charge`` (per bucket) of buckets at ``rates`` holding ``levels``
+        now. The slowest of the vendor's global request buckets (a meter's first, without
+        them) sets the schedule's unit; a metered call's turn counts the quota's part it takes
+        most of (its cost in each meter bucket as that bucket's time, in units: weights divide
+        each meter, SPEC §13); its room is how many more of it the tightest of those buckets
+        holds after it (one request, or this estimate) (acquire.lua, "Share")."""
+        first, last = ask.first_global, len(charge) - ask.metered
+        rate, room, cost = min(rates[first:last], default=0.0), math.inf, charge[first] if first < last else 0.0
+        for i in range(first, last):
+            room = min(room, levels[i] - charge[i])
+        if not rate:
+            rate = rates[last] if last < len(rates) else 1.0
+        for i in range(last, len(charge)):
+            if charge[i] > 0 and buckets[i].scope == "global":  # (a meter's tenant buckets: their caps)
+                cost, room = max(cost, charge[i] * rate / rates[i]), min(room, levels[i] / charge[i] - 1)
         self.ask, self.cost, self.now = ask, cost, now
         self.schedule = schedules.of(ask, now)
-        self.gate = self.schedule.gate(ask, cost, rate, now, level)
+        self.gate = self.schedule.gate(ask, cost, rate, now, room)
 
     def horizon(self, max_wait: float) -> float:
         """How far ahead a grant may be reserved, for a caller that holds ``max_wait``: a
         request on credit (its class's min_share) as far as it holds."""
         return max_wait if self.gate.on_credit else min(max_wait, HORIZON)
 
-    def granted(self, wait: float, own: list[float]) -> None:
-        """Granted (``own``: its tenant's and endpoint's levels after the take)."""
+    def granted(self, wait: float, own_bound: bool) -> None:
+        """Granted (``own_bound``: its tenant's or endpoint's buckets hold less than it took)."""
         self.schedule.granted(self.ask, self.gate, self.cost, wait, self.now)
-        if any(level < self.cost for level in own):  # its own limit holds its next: it waits on that
+        if own_bound:  # its own limit holds its next: it waits on that
             self.schedule.leaves(self.ask)
 
     def kept(self, wait: float) -> None:

@@ -18,12 +18,12 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.limiter import Breaker, Limiter, StoreUnavailable
-from proxy.limiter.buckets import global_buckets, lease_sets, replicas_key
+from proxy.limiter.buckets import global_buckets, lease_sets, meter_vendor_buckets, replicas_key
 from proxy.limiter.degraded import LocalShares, grace_for, share
 from proxy.limiter.presence import Presence
 from proxy.limiter.quota_headers import read_quota
 from proxy.limiter.store import AcquireResult, BucketSpec, Leases
-from proxy.policy.model import Feedback, Limit, OnLimit, TenantLimits, Vendor, Wish
+from proxy.policy.model import Feedback, Limit, Meter, MeterEstimate, OnLimit, TenantLimits, Vendor, Wish
 from proxy.quota.concurrency import Concurrency, Slot
 from proxy.quota.sizing import Sizing
 from tests.helpers.stores import FlakyStore
@@ -430,6 +430,34 @@ async def test_a_reload_during_the_outage_keeps_the_shares_and_what_is_owed(
     changed = payments(rate=4, burst=10)  # new limits: fresh shares, the debt still owed
     await a.limiter.acquire(changed, "default", 0)
     assert [(b.rate, d) for b, d in await a.local.debts(changed)] == [(4.0, 10.0)]
+
+
+async def test_a_meter_is_shared_like_the_requests_and_charged_back_in_its_own_units(
+    fleet, shared: FlakyStore, clock: ManualClock
+) -> None:
+    """SPEC §12/§14: a meter's local shares start from its level last seen, divided, never
+    above empty (before: full, half its burst granted alone at once on top of a window the
+    fleet had just spent), and what they granted alone is charged back to the shared meter in
+    tokens (before: in requests, 1 per call)."""
+    a, _ = fleet(2)
+    await settle(clock)
+    tokens = Meter("tokens", (Limit(100, 1.0, 1000),), MeterEstimate("fixed", 100.0))
+    v = dataclasses.replace(payments(rate=100, burst=100), meters=(tokens,))
+    assert (await a.limiter.acquire(v, "default", 0, estimates=(1000.0,))).granted  # the meter: empty
+    shared.fail = True
+    r = await a.limiter.acquire(v, "default", 0, estimates=(100.0,))
+    assert not r.granted and r.wait == pytest.approx(2.0, abs=1e-6)  # a's share: 50/s from empty
+    await clock.advance(4.0)  # 200 tokens in a's share
+    alone = [await a.limiter.acquire(v, "default", 0, estimates=(100.0,)) for _ in range(3)]
+    assert [r.granted for r in alone] == [True, True, False]
+    shared.forget()  # back, and empty: its buckets read full
+    shared.fail = False
+    await clock.advance(COOLOFF)
+    r = await a.limiter.acquire(v, "default", 0, estimates=(10.0,))
+    assert r.granted and a.local.current() == "recovering"
+    # Full, less the 200 tokens granted alone (a's share is 450 short of full: all of them
+    # count), less this call's 10.
+    assert (await shared.peek(meter_vendor_buckets(PREFIX, v, tokens)))[0] == pytest.approx(1000 - 200 - 10, abs=1e-6)
 
 
 # -- concurrency caps --------------------------------------------------------------------

@@ -57,11 +57,13 @@ async def run(
     seconds: float,
     buckets: tuple[BucketSpec, ...] | dict[str, tuple[BucketSpec, ...]] | None = None,
     hold: float = 0.0,
+    costs: dict[str, tuple[float, ...]] | None = None,
 ) -> Counter[str]:
     """Every tenant of ``who`` asks without pause (its next ask when its answer says), for
     ``seconds``; returns the grants per tenant. ``hold``: as held requests do, each may wait
     that long and asks without a deferral slot (a hold's line asks again on its turn);
-    else as precise retriers of defers do."""
+    else as precise retriers of defers do. ``costs``: each tenant's cost in each of its
+    buckets (a metered call's, SPEC §14)."""
     of = buckets if isinstance(buckets, dict) else dict.fromkeys(who, quota() if buckets is None else buckets)
     hold_or_queue = hold > 0
     granted: Counter[str] = Counter()
@@ -77,7 +79,9 @@ async def run(
             for t in names:
                 if due[t] <= clock.monotonic():
                     queue = None if hold_or_queue else f"test:{{v}}:q:{t}"
-                    r = await store.acquire(of[t], 1.0, hold, queue, None, None, None, who[t])
+                    r = await store.acquire(
+                        of[t], 1.0, hold, queue, None, None, None, who[t], costs[t] if costs else None
+                    )
                     if r.granted:
                         granted[t] += 1
                         due[t] = clock.monotonic() + r.wait
@@ -92,7 +96,7 @@ async def run(
         loop = asyncio.get_running_loop()
         while loop.time() < stop:
             queue = None if hold_or_queue else f"test:{{v}}:q:{t}"
-            r = await store.acquire(of[t], 1.0, hold, queue, None, None, None, who[t])
+            r = await store.acquire(of[t], 1.0, hold, queue, None, None, None, who[t], costs[t] if costs else None)
             if r.granted:
                 granted[t] += 1
                 await asyncio.sleep(r.wait)
@@ -122,6 +126,24 @@ async def test_weights_divide_a_busy_quota(store: BucketStore, clock: ManualCloc
     got = parts(granted)
     for t, want in WEIGHTED:
         assert got[t] == pytest.approx(want, abs=0.05), granted
+
+
+async def test_weights_divide_a_meter_that_binds(store: BucketStore, clock: ManualClock) -> None:
+    """SPEC §13/§14: weights divide each meter. The vendor's request bucket has room to
+    spare and its token meter binds; the tenants' calls cost 8, 4 and 10 tokens: each
+    receives tokens by its weight (1:2:5), not calls (first come gave them tokens by their
+    calls' costs, about 8:4:10)."""
+    share = Share(weights=(("t2", 2.0), ("t5", 5.0)))
+    who: dict[str, ShareAsk | None] = {t: share_ask(share, STATE, t, 0, 0, metered=1) for t in ("t1", "t2", "t5")}
+    meter = BucketSpec(STATE, 2400.0, 40.0, "global", "tokens", field="m:tokens")
+    buckets = (*quota(rate=4000.0, burst=40.0), meter)
+    cost = {"t1": 8.0, "t2": 4.0, "t5": 10.0}
+    granted = await run(store, clock, who, 1.5, buckets, costs={t: (1.0, c) for t, c in cost.items()})
+    tokens = Counter({t: n * cost[t] for t, n in granted.items()})
+    assert sum(tokens.values()) >= 0.9 * 2400 * 1.5, granted  # the whole meter is used
+    got = parts(tokens)
+    for t, want in WEIGHTED:
+        assert got[t] == pytest.approx(want, abs=0.05), (granted, got)
 
 
 async def test_first_come_is_not_weighted(store: BucketStore, clock: ManualClock) -> None:
