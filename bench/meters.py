@@ -271,6 +271,27 @@ def meter_yaml(meters: dict[str, tuple[Limit, str]]) -> list[str]:
     return lines
 
 
+def tokens_yaml(
+    rate: float, burst: float, action: str, max_hold: str, extra: Sequence[str] = ()
+) -> Callable[[str, str], str]:
+    """The policy of the OpenAI-shaped parts: a ``tokens`` meter (``openai``) of ``rate``/s and
+    ``burst``, requests never binding, ``extra`` vendor lines; for ``start``."""
+
+    def yaml(vendor_url: str, redis_url: str) -> str:
+        meter = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
+        return policy(
+            vendor_url,
+            [REQUESTS],
+            store=redis_url,
+            action=action,
+            max_hold=max_hold,
+            access_log=False,
+            vendor_extra=[*meter, *extra],
+        )
+
+    return yaml
+
+
 async def fleet_run(
     setup: Setup,
     shape: str,
@@ -385,18 +406,7 @@ def part_a(fleet: Fleet, args: argparse.Namespace, row: str, seed: int) -> dict[
     rate = (limit - burst) / window
     vendor = ["--tokens-per-minute", f"{limit * 60 / window:g}", "--token-window", f"{window:g}s"]
 
-    def yaml(vendor_url: str, redis_url: str) -> str:
-        meter = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
-        return policy(
-            vendor_url,
-            [REQUESTS],
-            store=redis_url,
-            action=action,
-            max_hold=max_hold or args.max_hold,
-            access_log=False,
-            vendor_extra=meter,
-        )
-
+    yaml = tokens_yaml(rate, burst, action, max_hold or args.max_hold)
     setup = start(fleet, vendor, yaml, args.replicas)
     try:
         result = asyncio.run(fleet_run(setup, "openai", args.workers, args.seconds, window, mix, seed))
@@ -441,20 +451,8 @@ def part_s(fleet: Fleet, args: argparse.Namespace, shared: bool, seed: int) -> d
     vendor = ["--tokens-per-minute", f"{limit * 60 / window:g}", "--token-window", f"{window:g}s"]
     weights = ", ".join(f"{t}: {w}" for t, w in TENANTS if w != 1)
 
-    def yaml(vendor_url: str, redis_url: str) -> str:
-        extra = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
-        if shared:
-            extra.append(f"share: {{weights: {{default: 1, {weights}}}}}")
-        return policy(
-            vendor_url,
-            [REQUESTS],
-            store=redis_url,
-            action="hold",
-            max_hold=args.max_hold,
-            access_log=False,
-            vendor_extra=extra,
-        )
-
+    extra = [f"share: {{weights: {{default: 1, {weights}}}}}"] if shared else []
+    yaml = tokens_yaml(rate, burst, "hold", args.max_hold, extra)
     setup = start(fleet, vendor, yaml, args.replicas)
     names = [t for t, _ in TENANTS]
     try:
@@ -548,18 +546,7 @@ def part_b(fleet: Fleet, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = (limit - burst) / window
     vendor = ["--tokens-per-minute", f"{limit * 60 / window:g}", "--token-window", f"{window:g}s"]
 
-    def yaml(vendor_url: str, redis_url: str) -> str:
-        meter = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
-        return policy(
-            vendor_url,
-            [REQUESTS],
-            store=redis_url,
-            action="hold",
-            max_hold=args.max_hold,
-            access_log=False,
-            vendor_extra=meter,
-        )
-
+    yaml = tokens_yaml(rate, burst, "hold", args.max_hold)
     setup = start(fleet, vendor, yaml, args.replicas)
     try:
         result = asyncio.run(burst_run(setup, calls, args.b_seconds, mix, seed))

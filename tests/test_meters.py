@@ -14,11 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.policy import Policy
 from proxy.policy.model import Limit, Meter, MeterEstimate, MeterSettle, SettleKind
 from proxy.server import ProxyServer
 from tests.conftest import ProxyFactory, Vendor, eventually, vendor_policy
+from tests.helpers.meter_samples import SHOPIFY_JSON
 
 BURST = 1000.0
 CHAT = "/payments/v1/chat/completions"
@@ -188,3 +190,34 @@ async def test_status_shows_each_meter_and_its_buckets(
     (bucket,) = meter["buckets"]
     assert bucket["bucket"] == "tokens 60/1m burst 1000"
     assert bucket["tokens"] == pytest.approx(BURST - estimate(chat(300)), abs=3)
+
+
+async def test_a_graphql_answers_throttle_status_teaches_its_points_meter(
+    aiohttp_server: Any, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """Shopify's GraphQL answers state the shop's bucket in ``extensions.cost.throttleStatus``
+    (here 2000 points, 1997 available, 100/s): with ``feedback.headers: auto`` the points
+    meter learns it (a policy that says 4000 points at 200/s holds no more than the shop's)."""
+
+    async def graphql(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=SHOPIFY_JSON, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/admin/api/2025-01/graphql.json", graphql)
+    shop = await aiohttp_server(app)
+    policy = vendor_policy(
+        str(shop.make_url("")),
+        store=store_url,
+        extra_vendor="feedback: {headers: auto}\n            meters: {points: {limits: [{rate: 200, per: 1s, burst: 4000}], "
+        "estimate: {fixed: 12}, settle: {json: /extensions/cost/actualQueryCost}}}",
+    )
+    proxy = await start_proxy(policy)
+    url = proxy.url + "/payments/admin/api/2025-01/graphql.json"
+    async with aiohttp.ClientSession() as s, s.post(url, json={"query": "{ shop { name } }"}) as r:
+        assert r.status == 200 and (await r.json())["extensions"]["cost"]["actualQueryCost"] == 3
+
+    async def learned() -> bool:
+        return await tokens_left(proxy) <= 1997.5
+
+    await eventually(learned, "the points meter at most the 1997 the shop said were available")

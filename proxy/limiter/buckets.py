@@ -18,10 +18,11 @@ A vendor's global and endpoint buckets are fields of its state hash (acquire.lua
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from proxy.limiter.share import share_ask
 from proxy.limiter.store import BucketSpec, LeaseSet, ShareAsk
-from proxy.policy.model import Endpoint, Limit, Meter, Vendor
+from proxy.policy.model import Endpoint, Limit, Meter, Share, Vendor
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,13 @@ def kept_key(queue: str) -> str:
     return queue.replace("}:q:", "}:r:", 1)  # (the first: the vendor's namespace ends there)
 
 
+FIRST_COME: Final = Share()
+"""The schedule of a metered vendor without ``share:`` (``buckets_for``): every tenant one
+member ``METERED_MEMBER`` of its one class, so first come as before, but its holds reserve
+at most ``share.HORIZON`` ahead and ask again at their turn, as under a share."""
+METERED_MEMBER: Final = "*"
+
+
 def buckets_for(
     prefix: str,
     vendor: Vendor,
@@ -240,6 +248,12 @@ def buckets_for(
         index = share.class_of(tenant) if klass is None else klass
         ask = share_ask(share, state, tenant, index or 0, len(tenant_part) + len(endpoint_part))
     metered = meter_buckets(prefix, vendor, tenant, partition)
+    if ask is None and metered and any(m.settle.kind != "none" for m in vendor.meters):
+        # A settlement gives back what a call did not use; given to a hold reserved far ahead
+        # (a queue of them), those tokens would move later calls into vendor windows that
+        # do not hold the call that left them: so a metered hold reserves no further ahead
+        # than a shared one (bench/meters.py part a: a vendor 429 in every run, none since).
+        ask = share_ask(FIRST_COME, state, METERED_MEMBER, 0, len(tenant_part) + len(endpoint_part))
     if ask is not None and metered:
         ask = ask._replace(metered=len(metered))
     return Buckets(

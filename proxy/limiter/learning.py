@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proxy.limiter.quota_headers import QuotaReport
+from proxy.limiter.quota_headers import BucketReport, QuotaReport
 from proxy.limiter.store import BucketSpec, LearnResult, Lesson
 from proxy.policy.model import Limit
 
@@ -128,6 +128,22 @@ def plan(reports: Sequence[QuotaReport], limits: Sequence[Limit]) -> dict[int, T
         teaching = Teaching(i, lesson, source, report.limit, lim.per)
         previous = out.get(i)
         out[i] = teaching if previous is None else _tighter(previous, teaching)
+    return out
+
+
+def bucket_plan(report: BucketReport, limits: Sequence[Limit]) -> dict[int, Teaching]:
+    """Per bucket index, what a vendor's own bucket teaches it (Shopify's throttleStatus):
+    never more than the vendor's size, refilling no faster than its restore rate, holding no
+    more than it says remain; a bucket the vendor allows as much or more forgets a lesson."""
+    out: dict[int, Teaching] = {}
+    for i, lim in enumerate(limits):
+        ttl = ttl_for(lim.per)
+        if report.restore >= lim.per_second and report.size >= lim.burst:
+            lesson = Lesson(forget=True, remaining=report.available, window=lim.per, ttl=ttl)
+        else:
+            rate, burst = min(report.restore, lim.per_second), min(report.size, lim.burst)
+            lesson = Lesson(rate=rate, burst=burst, remaining=report.available, window=lim.per, ttl=ttl)
+        out[i] = Teaching(i, lesson, report.source, report.restore * lim.per, lim.per)
     return out
 
 

@@ -44,7 +44,7 @@ from proxy.limiter.fallback import Fallback
 from proxy.limiter.learning import LearnedLimits
 from proxy.limiter.observations import Observation, Observations
 from proxy.limiter.partitions import RecentPartitions
-from proxy.limiter.quota_headers import QuotaReport
+from proxy.limiter.quota_headers import BucketReport, QuotaReport
 from proxy.limiter.store import (
     SLOT_LIFE,
     AcquireResult,
@@ -510,8 +510,11 @@ class Limiter:
         raises; returns whether the store was called."""
         return await self.teacher.learn(vendor, reports, endpoint=endpoint, partition=partition)
 
-    async def learn_meters(self, vendor: Vendor, reports: Mapping[str, QuotaReport], partition: str = "") -> bool:
-        """Teach the vendor's meters what its token quota headers say (``Teacher.learn_meters``)."""
+    async def learn_meters(
+        self, vendor: Vendor, reports: Mapping[str, QuotaReport | BucketReport], partition: str = ""
+    ) -> bool:
+        """Teach the vendor's meters what its token quota headers (or an answer's body) say
+        (``Teacher.learn_meters``)."""
         return await self.teacher.learn_meters(vendor, reports, partition)
 
     def knows(

@@ -34,6 +34,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Final
 
 _EPOCH_SECONDS = 1_000_000_000  # a reset above this is an instant (2001 on), not a delay
 _EPOCH_MILLIS = 1_000_000_000_000
@@ -318,3 +319,39 @@ def _split(text: str, sep: str) -> list[str]:
             start = i + 1
     parts.append(text[start:].strip())
     return [p for p in parts if p]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketReport:
+    """A vendor's own bucket as its answer's body states it (SPEC §14): Shopify's GraphQL
+    ``extensions.cost.throttleStatus``, a bucket of ``size`` points refilling at ``restore``
+    per second and holding ``available`` when it answered."""
+
+    source: str
+    size: float
+    available: float
+    restore: float
+
+
+SHOPIFY: Final = "shopify"
+"""The currency key of Shopify's query-cost points (``read_body_quota``; teaching.py)."""
+
+
+def read_body_quota(document: object) -> dict[str, BucketReport]:
+    """The quotas a JSON answer states in its body, by currency: Shopify's ``throttleStatus``
+    (``maximumAvailable``, ``currentlyAvailable``, ``restoreRate``). A field missing, of a
+    wrong type, negative or not finite: nothing (the answer did not say)."""
+    if not isinstance(document, dict):
+        return {}
+    extensions = document.get("extensions")
+    cost = extensions.get("cost") if isinstance(extensions, dict) else None
+    status = cost.get("throttleStatus") if isinstance(cost, dict) else None
+    if not isinstance(status, dict):
+        return {}
+    numbers = [status.get(k) for k in ("maximumAvailable", "currentlyAvailable", "restoreRate")]
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x < math.inf for x in numbers):
+        return {}
+    size, available, restore = (float(x) for x in numbers)  # type: ignore[arg-type]
+    if size <= 0 or restore <= 0:
+        return {}
+    return {SHOPIFY: BucketReport("throttleStatus", size, min(available, size), restore)}

@@ -11,11 +11,11 @@ from typing import Protocol, TypeVar
 
 from proxy.clock import Clock
 from proxy.limiter.buckets import endpoint_buckets, global_buckets, meter_vendor_buckets
-from proxy.limiter.learning import LearnedLimits, Teaching, plan
+from proxy.limiter.learning import LearnedLimits, Teaching, bucket_plan, plan
 from proxy.limiter.observations import Observation, Observations
-from proxy.limiter.quota_headers import QuotaReport
+from proxy.limiter.quota_headers import SHOPIFY, BucketReport, QuotaReport
 from proxy.limiter.store import BucketSpec, BucketStore, StoreUnavailable
-from proxy.policy.model import Endpoint, Limit, Vendor
+from proxy.policy.model import Endpoint, Limit, Meter, Vendor
 
 T = TypeVar("T")
 
@@ -56,18 +56,24 @@ class Teacher:
             return False
         return await self._teach(vendor, buckets, todo, own)
 
-    async def learn_meters(self, vendor: Vendor, reports: Mapping[str, QuotaReport], partition: str = "") -> bool:
-        """Teach each meter whose estimate preset counts the currency of one of ``reports``
-        (``quota_headers.read_meter_quota``) what the vendor says of it: its vendor-side
-        buckets, only ever tightening (SPEC §14). Never raises; whether the store was called."""
+    async def learn_meters(
+        self, vendor: Vendor, reports: Mapping[str, QuotaReport | BucketReport], partition: str = ""
+    ) -> bool:
+        """Teach each meter that counts the currency of one of ``reports`` (``currency_of``;
+        ``quota_headers.read_meter_quota``, ``read_body_quota``) what the vendor says of it:
+        its vendor-side buckets, only ever tightening (SPEC §14). Never raises; whether the
+        store was called."""
         called = False
         for meter in vendor.meters:
-            report = reports.get(meter.estimate.kind)
+            report = reports.get(currency_of(meter) or "")
             if report is None:
                 continue
             specs = meter_vendor_buckets(self.key_prefix, vendor, meter, partition)
             buckets = tuple(zip(specs, meter.limits, strict=True))
-            teachings = plan([report], meter.limits)
+            if isinstance(report, BucketReport):
+                teachings = bucket_plan(report, meter.limits)
+            else:
+                teachings = plan([report], meter.limits)
             now = self.clock.monotonic()
             todo = [(i, t) for i, t in sorted(teachings.items()) if self.memory.needs_call(buckets[i][0], t, None, now)]
             if todo:
@@ -178,3 +184,17 @@ class Teacher:
             "reports": memory.reports,
             "store_calls": memory.calls,
         }
+
+
+_PRESETS = frozenset({"openai", "anthropic_input", "anthropic_output"})
+
+
+def currency_of(meter: Meter) -> str | None:
+    """The currency a meter counts, as the vendor's quota reports name it: its estimate
+    preset's (OpenAI's tokens, Anthropic's input or output tokens), or Shopify's points for
+    a meter settled from a GraphQL answer's ``/extensions/cost/``; None: no report teaches it."""
+    if meter.estimate.kind in _PRESETS:
+        return meter.estimate.kind
+    if meter.settle.kind == "json" and meter.settle.pointer.startswith("/extensions/cost/"):
+        return SHOPIFY
+    return None

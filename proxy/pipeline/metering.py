@@ -19,16 +19,18 @@ from typing import Final, Protocol
 
 from proxy.deps import Deps
 from proxy.limiter import Buckets
+from proxy.limiter.quota_headers import read_body_quota
 from proxy.pipeline.match import Match
 from proxy.policy.model import Meter, Vendor
 from proxy.quota.estimates import Estimate
-from proxy.quota.json_pointer import JsonPointer
+from proxy.quota.json_pointer import JsonPointer, load_json
 from proxy.quota.usage import Settle, UsageReader
 from proxy.tasks import spawn
 from proxy.wire.refusals import BadRequest
 from proxy.wire.request import Request
 from proxy.wire.sse import EventSplitter
 
+_UNREAD: Final = object()  # (Settlement.document not parsed yet)
 BODY_MAX: Final = 2 * 1024 * 1024
 """Bytes of a request body read for its estimate; a longer body costs the meter's default."""
 ANSWER_MAX: Final = 4 * 1024 * 1024
@@ -118,6 +120,10 @@ def settle(
             deps.metrics.meter_settled.labels(name, meter).inc(a)
     b = deps.limiter.buckets(match.vendor, match.tenant, match.endpoint, match.partition, match.klass)
     spawn(deps.limiter.settle(b, differences(estimated, actual), since), name=f"settle-{match.vendor.name}")
+    if settlement is not None and match.vendor.feedback.headers == "auto":
+        said = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
+        if said:
+            spawn(deps.limiter.learn_meters(match.vendor, said, match.partition), name=f"learn-{name}")
 
 
 async def estimates(vendor: Vendor, request: Request, path: str, b: Buckets) -> tuple[float, ...]:
@@ -153,7 +159,7 @@ class Settlement:
     """What a metered request's answer says it cost, per meter: fed the answer's bytes as
     they are relayed (``watch``), asked at its end (``actual``)."""
 
-    __slots__ = ("_body", "_events", "_inflate", "_json", "_readers", "_size", "_vendor")
+    __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_size", "_vendor")
 
     def __init__(self, vendor: Vendor, headers: Mapping[str, str]) -> None:
         self._vendor = vendor
@@ -166,6 +172,7 @@ class Settlement:
             self._readers.append(settle.stream() if settle is not None and self._events is not None else None)
         self._body: list[bytes] = []
         self._size = 0
+        self._parsed: object = _UNREAD
         coding = (headers.get("Content-Encoding") or "").strip().lower()
         self._inflate = _inflater(coding)
         if coding not in ("", "identity") and self._inflate is None:
@@ -192,9 +199,14 @@ class Settlement:
             else:
                 self._body.append(chunk)
 
+    def document(self) -> object:
+        """The JSON answer, parsed once (None: not JSON, or not kept)."""
+        if self._parsed is _UNREAD:
+            self._parsed = load_json(b"".join(self._body)) if self._json else None
+        return self._parsed
+
     def actual(self, headers: Mapping[str, str]) -> tuple[float | None, ...]:
         """Per meter, what the answer said the request cost; None: it did not say."""
-        body = b"".join(self._body) if self._json else None
         out: list[float | None] = []
         for meter, reader in zip(self._vendor.meters, self._readers, strict=True):
             settle = settle_of(meter)
@@ -205,7 +217,7 @@ class Settlement:
             elif reader is not None:
                 out.append(reader.amount())
             else:
-                out.append(None if body is None else settle.from_json(body))
+                out.append(settle.from_document(self.document()))
         return tuple(out)
 
 

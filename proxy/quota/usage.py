@@ -97,9 +97,12 @@ class Settle:
 
     def from_json(self, body: bytes) -> float | None:
         """The amount a whole (not streamed) JSON answer states."""
+        return None if self.kind == "header" else self.from_document(load_json(body))
+
+    def from_document(self, document: object) -> float | None:
+        """The amount a whole JSON answer states, parsed (``load_json``: None if it is not JSON)."""
         if self.kind == "header":
             return None
-        document = load_json(body)
         if self.kind == "json":
             assert self.pointer is not None  # __post_init__
             return _amount(self.pointer.resolve(document))
