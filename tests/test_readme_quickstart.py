@@ -17,6 +17,8 @@ import re
 import shlex
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -175,3 +177,41 @@ def test_the_clients_pages_plain_http_commands_run_as_printed(reader: Reader) ->
     stats = json.loads(reader.run("curl -s http://127.0.0.1:8081/__mock/stats"))
     assert stats["accepted"] == 2, stats
     assert reader.stop() == [0, 0]
+
+
+def test_the_https_section_runs_as_printed(reader: Reader) -> None:
+    """README's "HTTPS vendors": its policy as printed, ``ca init`` and ``run`` as printed; the
+    last line calls Stripe itself (the page says so, with a key of the reader's), so the test
+    does what its curl does up to the vendor: a CONNECT to the proxy and a TLS handshake for
+    api.stripe.com that trusts ``ca/ca.pem`` alone (no request is sent: nothing leaves the
+    machine)."""
+    text = README.read_text()
+    section = text[text.index("### HTTPS vendors") : text.index("### The demo")]
+    (policy,) = re.findall(r"```yaml\n(.*?)\n```", section, re.S)
+    assert policy.startswith("# policy.yaml\n"), policy
+    (reader.work / "policy.yaml").write_text(reader.moved(policy) + "\n")
+    (commands,) = re.findall(r"```sh\n(.*?)\n```", section, re.S)
+    ca_init, run, curl = [line.split("  #")[0].strip() for line in commands.splitlines()]
+    assert ca_init == ".venv/bin/quota-proxy ca init --out ca -c policy.yaml", commands
+    reader.run(ca_init)
+    assert (reader.work / "ca" / "ca.pem").is_file() and (reader.work / "ca" / "ca-key.pem").is_file()
+    assert run == ".venv/bin/quota-proxy run -c policy.yaml", commands
+    proxy = reader.start(run)
+    reader.wait_for(9090, "/readyz", proxy)
+    assert curl == (
+        'HTTPS_PROXY=http://127.0.0.1:8080 curl --cacert ca/ca.pem https://api.stripe.com/v1/balance -u "$STRIPE_KEY:"'
+    ), commands
+    assert "The last line calls Stripe itself" in section
+    context = ssl.create_default_context(cafile=str(reader.work / "ca" / "ca.pem"))
+    with socket.create_connection(("127.0.0.1", reader.ports[8080]), timeout=10) as raw:
+        raw.sendall(b"CONNECT api.stripe.com:443 HTTP/1.1\r\nHost: api.stripe.com:443\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = raw.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200"), head
+        with context.wrap_socket(raw, server_hostname="api.stripe.com") as tls:
+            names = [v for k, v in tls.getpeercert()["subjectAltName"] if k == "DNS"]
+    assert names == ["api.stripe.com"], names
+    assert reader.stop() == [0]
