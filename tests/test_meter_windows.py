@@ -45,8 +45,7 @@ async def test_a_refund_never_moves_a_held_call_into_a_window_that_is_full(
         token_vendor.url,
         store=redis_url,
         on_limit="{action: hold, max_hold: 10s}",
-        extra_vendor="meters: {tokens: {limits: [{rate: 400, per: 1s, burst: 100}], estimate: openai, "
-        "settle: openai}}",
+        extra_vendor="meters: {tokens: {limits: [{rate: 400, per: 1s, burst: 100}], estimate: openai, settle: openai}}",
     )
     proxy = await start_proxy(policy)
     statuses: list[int] = []

@@ -209,8 +209,9 @@ async def test_a_graphql_answers_throttle_status_teaches_its_points_meter(
     policy = vendor_policy(
         str(shop.make_url("")),
         store=store_url,
-        extra_vendor="feedback: {headers: auto}\n            meters: {points: {limits: [{rate: 200, per: 1s, burst: 4000}], "
-        "estimate: {fixed: 12}, settle: {json: /extensions/cost/actualQueryCost}}}",
+        extra_vendor="feedback: {headers: auto}\n            meters: {points: {"
+        "limits: [{rate: 200, per: 1s, burst: 4000}], estimate: {fixed: 12}, "
+        "settle: {json: /extensions/cost/actualQueryCost}}}",
     )
     proxy = await start_proxy(policy)
     url = proxy.url + "/payments/admin/api/2025-01/graphql.json"

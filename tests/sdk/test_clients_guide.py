@@ -26,7 +26,7 @@ from proxy.policy import parse_policy
 from proxy.server import ProxyServer
 from proxy.wire.refusals import Limited
 from tests.conftest import ProxyFactory, client_session
-from tests.helpers.cli import ROOT
+from tests.helpers.cli import ROOT, cli, server_process
 from tests.helpers.guide import GUIDE, PROXY_ADDRESS, VENDOR_ADDRESS, GuideWorker, Ran, blocks, celery_driver, snippets
 from tests.helpers.sdks import connects, outcomes
 from tests.helpers.vendor_process import VendorProcess, vendor_process
@@ -84,6 +84,13 @@ class Mocked:
     async def start(self, limits: str | None = None, on_limit: str | None = None) -> ProxyServer:
         """config/clients.yaml as printed, on free ports, pointing at the running mock vendor;
         ``limits`` and ``on_limit`` replace both vendors' (to spend the quota on purpose)."""
+        config = self.write_config(limits, on_limit)
+        text = config.read_text()
+        return await self._start_proxy(parse_policy(text, str(config), base_dir=config.parent))
+
+    def write_config(self, limits: str | None = None, on_limit: str | None = None) -> Path:
+        """The reader's config/clients.yaml: as printed, on free ports, pointing at the running
+        mock vendor (``start``)."""
         text = (ROOT / "config" / "clients.yaml").read_text()
         port = self.vendor.url.rsplit(":", 1)[1]
         for fixed, free in [
@@ -100,7 +107,7 @@ class Mocked:
             text = text.replace("    limits: ", f"    on_limit: {on_limit}\n    limits: ")
         config = self.worker.work / "config" / "clients.yaml"
         config.write_text(text)
-        return await self._start_proxy(parse_policy(text, str(config), base_dir=config.parent))
+        return config
 
     async def run(self, name: str, proxy: ProxyServer, **kwargs) -> Ran:
         snippet = snippets()[name]
@@ -345,6 +352,22 @@ async def test_the_celery_task_re_enqueues_a_long_defer(mocked: Mocked) -> None:
     countdown = float(second.split()[-1])
     assert 3000 < countdown <= 3600 * 1.2 + 1, countdown  # Retry-After plus up to 20 % jitter
     assert outcomes(proxy, "openai") == {"forwarded": 1, "deferred": 1}
+
+
+async def test_the_try_it_steps_run_as_printed(mocked: Mocked, tmp_path: Path) -> None:
+    """ "Try it on your machine" as printed: the mock vendor (the fixture), then ``quota-proxy
+    run -c config/clients.yaml`` from the reader's directory, a process of its own (the other
+    tests start config/clients.yaml in process, with the limits they need), and a client
+    snippet through it: the environment and the bundle are all curl needs."""
+    mocked.write_config()
+    argv = printed_command("try-proxy")
+    with server_process(cli(*argv[1:]), tmp_path, cwd=mocked.worker.work) as proxy:
+        ready = proxy.wait_ready()
+        assert ready.vendors == 2, ready
+        snippet = snippets()["curl-env"]
+        (line,) = ok(await mocked.worker.run(snippet.code, snippet.lang, ready.url))
+        assert json.loads(line)["object"] == "customer"
+        assert proxy.terminate_and_wait() == 0, proxy.stderr()
 
 
 # -- curl -----------------------------------------------------------------------------------------
