@@ -10,7 +10,7 @@ an answer of ``X-Mock-Output-Tokens`` tokens). Prompts of ``--prompt-chars`` cha
 ``max_tokens`` 256: the estimate has a body to read.
 
 Part 1, streams: one aiohttp session (keep-alive) sends streamed completions (``stream_options:
-{include_usage: true}``, ``--stream-tokens`` 200: a dozen events) in turn to the vendor directly,
+{include_usage: true}``, ``--stream-tokens`` 200: 17 events) in turn to the vendor directly,
 through the plain proxy and through the metered one (the order rotating every request),
 ``--streams`` per path per round. TTFB is the time from sending the request to the first body
 bytes (``readany``); the answer is then read to its end, counting the pieces it came in and

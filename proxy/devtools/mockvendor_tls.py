@@ -21,7 +21,15 @@ from proxy.ca.leaves import LeafMinter
 
 __all__ = ["TLS_NAMES", "VendorTls", "vendor_tls"]
 
-TLS_NAMES: Final = ("api.stripe.com", "api.openai.com", "api.mock-vendor.example", "localhost", "127.0.0.1", "::1")
+TLS_NAMES: Final = (
+    "api.stripe.com",
+    "api.openai.com",
+    "api.anthropic.com",
+    "api.mock-vendor.example",
+    "localhost",
+    "127.0.0.1",
+    "::1",
+)
 """What a CA made by ``--tls`` may vouch for: the vendors the mock imitates, and loopback."""
 
 _LEAF_VALIDITY: Final = 30 * 86400.0  # a leaf outlives any run of the mock (re-minted if not)

@@ -102,7 +102,7 @@ class Mocked:
             text = text.replace(fixed, free)
         if limits is not None:
             text, count = re.subn(r"(?m)^    limits: .*$", f"    limits: {limits}", text)
-            assert count == 2
+            assert count == 3
         if on_limit is not None:
             text = text.replace("    limits: ", f"    on_limit: {on_limit}\n    limits: ")
         config = self.worker.work / "config" / "clients.yaml"
@@ -285,11 +285,15 @@ async def test_the_openai_sdk_needs_nothing_but_the_environment(mocked: Mocked) 
     assert await mocked.paths() == ["/v1/chat/completions"]
 
 
-async def test_the_anthropic_sdk_needs_nothing_but_the_environment(guide: GuideWorker, sdk_proxies) -> None:
-    proxy = await sdk_proxies.start(limits=SPENT)
-    snippet = snippets()["anthropic-env"]
-    assert ok(await guide.run(snippet.code, "python", proxy.url)) == ["hello from the mock"]
-    (line,) = ok(await guide.run(snippet.code, "python", proxy.url))
+async def test_the_anthropic_sdk_needs_nothing_but_the_environment(mocked: Mocked) -> None:
+    proxy = await mocked.start(limits=SPENT)
+    (reply,) = ok(await mocked.run("anthropic-env", proxy))
+    assert reply, "the mock's made-up text"
+    (seen,) = await mocked.vendor.requests()
+    assert seen["path_qs"] == "/v1/messages", seen
+    said = seen["headers"]  # try-keys' key (x-api-key, or a bearer token in newer SDKs)
+    assert "sk-ant-mock" in (said.get("x-api-key", ""), said.get("authorization", "").removeprefix("Bearer ")), said
+    (line,) = ok(await mocked.run("anthropic-env", proxy))
     assert line.startswith("rate limited; come back in ") and line.endswith(" s"), line
     assert 3000 < int(line.split()[-2]) <= 3600
     assert outcomes(proxy, "anthropic") == {"forwarded": 1, "deferred": 1}
@@ -363,7 +367,7 @@ async def test_the_try_it_steps_run_as_printed(mocked: Mocked, tmp_path: Path) -
     argv = printed_command("try-proxy")
     with server_process(cli(*argv[1:]), tmp_path, cwd=mocked.worker.work) as proxy:
         ready = proxy.wait_ready()
-        assert ready.vendors == 2, ready
+        assert ready.vendors == 3, ready
         snippet = snippets()["curl-env"]
         (line,) = ok(await mocked.worker.run(snippet.code, snippet.lang, ready.url))
         assert json.loads(line)["object"] == "customer"
