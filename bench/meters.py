@@ -31,6 +31,14 @@ Parts (``--parts``, default all):
     c  Anthropic shape (``/v1/messages``), 40 workers, meters ``input_tokens`` and
        ``output_tokens``, hold: each meter's fullest window <= its limit, no vendor 429 after the
        first window, the binding one >= 90 % used.
+    g  Shopify's GraphQL shape (``POST /admin/api/2025-01/graphql.json``), 40 workers, hold: the
+       shop's bucket of ``--g-points`` (2,000) points restoring ``--g-restore`` (100) a second;
+       a query requests 10-100 points (``X-Mock-Query-Cost``) and uses 10-100 % of them
+       (``X-Mock-Actual-Cost``); a ``points`` meter of the shop's rate and size, ``estimate:
+       {fixed: 100}`` (the most a query requests), ``settle: {json:
+       /extensions/cost/actualQueryCost}``, ``feedback.headers: auto`` (throttleStatus).
+       Targets: no THROTTLED answer, >= 90 % of the restore rate used once the first full
+       bucket is spent.
     s  a's fleet (hold) in three tenants (``X-Tenant-Id``: t1, t2, t5; a third of the workers
        each) under ``share: {weights: {default: 1, t2: 2, t5: 5}}``, and the same without it
        (first come, the baseline): each tenant's part of the tokens its answers used after the
@@ -82,7 +90,8 @@ ASK = "X-Mock-Output-Tokens"
 OPENAI_PATH = "/v1/chat/completions"
 ANTHROPIC_PATH = "/v1/messages"
 FILLER = "Summarise the quarterly report for the board in plain words, please. "
-PARTS = ("a", "d", "b", "c", "s")
+PARTS = ("a", "d", "b", "c", "s", "g")
+GRAPHQL_PATH = "/admin/api/2025-01/graphql.json"
 TENANTS = (("t1", 1), ("t2", 2), ("t5", 5))  # part s: the tenants and their weights
 REQUESTS = Limit(1000, "1s", 100)  # the metered rows' request bucket: never the one that binds
 SAMPLE_EVERY = 0.5  # seconds between the vendor's counts, from the end of the first window
@@ -470,6 +479,98 @@ def part_s(fleet: Fleet, args: argparse.Namespace, shared: bool, seed: int) -> d
     return result
 
 
+async def graphql_run(setup: Setup, workers: int, seconds: float, since: float, seed: int) -> dict[str, Any]:
+    """``workers`` looping GraphQL queries for ``seconds``; the shop's points used from ``since``
+    seconds in to the end (the first full bucket spent), and its THROTTLED answers."""
+    stats_url = setup.vendor.url + "/__mock/stats"
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+    got = {"done": 0, "throttled": 0, "defers": 0, "errors": 0}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+
+    async def worker(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        proxy = setup.replicas[i % len(setup.replicas)].url
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while time.monotonic() < deadline:
+                requested = rng.randint(10, 100)
+                headers = {
+                    "X-Mock-Query-Cost": str(requested),
+                    "X-Mock-Actual-Cost": str(max(1, round(requested * rng.uniform(0.1, 1.0)))),
+                }
+                url = f"http://{VENDOR_HOST}{GRAPHQL_PATH}"
+                try:
+                    async with session.post(
+                        url, json={"query": "{ shop { name } }"}, headers=headers, proxy=proxy
+                    ) as r:
+                        body = await r.read()
+                        status, told = r.status, r.headers
+                except (aiohttp.ClientError, TimeoutError):
+                    got["errors"] += 1
+                    continue
+                if status == 429 and told.get("X-Quota-Action"):
+                    got["defers"] += 1
+                    await asyncio.sleep(int(told.get("retry-after-ms", "100")) / 1000)
+                elif status != 200:
+                    got["errors"] += 1
+                elif b"THROTTLED" in body:
+                    got["throttled"] += 1
+                else:
+                    got["done"] += 1
+
+    async def points_at(at: float) -> tuple[float, int]:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        async with aiohttp.ClientSession() as s, s.get(stats_url) as r:
+            return time.monotonic() - t0, int((await r.json())["graphql"]["points_used"])
+
+    tasks = [asyncio.create_task(worker(i)) for i in range(workers)]
+    first = await points_at(t0 + since)
+    last = await points_at(deadline)
+    await asyncio.gather(*tasks)
+    stats = http_json(stats_url)["graphql"]
+    return got | {
+        "points_per_s": (last[1] - first[1]) / (last[0] - first[0]),
+        "restore_rate": stats["restore_rate"],
+        "vendor_throttled": stats["throttled"],
+        "vendor_queries": stats["queries"],
+    }
+
+
+def part_g(fleet: Fleet, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    size, restore = args.g_points, args.g_restore
+    vendor = ["--graphql-points", f"{size:g}", "--graphql-restore", f"{restore:g}"]
+    meter = [
+        "feedback: {headers: auto}",
+        "meters:",
+        "  points:",
+        f"    limits: [{{rate: {restore:g}, per: 1s, burst: {size:g}}}]",
+        "    estimate: {fixed: 100}",
+        "    settle: {json: /extensions/cost/actualQueryCost}",
+    ]
+
+    def yaml(vendor_url: str, redis_url: str) -> str:
+        return policy(
+            vendor_url,
+            [REQUESTS],
+            store=redis_url,
+            action="hold",
+            max_hold=args.max_hold,
+            access_log=False,
+            vendor_extra=meter,
+        )
+
+    setup = start(fleet, vendor, yaml, args.replicas)
+    since = min(args.seconds / 2, size / restore)  # (the first full bucket, spent at once)
+    try:
+        result = asyncio.run(graphql_run(setup, args.workers, args.seconds, since, seed))
+    finally:
+        result_codes = stop(fleet, setup)
+    result |= {"policy": f"points {restore:g}/s burst {size:g}", "since": since, "exit_codes": result_codes}
+    if result["done"] == 0 or result["errors"] > 0.01 * (result["done"] + result["errors"]):
+        raise BenchError(f"{result['errors']} calls failed, {result['done']} done")
+    return result
+
+
 def part_c(fleet: Fleet, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     mix, window = Mix(used=args.used), args.window
     meters: dict[str, tuple[Limit, str]] = {}
@@ -596,7 +697,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--parts", default=",".join(PARTS), help="which parts, of a,d,b,c,s (default all)")
+    p.add_argument("--parts", default=",".join(PARTS), help="which parts, of a,d,b,c,s,g (default all)")
     p.add_argument("--seconds", type=float, default=30.0, help="each fleet row's run, a, d and c (default 30)")
     p.add_argument("--window", type=float, default=10.0, help="the vendor's token window, seconds (default 10)")
     p.add_argument(
@@ -622,6 +723,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--b-window-tokens", type=int, default=20_000, help="b: the vendor's tokens per window (20000)")
     p.add_argument("--b-seconds", type=float, default=15.0, help="b: how long deferred calls retry (default 15)")
     p.add_argument("--c-input", type=int, default=120_000, help="c: input tokens per window (default 120000)")
+    p.add_argument("--g-points", type=float, default=2000, help="g: the shop's bucket, points (default 2000)")
+    p.add_argument("--g-restore", type=float, default=100, help="g: points restored a second (default 100)")
     p.add_argument("--c-output", type=int, default=40_000, help="c: output tokens per window (default 40000)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians)")
     p.add_argument("--seed", type=int, default=35, help="the calls' random seed (each round adds 1)")
@@ -638,7 +741,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     if any(b not in ("worst", "mean") for b in baselines):
         p.error("--baselines: of worst,mean")
     rows_per_round = (len(actions) if "a" in parts else 0) + (len(baselines) if "d" in parts else 0)
-    rows_per_round += ("c" in parts) + 2 * ("s" in parts)
+    rows_per_round += ("c" in parts) + 2 * ("s" in parts) + ("g" in parts)
     budget = args.rounds * (rows_per_round * (args.seconds + 45) + ("b" in parts) * (args.b_seconds + 45))
     watchdog(fleet, 60 + budget)
     print(f"bench/meters.py: load average {loadavg()} at start (2 cores shared: figures are provisional)", flush=True)
@@ -659,6 +762,8 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             plan.append(("b 200 at once", functools.partial(part_b, fleet, args, seed)))
         if "c" in parts:
             plan.append(("c anthropic, hold", functools.partial(part_c, fleet, args, seed)))
+        if "g" in parts:
+            plan.append(("g shopify graphql, hold", functools.partial(part_g, fleet, args, seed)))
         if "s" in parts:
             plan += [
                 (
@@ -677,7 +782,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     missed: list[str] = []
     fleet_rows: list[list[str]] = []
     for name, results in got.items():
-        if name.startswith(("b ", "s ")):
+        if name.startswith(("b ", "s ", "g ")):
             continue
         metered = not name.startswith("d ")
         for currency in results[0]["meters"]:
@@ -761,6 +866,25 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
                     ]
                 ],
                 ["proxy policy", "fullest/limit", "vendor 429", "done", "proxy defers", "unfinished", "target"],
+            )
+        )
+    for name, results in got.items():
+        if not name.startswith("g "):
+            continue
+        used = statistics.median(100 * r["points_per_s"] / r["restore_rate"] for r in results)
+        throttled = sum(r["vendor_throttled"] for r in results)
+        verdict = "ok" if throttled == 0 and used >= 90 else "MISSED"
+        if verdict != "ok":
+            missed.append(name)
+        r0 = results[0]
+        print(
+            f"\nShopify's GraphQL shape, {args.workers} workers, hold (median of {args.rounds}); used: the shop's "
+            f"points used a second from {r0['since']:g} s in (its first full bucket spent) / its restore rate"
+        )
+        print(
+            table(
+                [[r0["policy"], f"{used:.1f} %", throttled, f"{med(results, 'vendor_queries'):.0f}", verdict]],
+                ["proxy policy", "used", "THROTTLED", "queries", "target"],
             )
         )
     share_rows = []

@@ -90,6 +90,7 @@ from proxy.devtools.mockvendor_control import CONTROL_PREFIX, JSON_TYPE, control
 from proxy.devtools.mockvendor_openai import OpenAIShape, OpenAITokens
 from proxy.devtools.mockvendor_quota import REMAINING_HEADER, Clock, VendorQuota, format_number, retry_after
 from proxy.devtools.mockvendor_shapes import Shape
+from proxy.devtools.mockvendor_shopify import DEFAULT_RESTORE, DEFAULT_SIZE, GraphqlStats, ShopifyShape
 from proxy.devtools.mockvendor_stripe import StripeShape
 from proxy.devtools.mockvendor_tokens import (
     DEFAULT_TOKEN_WINDOW,
@@ -135,6 +136,7 @@ class Stats(TypedDict):
     in_flight: int
     max_in_flight: int
     token_windows: dict[str, dict[str, TokenStats]]
+    graphql: GraphqlStats
 
 
 @dataclass(slots=True)
@@ -199,6 +201,8 @@ class MockVendor(VendorQuota):
         input_tokens_per_minute: float | None = None,
         output_tokens_per_minute: float | None = None,
         token_window: float = DEFAULT_TOKEN_WINDOW,
+        graphql_points: float = DEFAULT_SIZE,
+        graphql_restore: float = DEFAULT_RESTORE,
     ) -> None:
         super().__init__(rate, burst, clock, window=window, quota_headers=quota_headers)
 
@@ -222,6 +226,8 @@ class MockVendor(VendorQuota):
             OpenAIShape(None if openai is None else OpenAITokens(openai)),
             AnthropicShape(anthropic),
         )
+        self.shopify = ShopifyShape(clock, graphql_points, graphql_restore)
+        self.shapes += (self.shopify,)
         """The vendors imitated, each owning its paths (the first that owns a path answers it)."""
 
     # -- in-process helpers ------------------------------------------------------------
@@ -265,6 +271,7 @@ class MockVendor(VendorQuota):
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "token_windows": self.token_stats(),
+            "graphql": self.shopify.stats(),
         }
 
     def token_stats(self) -> dict[str, dict[str, TokenStats]]:

@@ -63,6 +63,16 @@ def _parse_tokens(value: str) -> float:
     return per_minute
 
 
+def _parse_points(value: str) -> float:
+    try:
+        points = float(value)
+    except ValueError:
+        points = math.nan
+    if not math.isfinite(points) or points <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number of points")
+    return points
+
+
 def _parse_change(value: str) -> tuple[float, float]:
     at, sep, rate = value.partition("=")
     if not sep:
@@ -153,6 +163,23 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"the token windows' span (default {DEFAULT_TOKEN_WINDOW:g}s, e.g. 10s, 1m): at most "
         "N x DURATION / 60 tokens in any DURATION",
     )
+    graphql = parser.add_argument_group("Shopify's GraphQL points (POST /admin/api/VERSION/graphql.json)")
+    graphql.add_argument(
+        "--graphql-points",
+        type=_parse_points,
+        default=1000.0,
+        metavar="N",
+        help="the shop's bucket of query-cost points (default 1000): a query runs when it holds the query's "
+        "requested cost (X-Mock-Query-Cost, default 10) and takes its actual one (X-Mock-Actual-Cost); "
+        "else 200 with a THROTTLED error, as Shopify answers",
+    )
+    graphql.add_argument(
+        "--graphql-restore",
+        type=_parse_points,
+        default=50.0,
+        metavar="N",
+        help="points the bucket regains a second (default 50)",
+    )
     parser.add_argument(
         "--limit-at",
         type=_parse_change,
@@ -231,6 +258,8 @@ def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
             input_tokens_per_minute=args.input_tokens_per_minute,
             output_tokens_per_minute=args.output_tokens_per_minute,
             token_window=DEFAULT_TOKEN_WINDOW if args.token_window is None else args.token_window,
+            graphql_points=args.graphql_points,
+            graphql_restore=args.graphql_restore,
         )
     except ValueError as exc:  # a window of less than one token
         parser.error(str(exc))
