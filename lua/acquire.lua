@@ -33,8 +33,9 @@
 -- moment (when the binding bucket next holds `cost`), precise retriers come back
 -- together and all but one are refused again: a herd. So a refusal is given the
 -- next free slot of its bucket set's queue instead: the queue key holds the time
--- (same clock) of the first slot no refused caller has been pointed at yet; each
--- refusal takes one slot, `cost / rate` of the binding bucket long. The queue is a
+-- (same clock) the last caller pointed at takes its cost; the next is pointed at one slot,
+-- `cost / rate` of its binding bucket, later (its own cost: a metered call's estimate
+-- varies, and one told when the caller before it could go came back short). The queue is a
 -- schedule of hints, not a reservation: nothing is taken from any bucket, and a
 -- caller that never comes back costs the others nothing but a later hint. It is
 -- kept per bucket set (per tenant), so a tenant that floods only pushes its own
@@ -1043,15 +1044,15 @@ else
     hint = math.max(0, now - (tonumber(oldest[2]) - lease_life))
   end
   if queue and full == 0 then
-    local tail = tonumber(redis.call('GET', queue) or '0') - now
-    if tail > hint then
-      hint = tail
-    end
     local step = costs[binding] / rates[binding]
     if share and gate_step and not gate_ok then -- (its turn under its share: its fair interval)
       step = gate_step
     end
-    redis.call('SET', queue, string.format('%.3f', now + hint + step), 'PX', math.ceil(hint + step) + 1000)
+    local tail = tonumber(redis.call('GET', queue) or '0') - now
+    if tail + step > hint then
+      hint = tail + step
+    end
+    redis.call('SET', queue, string.format('%.3f', now + hint), 'PX', math.ceil(hint) + 1000)
   end
   if rset and not share and full == 0 then -- beyond the horizon: a slot left behind may be its
     local offer, offered = standby(now + hint, '')

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -87,3 +90,42 @@ def test_unlocked_metrics_expose_exactly_what_prometheus_client_would() -> None:
 
     assert without_created(generate_latest(ours)) == without_created(generate_latest(theirs))
     assert type(counters[0].labels("a")._value) is metrics_module._Value  # the unlocked value is in use
+
+
+def test_every_metric_the_pages_name_has_the_labels_they_give_it() -> None:
+    """A query in the docs, the deploy files or the alert rules names a metric and labels it
+    has (a guide's ``http_client_responses_total{status="429"}`` matched nothing: the label
+    is ``code``)."""
+    registry = CollectorRegistry()
+    Metrics(registry)
+    labels: dict[str, set[str]] = {}
+    for family in registry.collect():
+        names = {family.name, *(s.name for s in family.samples)}
+        keys = {k for s in family.samples for k in s.labels} | set(getattr(family, "_labelnames", ()))
+        for name in names:
+            labels.setdefault(name, set()).update(keys)
+    # (a family with no sample yet: its label names from the collector that made it)
+    for collector in list(registry._collector_to_names):
+        for name in registry._collector_to_names[collector]:
+            labels.setdefault(name, set()).update(getattr(collector, "_labelnames", ()))
+    root = Path(__file__).resolve().parents[1]
+    pages = [
+        *root.glob("docs/**/*.md"),
+        root / "README.md",
+        *root.glob("deploy/**/*.yml"),
+        *root.glob("deploy/**/*.yaml"),
+    ]
+    wrong, checked = [], 0
+    for page in pages:
+        for match in re.finditer(r"\b([a-z_]+)\{([^}{]*)\}", page.read_text()):
+            name, inside = match.groups()
+            if name not in labels:
+                continue
+            checked += 1
+            given = set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)", inside))
+            scrape = {"job", "instance", *(["le"] if name.endswith("_bucket") else [])}  # (Prometheus's own)
+            if not given <= labels[name] | scrape:
+                wrong.append(f"{page.relative_to(root)}: {match.group(0)} (labels: {sorted(labels[name])})")
+    assert not wrong, "\n".join(wrong)
+    assert checked > 20, checked  # (the pages do name metrics this way)
+    assert "code" in labels["http_client_responses_total"], labels["http_client_responses_total"]

@@ -455,13 +455,12 @@ class MemoryStore:
             del self._leases[key]
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
-        """The refused caller's retry hint: the queue's next free slot, never before ``wait``
-        (acquire.lua's deferral queue)."""
+        """The refused caller's retry hint: its slot in the queue, never before ``wait`` (acquire.lua)."""
         if queue is None:
             return wait
         tail, expires = self._queues.get(queue, (now, now))
-        hint = max(wait, tail - now) if expires > now else wait
-        self._queues[queue] = (now + hint + step, now + hint + step + 1.0)
+        hint = max(wait, tail - now + step) if expires > now else wait
+        self._queues[queue] = (now + hint, now + hint + 1.0)
         return hint
 
     async def block(self, buckets: tuple[BucketSpec, ...], seconds: float, channel: str) -> BlockResult:

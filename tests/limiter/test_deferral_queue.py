@@ -38,6 +38,21 @@ async def test_callers_refused_together_get_slots_one_refill_apart(store: Bucket
     assert all(r.retry_after >= r.wait for r in refused)
 
 
+async def test_callers_of_different_costs_are_each_told_when_their_own_cost_is_there(store: BucketStore) -> None:
+    """A metered call's cost is its estimate, call by call (SPEC §14): a caller is told when
+    the bucket will have refilled what the callers told before it take, and its own cost on
+    top. Before, it was told when the one before it could go (its own cost left out): a
+    caller costing more than the one before came back to a bucket short of it, was refused
+    again, and lost its place (a metered defer used 83 % of the vendor's tokens)."""
+    requests, tokens = bucket("r", rate=1000, burst=1000), bucket("m", rate=100, burst=100)
+    assert (await store.acquire((requests, tokens), 1, 0, QUEUE, costs=(1, 100))).granted  # the meter: empty
+    small = await store.acquire((requests, tokens), 1, 0, QUEUE, costs=(1, 50))
+    large = await store.acquire((requests, tokens), 1, 0, QUEUE, costs=(1, 100))
+    assert not small.granted and not large.granted
+    assert small.hint == pytest.approx(0.5, abs=TOL)  # 50 tokens at 100/s
+    assert large.hint == pytest.approx(1.5, abs=TOL)  # the 50 taken at 0.5 s, then its own 100
+
+
 async def test_a_refusal_without_a_queue_is_told_the_real_wait(store: BucketStore) -> None:
     b = (bucket("s", rate=10, burst=1),)
     assert (await store.acquire(b, 1, 0)).granted
