@@ -86,6 +86,7 @@ from aiohttp.http import HttpVersion11
 from yarl import URL
 
 from proxy.devtools.mockvendor_anthropic import INPUT, OUTPUT, AnthropicShape, AnthropicTokens
+from proxy.devtools.mockvendor_chat import GitHubShape, SlackShape
 from proxy.devtools.mockvendor_control import CONTROL_PREFIX, JSON_TYPE, control, json_response
 from proxy.devtools.mockvendor_openai import OpenAIShape, OpenAITokens
 from proxy.devtools.mockvendor_quota import REMAINING_HEADER, Clock, VendorQuota, format_number, retry_after
@@ -227,7 +228,7 @@ class MockVendor(VendorQuota):
             AnthropicShape(anthropic),
         )
         self.shopify = ShopifyShape(clock, graphql_points, graphql_restore)
-        self.shapes += (self.shopify,)
+        self.shapes += (self.shopify, GitHubShape(), SlackShape())
         """The vendors imitated, each owning its paths (the first that owns a path answers it)."""
 
     # -- in-process helpers ------------------------------------------------------------

@@ -25,6 +25,8 @@ TLS_NAMES: Final = (
     "api.stripe.com",
     "api.openai.com",
     "api.anthropic.com",
+    "api.github.com",
+    "slack.com",
     "api.mock-vendor.example",
     "localhost",
     "127.0.0.1",

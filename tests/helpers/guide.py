@@ -8,7 +8,7 @@ environment is the guide's own ``env`` and ``try-keys`` snippets, sourced by bas
 of the test's clean environment. The one change: the proxy listens on a free port, not
 127.0.0.1:8080, so that address in the ``env`` block is the running proxy's.
 
-The PyGithub and Slack snippets, and the Kubernetes guide's worker, run with
+The Kubernetes guide's worker runs with
 ``stand_in=True`` against tests/helpers/sdk_vendor.py, which the mock vendor does not replace
 yet: the vendors' real host names become the ``.example`` names that proxy maps to it, and
 the SDKs' default base URLs follow (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, and for Stripe,
@@ -42,6 +42,8 @@ _CLIENT_ENV = (
     "STRIPE_API_KEY",
     "OPENAI_API_KEY",
     "ANTHROPIC_API_KEY",
+    "GITHUB_TOKEN",
+    "SLACK_BOT_TOKEN",
 )
 PROXY_ADDRESS = "http://127.0.0.1:8080"
 """Where the guide's proxy listens (config/clients.yaml, the env block)."""

@@ -102,7 +102,7 @@ class Mocked:
             text = text.replace(fixed, free)
         if limits is not None:
             text, count = re.subn(r"(?m)^    limits: .*$", f"    limits: {limits}", text)
-            assert count == 3
+            assert count == 5
         if on_limit is not None:
             text = text.replace("    limits: ", f"    on_limit: {on_limit}\n    limits: ")
         config = self.worker.work / "config" / "clients.yaml"
@@ -142,9 +142,9 @@ async def mocked(reader: Path, tmp_path: Path, start_proxy: ProxyFactory) -> Asy
 
 @pytest.fixture
 async def guide(sdk_proxies, tmp_path: Path) -> GuideWorker:
-    """For the vendors the mock does not speak (and the Kubernetes guide's worker): the tests'
-    stand-in behind its proxy, whose CA is in the reader's ca/, and the bundle the guide's
-    ``bundle`` snippet makes from it."""
+    """For the Kubernetes guide's worker (tests/sdk/test_k8s_guide.py): the tests' stand-in
+    behind its proxy, whose CA is in the reader's ca/, and the bundle the guide's ``bundle``
+    snippet makes from it."""
     work = tmp_path / "stand-in"
     (work / "ca").mkdir(parents=True)
     shutil.copy(sdk_proxies.trust.ca_cert, work / "ca" / "ca.pem")
@@ -331,13 +331,14 @@ def test_the_answers_override_fragment_sheds_with_its_status_and_body() -> None:
 
 
 @pytest.mark.parametrize(("name", "vendor"), [("github-sdk", "github"), ("slack-sdk", "slack")])
-async def test_pygithub_and_slack_sdk_with_their_presets(guide: GuideWorker, sdk_proxies, name, vendor) -> None:
-    proxy = await sdk_proxies.start(limits=SPENT)
-    snippet = snippets()[name]
-    assert ok(await guide.run(snippet.code, "python", proxy.url)) == ["The Mock" if vendor == "github" else "True"]
+async def test_pygithub_and_slack_sdk_with_their_presets(mocked: Mocked, name, vendor) -> None:
+    proxy = await mocked.start(limits=SPENT)
+    assert ok(await mocked.run(name, proxy)) == ["The Mock" if vendor == "github" else "True"]
+    (seen,) = await mocked.vendor.requests()
+    assert seen["path_qs"] == ("/users/octocat" if vendor == "github" else "/api/api.test"), seen
     # The bucket is spent for an hour: a long defer, raised at once by either SDK (their
     # retries would have slept it out as a 403 or a 429), the wait readable.
-    (line,) = ok(await guide.run(snippet.code, "python", proxy.url))
+    (line,) = ok(await mocked.run(name, proxy))
     if vendor == "github":
         assert line.startswith("not now: 409 defer for ") and 3000 < int(line.split()[-2]) <= 3600, line
     else:
@@ -367,7 +368,7 @@ async def test_the_try_it_steps_run_as_printed(mocked: Mocked, tmp_path: Path) -
     argv = printed_command("try-proxy")
     with server_process(cli(*argv[1:]), tmp_path, cwd=mocked.worker.work) as proxy:
         ready = proxy.wait_ready()
-        assert ready.vendors == 3, ready
+        assert ready.vendors == 5, ready
         snippet = snippets()["curl-env"]
         (line,) = ok(await mocked.worker.run(snippet.code, snippet.lang, ready.url))
         assert json.loads(line)["object"] == "customer"
