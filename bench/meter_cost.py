@@ -59,10 +59,9 @@ from _common import (
     unclean_exits,
     watchdog,
 )
+from meters import ASK, Call, meter_yaml
+from meters import OPENAI_PATH as PATH
 
-ASK = "X-Mock-Output-Tokens"
-PATH = "/v1/chat/completions"
-FILLER = "Summarise the quarterly report for the board in plain words, please. "
 HUGE = Limit(100_000_000, "1s", 1_000_000)  # requests and tokens: never the one that binds
 CAP = 256  # max_tokens
 TTFB_TARGET_MS = 1.0
@@ -71,18 +70,12 @@ PATHS = ("direct", "plain", "metered")
 
 
 def payload(prompt_chars: int, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": (FILLER * (prompt_chars // len(FILLER) + 1))[:prompt_chars]}],
-        "max_tokens": CAP,
-    }
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    return body
+    """meters.py's call: its body states no reply size (``ASK`` asks for it)."""
+    return Call(prompt_chars, CAP, 0, stream).openai()
 
 
 def yaml_for(vendor_url: str, store_url: str, metered: bool) -> str:
-    meter = ["meters:", "  tokens:", f"    limits: [{HUGE.yaml()}]", "    estimate: openai", "    settle: openai"]
+    meter = meter_yaml({"tokens": (HUGE, "openai")})
     return policy(
         vendor_url, [HUGE], store=store_url, action="defer", access_log=False, vendor_extra=meter if metered else []
     )

@@ -280,14 +280,10 @@ def meter_yaml(meters: dict[str, tuple[Limit, str]]) -> list[str]:
     return lines
 
 
-def tokens_yaml(
-    rate: float, burst: float, action: str, max_hold: str, extra: Sequence[str] = ()
-) -> Callable[[str, str], str]:
-    """The policy of the OpenAI-shaped parts: a ``tokens`` meter (``openai``) of ``rate``/s and
-    ``burst``, requests never binding, ``extra`` vendor lines; for ``start``."""
+def metered_yaml(vendor_extra: Sequence[str], action: str, max_hold: str) -> Callable[[str, str], str]:
+    """A part's policy, for ``start``: its vendor lines (its meters), requests never binding."""
 
     def yaml(vendor_url: str, redis_url: str) -> str:
-        meter = meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")})
         return policy(
             vendor_url,
             [REQUESTS],
@@ -295,10 +291,18 @@ def tokens_yaml(
             action=action,
             max_hold=max_hold,
             access_log=False,
-            vendor_extra=[*meter, *extra],
+            vendor_extra=vendor_extra,
         )
 
     return yaml
+
+
+def tokens_yaml(
+    rate: float, burst: float, action: str, max_hold: str, extra: Sequence[str] = ()
+) -> Callable[[str, str], str]:
+    """The OpenAI-shaped parts' policy: a ``tokens`` meter (``openai``) of ``rate``/s and
+    ``burst``, then ``extra`` vendor lines."""
+    return metered_yaml([*meter_yaml({"tokens": (Limit(rate, "1s", burst), "openai")}), *extra], action, max_hold)
 
 
 async def fleet_run(
@@ -547,18 +551,7 @@ def part_g(fleet: Fleet, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "    estimate: {fixed: 100}",
         "    settle: {json: /extensions/cost/actualQueryCost}",
     ]
-
-    def yaml(vendor_url: str, redis_url: str) -> str:
-        return policy(
-            vendor_url,
-            [REQUESTS],
-            store=redis_url,
-            action="hold",
-            max_hold=args.max_hold,
-            access_log=False,
-            vendor_extra=meter,
-        )
-
+    yaml = metered_yaml(meter, "hold", args.max_hold)
     setup = start(fleet, vendor, yaml, args.replicas)
     since = min(args.seconds / 2, size / restore)  # (the first full bucket, spent at once)
     try:
@@ -581,18 +574,7 @@ def part_c(fleet: Fleet, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     ):
         meters[currency] = (Limit((limit - costliest) / window, "1s", costliest), f"anthropic_{currency[:-7]}")
         vendor += [f"--{currency.replace('_', '-')}-per-minute", f"{limit * 60 / window:g}"]
-
-    def yaml(vendor_url: str, redis_url: str) -> str:
-        return policy(
-            vendor_url,
-            [REQUESTS],
-            store=redis_url,
-            action="hold",
-            max_hold=args.max_hold,
-            access_log=False,
-            vendor_extra=meter_yaml(meters),
-        )
-
+    yaml = metered_yaml(meter_yaml(meters), "hold", args.max_hold)
     setup = start(fleet, vendor, yaml, args.replicas)
     try:
         result = asyncio.run(fleet_run(setup, "anthropic", args.workers, args.seconds, window, mix, seed))

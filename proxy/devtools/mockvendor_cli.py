@@ -10,6 +10,7 @@ import argparse
 import functools
 import math
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from proxy.devtools.mockvendor_tokens import DEFAULT_TOKEN_WINDOW
@@ -53,24 +54,23 @@ def _parse_window(value: str) -> float:
     return seconds
 
 
-def _parse_tokens(value: str) -> float:
-    try:
-        per_minute = float(value)
-    except ValueError:
-        per_minute = math.nan
-    if not math.isfinite(per_minute) or per_minute <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number of tokens per minute")
-    return per_minute
+def _positive(what: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 of ``what``."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number <= 0:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number of {what}")
+        return number
+
+    return parse
 
 
-def _parse_points(value: str) -> float:
-    try:
-        points = float(value)
-    except ValueError:
-        points = math.nan
-    if not math.isfinite(points) or points <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number of points")
-    return points
+_parse_tokens = _positive("tokens per minute")
+_parse_points = _positive("points")
 
 
 def _parse_change(value: str) -> tuple[float, float]:
