@@ -83,12 +83,7 @@ class Fallback:
         part = b.partition
         if not local.knows(vendor, part):
             fleet = tuple(b.all[i] for i in b.fleet_indexes)
-            levels = self._observations.levels_now(vendor, part)
-            if b.paced_meters:  # (a meter never seen: 0, as a request bucket never seen)
-                requests = len(fleet) - len(b.paced_meters)
-                meters = self._observations.meter_levels_now(vendor, b.state_key)
-                if levels is not None or meters is not None:
-                    levels = (*(levels or ())[:requests], *(0.0,) * (requests - len(levels or ())), *(meters or ()))
+            levels = self._observations.fleet_levels_now(vendor, b)
             await local.begin(vendor, fleet, levels, self._blocks.left(vendor.name, part), part)
 
     async def _acquire_local(

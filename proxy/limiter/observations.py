@@ -107,6 +107,20 @@ class Observations:
             for lim, level in zip(vendor.limits, obs.levels, strict=False)
         )
 
+    def fleet_levels_now(self, vendor: Vendor, b: Buckets) -> tuple[float, ...] | None:
+        """The levels of ``b``'s own vendor buckets (``Buckets.fleet_indexes``: the requests',
+        then the meters'), extrapolated from the last store answer; one never seen 0, as
+        empty; None before any answer."""
+        requests = self.levels_now(vendor, b.partition)
+        if not b.paced_meters:
+            return requests
+        meters = self.meter_levels_now(vendor, b.state_key)
+        if requests is None and meters is None:
+            return None
+        n = len(b.fleet_indexes) - len(b.paced_meters)
+        seen = (requests or ())[:n]
+        return (*seen, *(0.0,) * (n - len(seen)), *(meters or ()))
+
     def meter_levels_now(self, vendor: Vendor, key: str) -> tuple[float, ...] | None:
         """The meters' own buckets of state ``key`` (their limits in order, meter by meter),
         extrapolated from the last store answer; None before any."""

@@ -19,7 +19,8 @@ from typing import Final, Protocol
 
 from proxy.deps import Deps
 from proxy.limiter import Buckets
-from proxy.limiter.quota_headers import read_body_quota
+from proxy.limiter.quota_headers import SHOPIFY, read_body_quota
+from proxy.limiter.teaching import currency_of
 from proxy.pipeline.match import Match
 from proxy.policy.model import Meter, Vendor
 from proxy.quota.estimates import Estimate
@@ -75,6 +76,13 @@ def settle_of(meter: Meter) -> Settle | None:
     return Settle(s.kind)
 
 
+@functools.cache
+def body_taught(meter: Meter) -> bool:
+    """Whether the meter counts a currency an answer's body states (Shopify's points,
+    ``teaching.currency_of``): only for such a meter is a JSON answer read for its quota."""
+    return currency_of(meter) == SHOPIFY
+
+
 async def begin(deps: Deps, match: Match, request: Request, rec: AccessRecord) -> tuple[float, ...]:
     """A metered request's estimates (``estimates``), noted in its access record."""
     vendor = match.vendor
@@ -120,7 +128,11 @@ def settle(
             deps.metrics.meter_settled.labels(name, meter).inc(a)
     b = deps.limiter.buckets(match.vendor, match.tenant, match.endpoint, match.partition, match.klass)
     spawn(deps.limiter.settle(b, differences(estimated, actual), since), name=f"settle-{match.vendor.name}")
-    if settlement is not None and match.vendor.feedback.headers == "auto":
+    if (
+        settlement is not None
+        and match.vendor.feedback.headers == "auto"
+        and any(map(body_taught, match.vendor.meters))
+    ):
         said = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
         if said:
             spawn(deps.limiter.learn_meters(match.vendor, said, match.partition), name=f"learn-{name}")
