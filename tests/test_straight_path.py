@@ -24,11 +24,13 @@ from tests.conftest import eventually, metric_samples, value, vendor_policy
 from tests.test_lane import (
     ABSOLUTE,
     HOST,
+    OK_BODY,
     REQUESTS,
     ScriptedVendor,
     _comparable,
     _exchange,
     _general_only,
+    _log_fields,
     _request,
     _run,
     general_calls,
@@ -49,6 +51,11 @@ STRIPE_SHAPED = """
                 match: {methods: [POST], path: "/v1/files"}
                 cost: 5
 """
+
+TOKENS = (
+    "meters: {tokens: {limits: [{rate: 60, per: 1h, burst: 20000}], "
+    "tenant_limits: {default: [{rate: 60, per: 1h, burst: 15000}]}, estimate: openai, settle: openai}}"
+)
 
 STRAIGHT: dict[str, dict[str, str]] = {
     "token buckets, per second and per minute": {"limits": "[{rate: 1000, per: 1s}, {rate: 60000, per: 1m}]"},
@@ -77,6 +84,7 @@ STRAIGHT: dict[str, dict[str, str]] = {
     "share: weights and classes (X-Quota-Priority)": {
         "extra_vendor": "share: {weights: {default: 1, acme: 4}, classes: [checkout, batch], default_class: batch}"
     },
+    "meters (SPEC §14)": {"extra_vendor": TOKENS},
     "proxy credentials": {
         "extra_top": "tenant: {from: proxy_auth, credentials: "
         "{acme: {sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b}}}"
@@ -382,3 +390,149 @@ async def test_a_workers_wish_is_taken_on_the_straight_path(
     assert len(general_calls) == 1  # handed over with the store's answer
     got = scripted.got[-1].lower()
     assert b"x-quota" not in got  # the wish is the proxy's, never the vendor's
+
+
+# -- meters (SPEC §14): estimated from the body in hand, settled from the answer ------------
+
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}).encode()
+
+
+def _answer(status: str, fields: str, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status}\r\nDate: Tue, 01 Dec 2026 12:00:00 GMT\r\n{fields}\r\n".encode() + body
+
+
+_USAGE = b'{"id":"c1","usage":{"prompt_tokens":100,"completion_tokens":20,"total_tokens":120}}'
+_EVENTS = (
+    b'data: {"id":"c1","choices":[{"delta":{"content":"hi"}}]}\n\n'
+    b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":100,"completion_tokens":7,"total_tokens":107}}\n\n'
+    b"data: [DONE]\n\n"
+)
+_JSON = "Content-Type: application/json\r\n"
+METERED_ANSWERS = {
+    "json with usage": _answer("200 OK", f"{_JSON}Content-Length: {len(_USAGE)}\r\n", _USAGE),
+    "json without usage": _answer("200 OK", f"{_JSON}Content-Length: 11\r\n", OK_BODY),
+    "an error": _answer("500 Internal Server Error", f"{_JSON}Content-Length: 11\r\n", OK_BODY),
+    "a stream (relayed by the general path)": _answer(
+        "200 OK",
+        "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n",
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(_EVENTS), _EVENTS),
+    ),
+    "a vendor 429 (handed over)": _answer(
+        "429 Too Many Requests", "Content-Type: application/json\r\nRetry-After: 0\r\nContent-Length: 11\r\n", OK_BODY
+    ),
+}
+METER_FAMILIES = ("ratelimit_meter_estimated_total", "ratelimit_meter_settled_total")
+
+
+@pytest.mark.parametrize("answer", list(METERED_ANSWERS))
+async def test_a_metered_call_is_estimated_and_settled_on_the_straight_path_as_the_general_path_does(
+    scripted: ScriptedVendor,
+    start_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    general_calls: list[str],
+    redis_url: str,
+    answer: str,
+) -> None:
+    """The estimate is read from the body the straight path has in hand, taken in its one
+    store call, and the answer it relays settles it: the same bytes, access-log line, metrics
+    and buckets as the general path's (which relays a stream, and a 429, for it)."""
+    scripted.answer = METERED_ANSWERS[answer]
+    policy = _policy(scripted, redis_url, {"extra_vendor": TOKENS, "on_limit": "{action: defer}"})
+    data = _request(
+        "POST",
+        f"http://{HOST}/v1/chat/completions",
+        "Content-Type: application/json",
+        f"Content-Length: {len(CHAT)}",
+    )
+    data += CHAT
+    runs, charged, meters = [], [], []
+    for lane in ("straight", "general"):
+        if lane == "general":
+            monkeypatch.setattr(Lane, "flight", _general_only)
+        general_calls.clear()
+        stream = io.StringIO()
+        proxy = await start_proxy(policy, access_log=AccessLog(stream))
+        runs.append(await _run(proxy, scripted, stream, data))
+        handed_over = "handed over" in answer or "general path" in answer
+        if lane == "straight":
+            assert len(general_calls) == handed_over, general_calls
+        async with aiohttp.ClientSession() as s, s.get(f"{proxy.admin_url}/metrics") as r:
+            samples = metric_samples(await r.text())
+        meters.append({k: v for k, v in samples.items() if k[0] in METER_FAMILIES})
+        state = proxy.runtime.deps.limiter.store._state
+        charged.append({key: round(tokens) for key, (tokens, *_) in state.items() if ":tokens" in key})
+    straight, general = runs
+    assert straight.vendor_got == general.vendor_got
+    assert straight.answer == general.answer
+    assert straight.log == general.log
+    assert straight.metrics == general.metrics
+    assert meters[0] == meters[1] and meters[0], meters
+    assert charged[0] == charged[1], charged
+    said = straight.log["meters"]["tokens"]
+    assert said["estimated"] == 100 + 50  # 400 characters / 4, and max_tokens 50
+    settled = {"json with usage": 120, "a stream (relayed by the general path)": 107, "a vendor 429 (handed over)": 0}
+    assert said["settled"] == settled.get(answer), said
+    tenant = [level for key, level in charged[0].items() if ":t:default:" in key]
+    assert tenant == [15000 - settled.get(answer, 150)], charged  # (a 429 gives it all back)
+
+
+async def test_a_metered_call_whose_worker_goes_before_the_answer_gives_its_estimate_back(
+    start_proxy: Any, monkeypatch: pytest.MonkeyPatch, general_calls: list[str]
+) -> None:
+    """As a failed exchange does, on either path: the vendor had not answered."""
+    got = asyncio.Event()
+    vendor_side: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        vendor_side.append(writer)
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            got.set()
+            await reader.read()  # (never answers: closed once the test has seen what it needs)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    policy = vendor_policy(url, extra_vendor=TOKENS, on_limit="{action: defer}")
+    data = _request(
+        "POST", f"http://{HOST}/v1/chat/completions", "Content-Type: application/json", f"Content-Length: {len(CHAT)}"
+    )
+    lines, levels = [], []
+    try:
+        for lane in ("straight", "general"):
+            if lane == "general":
+                monkeypatch.setattr(Lane, "flight", _general_only)
+            general_calls.clear()
+            got.clear()
+            stream = io.StringIO()
+            proxy = await start_proxy(policy, access_log=AccessLog(stream))
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.address.port)
+            writer.write(data + CHAT)
+            await asyncio.wait_for(got.wait(), 10)
+            writer.transport.abort()
+            deps = proxy.runtime.deps
+
+            def logged(deps: Any = deps, stream: io.StringIO = stream) -> bool:
+                deps.access_log.flush()
+                return bool(stream.getvalue())
+
+            await eventually(logged, "the request logged")
+            assert len(general_calls) == (lane == "general")
+            lines.append(_log_fields(stream.getvalue().splitlines()[0]))
+            state = deps.limiter.store._state
+            given_back = [15000]
+            await eventually(
+                lambda: [round(v[0]) for k, v in state.items() if ":t:default:" in k] == given_back,  # noqa: B023
+                "the estimate given back",
+            )
+            levels.append({key: round(tokens) for key, (tokens, *_) in state.items()})
+            for w in vendor_side:
+                w.transport.abort()  # (the proxy stops without waiting for an answer)
+    finally:
+        server.close()
+    assert lines[0] == lines[1], lines
+    assert lines[0]["meters"] == {"tokens": {"estimated": 150, "settled": 0}}
+    assert levels[0] == levels[1], levels

@@ -59,6 +59,7 @@ from proxy.limiter.store import (
 )
 from proxy.limiter.teaching import Teacher
 from proxy.policy.model import Endpoint, Vendor
+from proxy.tasks import spawn
 
 T = TypeVar("T")
 
@@ -197,14 +198,19 @@ class Limiter:
             self.partitions.note(vendor.name, partition)
         queue = b.queue if enqueue else None
         costs = b.costs(cost, estimates) if b.meters else None
-        # A metered call keeps no slot (yet): SDKs retry on another pooled connection without an
-        # Idempotency-Key, so its slot went unclaimed, its estimate held from everyone (an OpenAI
-        # pool of 8 finished 5 of 30 calls); the store can keep one (acquire.lua, "Kept slots").
-        keeping = claim is not None and queue is not None and costs is None
+        keeping = claim is not None and queue is not None and self.keeps_slots(b)
         reserve = self.reserve(vendor, b, claim or "", keeps, owner) if keeping else None
         if self._fallback is None:  # the store alone: its call itself, not one more coroutine around it
             return self._acquire_shared(vendor, b, cost, max_wait, queue, leases, reserve, costs)
         return self._fallback.acquire(vendor, tenant, b, cost, max_wait, queue, leases, reserve, costs)
+
+    @staticmethod
+    def keeps_slots(b: Buckets) -> bool:
+        """Whether a deferred call of ``b`` keeps its slot. A metered one keeps none (yet):
+        SDKs retry on another pooled connection without an Idempotency-Key, so its slot went
+        unclaimed, its estimate held from everyone (an OpenAI pool of 8 finished 5 of 30
+        calls); the store can keep one (acquire.lua, "Kept slots")."""
+        return not b.meters
 
     @staticmethod
     def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True, owner: float = 0.0) -> Reserve:
@@ -402,6 +408,22 @@ class Limiter:
             return await self._feedback(self.store.settle(metered, amounts, since))
         except StoreUnavailable:
             return None
+
+    def settle_soon(self, b: Buckets, differences: tuple[float, ...], since: float = 0.0) -> None:
+        """``settle``, not awaited: by the store's call without a coroutine (no task per
+        metered request: ``store.settle_then``), else in a task."""
+        amounts = tuple(differences[k] for k in b.meters)
+        if not any(amounts):
+            return
+        if not self.store.settle_then(b.all[b.request_count :], amounts, since, self._settled):
+            spawn(self.settle(b, differences, since), name="settle")
+
+    def _settled(self, levels: tuple[float, ...] | None, exc: BaseException | None) -> None:
+        """The store's answer to ``settle_soon`` (as ``_feedback`` takes one: best effort)."""
+        if exc is None:
+            self.breaker.success()
+        elif isinstance(exc, StoreUnavailable):
+            self.store_failed(exc)
 
     async def left(self, kept: str, claims: tuple[str, ...]) -> None:
         """A worker's connection closed holding the slots ``claims`` of reservation set

@@ -35,6 +35,7 @@ from proxy.limiter.store import (
     LeaseSet,
     Lesson,
     Reserve,
+    Settled,
     ShareAsk,
     StateGuard,
     StraightCall,
@@ -172,8 +173,8 @@ class MemoryStore:
         self._tick(now)
         if queue is None:
             reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
-        if leases is None and reserve is None and share is None and not self._learned and costs is None:
-            return self._take_plain(buckets, cost, max_wait, queue, guard, now)
+        if leases is None and reserve is None and share is None and not self._learned:
+            return self._take_plain(buckets, cost, max_wait, queue, guard, now, costs)
         charge = costs if costs is not None else (cost,) * len(buckets)  # what each bucket takes
         levels = [self._level(b, now) for b in buckets]
         limits = [self._limits(b, now) for b in buckets]
@@ -362,9 +363,10 @@ class MemoryStore:
         queue: str | None,
         guard: StateGuard | None,
         now: float,
+        costs: tuple[float, ...] | None = None,
     ) -> AcquireResult:
-        """``take`` without leases while nothing is learned (every bucket at its policy's rate
-        and burst): the same arithmetic in one pass, for the straight path's every request."""
+        """``take`` without leases, slots or a schedule while nothing is learned: the same
+        arithmetic in one pass, for the straight path's every request (``costs``: per bucket)."""
         state = self._state
         levels = []
         wait, binding = 0.0, -1
@@ -377,18 +379,18 @@ class MemoryStore:
                 if level > b.burst:
                     level = b.burst
             levels.append(level)
-            need = (cost - level) / b.rate
+            need = ((cost if costs is None else costs[i]) - level) / b.rate
             if need > wait:
                 wait, binding = need, i
         counted = self._seq.get(guard.key) if guard is not None else None
         seq = counted[0] if counted is not None and counted[1] > now else 0
         if wait > max_wait:
             self._forget_empty()
-            hint = self._slot(queue, now, wait, cost / buckets[binding].rate)
+            hint = self._slot(queue, now, wait, (cost if costs is None else costs[binding]) / buckets[binding].rate)
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
         latest = now
         for i, b in enumerate(buckets):  # (_store's expiry and `above`)
-            level, st = levels[i] - cost, state.get(b.ident)
+            level, st = levels[i] - (cost if costs is None else costs[i]), state.get(b.ident)
             fresh = st is None or st[2] <= now
             above = now if levels[i] > 0 or fresh else st[3]  # type: ignore[index]
             half = now if levels[i] > b.burst / 2 or fresh else st[4]  # type: ignore[index]
@@ -479,12 +481,10 @@ class MemoryStore:
 
     async def drain(self, buckets: tuple[BucketSpec, ...]) -> BlockResult:
         now = self._clock.monotonic()
-        levels: list[float] = []
-        for b in buckets:
-            level = min(self._level(b, now), 0.0)
+        levels = tuple(min(self._level(b, now), 0.0) for b in buckets)
+        for b, level in zip(buckets, levels, strict=True):
             self._store(b, level, now)
-            levels.append(level)
-        return BlockResult(0.0, tuple(levels))
+        return BlockResult(0.0, levels)
 
     async def refund(self, buckets: tuple[BucketSpec, ...], cost: float) -> tuple[float, ...]:
         return self._settle(buckets, (cost,) * len(buckets))
@@ -493,6 +493,12 @@ class MemoryStore:
         self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
     ) -> tuple[float, ...]:
         return self._settle(buckets, amounts, since)
+
+    def settle_then(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float, then: Settled
+    ) -> bool:
+        then(self._settle(buckets, amounts, since), None)
+        return True
 
     def _settle(
         self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
@@ -577,7 +583,7 @@ class MemoryStore:
         return len(members)
 
     async def ping(self, probes: tuple[str, ...] = ()) -> None:
-        return
+        """(Always up.)"""
 
     async def close(self) -> None:
         self._state.clear()
@@ -589,8 +595,5 @@ class MemoryStore:
 
     def ttl(self, key: str) -> float | None:
         """Seconds until ``key`` expires, None when absent (the scripts' PTTL, for tests)."""
-        st = self._state.get(key)
-        now = self._clock.monotonic()
-        if st is None or st[2] <= now:
-            return None
-        return st[2] - now
+        st, now = self._state.get(key), self._clock.monotonic()
+        return None if st is None or st[2] <= now else st[2] - now

@@ -42,9 +42,10 @@ class TakeNow:
         self._reserve = reserve
         self._share = share
 
-    def send(self, seen: int, leases: Leases | None, then: Answered) -> _Done:
+    def send(self, seen: int, leases: Leases | None, then: Answered, costs: tuple[float, ...] | None = None) -> _Done:
         try:
-            result = self._take(*self._args, self._guard._replace(seen=seen), leases, self._reserve, self._share)
+            guard = self._guard._replace(seen=seen)
+            result = self._take(*self._args, guard, leases, self._reserve, self._share, costs)
         except Exception as exc:  # (a bug: the caller's to report)
             then(None, exc)
         else:

@@ -247,7 +247,10 @@ class StraightAcquire:
         """(life, and the command's parts around the counter and the lease id) of a call with leases."""
         self.n = shape.n
 
-    def _packed(self, seen: int, leases: Leases | None) -> bytes:
+    def _packed(self, seen: int, leases: Leases | None, costs: tuple[float, ...] | None = None) -> bytes:
+        if costs is not None:  # a metered call: its estimate is its own (AcquireShape.packed)
+            guard = StateGuard(self._key, seen, self._debt)
+            return self._shape.packed(f"{self._cost!r}|{per_bucket(costs)}", self._max_wait, guard, leases, "")
         digits = b"%d" % seen
         if leases is None:
             return b"%s$%d\r\n%s\r\n%s" % (self._before, len(digits), digits, self._after)
@@ -259,25 +262,27 @@ class StraightAcquire:
             )
         return b"".join((leased[1], bulk(seen), leased[2], bulk(leases.id), leased[3]))
 
-    def send(self, seen: int, leases: Leases | None, then: Answered) -> _Pending | None:
-        waiter = _Pending(self, then, seen, leases)
+    def send(
+        self, seen: int, leases: Leases | None, then: Answered, costs: tuple[float, ...] | None = None
+    ) -> _Pending | None:
+        packed = self._packed(seen, leases, costs)
+        waiter = _Pending(self, then, packed)
         script = self._script
         if isinstance(script, PipelinedScript):
-            sent = script.send_to(self._packed(seen, leases), waiter, self._timeout)
+            sent = script.send_to(packed, waiter, self._timeout)
         else:
-            sent = script.send_to(self._shape.keys, self._packed(seen, leases), waiter, self._timeout)
+            sent = script.send_to(self._shape.keys, packed, waiter, self._timeout)
         return waiter if sent else None
 
-    def again(self, then: Answered, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> None:
+    def again(self, then: Answered, error: hiredis.ReplyError, packed: bytes) -> None:
         """After an error reply: sent again, in a task, when it says the acquire did not run."""
-        task = spawn(self._again(error, seen, leases), name="straight-acquire")
+        task = spawn(self._again(error, packed), name="straight-acquire")
         task.add_done_callback(functools.partial(settled, then))
 
-    async def _again(self, error: hiredis.ReplyError, seen: int, leases: Leases | None) -> AcquireResult:
+    async def _again(self, error: hiredis.ReplyError, packed: bytes) -> AcquireResult:
         """The reply after an error reply: one that says the acquire did not run gets it sent
         again; any other, as any failure, is the store unavailable."""
         script = self._script
-        packed = self._packed(seen, leases)
         try:
             if isinstance(script, PipelinedScript):
                 out = await script.reply_error(str(error), packed, self._timeout)
@@ -293,13 +298,12 @@ class _Pending:
     connection calls ``set_result`` or ``set_exception`` from the callback that read it):
     the reply decoded for ``then``. ``cancel``: its caller gave up; the reply is dropped."""
 
-    __slots__ = ("_call", "_leases", "_seen", "_then")
+    __slots__ = ("_call", "_packed", "_then")
 
-    def __init__(self, call: StraightAcquire, then: Answered, seen: int, leases: Leases | None) -> None:
+    def __init__(self, call: StraightAcquire, then: Answered, packed: bytes) -> None:
         self._call = call
         self._then: Answered | None = then
-        self._seen = seen
-        self._leases = leases
+        self._packed = packed  # (sent again after an error reply that says it did not run)
 
     def done(self) -> bool:
         return self._then is None
@@ -313,7 +317,7 @@ class _Pending:
         if then is None:
             return
         if type(out) is _ReplyError:
-            self._call.again(then, out, self._seen, self._leases)
+            self._call.again(then, out, self._packed)
         else:
             then(acquire_result(out, self._call.n), None)
 

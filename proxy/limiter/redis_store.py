@@ -46,6 +46,7 @@ from proxy.limiter.store import (
     LeaseSet,
     Lesson,
     Reserve,
+    Settled,
     ShareAsk,
     StateGuard,
     StoreUnavailable,
@@ -117,6 +118,7 @@ class RedisStore:
         self._acquire_fast: PipelinedScript | ClusterScript | None = None
         self._presence_fast: PipelinedScript | ClusterScript | None = None
         self._release_fast: PipelinedScript | ClusterScript | None = None
+        self._refund_fast: PipelinedScript | ClusterScript | None = None  # (a metered call's settlement)
         # (on the requests' connection: a slot left is marked before the refusals after it)
         self._leave_fast: PipelinedScript | ClusterScript | None = None
         if pipelined and url.startswith("redis+cluster://"):
@@ -124,6 +126,7 @@ class RedisStore:
             self._pipe = cluster
             self._acquire_fast = ClusterScript(cluster, script("acquire"))
             self._release_fast = ClusterScript(cluster, script("release"))
+            self._refund_fast = ClusterScript(cluster, script("refund"))
             self._presence_fast = ClusterScript(cluster, script("presence"))
             self._leave_fast = ClusterScript(cluster, script("leave"))
         elif pipelined:
@@ -131,6 +134,7 @@ class RedisStore:
             self._pipe = pipe
             self._acquire_fast = PipelinedScript(pipe, script("acquire"))
             self._release_fast = PipelinedScript(pipe, script("release"))
+            self._refund_fast = PipelinedScript(pipe, script("refund"))
             self._presence_fast = PipelinedScript(pipe, script("presence"))
             self._leave_fast = PipelinedScript(pipe, script("leave"))
 
@@ -375,14 +379,40 @@ class RedisStore:
     async def settle(
         self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float = 0.0
     ) -> tuple[float, ...]:
-        tail = f"|{since * _MS:.3f}" if since > 0 else ""
-        return await self._refund_as(buckets, "|" + per_bucket(amounts) + tail)
+        return await self._refund_as(buckets, _settling(amounts, since))
+
+    def settle_then(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float, then: Settled
+    ) -> bool:
+        fast = self._refund_fast
+        if fast is None:
+            return False
+        keys, args = _refund_args(buckets, _settling(amounts, since))
+        packed = hiredis.pack_command(("EVALSHA", fast.sha, len(keys), *keys, *args))  # type: ignore[arg-type]
+        waiter = Reply(functools.partial(self._settled, then, buckets, amounts, since))
+        if isinstance(fast, PipelinedScript):
+            return fast.send_to(packed, waiter, self._timeout)
+        return fast.send_to(keys, packed, waiter, self._timeout)
+
+    def _settled(
+        self,
+        then: Settled,
+        buckets: tuple[BucketSpec, ...],
+        amounts: tuple[float, ...],
+        since: float,
+        out: Any,
+        exc: BaseException | None,
+    ) -> None:
+        if exc is not None:
+            then(None, self._failure(exc))
+        elif type(out) is hiredis.ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
+            task = spawn(self.settle(buckets, amounts, since), name="settle")
+            task.add_done_callback(functools.partial(settled, then))
+        else:
+            then(tuple(float(x) for x in out), None)
 
     async def _refund_as(self, buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[float, ...]:
-        keys = [b.key for b in buckets]
-        args: list[float | str] = [amount]
-        for b in buckets:
-            args += (b.rate / _MS, b.burst, b.field)
+        keys, args = _refund_args(buckets, amount)
         out = await self._call(lambda: self._refund(keys=keys, args=args))
         return tuple(float(x) for x in out)
 
@@ -454,3 +484,17 @@ class RedisStore:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _settling(amounts: tuple[float, ...], since: float) -> str:
+    """refund.lua's ARGV[1] for a settlement: one amount per bucket, and ``since``."""
+    tail = f"|{since * _MS:.3f}" if since > 0 else ""
+    return "|" + per_bucket(amounts) + tail
+
+
+def _refund_args(buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[list[str], list[float | str]]:
+    """refund.lua's keys and arguments."""
+    args: list[float | str] = [amount]
+    for b in buckets:
+        args += (b.rate / _MS, b.burst, b.field)
+    return [b.key for b in buckets], args

@@ -245,6 +245,8 @@ class StoreUnavailable(Exception):
 
 
 Answered = Callable[[AcquireResult | None, BaseException | None], None]
+Settled = Callable[[tuple[float, ...] | None, BaseException | None], None]
+"""What hears a settlement's levels after, or why there are none (``settle_then``)."""
 """What a straight call's answer goes to: ``(result, None)``, or ``(None, why)`` when none came."""
 
 
@@ -259,9 +261,12 @@ class StraightCall(Protocol):
     command's fixed bytes) and sent per request without a coroutine: the straight path's
     (pipeline/lane.py) one store call per request."""
 
-    def send(self, seen: int, leases: Leases | None, then: Answered) -> Pending | None:
-        """Send the acquire, ``seen`` (the state's counter the caller has seen) and
-        ``leases`` (its concurrency leases, None: none) being the call's own. ``then``
+    def send(
+        self, seen: int, leases: Leases | None, then: Answered, costs: tuple[float, ...] | None = None
+    ) -> Pending | None:
+        """Send the acquire, ``seen`` (the state's counter the caller has seen), ``leases``
+        (its concurrency leases, None: none) and ``costs`` (a metered call's, one per bucket
+        as ``acquire`` takes them; None: the call's own cost) being the call's own. ``then``
         gets the decoded result, or why none came (``StoreUnavailable`` for the store's
         failures), from the callback that read it; maybe before ``send`` returns (a store
         in this process). None: nothing was sent (the store's connection is not open) and
@@ -345,6 +350,12 @@ class BucketStore(Protocol):
         bucket's history allows: the tokens given back were not spent, and a bucket that stood
         above empty meanwhile would have overflowed some (acquire.lua's ``z`` and ``zh``: half
         its burst at most, or none above half). Levels after."""
+
+    def settle_then(
+        self, buckets: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float, then: Settled
+    ) -> bool:
+        """``settle`` without a coroutine, as ``release_then``: ``then(levels, None)`` or
+        ``then(None, why)``; False: nothing was sent, and ``settle`` is the caller's to await."""
 
     async def peek(self, buckets: tuple[BucketSpec, ...]) -> tuple[float, ...]:
         """Levels now, taking nothing."""

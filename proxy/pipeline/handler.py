@@ -195,6 +195,8 @@ class ProxyHandler:
             slot = carried.slot
         else:
             slot = deps.concurrency.slot(match.vendor, match.endpoint)
+        if carried is not None:
+            rec.metered = carried.metered  # (a metered request's estimates, made on the straight path)
         if carried is not None and carried.admission is not None:  # granted and sent already
             try:
                 await self._go(deps, request, responder, match, rec, carried.admission, slot, carried)
@@ -470,9 +472,9 @@ class ProxyHandler:
     ) -> None:
         vendor = match.vendor
         metered = bool(rec.metered)
-        if carried is None:
-            sent = deps.clock.monotonic()
-            try:
+        sent = deps.clock.monotonic() if carried is None else carried.sent
+        try:
+            if carried is None:
                 upstream = await send(
                     deps.upstreams.pool(vendor),
                     vendor,
@@ -484,16 +486,15 @@ class ProxyHandler:
                     admission.pace,
                     carrier,
                 )
-            except BaseException:
-                if metered:  # a failed exchange gives its estimate back
-                    metering.settle(deps, match, rec, None, None, deps.clock.monotonic() - sent)
-                raise
-        else:  # the straight path sent it
-            sent = carried.sent
-            if carried.failure is not None:
+            elif carried.failure is not None:  # the straight path sent it, and the exchange failed
                 raise send_failed(vendor, request, carried.failure) from carried.failure
-            assert carried.upstream is not None
-            upstream = carried.upstream
+            else:  # the straight path sent it
+                assert carried.upstream is not None
+                upstream = carried.upstream
+        except BaseException:
+            if metered:  # a failed exchange gives its estimate back
+                metering.settle(deps, match, rec, None, None, deps.clock.monotonic() - sent)
+            raise
         rec.upstream_status = upstream.status
         deps.tally(vendor.name).recent(admission.outcome)
         _count_answer(deps, vendor, upstream.status)

@@ -40,6 +40,8 @@ class Carried(NamedTuple):
     slot: Slot | None = None
     """The request's leases (concurrency caps), taken with its tokens: the general path's
     to give back from here on."""
+    metered: tuple[tuple[str, float, float | None], ...] = ()
+    """A metered request's estimates (metering.noted), made from its body: not made again."""
 
 
 class GeneralPath(Protocol):

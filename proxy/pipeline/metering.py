@@ -11,11 +11,10 @@ stream the worker leaves half way still settles with what the vendor had said by
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from proxy.deps import Deps
 from proxy.limiter import Buckets
@@ -23,7 +22,7 @@ from proxy.limiter.quota_headers import SHOPIFY, read_body_quota
 from proxy.limiter.teaching import currency_of
 from proxy.pipeline.match import Match
 from proxy.policy.model import Meter, Vendor
-from proxy.quota.estimates import Estimate
+from proxy.quota.estimates import Estimate, request_document
 from proxy.quota.json_pointer import JsonPointer, load_json
 from proxy.quota.usage import Settle, UsageReader
 from proxy.tasks import spawn
@@ -34,6 +33,9 @@ from proxy.wire.sse import EventSplitter
 _UNREAD: Final = object()  # (Settlement.document not parsed yet)
 BODY_MAX: Final = 2 * 1024 * 1024
 """Bytes of a request body read for its estimate; a longer body costs the meter's default."""
+Metered = tuple[tuple[str, float, float | None], ...]
+"""Per meter of a request's vendor: its name, the request's estimate, and what the answer
+said it cost (None: not said, or not yet): the access record's ``metered``."""
 ANSWER_MAX: Final = 4 * 1024 * 1024
 """Bytes of a JSON answer (decompressed) kept to read its usage; a longer one keeps its estimate."""
 
@@ -42,7 +44,7 @@ class AccessRecord(Protocol):
     """What metering notes in a request's access record (telemetry's ``AccessRecord``)."""
 
     path: str
-    metered: tuple[tuple[str, float, float | None], ...]
+    metered: Metered
 
 
 @dataclass
@@ -54,7 +56,6 @@ class MeterTooSmall(BadRequest):
     meter: str = ""
 
 
-@functools.cache
 def estimate_of(meter: Meter) -> Estimate:
     e = meter.estimate
     if e.kind == "fixed":
@@ -64,7 +65,6 @@ def estimate_of(meter: Meter) -> Estimate:
     return Estimate(e.kind)
 
 
-@functools.cache
 def settle_of(meter: Meter) -> Settle | None:
     s = meter.settle
     if s.kind == "none":
@@ -76,24 +76,90 @@ def settle_of(meter: Meter) -> Settle | None:
     return Settle(s.kind)
 
 
-@functools.cache
-def body_taught(meter: Meter) -> bool:
-    """Whether the meter counts a currency an answer's body states (Shopify's points,
-    ``teaching.currency_of``): only for such a meter is a JSON answer read for its quota."""
-    return currency_of(meter) == SHOPIFY
+class Plan(NamedTuple):
+    """How a vendor's meters estimate and settle, worked out once per policy vendor (every
+    metered request asks: ``plan_of``)."""
+
+    names: tuple[str, ...]
+    estimates: tuple[Estimate, ...]
+    defaults: tuple[float, ...]
+    """Per meter, the cost of a body it cannot read (its ``default``, else its capacity)."""
+    bodiless: tuple[bool, ...]
+    """Per meter, whether a call without a body asks for nothing (a preset's: GET /v1/models)."""
+    settles: tuple[Settle | None, ...]
+    reads_body: bool
+    """Whether an estimate reads the request's body."""
+    body_taught: bool
+    """Whether a JSON answer is read for the vendor's quota: ``feedback.headers: auto`` and a
+    meter counting a currency an answer's body states (Shopify's points, ``teaching.currency_of``)."""
+
+
+_PLANS: dict[int, tuple[Vendor, Plan]] = {}
+_PLANS_MAX: Final = 256  # (vendors of the policies loaded since: reloads make new ones)
+
+
+def plan_of(vendor: Vendor) -> Plan:
+    """``vendor``'s ``Plan``, kept by identity (a frozen Vendor hashes all its fields)."""
+    hit = _PLANS.get(id(vendor))
+    if hit is not None and hit[0] is vendor:
+        return hit[1]
+    meters = vendor.meters
+    estimates = tuple(estimate_of(m) for m in meters)
+    plan = Plan(
+        tuple(m.name for m in meters),
+        estimates,
+        tuple(m.default if m.default is not None else m.capacity for m in meters),
+        tuple(m.estimate.kind not in ("fixed", "json") for m in meters),
+        tuple(settle_of(m) for m in meters),
+        any(e.reads_body for e in estimates),
+        vendor.feedback.headers == "auto" and any(currency_of(m) == SHOPIFY for m in meters),
+    )
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[id(vendor)] = (vendor, plan)
+    return plan
 
 
 async def begin(deps: Deps, match: Match, request: Request, rec: AccessRecord) -> tuple[float, ...]:
-    """A metered request's estimates (``estimates``), noted in its access record."""
+    """A metered request's estimates (``estimates``), noted in its access record (there
+    already when the straight path made them: ``Carried.metered``)."""
+    if rec.metered:
+        return tuple(e for _, e, _ in rec.metered)
     vendor = match.vendor
     b = deps.limiter.buckets(vendor, match.tenant, match.endpoint, match.partition, match.klass)
+    body: bytes | None = b""
+    if request.has_body and plan_of(vendor).reads_body:
+        body = await request.body.whole(BODY_MAX)
+    path = rec.path.split("?", 1)[0]
     try:
-        estimated = await estimates(vendor, request, rec.path.split("?", 1)[0], b)
+        estimated = estimates(vendor, body, request.has_body, request.headers.get("Content-Type"), path, b)
     except MeterTooSmall as exc:
         deps.metrics.meter_refused.labels(vendor.name, exc.meter).inc()
         raise
-    rec.metered = tuple((m.name, e, None) for m, e in zip(vendor.meters, estimated, strict=True))
+    rec.metered = noted(vendor, estimated)
     return estimated
+
+
+def estimated_now(vendor: Vendor, request: Request, path: str, b: Buckets) -> Metered | None:
+    """The straight path's (lane.py) estimates of a request whose body is in hand, whole (a
+    lean one's), as ``noted``; None when the general path makes them: a body not in hand, or
+    an estimate more than a meter can hold (the general path refuses it, and counts it)."""
+    body: bytes | None = b""
+    if request.has_body and plan_of(vendor).reads_body:
+        body = request.body_in_hand()
+        if body is None:
+            return None
+    try:
+        estimated = estimates(vendor, body, request.has_body, request.first(b"content-type"), path, b)
+    except MeterTooSmall:
+        return None
+    return noted(vendor, estimated)
+
+
+def noted(vendor: Vendor, estimated: tuple[float, ...]) -> Metered:
+    """Per meter of ``vendor``: its name, the request's estimate, and what the answer said it
+    cost (None: not yet), as the access record keeps them."""
+    return tuple(zip(plan_of(vendor).names, estimated, (None,) * len(estimated), strict=True))
 
 
 def refused(deps: Deps, vendor: Vendor, b: Buckets, binding: int) -> None:
@@ -111,49 +177,58 @@ def settle(
     headers: Mapping[str, str] | None,
     since: float = 0.0,
 ) -> None:
-    """Replace a metered request's estimates with what its answer said, in the background
-    (the worker is not kept waiting for the store); ``settlement`` None: the request was not
-    served (a vendor 429, a failed exchange), its estimates go back. ``since``: seconds since
-    it went (what a refund may give back depends on its buckets since: ``store.settle``)."""
-    estimated = tuple(e for _, e, _ in rec.metered)
+    """``settled``, of the request ``rec`` records."""
+    b = deps.limiter.buckets(match.vendor, match.tenant, match.endpoint, match.partition, match.klass)
+    rec.metered = settled(deps, match.vendor, b, match.partition, rec.metered, settlement, headers, since)
+
+
+def settled(
+    deps: Deps,
+    vendor: Vendor,
+    b: Buckets,
+    partition: str,
+    metered: Metered,
+    settlement: Settlement | None,
+    headers: Mapping[str, str] | None,
+    since: float = 0.0,
+) -> Metered:
+    """Replace a metered request's estimates (``metered``, as ``noted``) with what its answer
+    said, in the background (the worker is not kept waiting for the store), and return them
+    with what was said; ``settlement`` None: the request was not served (a vendor 429, a
+    failed exchange), its estimates go back. ``since``: seconds since it went (what a refund
+    may give back depends on its buckets since: ``store.settle``)."""
+    estimated = tuple(e for _, e, _ in metered)
     if settlement is None:
         actual: tuple[float | None, ...] = (0.0,) * len(estimated)
     else:
         actual = settlement.actual(headers or {})
-    rec.metered = tuple((name, e, a) for (name, e, _), a in zip(rec.metered, actual, strict=True))
-    name = match.vendor.name
-    for meter, e, a in rec.metered:
+    name = vendor.name
+    for (meter, e, _), a in zip(metered, actual, strict=True):
         deps.metrics.meter_estimated.labels(name, meter).inc(e)
         if settlement is not None and a is not None:
             deps.metrics.meter_settled.labels(name, meter).inc(a)
-    b = deps.limiter.buckets(match.vendor, match.tenant, match.endpoint, match.partition, match.klass)
-    spawn(deps.limiter.settle(b, differences(estimated, actual), since), name=f"settle-{match.vendor.name}")
-    if (
-        settlement is not None
-        and match.vendor.feedback.headers == "auto"
-        and any(map(body_taught, match.vendor.meters))
-    ):
+    deps.limiter.settle_soon(b, differences(estimated, actual), since)
+    if settlement is not None and plan_of(vendor).body_taught:
         said = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
         if said:
-            spawn(deps.limiter.learn_meters(match.vendor, said, match.partition), name=f"learn-{name}")
+            spawn(deps.limiter.learn_meters(vendor, said, partition), name=f"learn-{name}")
+    return tuple((meter, e, a) for (meter, e, _), a in zip(metered, actual, strict=True))
 
 
-async def estimates(vendor: Vendor, request: Request, path: str, b: Buckets) -> tuple[float, ...]:
-    """One estimate per meter of ``vendor``, from ``request``'s body; raises MeterTooSmall for
-    one that exceeds the smallest burst of that meter's buckets (``b``'s)."""
-    needs = any(estimate_of(meter).reads_body for meter in vendor.meters)
-    body: bytes | None = b""
-    if needs and request.has_body:
-        body = await request.body.whole(BODY_MAX)
-    kind = request.headers.get("Content-Type")
+def estimates(
+    vendor: Vendor, body: bytes | None, has_body: bool, content_type: str | None, path: str, b: Buckets
+) -> tuple[float, ...]:
+    """One estimate per meter of ``vendor``, from a request's ``body`` (None: longer than
+    ``BODY_MAX``); raises MeterTooSmall for one that exceeds the smallest burst of that
+    meter's buckets (``b``'s)."""
+    plan = plan_of(vendor)
+    document = request_document(body, content_type)  # (read once for every meter)
     out: list[float] = []
-    for meter in vendor.meters:
-        estimate = estimate_of(meter)
-        if not request.has_body and meter.estimate.kind not in ("fixed", "json"):
+    for estimate, default, bodiless in zip(plan.estimates, plan.defaults, plan.bodiless, strict=True):
+        if bodiless and not has_body:
             out.append(0.0)  # a preset's call without a body (GET /v1/models) asks for nothing
             continue
-        default = meter.default if meter.default is not None else meter.capacity
-        out.append(estimate.cost(body, default, content_type=kind, path=path))
+        out.append(estimate.cost(body, default, content_type=content_type, path=path, document=document))
     bursts: dict[int, float] = {}
     for spec, k in zip(b.all[b.request_count :], b.meters, strict=True):
         bursts[k] = min(bursts.get(k, spec.burst), spec.burst)
@@ -171,17 +246,16 @@ class Settlement:
     """What a metered request's answer says it cost, per meter: fed the answer's bytes as
     they are relayed (``watch``), asked at its end (``actual``)."""
 
-    __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_size", "_vendor")
+    __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_settles", "_size")
 
     def __init__(self, vendor: Vendor, headers: Mapping[str, str]) -> None:
-        self._vendor = vendor
+        self._settles = settles = plan_of(vendor).settles
         kind = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         self._events = EventSplitter() if kind == "text/event-stream" else None
         self._json = self._events is None
         self._readers: list[UsageReader | None] = []
-        for meter in vendor.meters:
-            settle = settle_of(meter)
-            self._readers.append(settle.stream() if settle is not None and self._events is not None else None)
+        if self._events is not None:
+            self._readers = [None if settle is None else settle.stream() for settle in settles]
         self._body: list[bytes] = []
         self._size = 0
         self._parsed: object = _UNREAD
@@ -220,8 +294,8 @@ class Settlement:
     def actual(self, headers: Mapping[str, str]) -> tuple[float | None, ...]:
         """Per meter, what the answer said the request cost; None: it did not say."""
         out: list[float | None] = []
-        for meter, reader in zip(self._vendor.meters, self._readers, strict=True):
-            settle = settle_of(meter)
+        readers = self._readers or [None] * len(self._settles)
+        for settle, reader in zip(self._settles, readers, strict=True):
             if settle is None:
                 out.append(None)
             elif settle.kind == "header":

@@ -170,7 +170,8 @@ class Charge:
         # A slot's owner keeps its head start (kept_slots.FOLLOW_UP) over a request taken
         # here, which has no slot of its own: a retry of a call deferred on this replica
         # takes the general path, which claims its slot.
-        reserve = limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if wish.action == "defer" else None
+        keeps = wish.action == "defer" and limiter.keeps_slots(self.b)
+        reserve = limiter.reserve(vendor, self.b, owner=FOLLOW_UP) if keeps else None
         queue = self.b.queue if enqueue else None
         call = (
             limiter.straight(vendor, self.b, self.cost, wish.max_wait, queue, self.caps, reserve)
@@ -202,6 +203,7 @@ class Route:
         "log",
         "log_path",
         "match",
+        "metered",
         "mode",
         "origin",
         "partition_header",
@@ -234,6 +236,8 @@ class Route:
         """The host the target names (the access log's ``host``)."""
         self.target_path = target_path
         """The target's path and query (the access log's ``path``), when ``cut`` is -1."""
+        self.metered = bool(vendor.meters)
+        """Its requests are estimated from their bodies, and settled from their answers (SPEC §14)."""
         self.bodiless = method == "HEAD"
         """Its answers end with their head (whatever length they announce)."""
         self.window = longest_window(vendor)
@@ -376,9 +380,6 @@ class Routes:
             return None  # the general path refuses it; the next request of the key may be fine
         except Refusal:
             self._keep(key, None)  # the general path refuses it (and counts and logs the refusal)
-            return None
-        if match.vendor.meters:
-            self._keep(key, None)  # a metered call's estimate reads its body (SPEC §14): the general path's
             return None
         if cut >= 0 and match.path_qs != request.target[cut:]:
             return None  # a fragment, a query right after the authority...: this target is not cut so

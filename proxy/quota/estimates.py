@@ -53,7 +53,15 @@ from typing import Final, Literal, cast, get_args
 
 from proxy.quota.json_pointer import JsonPointer, json_number, load_json
 
-__all__ = ["DEFAULT_COMPLETION_CAP", "MAX_ESTIMATE", "PRESETS", "Estimate", "EstimateKind", "estimate_from_policy"]
+__all__ = [
+    "DEFAULT_COMPLETION_CAP",
+    "MAX_ESTIMATE",
+    "PRESETS",
+    "Estimate",
+    "EstimateKind",
+    "estimate_from_policy",
+    "request_document",
+]
 
 EstimateKind = Literal["openai", "anthropic_input", "anthropic_output", "fixed", "json"]
 Preset = Literal["openai", "anthropic_input", "anthropic_output"]
@@ -61,6 +69,8 @@ PRESETS: Final[tuple[str, ...]] = get_args(Preset)
 
 MAX_ESTIMATE: Final = float(2**53)
 """The largest estimate: a float still exact at every integer up to it."""
+
+_UNREAD: Final = object()  # (Estimate.cost: the body not parsed yet)
 
 DEFAULT_COMPLETION_CAP: Final = 4096.0
 """The completion cap of an OpenAI request that states none, unless the caller says otherwise:
@@ -104,16 +114,19 @@ class Estimate:
         content_type: str | None = None,
         completion_cap: float = DEFAULT_COMPLETION_CAP,
         path: str = "",
+        document: object = _UNREAD,
     ) -> float:
         """The request's estimated cost. ``body``: read whole, or ``None`` (too large or not
         read); ``default``: the meter's cost for a body it cannot read; ``content_type``: the
         request's (``None``: unknown, the body is tried as JSON); ``completion_cap``: an OpenAI
         request's cap when it states none; ``path``: the request's path, which tells an
-        embeddings request (no completion) from a Responses one."""
+        embeddings request (no completion) from a Responses one; ``document``: the body as
+        ``request_document`` read it already (a vendor's meters read it once)."""
         if self.kind == "fixed":
             return self.fixed
         fallback = self.default if self.kind == "json" and self.default is not None else default
-        document = load_json(body) if _json_type(content_type) else None
+        if document is _UNREAD:
+            document = request_document(body, content_type)
         if self.kind == "json":
             assert self.pointer is not None  # __post_init__
             found = json_number(self.pointer.resolve(document))
@@ -163,6 +176,12 @@ def _show(value: object) -> str:
 def _held(value: float) -> float:
     """A cost within [0, MAX_ESTIMATE]."""
     return min(max(value, 0.0), MAX_ESTIMATE) if value == value else MAX_ESTIMATE
+
+
+def request_document(body: bytes | None, content_type: str | None) -> object:
+    """A request body as an estimate reads it: its JSON (None: not JSON, or of a type that is
+    not read: a form, a multipart upload)."""
+    return load_json(body) if _json_type(content_type) else None
 
 
 def _json_type(content_type: str | None) -> bool:

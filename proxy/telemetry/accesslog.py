@@ -168,7 +168,7 @@ class AccessRecord:
         if self.detail:
             fields[DETAIL] = self.detail
         if self.metered:
-            fields[METERS] = {name: {"estimated": e, "settled": s} for name, e, s in self.metered}
+            fields[METERS] = meters_field(self.metered)
         return fields
 
     def _direct(self, now: float) -> str:
@@ -228,16 +228,27 @@ class ForwardedLine(NamedTuple):
             line_end(endpoint, partition),
         )
 
-    def line(self, path: str, status: int, duration: float) -> str:
+    def line(
+        self, path: str, status: int, duration: float, metered: tuple[tuple[str, float, float | None], ...] = ()
+    ) -> str:
         """The line but for its closing brace (``AccessLog.add``); ``path``: ``logged_path``'s,
-        quoted (``quoted_path``)."""
+        quoted (``quoted_path``); ``metered``: ``AccessRecord.metered``."""
         ts = round(time.time(), 3)
         ms = round(duration * 1000, 2)
         # json's own text for each value (float repr, the quoting).
-        return (
+        text = (
             f'{{"ts":{ts!r}{self.head}{path}{self.mid}{status},"upstream_status":{status}'
             f',"hold_ms":0.0,"duration_ms":{ms!r}{self.end}'
         )
+        if metered:
+            text += f',"{METERS}":{json.dumps(meters_field(metered), separators=(",", ":"))}'
+        return text
+
+
+def meters_field(metered: tuple[tuple[str, float, float | None], ...]) -> dict[str, dict[str, float | None]]:
+    """What a line says of a metered request (SPEC §14): per meter, its estimate and what the
+    answer said it cost."""
+    return {name: {"estimated": e, "settled": s} for name, e, s in metered}
 
 
 def quoted_path(path: str) -> str:

@@ -125,6 +125,14 @@ class Body(Inbox):
             return None
         return b"".join(self._chunks)
 
+    def in_hand(self) -> bytes | None:
+        """What is held unread, when the body has all come (the whole body, if nothing read
+        it yet: a lean request's small one, which the straight path sends as it came); else
+        None."""
+        if not self._done or self._exc is not None:
+            return None
+        return b"".join(self._chunks)
+
     # -- from the connection ---------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:

@@ -120,6 +120,23 @@ class Request:
             headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
         return headers
 
+    def first(self, name: bytes) -> str | None:
+        """The first field named ``name`` (lower case), as ``headers`` would find it, without
+        making ``headers``."""
+        size = len(name)
+        for field, value in self.raw:
+            if len(field) == size and field.lower() == name:
+                return value.decode("latin-1")
+        return None
+
+    def body_in_hand(self) -> bytes | None:
+        """The whole body when it has all come and none of it was read (a lean request's
+        small one: the straight path's), b"" when none was announced; else None."""
+        body = self._body
+        if body is None:
+            return b""
+        return body.in_hand()
+
     @property
     def body(self) -> Body:
         body = self._body

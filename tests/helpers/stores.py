@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis as sync_redis
 
@@ -93,6 +94,9 @@ class FlakyStore(MemoryStore):
     ) -> tuple[float, ...]:
         await self._enter()
         return await super().settle(buckets, amounts, since)
+
+    def settle_then(self, *args: Any) -> bool:
+        return False  # every settlement through ``settle``, where failures are injected
 
     async def announce(self, key: str, member: str, stale: float, leave: bool = False) -> int:
         await self._enter()

@@ -80,6 +80,30 @@ async def test_settling_gives_the_difference_back(store: BucketStore) -> None:
     assert (await store.settle(b, (4000,)))[0] == pytest.approx(5000)
 
 
+async def test_settling_without_a_coroutine_settles_as_settle_does(
+    store: BucketStore, request: pytest.FixtureRequest
+) -> None:
+    """``settle_then`` (the straight path's, one per metered answer, no task): the levels the
+    coroutine would give, told to ``then``; or, a store without such a call (redis-py's
+    clients), False and nothing done, the coroutine being the caller's."""
+    b = (tokens("t"),)
+    await store.acquire(b, 1, 0, None, guard(), costs=(3000,))
+    told: asyncio.Future[tuple[float, ...] | None] = asyncio.get_running_loop().create_future()
+
+    def then(levels: tuple[float, ...] | None, exc: BaseException | None) -> None:
+        told.set_result(levels) if exc is None else told.set_exception(exc)
+
+    sent = store.settle_then(b, (3000 - 1200,), 0.0, then)
+    if request.node.callspec.params["store"] == "redis-py":
+        assert not sent and not told.done()
+        assert (await store.peek(b))[0] == pytest.approx(2000, abs=50)  # nothing given back
+        return
+    assert sent
+    levels = await asyncio.wait_for(told, 5)
+    assert levels is not None and levels[0] == pytest.approx(3800, abs=50)
+    assert (await store.peek(b))[0] == pytest.approx(3800, abs=50)
+
+
 async def test_settling_above_the_estimate_is_a_debt_the_next_requests_wait_out(
     store: BucketStore, clock: ManualClock
 ) -> None:
