@@ -48,12 +48,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With pytest-xdist (scripts/test runs the suite on both cores, --dist loadgroup), every
-    test that asserts rates or time bounds goes to one worker, so no two of them share the
-    machine's cores at once; the other worker runs the rest beside them."""
+    """With pytest-xdist (scripts/test runs the suite as three workers on the two cores,
+    --dist loadgroup), the tests that assert rates or time bounds run in two lanes, each one
+    test at a time: the busy ones (a fleet that keeps a core busy: marker ``busy``) in one, so
+    no two of them share the cores, and the quiet ones (mostly waiting on a rate: a fraction
+    of a core) in the other; the third worker runs the rest beside them, and a lane that is
+    done takes some of the rest."""
     for item in items:
         if item.get_closest_marker("slow") or item.get_closest_marker("timing"):
-            item.add_marker(pytest.mark.xdist_group("timing"))
+            lane = "timing-busy" if item.get_closest_marker("busy") else "timing"
+            item.add_marker(pytest.mark.xdist_group(lane))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

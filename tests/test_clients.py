@@ -29,7 +29,7 @@ from tests.conftest import curl, vendor_policy
 from tests.helpers.cli import PROXY_VARS
 from tests.helpers.node import node_request
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 VENDOR_URL = "http://api.payments.example"
 FOREIGN_URL = "http://not-a-vendor.example/v1/anything"

@@ -38,7 +38,7 @@ from tests.conftest import HttpsVendor, RawVendor, client_session, eventually, m
 from tests.dataplane.wire import Peer, read_response
 from tests.helpers.cli import ProxyProcess, Ready, cli, write_policy
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 URL = "http://api.payments.example"
 

@@ -23,6 +23,8 @@ from proxy.devtools.demo_fleet import workers_at
 from proxy.devtools.demo_report import Row, plain_line
 from proxy.policy import parse_policy
 
+pytestmark = pytest.mark.busy  # (its runs: two fleets and their proxies, with the timing tests that keep a core busy)
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LINE = re.compile(

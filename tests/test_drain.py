@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers.cli import EXAMPLE, ProxyProcess, Ready, cli, write_policy
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 POLL = 0.01
 # What a client sees of a request cut at the bound: the connection closed under it.

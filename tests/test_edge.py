@@ -24,7 +24,7 @@ from proxy.wire.upstream import Origin, UpstreamConnection
 from tests.conftest import client_session, eventually, vendor_policy
 from tests.helpers.vendor_process import VendorProcess, vendor_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.busy]
 
 WINDOW_LIMIT = 100
 WORKERS = 40

@@ -31,7 +31,7 @@ from tests.helpers.cli import PROXY_VARS, TRUST_VARS
 from tests.helpers.intercept import URL, ProxyCA, intercept_policy, new_proxy_ca, scrape, upstream_of
 from tests.helpers.node import NodeAnswer, NodeFailure, node_fetch, node_request
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 BODY = bytes(range(256)) * 8192  # 2 MiB: curl sends Expect: 100-continue above 1 MiB
 CLIENT_VARS = (*PROXY_VARS, *TRUST_VARS)

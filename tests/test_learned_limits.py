@@ -26,7 +26,7 @@ from proxy.server import ProxyServer
 from tests.conftest import ProxyFactory, Vendor, metric_samples, vendor_policy
 from tests.helpers.vendor_process import VendorProcess, measured_rate, vendor_process
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 POLICY_RATE = 100.0
 VENDOR_RATE = 70

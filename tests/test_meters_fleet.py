@@ -21,7 +21,7 @@ from proxy.policy.model import Limit, Meter, MeterEstimate, MeterSettle
 from tests.conftest import ProxyFactory, vendor_policy
 from tests.helpers.vendor_process import vendor_process
 
-pytestmark = pytest.mark.timing  # asserts rates: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates: run apart from the other timed tests
 
 WINDOW = 2.0
 WINDOW_TOKENS = 600  # --tokens-per-minute 18000 over a 2-s window

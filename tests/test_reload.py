@@ -23,7 +23,7 @@ from proxy.policy import load_policy
 from proxy.server import ProxyServer
 from tests.conftest import ROOT, client_session, eventually, metric_samples, value
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 POLICY = """\
 version: 1

@@ -22,7 +22,7 @@ import pytest
 from proxy.server import ProxyServer
 from tests.conftest import client_session, eventually, vendor_policy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.busy]
 
 BASE = "http://api.payments.example"
 

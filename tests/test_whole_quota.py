@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import vendor_policy
 from tests.helpers.vendor_process import VendorProcess, measured_rate, vendor_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+pytestmark = [pytest.mark.slow, pytest.mark.timing, pytest.mark.busy]
 
 TARGET = "http://api.payments.example/v1/charges"
 

@@ -7,12 +7,8 @@ the reader's directory (``ca/`` and ``config/`` in it, as in the repository's ro
 environment is the guide's own ``env`` and ``try-keys`` snippets, sourced by bash, on top
 of the test's clean environment. The one change: the proxy listens on a free port, not
 127.0.0.1:8080, so that address in the ``env`` block is the running proxy's.
-
-The Kubernetes guide's worker runs with
-``stand_in=True`` against tests/helpers/sdk_vendor.py, which the mock vendor does not replace
-yet: the vendors' real host names become the ``.example`` names that proxy maps to it, and
-the SDKs' default base URLs follow (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, and for Stripe,
-which has no such variable, a ``sitecustomize`` that changes its default API base).
+The Kubernetes guide's worker runs the same way (tests/sdk/test_k8s_local.py), against the
+mock vendor too.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from pathlib import Path
 
 from tests.helpers.cli import ROOT, TRUST_VARS, clean_env, run_process
 from tests.helpers.node import NODE_DIR, node
-from tests.helpers.sdks import HOSTS
 
 GUIDE = ROOT / "docs" / "clients.md"
 
@@ -49,22 +44,6 @@ PROXY_ADDRESS = "http://127.0.0.1:8080"
 """Where the guide's proxy listens (config/clients.yaml, the env block)."""
 VENDOR_ADDRESS = "127.0.0.1:8443"
 """Where the guide's mock vendor listens (its command, config/clients.yaml's upstreams)."""
-_REAL_HOSTS = {
-    "stripe": "api.stripe.com",
-    "openai": "api.openai.com",
-    "anthropic": "api.anthropic.com",
-    "github": "api.github.com",
-    "slack": "slack.com",
-}
-
-SITECUSTOMIZE = f"""
-# Test stand-in (tests/helpers/guide.py): Stripe's SDK has no base-URL variable, so its
-# default API base becomes the stand-in vendor's host name.
-import stripe
-import stripe._stripe_client
-
-stripe.api_base = stripe._stripe_client.DEFAULT_API_BASE = "https://{HOSTS["stripe"]}"
-"""
 
 
 @dataclass(frozen=True)
@@ -98,10 +77,9 @@ class Ran:
 class GuideWorker:
     """A reader's machine set up as the guide says: ``work`` is the directory the guide's
     commands run from (the repository's root for a reader), with the CA and the bundle in
-    ``work/ca``; ``stand_in``: the snippet's vendor is the tests' stand-in."""
+    ``work/ca``."""
 
     work: Path
-    stand_in: bool = False
 
     @property
     def ca_dir(self) -> Path:
@@ -113,31 +91,12 @@ class GuideWorker:
         return self.ca_dir
 
     def environment(self) -> dict[str, str]:
-        """The test's clean environment, this venv's executables first on PATH; a Celery
-        broker, and for the stand-in vendors their keys and base URL."""
+        """The test's clean environment, this venv's executables first on PATH, and a Celery
+        broker."""
         env = {k: v for k, v in clean_env(checkout=False).items() if k not in _CLIENT_ENV}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["CELERY_BROKER_URL"] = "memory://"
-        if self.stand_in:
-            site = self.work / ".site"
-            site.mkdir(exist_ok=True)
-            (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-            env.update(
-                PYTHONPATH=str(site),
-                OPENAI_BASE_URL=f"https://{HOSTS['openai']}/v1",
-                ANTHROPIC_BASE_URL=f"https://{HOSTS['anthropic']}",
-                ANTHROPIC_API_KEY="sk-ant-test-guide",
-                GITHUB_TOKEN="ghp_test_guide",
-                SLACK_BOT_TOKEN="xoxb-test-guide",
-            )
         return env
-
-    def code(self, text: str) -> str:
-        """The snippet as it runs: as printed, but for a stand-in vendor's host names."""
-        if self.stand_in:
-            for name, real in _REAL_HOSTS.items():
-                text = text.replace(real, HOSTS[name])
-        return text
 
     async def run(
         self,
@@ -155,7 +114,7 @@ class GuideWorker:
         guide = snippets()
         assert guide["env"].code.count(PROXY_ADDRESS) == 4, guide["env"].code
         setup = guide["env"].code.replace(PROXY_ADDRESS, proxy_url) + "\n" + guide["try-keys"].code
-        body = self.code(code)
+        body = code
         scratch = self.work / ".snippet"
         scratch.mkdir(exist_ok=True)
         if lang == "python":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
@@ -138,20 +137,6 @@ async def mocked(reader: Path, tmp_path: Path, start_proxy: ProxyFactory) -> Asy
         made = await worker.run(snippets()["bundle"].code, "sh", "http://127.0.0.1:9")
         assert made.status == 0, made.err
         yield Mocked(worker, vendor, start_proxy)
-
-
-@pytest.fixture
-async def guide(sdk_proxies, tmp_path: Path) -> GuideWorker:
-    """For the Kubernetes guide's worker (tests/sdk/test_k8s_guide.py): the tests' stand-in
-    behind its proxy, whose CA is in the reader's ca/, and the bundle the guide's ``bundle``
-    snippet makes from it."""
-    work = tmp_path / "stand-in"
-    (work / "ca").mkdir(parents=True)
-    shutil.copy(sdk_proxies.trust.ca_cert, work / "ca" / "ca.pem")
-    worker = GuideWorker(work, stand_in=True)
-    made = await worker.run(snippets()["bundle"].code, "sh", "http://127.0.0.1:9")
-    assert made.status == 0, made.err
-    return worker
 
 
 def ok(ran: Ran) -> list[str]:

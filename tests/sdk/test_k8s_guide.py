@@ -2,8 +2,8 @@
 ``kubectl kustomize`` (required: without kubectl these tests fail, never skip) and checked
 against Kubernetes' own schemas (kubernetes-validate, offline); the guide's shell commands run
 as printed from a copy of the repository, those that need a cluster or a registry through what
-they would send (``kubectl kustomize``, ``create --dry-run=client``, ``label --local``); and the
-worker's code run through a proxy on the guide's policy against the Stripe stand-in."""
+they would send (``kubectl kustomize``, ``create --dry-run=client``, ``label --local``). The
+worker's code runs against ``quota-proxy mock-vendor`` in tests/sdk/test_k8s_local.py."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ import kubernetes_validate
 import yaml
 
 import proxy
-from proxy.policy import load_policy, parse_policy
+from proxy.policy import load_policy
 from tests.helpers.cli import ROOT, clean_env
-from tests.helpers.guide import blocks, celery_driver
-from tests.helpers.sdks import HOSTS, outcomes
-from tests.sdk.test_clients_guide import guide  # noqa: F401  (the fixture: a worker set up as the guides say)
+from tests.helpers.guide import blocks
 
 PAGE = ROOT / "docs" / "guides" / "stripe-on-kubernetes.md"
 DEPLOY = ROOT / "deploy"
@@ -267,36 +265,3 @@ def test_the_worker_goes_through_the_proxy_service_and_trusts_the_bundle_its_ini
     for name, value in env.items():  # the page shows the environment the manifest sets
         if value is not None:
             assert f"{name}, value: {value}" in page or f'{name}, value: "{value}"' in page, name
-
-
-async def test_the_workers_task_creates_a_customer_and_re_enqueues_a_long_defer(guide, sdk_proxies) -> None:  # noqa: F811
-    trust, mock = sdk_proxies.trust, sdk_proxies.vendor
-    text = (OVERLAY / "policy.yaml").read_text()
-    for real, stand_in in [
-        ("listen: 0.0.0.0:8080", "listen: 127.0.0.1:0"),
-        ("admin_listen: 0.0.0.0:9090", "admin_listen: 127.0.0.1:0"),
-        ("url: redis://quota-proxy-redis:6379/0", "url: memory://"),
-        ("ca_cert: ca/ca.pem", f"ca_cert: {trust.ca_cert}"),
-        ("ca_key: ca/ca-key.pem", f"ca_key: {trust.ca_key}"),
-        ("upstream_verify: true", f"upstream_verify: true\n  upstream_ca_file: {mock.ca_file}"),
-        ("hosts: [api.stripe.com]", f"hosts: [{HOSTS['stripe']}]\n    upstream: {mock.upstream}"),
-        # One call an hour per key: the second is a defer beyond answers_max_wait.
-        ("- {rate: 90, per: 1s, burst: 10}", "- {rate: 1, per: 1h, burst: 1}"),
-    ]:
-        assert real in text, real
-        text = text.replace(real, stand_in)
-    proxy = await sdk_proxies.start_proxy(parse_policy(text, "policy.yaml"))
-    sdk_proxies.point_worker_at(proxy)
-    ran = await guide.run(
-        snippet("jobs"),
-        "python",
-        proxy.url,
-        driver=celery_driver("create_customer", "first@example.com", "second@example.com"),
-        env={"STRIPE_CA_BUNDLE": str(guide.etc / "bundle.pem")},
-    )
-    assert ran.status == 0, ran.err
-    first, second = ran.out.splitlines()
-    assert first.startswith("result: cus_")
-    assert second.startswith("re-enqueued, countdown: ")
-    assert 3000 < float(second.split()[-1]) <= 3600 * 1.2 + 1  # Retry-After plus up to 20 %
-    assert outcomes(proxy, "stripe") == {"forwarded": 1, "deferred": 1}

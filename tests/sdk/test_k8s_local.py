@@ -24,7 +24,10 @@ import yaml
 
 from proxy.devtools.mockvendor_tls import vendor_tls
 from proxy.policy import load_policy
-from tests.helpers.guide import blocks
+from tests.conftest import ProxyFactory
+from tests.helpers.guide import GuideWorker, blocks, celery_driver, snippets
+from tests.helpers.sdks import outcomes
+from tests.helpers.vendor_process import vendor_process
 from tests.sdk.test_k8s_guide import OVERLAY, PAGE, copy_of_the_repository, reader_shell, snippet
 
 RUN_TIMEOUT = 240  # seconds: the command's own --timeout (120 s) plus starting and stopping
@@ -149,3 +152,43 @@ def test_the_local_command_runs_as_printed(tmp_path: Path) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "local.py" in PAGE.read_text()
+
+
+async def test_the_workers_task_creates_a_customer_and_re_enqueues_a_long_defer(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    """The page's task module as the worker runs it (Celery's request, Stripe's SDK, the
+    bundle the clients guide's snippet makes), through a proxy on the guide's policy as
+    local.py runs it (local.yaml's changes) to ``quota-proxy mock-vendor --tls ca``: one call
+    an hour per key, so the first creates a customer and the second, deferred beyond
+    ``answers_max_wait``, is re-enqueued with the wait the proxy gave."""
+    work = tmp_path / "reader"
+    work.mkdir()
+    with vendor_process(tmp_path, ca_dir=Path("ca"), cwd=work) as vendor:
+        port = int(vendor.url.rsplit(":", 1)[1])
+        text = local_module().laptop_policy(OVERLAY / "policy.yaml", OVERLAY / "local.yaml", port)
+        policy = yaml.safe_load(text)
+        policy["listen"] = policy["admin_listen"] = "127.0.0.1:0"
+        policy["store"]["url"] = "memory://"
+        (stripe,) = policy["vendors"]
+        assert stripe["limits"] == [{"rate": 90, "per": "1s", "burst": 10}], stripe["limits"]
+        stripe["limits"] = [{"rate": 1, "per": "1h", "burst": 1}]  # one call an hour per key
+        text = yaml.safe_dump(policy, sort_keys=False)
+        (work / "policy.yaml").write_text(text)
+        proxy = await start_proxy(load_policy(work / "policy.yaml"))
+        worker = GuideWorker(work)
+        made = await worker.run(snippets()["bundle"].code, "sh", "http://127.0.0.1:9")
+        assert made.status == 0, made.err
+        ran = await worker.run(
+            snippet("jobs"),
+            "python",
+            proxy.url,
+            driver=celery_driver("create_customer", "first@example.com", "second@example.com"),
+            env={"STRIPE_CA_BUNDLE": str(worker.etc / "bundle.pem")},
+        )
+    assert ran.status == 0, ran.err
+    first, second = ran.out.splitlines()
+    assert first.startswith("result: cus_")
+    assert second.startswith("re-enqueued, countdown: ")
+    assert 3000 < float(second.split()[-1]) <= 3600 * 1.2 + 1  # Retry-After plus up to 20 %
+    assert outcomes(proxy, "stripe") == {"forwarded": 1, "deferred": 1}

@@ -41,7 +41,7 @@ from proxy.policy import load_policy
 from proxy.policy.model import Limit
 from tests.helpers.cli import ROOT, ProxyProcess, clean_env, server_process
 
-pytestmark = pytest.mark.timing  # meets a strict token window: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # meets a strict token window: run apart from the other timed tests
 
 PAGE = ROOT / "docs" / "guides" / "llm-tokens.md"
 EXAMPLES = ROOT / "examples" / "llm"

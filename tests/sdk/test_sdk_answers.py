@@ -16,7 +16,7 @@ from proxy.server import ProxyServer
 from tests.conftest import client_session, eventually
 from tests.helpers.sdks import SDKS, outcomes
 
-pytestmark = pytest.mark.timing  # asserts rates or time bounds: run apart from the other timed tests
+pytestmark = [pytest.mark.timing, pytest.mark.busy]  # asserts rates or time bounds: run apart from other timed tests
 
 NAMES = list(SDKS)
 
