@@ -19,6 +19,7 @@ import pytest
 
 from proxy.cli import main as cli_main
 from proxy.devtools.demo import MAX_HOLD_MS, DemoConfig, policy_text
+from proxy.devtools.demo_defaults import DEFAULT_PLOT
 from proxy.devtools.demo_fleet import workers_at
 from proxy.devtools.demo_report import Row, plain_line
 from proxy.policy import parse_policy
@@ -156,25 +157,37 @@ def check_png(path: Path) -> None:
     assert share_near((31, 119, 180)) > 0.001  # fleet B's lines (tab:blue)
 
 
+def readme_demo_command() -> list[str]:
+    """The demo command the README prints (``.venv/bin/quota-proxy demo ...``), as words."""
+    found = re.findall(r"^\.venv/bin/quota-proxy demo( .*)?$", (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert len(found) == 1, found
+    return ["demo", *found[0].split()]
+
+
 @pytest.mark.slow
-def test_short_demo_shows_both_fleets_and_writes_the_plot(tmp_path: Path) -> None:
-    plot = tmp_path / "tmp" / "x.png"  # the directory does not exist yet
+def test_the_readmes_demo_shows_both_fleets_and_writes_the_plot(tmp_path: Path) -> None:
+    """As printed (``--duration 30``), by the installed command, from a reader's directory:
+    the plot goes to its default path there."""
+    argv = readme_demo_command()
+    assert argv == ["demo", "--duration", "30"], argv  # (the row count below follows the duration)
+    command = Path(sys.executable).parent / "quota-proxy"
     result = subprocess.run(
-        demo_cmd("--duration", "15", "--plot", str(plot)),
+        [str(command), *argv],
         cwd=tmp_path,
         env=demo_env(),
         capture_output=True,
         text=True,
-        timeout=35,
+        timeout=70,
         stdin=subprocess.DEVNULL,
         check=False,
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Traceback" not in result.stderr, result.stderr
+    plot = tmp_path / DEFAULT_PLOT
 
     rows = [m.groups() for m in LINE.finditer(out)]
-    assert 13 <= len(rows) <= 16, out
+    assert 28 <= len(rows) <= 31, out
     workers = [int(r[1]) for r in rows]
     assert workers[0] == 4 and workers[-1] == 40, workers
     assert workers == sorted(workers), workers
