@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import hiredis
@@ -298,29 +298,45 @@ class RedisStore:
         if fast is None:
             return False
         keys = [ls.key for ls in sets]
-        args: list[str | int] = ["EVALSHA", fast.sha, len(keys), *keys, channel, *(ls.cap for ls in sets), *lease_ids]
-        packed = hiredis.pack_command(tuple(args))  # type: ignore[arg-type]  # (hiredis's stub: one-item tuples)
-        waiter = Reply(functools.partial(self._released, then, sets, lease_ids, channel))
+        args = [channel, *(ls.cap for ls in sets), *lease_ids]
+        again = functools.partial(self.release, sets, lease_ids, channel)
+        return self._send_then(fast, keys, args, then, _counts, again, "release-leases")
+
+    def _send_then(
+        self,
+        fast: PipelinedScript | ClusterScript,
+        keys: list[str],
+        args: list[Any],
+        then: Callable[[Any, BaseException | None], None],
+        reply: Callable[[Any], Any],
+        again: Callable[[], Coroutine[Any, Any, Any]],
+        name: str,
+    ) -> bool:
+        """A script's call without a coroutine (``release_then``, ``settle_then``): ``then``
+        hears ``reply`` of its reply, or why none came; an error reply (NOSCRIPT: Redis
+        restarted) sends it ``again`` the coroutine's way, which loads the script."""
+        packed = hiredis.pack_command(("EVALSHA", fast.sha, len(keys), *keys, *args))
+        waiter = Reply(functools.partial(self._replied, then, reply, again, name))
         if isinstance(fast, PipelinedScript):
             return fast.send_to(packed, waiter, self._timeout)
         return fast.send_to(keys, packed, waiter, self._timeout)
 
-    def _released(
+    def _replied(
         self,
-        then: Callable[[tuple[int, ...] | None, BaseException | None], None],
-        sets: tuple[LeaseSet, ...],
-        lease_ids: tuple[str, ...],
-        channel: str,
+        then: Callable[[Any, BaseException | None], None],
+        reply: Callable[[Any], Any],
+        again: Callable[[], Coroutine[Any, Any, Any]],
+        name: str,
         out: Any,
         exc: BaseException | None,
     ) -> None:
         if exc is not None:
             then(None, self._failure(exc))
-        elif type(out) is hiredis.ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
-            task = spawn(self.release(sets, lease_ids, channel), name="release-leases")
+        elif type(out) is hiredis.ReplyError:
+            task: asyncio.Task[Any] = spawn(again(), name=name)
             task.add_done_callback(functools.partial(settled, then))
         else:
-            then(tuple(int(x) for x in out), None)
+            then(reply(out), None)
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
         keys = [ls.key for ls, _ in leases]
@@ -388,28 +404,8 @@ class RedisStore:
         if fast is None:
             return False
         keys, args = _refund_args(buckets, _settling(amounts, since))
-        packed = hiredis.pack_command(("EVALSHA", fast.sha, len(keys), *keys, *args))  # type: ignore[arg-type]
-        waiter = Reply(functools.partial(self._settled, then, buckets, amounts, since))
-        if isinstance(fast, PipelinedScript):
-            return fast.send_to(packed, waiter, self._timeout)
-        return fast.send_to(keys, packed, waiter, self._timeout)
-
-    def _settled(
-        self,
-        then: Settled,
-        buckets: tuple[BucketSpec, ...],
-        amounts: tuple[float, ...],
-        since: float,
-        out: Any,
-        exc: BaseException | None,
-    ) -> None:
-        if exc is not None:
-            then(None, self._failure(exc))
-        elif type(out) is hiredis.ReplyError:  # (NOSCRIPT: Redis restarted) the coroutine's way, which loads it
-            task = spawn(self.settle(buckets, amounts, since), name="settle")
-            task.add_done_callback(functools.partial(settled, then))
-        else:
-            then(tuple(float(x) for x in out), None)
+        again = functools.partial(self.settle, buckets, amounts, since)
+        return self._send_then(fast, keys, args, then, _levels, again, "settle")
 
     async def _refund_as(self, buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[float, ...]:
         keys, args = _refund_args(buckets, amount)
@@ -498,3 +494,11 @@ def _refund_args(buckets: tuple[BucketSpec, ...], amount: float | str) -> tuple[
     for b in buckets:
         args += (b.rate / _MS, b.burst, b.field)
     return [b.key for b in buckets], args
+
+
+def _counts(out: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in out)
+
+
+def _levels(out: Any) -> tuple[float, ...]:
+    return tuple(float(x) for x in out)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
 
 from proxy.clock import ManualClock
 from proxy.limiter.memory_store import MemoryStore
+from proxy.limiter.redis_store import RedisStore
 from proxy.limiter.store import BucketSpec, BucketStore, Reserve, StateGuard
 
 TOL = 0.03  # seconds of real time a Redis-backed assertion may drift
@@ -102,6 +104,23 @@ async def test_settling_without_a_coroutine_settles_as_settle_does(
     levels = await asyncio.wait_for(told, 5)
     assert levels is not None and levels[0] == pytest.approx(3800, abs=50)
     assert (await store.peek(b))[0] == pytest.approx(3800, abs=50)
+
+
+async def test_settling_without_a_coroutine_after_redis_forgot_its_scripts(redis_url: str) -> None:
+    """A Redis restarted (or SCRIPT FLUSHed) answers NOSCRIPT: the settlement goes the
+    coroutine's way, which loads the script, and ``then`` hears its levels."""
+    store = RedisStore(redis_url, timeout=1.0)
+    try:
+        b = (tokens("n"),)
+        await store.acquire(b, 1, 0, None, guard(), costs=(3000,))
+        with redis.Redis.from_url(redis_url) as raw:
+            raw.script_flush()
+        told: asyncio.Future[tuple[float, ...] | None] = asyncio.get_running_loop().create_future()
+        assert store.settle_then(b, (1000,), 0.0, lambda levels, exc: told.set_result(levels))
+        levels = await asyncio.wait_for(told, 5)
+        assert levels is not None and levels[0] == pytest.approx(3000, abs=50)
+    finally:
+        await store.close()
 
 
 async def test_settling_above_the_estimate_is_a_debt_the_next_requests_wait_out(
