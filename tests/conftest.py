@@ -72,16 +72,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # Ports for servers a test starts by number (redis-server, a `quota-proxy run` told
 # --listen): below the kernel's ephemeral range, so no socket bound to port 0 meanwhile (a
 # client's, another test's) can take one between this check and the server's bind. Each
-# xdist worker walks its own slice from a random point: two workers, or two suites run at
-# once, do not pick the same one.
-_PORTS_FIRST, _PORTS_SLICE = 20000, 5000
+# xdist worker (scripts/test runs three) walks its own slice from a random point: two
+# workers, or two suites run at once, do not pick the same one. Three slices end below 32768.
+_PORTS_FIRST, _PORTS_SLICE, _PORTS_SLICES = 20000, 4000, 3
 _next_port: list[int] = []
 
 
 def free_port() -> int:
     if not _next_port:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-        base = _PORTS_FIRST + (int(worker) % 2) * _PORTS_SLICE if worker.isdigit() else _PORTS_FIRST
+        slot = int(worker) % _PORTS_SLICES if worker.isdigit() else 0
+        base = _PORTS_FIRST + slot * _PORTS_SLICE
         _next_port.append(base + random.randrange(_PORTS_SLICE))
     for _ in range(_PORTS_SLICE):
         port = _next_port[0]

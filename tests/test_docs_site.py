@@ -19,6 +19,8 @@ import pkgutil
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import yaml
 import proxy.policy
 from proxy.policy import answer_presets, limits, meters, model, sections, shapes, share_policy, vendors
 from proxy.policy.durations import parse_duration
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -266,3 +269,36 @@ def _nav_pages(nav: object) -> list[str]:
     if isinstance(nav, dict):
         return [page for value in nav.values() for page in _nav_pages(value)]
     return []
+
+
+def test_the_readmes_mkdocs_serve_serves_the_site() -> None:
+    """``.venv/bin/mkdocs serve`` as the README prints it, on a free port (``--dev-addr``): the
+    site's front page, then a clean stop."""
+    printed = re.findall(r"`(\.venv/bin/mkdocs serve)`", (ROOT / "README.md").read_text())
+    assert printed == [".venv/bin/mkdocs serve"], printed
+    port = free_port()
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    server = subprocess.Popen(
+        [str(mkdocs), "serve", "--dev-addr", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    try:
+        said = ""
+        deadline = time.monotonic() + 120
+        while f"Serving on http://127.0.0.1:{port}/" not in said:  # (its log line, once built)
+            assert server.stderr is not None and time.monotonic() < deadline, said
+            line = server.stderr.readline()
+            assert line or server.poll() is None, said
+            said += line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert page.status == 200
+            assert "<title>quota-proxy" in page.read().decode()
+    finally:
+        server.terminate()
+        assert server.wait(timeout=30) in (0, -15)
+        if server.stderr is not None:
+            server.stderr.close()
