@@ -43,7 +43,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("aiohttp client (upstream)", r"aiohttp/client|aiohttp/connector\.py|aiohttp/tracing\.py|aiohttp/cookiejar"),
     ("aiohttp server", r"aiohttp/(web_|http_|streams|base_protocol|helpers)|_http_parser|_http_writer"),
     ("multidict, yarl", r"multidict|yarl/|\(_multidict|\(hashtable\.h|\(htkeys\.h|\(bulk_update\.h"),
-    ("the straight path (lane.py, routes.py)", r"\(proxy/pipeline/(lane|routes)\.py"),
+    ("the straight path (lane.py, flight.py, routes.py)", r"\(proxy/pipeline/(lane|flight|routes)\.py"),
     ("our request path", r"\(proxy/(?!cli\.py|__main__\.py)"),
 )
 LOOP = "event loop, sockets"
@@ -99,7 +99,7 @@ def breakdown(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
 
 # Functions whose inclusive share (on the stack at all) says what a step costs whole.
 STEPS: tuple[tuple[str, str], ...] = (
-    ("the straight path: a Flight's steps (lane.py), each whole", r"^Flight\.\w+ \(proxy/pipeline/lane\.py"),
+    ("the straight path: a Flight's steps (flight.py), each whole", r"^Flight\.\w+ \(proxy/pipeline/flight\.py"),
     ("ProxyHandler: our request path, whole (its awaits' callees included)", r"^ProxyHandler\._handle \("),
     ("  admit: limiter.acquire, decide", r"^ProxyHandler\.admit \("),
     ("  send: headers, write the request, await the answer's head", r"^send \(proxy/pipeline/forward\.py"),
