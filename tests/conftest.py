@@ -60,6 +60,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(lane))
 
 
+_RENICE = os.environ.get("PYTEST_XDIST_WORKER") is not None and os.geteuid() == 0
+"""Under xdist, as root (who may raise a priority back): the other tests yield the cores."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that asserts rates or time bounds runs at the normal priority, the others (and
+    the processes they start) at nice 10: on two busy cores the scheduler serves the timed
+    lanes first, and the rest takes what they leave (a learned-limits run read 40/s for 68
+    beside them)."""
+    if _RENICE:
+        timed = item.get_closest_marker("slow") or item.get_closest_marker("timing")
+        os.setpriority(os.PRIO_PROCESS, 0, 0 if timed else 10)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (the vendors' SDKs among it) out of the garbage
     collector: the tests run the proxy, its vendor and its workers in this one process,

@@ -108,6 +108,7 @@ class RedisStore:
         self._inflight = self._client.register_script(script("inflight"))
         self._leave = self._client.register_script(script("leave"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
+        self._closed = False
         self._shapes: dict[tuple[int, str | None, tuple[float, float] | None, ShareAsk | None], AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
@@ -143,6 +144,8 @@ class RedisStore:
         return self._client
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        if self._closed:  # (a task that outlived its proxy: redis-py would open a new connection)
+            raise StoreUnavailable("the store is closed")
         try:
             async with asyncio.timeout(self._timeout), self._in_flight:
                 return await op()
@@ -443,7 +446,7 @@ class RedisStore:
     async def watch(self, pattern: str, on_message: Callable[[str, str], None]) -> None:
         """A pattern subscription of its own; reconnects with backoff until cancelled."""
         backoff = 0.1
-        while True:
+        while not self._closed:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.psubscribe(pattern)
@@ -473,6 +476,7 @@ class RedisStore:
             backoff = min(backoff * 2, 5.0)
 
     async def close(self) -> None:
+        self._closed = True
         if self._pipe is not None:
             self._pipe.close()
         await self._client.aclose()

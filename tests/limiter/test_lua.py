@@ -316,6 +316,25 @@ async def test_another_replica_learns_of_the_block(redis_url: str, stores: Store
 # -- failure is bounded ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+async def test_a_closed_store_refuses_and_opens_no_connection(redis_url: str, pipelined: bool) -> None:
+    """A task that outlives its proxy (a refund, a learn, a release in flight at the stop) gets
+    StoreUnavailable from the closed store: redis-py would open a new connection, never closed."""
+    store = RedisStore(redis_url, timeout=1.0, pipelined=pipelined)
+    b = global_buckets(PREFIX, payments())
+    await store.peek(b)
+    await store.close()
+    client = store.client
+    assert isinstance(client, aioredis.Redis)
+    pool = client.connection_pool
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await store.peek(b)
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await store.refund(b, 1.0)
+    connections = [*pool._available_connections, *pool._in_use_connections]
+    assert not [c for c in connections if c.is_connected], connections
+
+
 async def test_a_dead_port_raises_store_unavailable_promptly(stores: StoreFactory) -> None:
     store = stores(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
     b = (bucket("dead", rate=1, burst=1),)
