@@ -109,6 +109,8 @@ class RedisStore:
         self._leave = self._client.register_script(script("leave"))
         self._in_flight = asyncio.Semaphore(_MAX_IN_FLIGHT)
         self._closed = False
+        self._calls = 0  # redis-py commands in flight
+        self._idle: asyncio.Event | None = None  # set when the last one ends, while closing
         self._shapes: dict[tuple[int, str | None, tuple[float, float] | None, ShareAsk | None], AcquireShape] = {}
         # The per-request script goes over one auto-pipelined connection (no pool, so no
         # in-flight cap either), on Cluster one per primary, routed by the vendor's slot.
@@ -146,6 +148,7 @@ class RedisStore:
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         if self._closed:  # (a task that outlived its proxy: redis-py would open a new connection)
             raise StoreUnavailable("the store is closed")
+        self._calls += 1
         try:
             async with asyncio.timeout(self._timeout), self._in_flight:
                 return await op()
@@ -158,6 +161,10 @@ class RedisStore:
             if not isinstance(self._client, RedisCluster):
                 raise
             raise StoreUnavailable(f"redis-py cluster client: {exc}") from exc
+        finally:
+            self._calls -= 1
+            if not self._calls and self._idle is not None:
+                self._idle.set()
 
     def _failure(self, exc: BaseException) -> BaseException:
         """What an exception awaiting a pipelined reply means: the store unavailable (its
@@ -480,6 +487,15 @@ class RedisStore:
         if self._pipe is not None:
             self._pipe.close()
         await self._client.aclose()
+        if self._calls:
+            # A command in flight (a task that outlived its proxy) may reconnect after the
+            # close (redis-py retries): once each has ended (within the store's timeout), the
+            # connections are closed again, so none is left open for the garbage collector.
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._timeout + 1.0):
+                    await self._idle.wait()
+            await self._client.aclose()
 
 
 def _text(value: object) -> str:

@@ -335,6 +335,32 @@ async def test_a_closed_store_refuses_and_opens_no_connection(redis_url: str, pi
     assert not [c for c in connections if c.is_connected], connections
 
 
+async def test_a_command_in_flight_at_the_close_leaves_no_connection_open(redis_url: str) -> None:
+    """redis-py reconnects for a command that was in flight when the client closed: the close
+    waits for it (within the store's timeout) and closes again."""
+    store = RedisStore(redis_url, timeout=1.0, pipelined=False)
+    client = store.client
+    assert isinstance(client, aioredis.Redis)
+    await store.peek(global_buckets(PREFIX, payments()))
+    started, go_on = asyncio.Event(), asyncio.Event()
+
+    async def late_ping() -> object:
+        started.set()
+        await go_on.wait()  # until the close has begun
+        return await client.ping()
+
+    in_flight = asyncio.ensure_future(store._call(late_ping))
+    await started.wait()
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)  # (the close's first step: the client closed)
+    go_on.set()
+    await closing
+    assert await in_flight  # (its ping went through: redis-py reconnected for it)
+    pool = client.connection_pool
+    connections = [*pool._available_connections, *pool._in_use_connections]
+    assert not [c for c in connections if c.is_connected], connections
+
+
 async def test_a_dead_port_raises_store_unavailable_promptly(stores: StoreFactory) -> None:
     store = stores(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
     b = (bucket("dead", rate=1, burst=1),)
