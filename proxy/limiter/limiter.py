@@ -400,23 +400,23 @@ class Limiter:
         buckets gets ``differences[k]`` (meter k's estimate less its actual amount) back, or
         owes it (negative). Levels of the meters' buckets after; None when the store could
         not take it (best effort, never raises: the estimate then stands)."""
-        metered = b.all[b.request_count :]
-        amounts = tuple(differences[k] for k in b.meters)
-        if not any(amounts):
-            return None
-        try:
-            return await self._feedback(self.store.settle(metered, amounts, since))
-        except StoreUnavailable:
-            return None
+        metered, amounts = b.all[b.request_count :], tuple(differences[k] for k in b.meters)
+        return await self._settle(metered, amounts, since) if any(amounts) else None
 
     def settle_soon(self, b: Buckets, differences: tuple[float, ...], since: float = 0.0) -> None:
         """``settle``, not awaited: by the store's call without a coroutine (no task per
         metered request: ``store.settle_then``), else in a task."""
-        amounts = tuple(differences[k] for k in b.meters)
-        if not any(amounts):
-            return
-        if not self.store.settle_then(b.all[b.request_count :], amounts, since, self._settled):
-            spawn(self.settle(b, differences, since), name="settle")
+        metered, amounts = b.all[b.request_count :], tuple(differences[k] for k in b.meters)
+        if any(amounts) and not self.store.settle_then(metered, amounts, since, self._settled):
+            spawn(self._settle(metered, amounts, since), name="settle")
+
+    async def _settle(
+        self, metered: tuple[BucketSpec, ...], amounts: tuple[float, ...], since: float
+    ) -> tuple[float, ...] | None:
+        try:
+            return await self._feedback(self.store.settle(metered, amounts, since))
+        except StoreUnavailable:
+            return None
 
     def _settled(self, levels: tuple[float, ...] | None, exc: BaseException | None) -> None:
         """The store's answer to ``settle_soon`` (as ``_feedback`` takes one: best effort)."""

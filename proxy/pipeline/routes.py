@@ -301,13 +301,8 @@ class Route:
                 if len(classes) >= CHARGES_MAX:  # paths are the workers' (ids in them)
                     classes.clear()
                 endpoint = classes[path] = endpoint_for(vendor, self._method, path)
-        value = b""
         name = self.partition_header
-        if name is not None:
-            for field, found in request.raw:  # the first of its name counts, as a lookup finds it
-                if field.lower() == name:
-                    value = found
-                    break
+        value = (request.raw_field(name) if name is not None else None) or b""
         priority = request.priority if self._share is not None else None
         key = (None if endpoint is None else endpoint.name, value, priority)
         charge = self._charges.get(key)
@@ -398,7 +393,4 @@ class Routes:
 def proof_of(request: Request) -> bytes | None:
     """The request's first ``Proxy-Authorization`` (the one a lookup by name finds): part of
     its route's key when tenants come from proxy credentials."""
-    for name, value in request.raw:
-        if len(name) == 19 and name.lower() == b"proxy-authorization":
-            return value
-    return None
+    return request.raw_field(b"proxy-authorization")

@@ -120,14 +120,19 @@ class Request:
             headers = self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
         return headers
 
-    def first(self, name: bytes) -> str | None:
-        """The first field named ``name`` (lower case), as ``headers`` would find it, without
-        making ``headers``."""
+    def raw_field(self, name: bytes) -> bytes | None:
+        """The first field named ``name`` (lower case), as a lookup in ``headers`` finds it,
+        as the bytes it came as, without making ``headers``."""
         size = len(name)
         for field, value in self.raw:
             if len(field) == size and field.lower() == name:
-                return value.decode("latin-1")
+                return value
         return None
+
+    def first(self, name: bytes) -> str | None:
+        """``raw_field``, decoded (latin-1)."""
+        value = self.raw_field(name)
+        return None if value is None else value.decode("latin-1")
 
     def body_in_hand(self) -> bytes | None:
         """The whole body when it has all come and none of it was read (a lean request's
