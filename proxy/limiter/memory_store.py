@@ -24,6 +24,7 @@ from proxy.limiter.late_slots import (
     left_behind,
     standby,
 )
+from proxy.limiter.memory_leases import LeaseTable
 from proxy.limiter.memory_straight import TakeNow
 from proxy.limiter.share_memory import Schedules, Turn
 from proxy.limiter.store import (
@@ -56,8 +57,7 @@ class MemoryStore:
         # state key -> [grants counted (acquire.lua's seq), expires_at]: it goes with the
         # buckets it counts, as the state hash does on Redis (one per partition ever seen, else)
         self._seq: dict[str, tuple[int, float]] = {}
-        # lease set key -> {lease id: expires_at}, on the clock
-        self._leases: dict[str, dict[str, float]] = {}
+        self._leases = LeaseTable()
         # replica set key -> {member: last announced}, on the clock (presence.lua)
         self._replicas: dict[str, dict[str, float]] = {}
         # bucket ident -> [rate per s, burst, until, settling since (nan = none)], on the
@@ -118,15 +118,13 @@ class MemoryStore:
             del self._seq[key]
         for key in [k for k, learned in self._learned.items() if learned[2] <= now]:
             del self._learned[key]
-        for key in list(self._leases):
-            self._live(key, now)
+        self._leases.sweep(now)
         for key in [k for k, kept in self._kept.items() if all(m.matures + _KEPT_GRACE <= now for m in kept.values())]:
             del self._kept[key]  # (a refund then: the buckets, long full again, take none of it)
             self._moves.pop(key, None)
         self._schedules.sweep(now)
         for key in [k for k, at in self._blocked_at.items() if at + _KEPT_GRACE <= now]:
             del self._blocked_at[key]  # (no slot kept lives that long)
-        self._forget_empty()
 
     async def acquire(
         self,
@@ -173,8 +171,17 @@ class MemoryStore:
         self._tick(now)
         if queue is None:
             reserve = None  # (a slot is kept only for a caller told to retry: one with a queue)
-        if leases is None and reserve is None and share is None and not self._learned:
-            return self._take_plain(buckets, cost, max_wait, queue, guard, now, costs)
+        if leases is None and not self._learned and (reserve is None or self._unkept(reserve)):
+            if reserve is None and share is None:
+                plain = self._take_plain(buckets, cost, max_wait, queue, guard, now, costs)
+                assert plain is not None  # (refused, not None, unless at_once)
+                return plain
+            if share is None or self._schedules.quiet(share, now):
+                # Nothing kept, nobody's turn to wait for: a grant at once is the one pass's
+                # (a wait keeps a slot or takes a turn: the general arithmetic below).
+                at_once = self._take_plain(buckets, cost, 0.0, queue, guard, now, costs, at_once=True)
+                if at_once is not None:
+                    return at_once
         charge = costs if costs is not None else (cost,) * len(buckets)  # what each bucket takes
         levels = [self._level(b, now) for b in buckets]
         limits = [self._limits(b, now) for b in buckets]
@@ -222,7 +229,7 @@ class MemoryStore:
             turn = Turn(self._schedules, share, buckets, charge, rates, levels, now)
         mine = turn is None or turn.gate.ok
         sets = leases.sets if leases is not None else ()
-        inflight = [len(self._live(ls.key, now)) for ls in sets]
+        inflight = [len(self._leases.live(ls.key, now)) for ls in sets]
         full = next((j for j, (ls, count) in enumerate(zip(sets, inflight, strict=True)) if count >= ls.cap), -1)
         # One process holds the state and its reservations alike: it cannot lose one
         # without the other, so the guard only counts (acquire.lua's seq).
@@ -247,7 +254,7 @@ class MemoryStore:
         def take_leases(matures: float) -> None:
             if leases is not None:
                 for j, ls in enumerate(sets):
-                    self._live(ls.key, now)[leases.id] = matures + leases.life
+                    self._leases.live(ls.key, now)[leases.id] = matures + leases.life
                     inflight[j] += 1
 
         def keep(matures: float, scope: str) -> str:
@@ -255,7 +262,7 @@ class MemoryStore:
             return add_slot(kept, Slot(matures, cost, now, scope, costs=costs))
 
         def refused(slot: float, hint: float, reserved: str = "") -> AcquireResult:
-            self._forget_empty()
+            self._leases.forget_empty()
             result = (False, slot, binding, tuple(levels), hint, seq, False, full, tuple(inflight))
             return AcquireResult(*result, 0.0, reserved)
 
@@ -341,7 +348,7 @@ class MemoryStore:
             write()
         if full >= 0:  # how long the full set's oldest lease has been out (acquire.lua)
             assert leases is not None
-            oldest = min(self._live(sets[full].key, now).values())
+            oldest = min(self._leases.live(sets[full].key, now).values())
             return refused(wait, max(0.0, now - (oldest - leases.life)))
         if turn is None:
             hint = self._slot(queue, now, wait, charge[binding] / rates[binding])
@@ -364,9 +371,11 @@ class MemoryStore:
         guard: StateGuard | None,
         now: float,
         costs: tuple[float, ...] | None = None,
-    ) -> AcquireResult:
+        at_once: bool = False,
+    ) -> AcquireResult | None:
         """``take`` without leases, slots or a schedule while nothing is learned: the same
-        arithmetic in one pass, for the straight path's every request (``costs``: per bucket)."""
+        arithmetic in one pass, for the straight path's every request (``costs``: per bucket;
+        ``at_once``: None, and nothing done, instead of a refusal)."""
         state = self._state
         levels = []
         wait, binding = 0.0, -1
@@ -385,7 +394,9 @@ class MemoryStore:
         counted = self._seq.get(guard.key) if guard is not None else None
         seq = counted[0] if counted is not None and counted[1] > now else 0
         if wait > max_wait:
-            self._forget_empty()
+            if at_once:
+                return None
+            self._leases.forget_empty()
             hint = self._slot(queue, now, wait, (cost if costs is None else costs[binding]) / buckets[binding].rate)
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
         latest = now
@@ -404,26 +415,16 @@ class MemoryStore:
             seq += 1
         return AcquireResult(True, wait, binding, tuple(levels), wait, seq, False, -1, ())
 
-    def _live(self, key: str, now: float) -> dict[str, float]:
-        """The live leases of a set (expired ones dropped; an empty set forgotten)."""
-        held = self._leases.setdefault(key, {})
-        for lease_id in [i for i, expires in held.items() if expires <= now]:
-            del held[lease_id]
-        return held
+    def _unkept(self, reserve: Reserve) -> bool:
+        """No slot kept in ``reserve``'s set, and the caller claims none: its kept-slot
+        arithmetic has nothing to do for a grant."""
+        return not reserve.claim and not self._kept.get(reserve.key)
 
     async def release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...], channel: str) -> tuple[int, ...]:
         return self._release(sets, lease_ids)
 
     def _release(self, sets: tuple[LeaseSet, ...], lease_ids: tuple[str, ...]) -> tuple[int, ...]:
-        now = self._clock.monotonic()
-        counts = []
-        for ls in sets:
-            held = self._live(ls.key, now)
-            for lease_id in lease_ids:
-                held.pop(lease_id, None)
-            counts.append(len(held))
-        self._forget_empty()
-        return tuple(counts)
+        return self._leases.release(sets, lease_ids, self._clock.monotonic())
 
     def release_then(
         self,
@@ -436,25 +437,10 @@ class MemoryStore:
         return True
 
     async def renew(self, leases: tuple[tuple[LeaseSet, str], ...], life: float) -> int:
-        now = self._clock.monotonic()
-        renewed = 0
-        for ls, lease_id in leases:
-            held = self._live(ls.key, now)
-            if lease_id in held:
-                held[lease_id] = max(held[lease_id], now + life)
-                renewed += 1
-        self._forget_empty()
-        return renewed
+        return self._leases.renew(leases, life, self._clock.monotonic())
 
     async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
-        now = self._clock.monotonic()
-        counts = tuple(len(self._live(ls.key, now)) for ls in sets)
-        self._forget_empty()
-        return counts
-
-    def _forget_empty(self) -> None:
-        for key in [k for k, held in self._leases.items() if not held]:
-            del self._leases[key]
+        return self._leases.inflight(sets, self._clock.monotonic())
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
         """The refused caller's retry hint: its slot in the queue, never before ``wait`` (acquire.lua)."""

@@ -166,6 +166,21 @@ class Schedules:
         for key in [k for k, s in self._all.items() if s.touched + _LIFE <= now]:
             del self._all[key]
 
+    def quiet(self, ask: ShareAsk, now: float) -> bool:
+        """Whether a request of ``ask`` granted at once, without a wait, leaves the schedule
+        as ``Turn`` would (then the store grants it without one): no one of its class waits
+        (so no tag is read or moved), no wait's end is due, no higher class is busy and its
+        class has no credit (the gate would clear it). A schedule not there, or past its
+        life, is an empty one."""
+        s = self._all.get(ask.keys[0])
+        if s is None or s.classes != ask.classes or s.touched + _LIFE <= now:
+            return True
+        c = ask.klass
+        if s.waiting[c] or s.credit[c] > 0 or now >= s.first_end or (c and max(s.busy[:c]) > now):
+            return False
+        s.touched = now
+        return True
+
     def of(self, ask: ShareAsk, now: float) -> Schedule:
         s = self._all.get(ask.keys[0])
         if s is None or s.classes != ask.classes or s.touched + _LIFE <= now:
