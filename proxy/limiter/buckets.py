@@ -55,12 +55,25 @@ class Buckets:
     paced_meters: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """The indexes in ``all`` of the meters' own buckets (not their tenants'): the vendor
     counts those too, so the pacer keeps their lag as well (each at its meter's estimate)."""
+    request_count: int = field(init=False, repr=False, compare=False)
+    """How many of ``all`` count requests (the first): the rest are meters'."""
+    meter_part: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
+    """The meters' buckets (``all`` after the request buckets): what a settlement moves."""
+    meter_bursts: tuple[tuple[int, float], ...] = field(init=False, repr=False, compare=False)
+    """Per meter with buckets here (its index of ``vendor.meters``), the smallest burst of
+    them: the most an estimate of that meter may be (metering.estimates)."""
 
     def __post_init__(self) -> None:
         first_meter = len(self.all) - len(self.meters)
+        object.__setattr__(self, "request_count", first_meter)
+        object.__setattr__(self, "meter_part", self.all[first_meter:])
         object.__setattr__(self, "vendor_side", self.all[self.tenant_count : first_meter])
         paced = tuple(i for i in range(first_meter, len(self.all)) if self.all[i].scope == "global")
         object.__setattr__(self, "paced_meters", paced)
+        bursts: dict[int, float] = {}
+        for spec, k in zip(self.meter_part, self.meters, strict=True):
+            bursts[k] = min(bursts.get(k, spec.burst), spec.burst)
+        object.__setattr__(self, "meter_bursts", tuple(sorted(bursts.items())))
 
     @property
     def global_part(self) -> tuple[BucketSpec, ...]:
@@ -72,11 +85,6 @@ class Buckets:
         (not the tenants' nor an endpoint's): what local shares start from the levels last
         seen and charge back (degraded.py)."""
         return (*range(self.tenant_count + self.endpoint_count, self.request_count), *self.paced_meters)
-
-    @property
-    def request_count(self) -> int:
-        """How many of ``all`` count requests (the first): the rest are meters'."""
-        return len(self.all) - len(self.meters)
 
     def costs(self, cost: float, estimates: tuple[float, ...]) -> tuple[float, ...]:
         """What each bucket takes: ``cost`` from a request bucket, its meter's estimate

@@ -400,13 +400,13 @@ class Limiter:
         buckets gets ``differences[k]`` (meter k's estimate less its actual amount) back, or
         owes it (negative). Levels of the meters' buckets after; None when the store could
         not take it (best effort, never raises: the estimate then stands)."""
-        metered, amounts = b.all[b.request_count :], tuple(differences[k] for k in b.meters)
+        metered, amounts = b.meter_part, tuple([differences[k] for k in b.meters])
         return await self._settle(metered, amounts, since) if any(amounts) else None
 
     def settle_soon(self, b: Buckets, differences: tuple[float, ...], since: float = 0.0) -> None:
         """``settle``, not awaited: by the store's call without a coroutine (no task per
         metered request: ``store.settle_then``), else in a task."""
-        metered, amounts = b.all[b.request_count :], tuple(differences[k] for k in b.meters)
+        metered, amounts = b.meter_part, tuple([differences[k] for k in b.meters])
         if any(amounts) and not self.store.settle_then(metered, amounts, since, self._settled):
             spawn(self._settle(metered, amounts, since), name="settle")
 

@@ -15,7 +15,7 @@ from proxy.pipeline.decide import Admission
 from proxy.pipeline.forward import paced, ready
 from proxy.pipeline.handover import Carried, GeneralPath
 from proxy.pipeline.ledger import Ledger, crashed
-from proxy.pipeline.metering import Metered, Settlement, settled
+from proxy.pipeline.metering import Metered, Settlement, plan_of, settled
 from proxy.pipeline.pacing import Paced, vendor_room
 from proxy.pipeline.ratelimit_fields import quota_lines, tightest
 from proxy.pipeline.routes import Charge, Route, Terms
@@ -52,6 +52,7 @@ class Flight:
         "cut",
         "dead",
         "deps",
+        "estimates",
         "handler",
         "levels",
         "metered",
@@ -99,6 +100,8 @@ class Flight:
         self.levels: tuple[float, ...] = ()
         self.metered: Metered = ()
         """A metered request's estimates, and once settled what its answer said (metering.py)."""
+        self.estimates: tuple[float, ...] = ()
+        """A metered request's estimates, one per meter of its vendor (else none)."""
 
     # -- its tokens: one store call --------------------------------------------------------
 
@@ -142,7 +145,7 @@ class Flight:
                 limiter.observations.seen_seq(charge.state_key),
                 None if self.slot is None else self.slot.leases,
                 self._stored,
-                charge.b.costs(charge.cost, self.estimates) if self.metered else None,
+                charge.b.costs(charge.cost, self.estimates) if self.estimates else None,
             )
             if asked is None:  # the store's connection is not open: the general path opens it
                 self.waiting = 0
@@ -372,17 +375,12 @@ class Flight:
 
     def _settle(self, response: Response, body: bytes) -> None:
         """A metered request's estimates replaced by what its answer (``body``, whole) says."""
-        deps, vendor, charge, headers = self.deps, self.route.vendor, self.charge, response.headers
-        settlement = Settlement(vendor, headers)
+        deps, vendor, charge = self.deps, self.route.vendor, self.charge
+        settlement = Settlement(vendor, response.first(b"content-type"), response.first(b"content-encoding"))
         settlement.watch(body)
         since = deps.clock.monotonic() - self.sent
+        headers = response.headers if plan_of(vendor).reads_headers else None  # (made only when read)
         self.metered = settled(deps, vendor, charge.b, charge.partition, self.metered, settlement, headers, since)
-
-    @property
-    def estimates(self) -> tuple[float, ...]:
-        """A metered request's estimates, one per meter of its vendor (else none)."""
-        metered = self.metered
-        return tuple(e for _, e, _ in metered) if metered else ()
 
     def _released(self, response: Response, answer: bytes) -> None:
         """The store has the request's leases back: the answer goes out."""

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from proxy.pipeline.flight import Flight
 from proxy.pipeline.handover import GeneralPath
 from proxy.pipeline.match import Interception
-from proxy.pipeline.metering import estimated_now
+from proxy.pipeline.metering import estimated_now, noted
 from proxy.pipeline.routes import KEY_MAX, Route, Routes, proof_of
 from proxy.telemetry.loudly import Loudly
 from proxy.wire.headers import request_kinds
@@ -118,8 +118,9 @@ class Lane:
         flight = Flight(self.handler, self.deps, conn, request, route, charge, terms, cut)
         if route.metered:
             path = route.path_of(request).split("?", 1)[0]
-            metered = estimated_now(route.vendor, request, path, charge.b)
-            if metered is None:  # (not in hand, or refused: the general path's)
+            estimates = estimated_now(route.vendor, request, path, charge.b)
+            if estimates is None:  # (not in hand, or refused: the general path's)
                 return None
-            flight.metered = metered
+            flight.estimates = estimates
+            flight.metered = noted(route.vendor, estimates)
         return flight

@@ -87,6 +87,8 @@ class Plan(NamedTuple):
     bodiless: tuple[bool, ...]
     """Per meter, whether a call without a body asks for nothing (a preset's: GET /v1/models)."""
     settles: tuple[Settle | None, ...]
+    reads_headers: bool
+    """Whether a settlement reads the answer's fields (a ``header`` settle)."""
     reads_body: bool
     """Whether an estimate reads the request's body."""
     body_taught: bool
@@ -105,12 +107,14 @@ def plan_of(vendor: Vendor) -> Plan:
         return hit[1]
     meters = vendor.meters
     estimates = tuple(estimate_of(m) for m in meters)
+    settles = tuple(settle_of(m) for m in meters)
     plan = Plan(
         tuple(m.name for m in meters),
         estimates,
         tuple(m.default if m.default is not None else m.capacity for m in meters),
         tuple(m.estimate.kind not in ("fixed", "json") for m in meters),
-        tuple(settle_of(m) for m in meters),
+        settles,
+        any(s is not None and s.kind == "header" for s in settles),
         any(e.reads_body for e in estimates),
         vendor.feedback.headers == "auto" and any(currency_of(m) == SHOPIFY for m in meters),
     )
@@ -140,20 +144,19 @@ async def begin(deps: Deps, match: Match, request: Request, rec: AccessRecord) -
     return estimated
 
 
-def estimated_now(vendor: Vendor, request: Request, path: str, b: Buckets) -> Metered | None:
+def estimated_now(vendor: Vendor, request: Request, path: str, b: Buckets) -> tuple[float, ...] | None:
     """The straight path's (lane.py) estimates of a request whose body is in hand, whole (a
-    lean one's), as ``noted``; None when the general path makes them: a body not in hand, or
-    an estimate more than a meter can hold (the general path refuses it, and counts it)."""
+    lean one's); None when the general path makes them: a body not in hand, or an estimate
+    more than a meter can hold (the general path refuses it, and counts it)."""
     body: bytes | None = b""
     if request.has_body and plan_of(vendor).reads_body:
         body = request.body_in_hand()
         if body is None:
             return None
     try:
-        estimated = estimates(vendor, body, request.has_body, request.first(b"content-type"), path, b)
+        return estimates(vendor, body, request.has_body, request.first(b"content-type"), path, b)
     except MeterTooSmall:
         return None
-    return noted(vendor, estimated)
 
 
 def noted(vendor: Vendor, estimated: tuple[float, ...]) -> Metered:
@@ -197,22 +200,26 @@ def settled(
     with what was said; ``settlement`` None: the request was not served (a vendor 429, a
     failed exchange), its estimates go back. ``since``: seconds since it went (what a refund
     may give back depends on its buckets since: ``store.settle``)."""
-    estimated = tuple(e for _, e, _ in metered)
-    if settlement is None:
-        actual: tuple[float | None, ...] = (0.0,) * len(estimated)
-    else:
-        actual = settlement.actual(headers or {})
+    actual = (0.0,) * len(metered) if settlement is None else settlement.actual(headers)
     name = vendor.name
+    estimated, said = deps.metrics.meter_estimated, deps.metrics.meter_settled
+    out: list[tuple[str, float, float | None]] = []
+    given: list[float] = []  # per meter: what its buckets get back (negative: owe)
     for (meter, e, _), a in zip(metered, actual, strict=True):
-        deps.metrics.meter_estimated.labels(name, meter).inc(e)
-        if settlement is not None and a is not None:
-            deps.metrics.meter_settled.labels(name, meter).inc(a)
-    deps.limiter.settle_soon(b, differences(estimated, actual), since)
+        estimated.labels(name, meter).inc(e)
+        if a is None:
+            given.append(0.0)
+        else:
+            given.append(e - a)
+            if settlement is not None:
+                said.labels(name, meter).inc(a)
+        out.append((meter, e, a))
+    deps.limiter.settle_soon(b, tuple(given), since)
     if settlement is not None and plan_of(vendor).body_taught:
-        said = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
-        if said:
-            spawn(deps.limiter.learn_meters(vendor, said, partition), name=f"learn-{name}")
-    return tuple((meter, e, a) for (meter, e, _), a in zip(metered, actual, strict=True))
+        quota = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
+        if quota:
+            spawn(deps.limiter.learn_meters(vendor, quota, partition), name=f"learn-{name}")
+    return tuple(out)
 
 
 def estimates(
@@ -222,22 +229,20 @@ def estimates(
     ``BODY_MAX``); raises MeterTooSmall for one that exceeds the smallest burst of that
     meter's buckets (``b``'s)."""
     plan = plan_of(vendor)
-    document = request_document(body, content_type)  # (read once for every meter)
+    document = request_document(body, content_type) if plan.reads_body else None  # (read once for every meter)
     out: list[float] = []
     for estimate, default, bodiless in zip(plan.estimates, plan.defaults, plan.bodiless, strict=True):
         if bodiless and not has_body:
             out.append(0.0)  # a preset's call without a body (GET /v1/models) asks for nothing
             continue
         out.append(estimate.cost(body, default, content_type=content_type, path=path, document=document))
-    bursts: dict[int, float] = {}
-    for spec, k in zip(b.all[b.request_count :], b.meters, strict=True):
-        bursts[k] = min(bursts.get(k, spec.burst), spec.burst)
-    for k, meter in enumerate(vendor.meters):
-        if k in bursts and out[k] > bursts[k]:
+    for k, burst in b.meter_bursts:
+        if out[k] > burst:
+            name = vendor.meters[k].name
             raise MeterTooSmall(
-                f"the request is estimated at {out[k]:g} {meter.name}, more than the {bursts[k]:g} "
-                f"vendor {vendor.name}'s meter {meter.name} can ever hold (its smallest burst)",
-                meter.name,
+                f"the request is estimated at {out[k]:g} {name}, more than the {burst:g} "
+                f"vendor {vendor.name}'s meter {name} can ever hold (its smallest burst)",
+                name,
             )
     return tuple(out)
 
@@ -248,9 +253,10 @@ class Settlement:
 
     __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_settles", "_size")
 
-    def __init__(self, vendor: Vendor, headers: Mapping[str, str]) -> None:
+    def __init__(self, vendor: Vendor, content_type: str | None, coding: str | None) -> None:
+        """An answer of ``content_type`` and ``coding`` (its Content-Type and Content-Encoding)."""
         self._settles = settles = plan_of(vendor).settles
-        kind = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        kind = (content_type or "").split(";", 1)[0].strip().lower()
         self._events = EventSplitter() if kind == "text/event-stream" else None
         self._json = self._events is None
         self._readers: list[UsageReader | None] = []
@@ -259,8 +265,8 @@ class Settlement:
         self._body: list[bytes] = []
         self._size = 0
         self._parsed: object = _UNREAD
-        coding = (headers.get("Content-Encoding") or "").strip().lower()
-        self._inflate = _inflater(coding)
+        coding = (coding or "").strip().lower()
+        self._inflate = _inflater(coding) if coding else None
         if coding not in ("", "identity") and self._inflate is None:
             self._json = False  # (a coding it cannot undo: brotli, zstd) the estimate stands
             self._events = None
@@ -291,15 +297,16 @@ class Settlement:
             self._parsed = load_json(b"".join(self._body)) if self._json else None
         return self._parsed
 
-    def actual(self, headers: Mapping[str, str]) -> tuple[float | None, ...]:
-        """Per meter, what the answer said the request cost; None: it did not say."""
+    def actual(self, headers: Mapping[str, str] | None) -> tuple[float | None, ...]:
+        """Per meter, what the answer said the request cost; None: it did not say.
+        ``headers``: the answer's fields (None: none, or no meter settles from them)."""
         out: list[float | None] = []
         readers = self._readers or [None] * len(self._settles)
         for settle, reader in zip(self._settles, readers, strict=True):
             if settle is None:
                 out.append(None)
             elif settle.kind == "header":
-                out.append(settle.from_headers(headers))
+                out.append(None if headers is None else settle.from_headers(headers))
             elif reader is not None:
                 out.append(reader.amount())
             else:
@@ -313,8 +320,3 @@ def _inflater(coding: str) -> zlib._Decompress | None:
     if coding == "deflate":
         return zlib.decompressobj()
     return None
-
-
-def differences(estimated: tuple[float, ...], actual: tuple[float | None, ...]) -> tuple[float, ...]:
-    """What each meter's buckets get back (the estimate less the actual; negative: owed)."""
-    return tuple(0.0 if a is None else e - a for e, a in zip(estimated, actual, strict=True))

@@ -35,7 +35,9 @@ def load_json(body: bytes | str | None) -> object:
         return None
     try:
         if not isinstance(body, str):  # (as json.loads reads bytes: UTF-8, -16 or -32)
-            body = body.decode(json.detect_encoding(body), "surrogatepass")
+            # An object's "{" then a byte not NUL: UTF-8 to detect_encoding too (no BOM, not UTF-16/32).
+            utf8 = len(body) > 1 and body[0] == 0x7B and body[1] != 0
+            body = body.decode("utf-8" if utf8 else json.detect_encoding(body), "surrogatepass")
         return _DECODER.decode(body)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None

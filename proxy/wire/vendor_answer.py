@@ -61,6 +61,14 @@ class Response(Inbox):
             ]
         return raw
 
+    def first(self, name: bytes) -> str | None:
+        """The first field named ``name`` (lower case), decoded (latin-1), as a lookup in
+        ``headers`` finds it, without making ``headers``."""
+        for field, value in self.raw:
+            if field.lower() == name:
+                return value.decode("latin-1")
+        return None
+
     @property
     def transfer_codings(self) -> list[bytes]:
         """The values of the answer's ``Transfer-Encoding`` fields (framing.py reads them)."""
