@@ -259,10 +259,16 @@ def _openai(body: dict[str, object], completion_cap: float, path: str) -> float:
     if "messages" in body:
         messages = body["messages"]
         for message in messages if isinstance(messages, list) else ():
-            if isinstance(message, dict):
-                prompt.parts(message.get("content"), "text", "refusal")
-                prompt.text(message.get("name"))
-                prompt.call(message.get("function_call"))
+            if isinstance(message, dict):  # (each field looked at only when there: most messages are a role and a text)
+                content = message.get("content")
+                if isinstance(content, str):
+                    prompt.characters += len(content)
+                elif content is not None:
+                    prompt.parts(content, "text", "refusal")
+                if "name" in message:
+                    prompt.text(message["name"])
+                if "function_call" in message:
+                    prompt.call(message["function_call"])
                 calls = message.get("tool_calls")
                 for call in calls if isinstance(calls, list) else ():
                     if isinstance(call, dict):
@@ -276,11 +282,19 @@ def _openai(body: dict[str, object], completion_cap: float, path: str) -> float:
     else:
         prompt.text(body.get("instructions"))
         _responses_input(prompt, body.get("input"))
-    prompt.compact(body.get("tools"))
-    prompt.compact(body.get("functions"))
+    if "tools" in body:
+        prompt.compact(body["tools"])
+    if "functions" in body:
+        prompt.compact(body["functions"])
     if not completes:
         return prompt.tokens
-    cap = next((c for c in (json_number(body.get(name)) for name in _CAPS) if c is not None), completion_cap)
+    cap = completion_cap
+    for name in _CAPS:
+        if name in body:
+            found = json_number(body[name])
+            if found is not None:
+                cap = found
+                break
     return prompt.tokens + cap * _choices(body)
 
 
@@ -289,7 +303,7 @@ def _choices(body: dict[str, object]) -> int:
     found = 1
     for name in ("n", "best_of"):
         value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > found:
+        if value is not None and isinstance(value, int) and not isinstance(value, bool) and value > found:
             found = min(value, 2**53)  # the cost is held at MAX_ESTIMATE anyway
     return found
 

@@ -26,6 +26,8 @@ def _refuse_constant(name: str) -> object:
 _DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant)
 """One decoder for every body: ``json.loads`` given an option makes a decoder (and its
 scanner) per call, most of a small body's parse."""
+_SCAN: Final = _DECODER.scan_once
+_WHITESPACE: Final = " \t\n\r"  # (JSON's, RFC 8259: not str.isspace's)
 
 
 def load_json(body: bytes | str | None) -> object:
@@ -38,9 +40,13 @@ def load_json(body: bytes | str | None) -> object:
             # An object's "{" then a byte not NUL: UTF-8 to detect_encoding too (no BOM, not UTF-16/32).
             utf8 = len(body) > 1 and body[0] == 0x7B and body[1] != 0
             body = body.decode("utf-8" if utf8 else json.detect_encoding(body), "surrogatepass")
-        return _DECODER.decode(body)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        if body[0] != "{":
+            return _DECODER.decode(body)
+        # An object (no whitespace before it): decode's scan without its two whitespace matches.
+        document, end = _SCAN(body, 0)
+    except (ValueError, RecursionError, StopIteration):  # UnicodeDecodeError is a ValueError
         return None
+    return document if end == len(body) or not body[end:].strip(_WHITESPACE) else None
 
 
 def json_number(value: object) -> float | None:
