@@ -12,6 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from json.scanner import make_scanner
 from typing import Final
 
 __all__ = ["JsonPointer", "json_number", "load_json"]
@@ -26,7 +27,7 @@ def _refuse_constant(name: str) -> object:
 _DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant)
 """One decoder for every body: ``json.loads`` given an option makes a decoder (and its
 scanner) per call, most of a small body's parse."""
-_SCAN: Final = _DECODER.scan_once
+_SCAN: Final = make_scanner(_DECODER)  # type: ignore[arg-type]  # (typeshed: its context is a decoder)
 _WHITESPACE: Final = " \t\n\r"  # (JSON's, RFC 8259: not str.isspace's)
 
 
