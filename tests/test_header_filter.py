@@ -147,3 +147,23 @@ def test_the_usual_answers_short_cut_reads_what_the_general_loop_reads(head: byt
         assert h.answer_lines(head, fields, straight) == h._answer_lines(
             head, b"\r\n" + head.lower(), fields.read, straight
         )
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Content-Type: application/json; charset=utf-8\r\nContent-Encoding:gzip\r\n",
+        b"X-A: content-type: text/plain\r\nCONTENT-TYPE:  text/event-stream \r\ncontent-type: second\r\n",
+        b"Content-Encoding:\r\nX-Content-Type: no\r\n",
+        b"Content-Typed: no\r\n",
+        b"",
+    ],
+)
+def test_an_answers_first_field_is_the_one_its_headers_name(head: bytes) -> None:
+    """``Response.first`` finds a field in the head's bytes: the value (without its leading
+    whitespace) a lookup in ``headers`` gives, or None as it does."""
+    from proxy.wire.vendor_answer import Response
+
+    for name in ("Content-Type", "Content-Encoding", "X-A", "Date"):
+        answer = Response(None, 200, "OK", head)  # type: ignore[arg-type]
+        assert answer.first(name.lower().encode()) == answer.headers.get(name), (head, name)

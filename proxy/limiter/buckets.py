@@ -55,6 +55,8 @@ class Buckets:
     paced_meters: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """The indexes in ``all`` of the meters' own buckets (not their tenants'): the vendor
     counts those too, so the pacer keeps their lag as well (each at its meter's estimate)."""
+    paced_meter_part: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
+    """The buckets ``paced_meters`` names."""
     request_count: int = field(init=False, repr=False, compare=False)
     """How many of ``all`` count requests (the first): the rest are meters'."""
     meter_part: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
@@ -70,6 +72,7 @@ class Buckets:
         object.__setattr__(self, "vendor_side", self.all[self.tenant_count : first_meter])
         paced = tuple(i for i in range(first_meter, len(self.all)) if self.all[i].scope == "global")
         object.__setattr__(self, "paced_meters", paced)
+        object.__setattr__(self, "paced_meter_part", tuple(self.all[i] for i in paced))
         bursts: dict[int, float] = {}
         for spec, k in zip(self.meter_part, self.meters, strict=True):
             bursts[k] = min(bursts.get(k, spec.burst), spec.burst)

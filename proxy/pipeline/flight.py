@@ -15,7 +15,7 @@ from proxy.pipeline.decide import Admission
 from proxy.pipeline.forward import paced, ready
 from proxy.pipeline.handover import Carried, GeneralPath
 from proxy.pipeline.ledger import Ledger, crashed
-from proxy.pipeline.metering import Metered, Settlement, plan_of, settled
+from proxy.pipeline.metering import Metered, Settlement, settled
 from proxy.pipeline.pacing import Paced, vendor_room
 from proxy.pipeline.ratelimit_fields import quota_lines, tightest
 from proxy.pipeline.routes import Charge, Route, Terms
@@ -379,7 +379,7 @@ class Flight:
         settlement = Settlement(vendor, response.first(b"content-type"), response.first(b"content-encoding"))
         settlement.watch(body)
         since = deps.clock.monotonic() - self.sent
-        headers = response.headers if plan_of(vendor).reads_headers else None  # (made only when read)
+        headers = response.headers if settlement.plan.reads_headers else None  # (made only when read)
         self.metered = settled(deps, vendor, charge.b, charge.partition, self.metered, settlement, headers, since)
 
     def _released(self, response: Response, answer: bytes) -> None:

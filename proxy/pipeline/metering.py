@@ -149,12 +149,13 @@ def estimated_now(vendor: Vendor, request: Request, path: str, b: Buckets) -> tu
     lean one's); None when the general path makes them: a body not in hand, or an estimate
     more than a meter can hold (the general path refuses it, and counts it)."""
     body: bytes | None = b""
-    if request.has_body and plan_of(vendor).reads_body:
+    plan = plan_of(vendor)
+    if request.has_body and plan.reads_body:
         body = request.body_in_hand()
         if body is None:
             return None
     try:
-        return estimates(vendor, body, request.has_body, request.first(b"content-type"), path, b)
+        return estimates(vendor, body, request.has_body, request.first(b"content-type"), path, b, plan)
     except MeterTooSmall:
         return None
 
@@ -215,7 +216,7 @@ def settled(
                 said.labels(name, meter).inc(a)
         out.append((meter, e, a))
     deps.limiter.settle_soon(b, tuple(given), since)
-    if settlement is not None and plan_of(vendor).body_taught:
+    if settlement is not None and settlement.plan.body_taught:
         quota = read_body_quota(settlement.document())  # (Shopify's throttleStatus)
         if quota:
             spawn(deps.limiter.learn_meters(vendor, quota, partition), name=f"learn-{name}")
@@ -223,12 +224,19 @@ def settled(
 
 
 def estimates(
-    vendor: Vendor, body: bytes | None, has_body: bool, content_type: str | None, path: str, b: Buckets
+    vendor: Vendor,
+    body: bytes | None,
+    has_body: bool,
+    content_type: str | None,
+    path: str,
+    b: Buckets,
+    plan: Plan | None = None,
 ) -> tuple[float, ...]:
     """One estimate per meter of ``vendor``, from a request's ``body`` (None: longer than
     ``BODY_MAX``); raises MeterTooSmall for one that exceeds the smallest burst of that
-    meter's buckets (``b``'s)."""
-    plan = plan_of(vendor)
+    meter's buckets (``b``'s). ``plan``: ``plan_of(vendor)``, when the caller has it."""
+    if plan is None:
+        plan = plan_of(vendor)
     document = request_document(body, content_type) if plan.reads_body else None  # (read once for every meter)
     out: list[float] = []
     for estimate, default, bodiless in zip(plan.estimates, plan.defaults, plan.bodiless, strict=True):
@@ -251,11 +259,12 @@ class Settlement:
     """What a metered request's answer says it cost, per meter: fed the answer's bytes as
     they are relayed (``watch``), asked at its end (``actual``)."""
 
-    __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_settles", "_size")
+    __slots__ = ("_body", "_events", "_inflate", "_json", "_parsed", "_readers", "_settles", "_size", "plan")
 
     def __init__(self, vendor: Vendor, content_type: str | None, coding: str | None) -> None:
         """An answer of ``content_type`` and ``coding`` (its Content-Type and Content-Encoding)."""
-        self._settles = settles = plan_of(vendor).settles
+        self.plan = plan_of(vendor)
+        self._settles = settles = self.plan.settles
         kind = (content_type or "").split(";", 1)[0].strip().lower()
         self._events = EventSplitter() if kind == "text/event-stream" else None
         self._json = self._events is None

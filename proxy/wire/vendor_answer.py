@@ -63,11 +63,14 @@ class Response(Inbox):
 
     def first(self, name: bytes) -> str | None:
         """The first field named ``name`` (lower case), decoded (latin-1), as a lookup in
-        ``headers`` finds it, without making ``headers``."""
-        for field, value in self.raw:
-            if field.lower() == name:
-                return value.decode("latin-1")
-        return None
+        ``headers`` finds it, found in ``block`` without splitting it into fields."""
+        block = self.block
+        # As headers.answer_lines finds a line: at offset p of ``low`` is the CRLF before the
+        # line at p of the block (llhttp has checked the lines: no space before a colon).
+        at = (b"\r\n" + block.lower()).find(b"\r\n" + name + b":")
+        if at < 0:
+            return None
+        return block[at + len(name) + 1 : block.find(b"\r\n", at)].lstrip(b" \t").decode("latin-1")
 
     @property
     def transfer_codings(self) -> list[bytes]:
