@@ -265,20 +265,24 @@ class Settlement:
         """An answer of ``content_type`` and ``coding`` (its Content-Type and Content-Encoding)."""
         self.plan = plan_of(vendor)
         self._settles = settles = self.plan.settles
-        kind = (content_type or "").split(";", 1)[0].strip().lower()
-        self._events = EventSplitter() if kind == "text/event-stream" else None
-        self._json = self._events is None
         self._readers: list[UsageReader | None] = []
-        if self._events is not None:
-            self._readers = [None if settle is None else settle.stream() for settle in settles]
         self._body: list[bytes] = []
         self._size = 0
         self._parsed: object = _UNREAD
-        coding = (coding or "").strip().lower()
-        self._inflate = _inflater(coding) if coding else None
-        if coding not in ("", "identity") and self._inflate is None:
-            self._json = False  # (a coding it cannot undo: brotli, zstd) the estimate stands
-            self._events = None
+        self._events: EventSplitter | None = None
+        self._json = True
+        self._inflate: zlib._Decompress | None = None
+        if content_type != "application/json":  # (the usual answer's: nothing to work out)
+            kind = (content_type or "").split(";", 1)[0].strip().lower()
+            if kind == "text/event-stream":
+                self._events, self._json = EventSplitter(), False
+                self._readers = [None if settle is None else settle.stream() for settle in settles]
+        if coding is not None:
+            coding = coding.strip().lower()
+            self._inflate = _inflater(coding) if coding else None
+            if coding not in ("", "identity") and self._inflate is None:
+                self._json = False  # (a coding it cannot undo: brotli, zstd) the estimate stands
+                self._events = None
 
     def watch(self, chunk: bytes) -> None:
         """A piece of the answer's body, as it goes to the worker."""
