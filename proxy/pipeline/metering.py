@@ -91,6 +91,8 @@ class Plan(NamedTuple):
     """Whether a settlement reads the answer's fields (a ``header`` settle)."""
     reads_body: bool
     """Whether an estimate reads the request's body."""
+    each: tuple[tuple[Estimate, float, bool], ...]
+    """Per meter: its estimate, default and ``bodiless``, side by side."""
     body_taught: bool
     """Whether a JSON answer is read for the vendor's quota: ``feedback.headers: auto`` and a
     meter counting a currency an answer's body states (Shopify's points, ``teaching.currency_of``)."""
@@ -108,14 +110,17 @@ def plan_of(vendor: Vendor) -> Plan:
     meters = vendor.meters
     estimates = tuple(estimate_of(m) for m in meters)
     settles = tuple(settle_of(m) for m in meters)
+    defaults = tuple(m.default if m.default is not None else m.capacity for m in meters)
+    bodiless = tuple(m.estimate.kind not in ("fixed", "json") for m in meters)
     plan = Plan(
         tuple(m.name for m in meters),
         estimates,
-        tuple(m.default if m.default is not None else m.capacity for m in meters),
-        tuple(m.estimate.kind not in ("fixed", "json") for m in meters),
+        defaults,
+        bodiless,
         settles,
         any(s is not None and s.kind == "header" for s in settles),
         any(e.reads_body for e in estimates),
+        tuple(zip(estimates, defaults, bodiless, strict=True)),
         vendor.feedback.headers == "auto" and any(currency_of(m) == SHOPIFY for m in meters),
     )
     if len(_PLANS) >= _PLANS_MAX:
@@ -239,7 +244,7 @@ def estimates(
         plan = plan_of(vendor)
     document = request_document(body, content_type) if plan.reads_body else None  # (read once for every meter)
     out: list[float] = []
-    for estimate, default, bodiless in zip(plan.estimates, plan.defaults, plan.bodiless, strict=True):
+    for estimate, default, bodiless in plan.each:
         if bodiless and not has_body:
             out.append(0.0)  # a preset's call without a body (GET /v1/models) asks for nothing
             continue

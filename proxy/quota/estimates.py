@@ -134,7 +134,9 @@ class Estimate:
         if not isinstance(document, dict):
             return _held(fallback)
         if self.kind == "openai":
-            return _held(_openai(document, _held(completion_cap), path))
+            if completion_cap != DEFAULT_COMPLETION_CAP:
+                completion_cap = _held(completion_cap)
+            return _held(_openai(document, completion_cap, path))
         if self.kind == "anthropic_input":
             return _held(_tokens(_anthropic_characters(document)))
         cap = json_number(document.get("max_tokens"))
@@ -175,6 +177,8 @@ def _show(value: object) -> str:
 
 def _held(value: float) -> float:
     """A cost within [0, MAX_ESTIMATE]."""
+    if 0.0 <= value <= MAX_ESTIMATE:  # (the usual one; NaN fails both)
+        return value
     return min(max(value, 0.0), MAX_ESTIMATE) if value == value else MAX_ESTIMATE
 
 
@@ -187,7 +191,7 @@ def request_document(body: bytes | None, content_type: str | None) -> object:
 def _json_type(content_type: str | None) -> bool:
     """Whether a body of ``content_type`` may be JSON: unknown, ``application/json`` or
     ``...+json``; a form or a multipart upload is not read."""
-    if content_type is None:
+    if content_type is None or content_type == "application/json":
         return True
     media = content_type.partition(";")[0].strip().lower()
     return media in ("", "application/json") or media.endswith("+json")

@@ -32,7 +32,7 @@ class Connection(Protocol):
 class Response(Inbox):
     """The vendor's answer: status and fields once in, the body as it arrives."""
 
-    __slots__ = ("_conn", "_fields", "_headers", "_raw", "block", "reason", "status")
+    __slots__ = ("_conn", "_fields", "_headers", "_low", "_raw", "block", "reason", "status")
 
     def __init__(self, conn: Connection, status: int, reason: str, block: bytes) -> None:
         super().__init__()
@@ -48,6 +48,7 @@ class Response(Inbox):
         self._raw: list[tuple[bytes, bytes]] | None = None
         self._fields: list[tuple[str, str]] | None = None
         self._headers: CIMultiDictProxy[str] | None = None
+        self._low: bytes | None = None  # (first: the block lowered, after a CRLF)
 
     @property
     def raw(self) -> list[tuple[bytes, bytes]]:
@@ -67,7 +68,10 @@ class Response(Inbox):
         block = self.block
         # As headers.answer_lines finds a line: at offset p of ``low`` is the CRLF before the
         # line at p of the block (llhttp has checked the lines: no space before a colon).
-        at = (b"\r\n" + block.lower()).find(b"\r\n" + name + b":")
+        low = self._low
+        if low is None:
+            low = self._low = b"\r\n" + block.lower()
+        at = low.find(b"\r\n" + name + b":")
         if at < 0:
             return None
         return block[at + len(name) + 1 : block.find(b"\r\n", at)].lstrip(b" \t").decode("latin-1")
