@@ -503,7 +503,8 @@ class MemoryStore:
             live = st is not None and st[2] > now
             level = min(burst, st[0] + (now - st[1]) * rate) if live else burst  # type: ignore[index]
             if amount > 0 and since > 0:  # (store.settle: what its history allows)
-                amount = min(amount, late_room(burst, level, self._above(b, now), now - since + 1e-6))
+                above = (st[3], st[4]) if live else (now, now)  # type: ignore[index]  # (_above)
+                amount = min(amount, late_room(burst, level, above, now - since + 1e-6))
             if amount < 0 or live:
                 settled = min(burst, level + amount)
                 self._put(b, settled, now, rate, burst, level, st)

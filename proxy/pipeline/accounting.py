@@ -6,9 +6,11 @@ time the vendor took (``http_client_request_duration_seconds`` and the sizing es
 how the request came (``ratelimit_requests_by_mode_total``), its outcome
 (``ratelimit_requests_total``, ``ratelimit_endpoint_requests_total``; for a vendor with
 ``share:`` also ``ratelimit_class_requests_total`` and its share book, ``shared``) and the
-live page's recent counts. A refusal (deferred or shed, never the forwarded request) is also
-counted by its reason and its tenant (``refused``); a vendor 429, a block and a drain are kept as
-events (``answered``, ``blocked``, ``drained``). A vendor's ``Tally`` holds the series it
+live page's recent counts, and a metered request's estimate and settled amount per meter
+(``ratelimit_meter_estimated_total``, ``ratelimit_meter_settled_total``: ``metered``). A
+refusal (deferred or shed, never the forwarded request) is also counted by its reason and
+its tenant (``refused``); a vendor 429, a block and a drain are kept as events
+(``answered``, ``blocked``, ``drained``). A vendor's ``Tally`` holds the series it
 adds to, resolved once, so that a request adds to them without looking its labels up
 (prometheus-client's ``labels()`` took a microsecond or more each).
 
@@ -55,6 +57,7 @@ class Tally:
         "_drained_at",
         "_endpoints",
         "_latency",
+        "_meters",
         "_metrics",
         "_modes",
         "_plain",
@@ -79,6 +82,8 @@ class Tally:
         self._requests: dict[tuple[str, str], Any] = {}
         self._endpoints: dict[tuple[str, str], Any] = {}
         self._rings: dict[str, Ring] = {}
+        self._meters: dict[tuple[str, bool], Any] = {}
+        """``ratelimit_meter_{estimated,settled}_total``'s series: by meter, and whether settled."""
         self._classes: dict[str, dict[str, Any]] = {}
         """``ratelimit_class_requests_total``'s series: by class name, then outcome."""
         self._book: ShareBook | None = None
@@ -107,6 +112,26 @@ class Tally:
             counts.request.inc(1)
         if endpoint is not None:
             self._endpoint(endpoint, "forwarded").inc(1)
+
+    def metered(self, meter: str, estimated: float, settled: float | None) -> None:
+        """A metered request's estimate in ``meter``, and what its answer said it cost
+        (None: not said, or not served)."""
+        self._add(self._meter(meter, False), estimated)
+        if settled is not None:
+            self._add(self._meter(meter, True), settled)
+
+    def _meter(self, meter: str, settled: bool) -> Any:
+        cell = self._meters.get((meter, settled))
+        if cell is None:  # (a vendor's meters are the policy's: a few)
+            counter = self._metrics.meter_settled if settled else self._metrics.meter_estimated
+            cell = self._meters[meter, settled] = self._value(counter.labels(self.vendor, meter))
+        return cell
+
+    def _add(self, cell: Any, amount: float) -> None:
+        if self._plain:  # (the value itself: see answered)
+            cell._value += amount
+        else:
+            cell.inc(amount)
 
     def answered(self, status: int) -> None:
         """The vendor answered ``status`` (a 429 shows on the live page too)."""

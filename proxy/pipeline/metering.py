@@ -208,17 +208,12 @@ def settled(
     may give back depends on its buckets since: ``store.settle``)."""
     actual = (0.0,) * len(metered) if settlement is None else settlement.actual(headers)
     name = vendor.name
-    estimated, said = deps.metrics.meter_estimated, deps.metrics.meter_settled
+    tally = deps.tally(name)
     out: list[tuple[str, float, float | None]] = []
     given: list[float] = []  # per meter: what its buckets get back (negative: owe)
     for (meter, e, _), a in zip(metered, actual, strict=True):
-        estimated.labels(name, meter).inc(e)
-        if a is None:
-            given.append(0.0)
-        else:
-            given.append(e - a)
-            if settlement is not None:
-                said.labels(name, meter).inc(a)
+        tally.metered(meter, e, None if settlement is None else a)
+        given.append(0.0 if a is None else e - a)
         out.append((meter, e, a))
     deps.limiter.settle_soon(b, tuple(given), since)
     if settlement is not None and settlement.plan.body_taught:
