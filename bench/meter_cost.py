@@ -22,11 +22,14 @@ reach the client is timing; a relay that gathered the stream for the settlement 
 Part 2, CPU: ``--clients`` closed-loop aiohttp clients send JSON (not streamed) completions to
 one proxy for ``--seconds`` (after a 1-s warm-up); the proxy's utime+stime delta (/proc) over the
 answers completed in that time is its CPU per request. Plain and metered alternate, ``--rounds``
-times (the order swapped each round). Target: the median of the rounds' ratios metered / plain
-<= 1.25.
+times (the order swapped each round); ``--together``: both at once each round, ``--clients``
+each, so that whatever else the shared machine runs weighs on both alike (the figures are
+then those of two loaded proxies side by side, each higher than alone). Target: the median of
+the rounds' ratios metered / plain <= 1.25.
 
     python bench/meter_cost.py                       # 3 rounds, ~1.5 min
     python bench/meter_cost.py --rounds 5 --seconds 20 --store redis --json /tmp/meter_cost.json
+    python bench/meter_cost.py --together --rounds 8 --seconds 4 --streams 20
 """
 
 from __future__ import annotations
@@ -161,6 +164,25 @@ async def closed_loop(proxy: Proc, clients: int, seconds: float, prompt: int, ou
     return {"requests": n, "per_s": n / (t1 - t0), "cpu_s": cpu1 - cpu0, "cpu_us_per_request": (cpu1 - cpu0) / n * 1e6}
 
 
+def cpu_round(
+    proxies: dict[str, Proc], args: argparse.Namespace, rnd: int, run: Callable[[Any], Any]
+) -> list[tuple[str, dict[str, float]]]:
+    """Part 2's round ``rnd``: each proxy's closed loop, in turn (the order swapped each
+    round) or, ``--together``, both at once."""
+    names = ["plain", "metered"] if rnd % 2 == 0 else ["metered", "plain"]
+
+    def loop(name: str) -> Any:
+        return closed_loop(proxies[name], args.clients, args.seconds, args.prompt_chars, args.output_tokens)
+
+    if args.together:
+
+        async def both() -> list[dict[str, float]]:
+            return list(await asyncio.gather(*(loop(name) for name in names)))
+
+        return list(zip(names, run(both()), strict=True))
+    return [(name, run(loop(name))) for name in names]
+
+
 def med(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
@@ -180,6 +202,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
     p.add_argument("--output-tokens", type=int, default=100, help="part 2: the answers' tokens (default 100)")
     p.add_argument("--prompt-chars", type=int, default=2000, help="the prompt's characters (default 2000)")
     p.add_argument("--store", choices=("memory", "redis"), default="memory", help="the proxies' store (memory)")
+    p.add_argument("--together", action="store_true", help="part 2: both proxies loaded at once each round")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
     args = p.parse_args(argv)
@@ -210,8 +233,7 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
         streams.append(s)
         p50 = {k: percentile(sorted(v), 50) * 1000 for k, v in s.ttfb.items()}
         print(f"  round {rnd + 1} streams: p50 TTFB ms " + ", ".join(f"{k} {v:.3f}" for k, v in p50.items()))
-        for name in ("plain", "metered") if rnd % 2 == 0 else ("metered", "plain"):
-            c = run(closed_loop(proxies[name], args.clients, args.seconds, args.prompt_chars, args.output_tokens))
+        for name, c in cpu_round(proxies, args, rnd, run):
             cpu[name].append(c)
             print(
                 f"  round {rnd + 1} cpu {name}: {c['requests']:.0f} calls ({c['per_s']:.0f}/s), "
@@ -282,7 +304,9 @@ def main(fleet: Fleet, argv: list[str] | None) -> int:
             ]
         )
     print(
-        f"\nPart 2, CPU: {args.clients} closed-loop clients, {args.seconds:g} s per proxy per round, JSON answers of "
+        f"\nPart 2, CPU: {args.clients} closed-loop clients, {args.seconds:g} s per proxy per round"
+        + (" (both at once)" if args.together else "")
+        + ", JSON answers of "
         f"{args.output_tokens} tokens; the proxy's utime+stime / answers (target: metered / plain <= {CPU_TARGET:g})"
     )
     print(table(rows, ["proxy", "µs CPU/request per round", "median", "calls/s", "ratio per round", "ratio", "target"]))
