@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Final, Literal, cast, get_args
+from typing import Final, Literal, TypeGuard, cast, get_args
 
 from proxy.quota.json_pointer import JsonPointer, json_number, load_json
 
@@ -229,10 +229,10 @@ class _Prompt:
             for item in value:
                 if isinstance(item, str):
                     self.characters += len(item)
-                elif isinstance(item, int) and not isinstance(item, bool):
+                elif _integer(item):
                     self.ids += 1
                 elif isinstance(item, list):
-                    self.ids += sum(1 for i in item if isinstance(i, int) and not isinstance(i, bool))
+                    self.ids += sum(1 for i in item if _integer(i))
 
     def parts(self, value: object, *fields: str) -> None:
         """A content: a string, or a list of parts whose ``fields`` (strings) count."""
@@ -302,13 +302,22 @@ def _openai(body: dict[str, object], completion_cap: float, path: str) -> float:
     return prompt.tokens + cap * _choices(body)
 
 
+def _integer(value: object) -> TypeGuard[int | float]:
+    """Whether a JSON value is an integer: an int (not a bool), or a float of one past 64 bits
+    (as orjson reads those: json_pointer.load_json)."""
+    return type(value) is int or (type(value) is float and abs(value) >= _PAST_64_BITS and value.is_integer())
+
+
+_PAST_64_BITS: Final = float(2**63)
+
+
 def _choices(body: dict[str, object]) -> int:
     """How many completions the request generates: ``n``, or ``best_of`` when larger."""
     found = 1
     for name in ("n", "best_of"):
         value = body.get(name)
-        if value is not None and isinstance(value, int) and not isinstance(value, bool) and value > found:
-            found = min(value, 2**53)  # the cost is held at MAX_ESTIMATE anyway
+        if value is not None and _integer(value) and value > found:
+            found = int(min(value, 2**53))  # the cost is held at MAX_ESTIMATE anyway
     return found
 
 

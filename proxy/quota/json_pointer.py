@@ -12,8 +12,9 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from json.scanner import make_scanner
 from typing import Final
+
+import orjson
 
 __all__ = ["JsonPointer", "json_number", "load_json"]
 
@@ -25,10 +26,8 @@ def _refuse_constant(name: str) -> object:
 
 
 _DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant)
-"""One decoder for every body: ``json.loads`` given an option makes a decoder (and its
-scanner) per call, most of a small body's parse."""
-_SCAN: Final = make_scanner(_DECODER)  # type: ignore[arg-type]  # (typeshed: its context is a decoder)
-_WHITESPACE: Final = " \t\n\r"  # (JSON's, RFC 8259: not str.isspace's)
+"""One decoder for what orjson does not read: ``json.loads`` given an option makes a decoder
+(and its scanner) per call, most of a small body's parse."""
 
 
 def load_json(body: bytes | str | None) -> object:
@@ -36,18 +35,16 @@ def load_json(body: bytes | str | None) -> object:
     none or it is not JSON."""
     if not body:
         return None
+    try:  # UTF-8 JSON, most bodies: orjson reads a 2 KB one in a third of json's time
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:  # json reads what orjson refuses: UTF-16 or -32, a BOM, a lone surrogate
+        pass
     try:
         if not isinstance(body, str):  # (as json.loads reads bytes: UTF-8, -16 or -32)
-            # An object's "{" then a byte not NUL: UTF-8 to detect_encoding too (no BOM, not UTF-16/32).
-            utf8 = len(body) > 1 and body[0] == 0x7B and body[1] != 0
-            body = body.decode("utf-8" if utf8 else json.detect_encoding(body), "surrogatepass")
-        if body[0] != "{":
-            return _DECODER.decode(body)
-        # An object (no whitespace before it): decode's scan without its two whitespace matches.
-        document, end = _SCAN(body, 0)
-    except (ValueError, RecursionError, StopIteration):  # UnicodeDecodeError is a ValueError
+            body = body.decode(json.detect_encoding(body), "surrogatepass")
+        return _DECODER.decode(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
-    return document if end == len(body) or not body[end:].strip(_WHITESPACE) else None
 
 
 def json_number(value: object) -> float | None:
