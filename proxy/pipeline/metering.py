@@ -313,6 +313,8 @@ class Settlement:
     def actual(self, headers: Mapping[str, str] | None) -> tuple[float | None, ...]:
         """Per meter, what the answer said the request cost; None: it did not say.
         ``headers``: the answer's fields (None: none, or no meter settles from them)."""
+        if not self._readers and not self.plan.reads_headers:  # (a JSON answer's usual settlement)
+            return tuple(None if settle is None else settle.from_document(self.document()) for settle in self._settles)
         out: list[float | None] = []
         readers = self._readers or [None] * len(self._settles)
         for settle, reader in zip(self._settles, readers, strict=True):
