@@ -425,7 +425,17 @@ def test_version_and_help() -> None:
     lines = version.stdout.splitlines()
     assert lines[0] == f"quota-proxy {proxy.__version__}"
     assert lines[1] == f"{platform.python_implementation()} {platform.python_version()}"
-    expected = ["aiohttp", "httptools", "redis", "hiredis", "prometheus-client", "pyyaml", "uvloop", "cryptography", "orjson"]
+    expected = [
+        "aiohttp",
+        "httptools",
+        "redis",
+        "hiredis",
+        "prometheus-client",
+        "pyyaml",
+        "uvloop",
+        "cryptography",
+        "orjson",
+    ]
     assert sorted(lines[2:]) == sorted(f"{name} {metadata.version(name)}" for name in expected), version.stdout
 
     helped = run_cli("--help")
