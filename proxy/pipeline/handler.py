@@ -513,10 +513,7 @@ class ProxyHandler:
         extra = {"Retry-After": applied.added_retry_after} if applied.added_retry_after else {}
         if admission.quota is not None:
             extra.update(fields_for_forwarded(upstream.headers, admission.quota))
-        settlement = None
-        if metered and upstream.status != 429:
-            headers = upstream.headers
-            settlement = Settlement(vendor, headers.get("Content-Type"), headers.get("Content-Encoding"))
+        settlement = Settlement.of(vendor, upstream.headers) if metered and upstream.status != 429 else None
         try:
             broken = await relay(
                 upstream,

@@ -284,6 +284,11 @@ class Settlement:
                 self._json = False  # (a coding it cannot undo: brotli, zstd) the estimate stands
                 self._events = None
 
+    @classmethod
+    def of(cls, vendor: Vendor, headers: Mapping[str, str]) -> Settlement:
+        """The settlement of an answer with these fields."""
+        return cls(vendor, headers.get("Content-Type"), headers.get("Content-Encoding"))
+
     def watch(self, chunk: bytes) -> None:
         """A piece of the answer's body, as it goes to the worker."""
         if self._inflate is not None:
