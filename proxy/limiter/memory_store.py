@@ -93,15 +93,9 @@ class MemoryStore:
         return min(burst, st[0] + (now - st[1]) * rate)
 
     def _store(self, b: BucketSpec, tokens: float, ts: float) -> None:
-        rate, burst = self._limits(b, ts)
-        self._put(b, tokens, ts, rate, burst, self._level(b, ts), self._state.get(b.ident))
-
-    def _put(
-        self, b: BucketSpec, tokens: float, ts: float, rate: float, burst: float, level: float, st: list[float] | None
-    ) -> None:
-        """``_store``, told its limits in force, its level at ``ts`` and its state (None: none)."""
         # Same expiry as the scripts: once refilled the key equals a missing one.
-        high = max(tokens, level)
+        rate, burst = self._limits(b, ts)
+        high, st = max(tokens, self._level(b, ts)), self._state.get(b.ident)
         above = ts if high > 0 or st is None else st[3]
         half = ts if high > burst / 2 or st is None else st[4]
         self._state[b.ident] = [tokens, ts, ts + (burst - tokens) / rate + 1.0, above, half]
@@ -498,17 +492,12 @@ class MemoryStore:
         now = self._clock.monotonic()
         levels: list[float] = []
         for b, amount in zip(buckets, amounts, strict=True):
-            rate, burst = self._limits(b, now)
-            st = self._state.get(b.ident)
-            live = st is not None and st[2] > now
-            level = min(burst, st[0] + (now - st[1]) * rate) if live else burst  # type: ignore[index]
+            level = self._level(b, now)
             if amount > 0 and since > 0:  # (store.settle: what its history allows)
-                above = (st[3], st[4]) if live else (now, now)  # type: ignore[index]  # (_above)
-                amount = min(amount, late_room(burst, level, above, now - since + 1e-6))
-            if amount < 0 or live:
-                settled = min(burst, level + amount)
-                self._put(b, settled, now, rate, burst, level, st)
-                level = settled
+                amount = min(amount, late_room(self._limits(b, now)[1], level, self._above(b, now), now - since + 1e-6))
+            if amount < 0 or (b.ident in self._state and self._state[b.ident][2] > now):
+                level = min(self._limits(b, now)[1], level + amount)
+                self._store(b, level, now)
             levels.append(level)
         return tuple(levels)
 

@@ -81,18 +81,14 @@ class Plan(NamedTuple):
     metered request asks: ``plan_of``)."""
 
     names: tuple[str, ...]
-    estimates: tuple[Estimate, ...]
-    defaults: tuple[float, ...]
-    """Per meter, the cost of a body it cannot read (its ``default``, else its capacity)."""
-    bodiless: tuple[bool, ...]
-    """Per meter, whether a call without a body asks for nothing (a preset's: GET /v1/models)."""
+    each: tuple[tuple[Estimate, float, bool], ...]
+    """Per meter: its estimate; the cost of a body it cannot read (its ``default``, else its
+    capacity); whether a call without a body asks for nothing (a preset's: GET /v1/models)."""
     settles: tuple[Settle | None, ...]
     reads_headers: bool
     """Whether a settlement reads the answer's fields (a ``header`` settle)."""
     reads_body: bool
     """Whether an estimate reads the request's body."""
-    each: tuple[tuple[Estimate, float, bool], ...]
-    """Per meter: its estimate, default and ``bodiless``, side by side."""
     body_taught: bool
     """Whether a JSON answer is read for the vendor's quota: ``feedback.headers: auto`` and a
     meter counting a currency an answer's body states (Shopify's points, ``teaching.currency_of``)."""
@@ -110,17 +106,15 @@ def plan_of(vendor: Vendor) -> Plan:
     meters = vendor.meters
     estimates = tuple(estimate_of(m) for m in meters)
     settles = tuple(settle_of(m) for m in meters)
-    defaults = tuple(m.default if m.default is not None else m.capacity for m in meters)
-    bodiless = tuple(m.estimate.kind not in ("fixed", "json") for m in meters)
     plan = Plan(
         tuple(m.name for m in meters),
-        estimates,
-        defaults,
-        bodiless,
+        tuple(
+            (e, m.default if m.default is not None else m.capacity, m.estimate.kind not in ("fixed", "json"))
+            for e, m in zip(estimates, meters, strict=True)
+        ),
         settles,
         any(s is not None and s.kind == "header" for s in settles),
         any(e.reads_body for e in estimates),
-        tuple(zip(estimates, defaults, bodiless, strict=True)),
         vendor.feedback.headers == "auto" and any(currency_of(m) == SHOPIFY for m in meters),
     )
     if len(_PLANS) >= _PLANS_MAX:
@@ -318,8 +312,6 @@ class Settlement:
     def actual(self, headers: Mapping[str, str] | None) -> tuple[float | None, ...]:
         """Per meter, what the answer said the request cost; None: it did not say.
         ``headers``: the answer's fields (None: none, or no meter settles from them)."""
-        if not self._readers and not self.plan.reads_headers:  # (a JSON answer's usual settlement)
-            return tuple(None if settle is None else settle.from_document(self.document()) for settle in self._settles)
         out: list[float | None] = []
         readers = self._readers or [None] * len(self._settles)
         for settle, reader in zip(self._settles, readers, strict=True):

@@ -98,9 +98,9 @@ def vendor_room(
     first = b.tenant_count
     room = list(levels[first : first + len(specs)])
     if b.paced_meters and estimates:
+        costs = b.costs(cost, estimates)
         specs = specs + b.paced_meter_part
-        first_meter, meters = b.request_count, b.meters
-        room += [levels[i] - estimates[meters[i - first_meter]] + cost for i in b.paced_meters]
+        room += [levels[i] - costs[i] + cost for i in b.paced_meters]
     if wait > 0:
         room = [level + wait * spec.rate for spec, level in zip(specs, room, strict=False)]
     return specs, tuple(room)
