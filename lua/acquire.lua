@@ -39,7 +39,11 @@
 -- schedule of hints, not a reservation: nothing is taken from any bucket, and a
 -- caller that never comes back costs the others nothing but a later hint. It is
 -- kept per bucket set (per tenant), so a tenant that floods only pushes its own
--- callers' hints out. A refusal by a full lease set takes no slot.
+-- callers' hints out. A refusal by a full lease set takes no slot. Nobody keeps to the
+-- schedule to the letter (a settlement gives back what a metered call did not use, a
+-- caller takes tokens between two told ones): a grant that finds the slowest of its buckets
+-- overflowed (it stood full while the callers told a slot slept, and lost tokens) starts
+-- the queue again, and the next caller refused is told the real wait.
 --
 -- Lost state. A bucket's reservations (holds) live only in its level; should
 -- the store lose its keys (restarted without persistence, FLUSHALL, a key
@@ -265,6 +269,8 @@ if state then
 end
 
 local levels, rates, bursts = {}, {}, {}
+local overflowed = {} -- bucket i stood full since it was last written ("Deferral queue")
+local restart = false -- this grant starts the deferral queue again
 -- above[i]: when bucket i last stood above empty before this call (`z`, written by every call
 -- that writes the bucket: now if its level had been, or is, above 0; see "Late slots"), and
 -- half[i] above half its burst (`zh`); now for a bucket not written (full) or written before
@@ -279,15 +285,18 @@ for i = 1, n do
     rate, burst = math.min(rate, tonumber(st[3])), math.min(burst, tonumber(st[4]))
   end
   rates[i], bursts[i] = rate, burst
-  local level = burst
+  local level, over = burst, true
   if st[1] then
-    level = math.min(burst, tonumber(st[1]) + (now - tonumber(st[2])) * rate)
+    level = tonumber(st[1]) + (now - tonumber(st[2])) * rate
+    level, over = math.min(burst, level), level > burst
   end
   if lost and (not st[1] or tonumber(st[2]) < lost) then
     -- Untouched since the loss: it restarts from below empty at the loss, owing what
     -- may be outstanding, and refills from there; never full (SPEC §12).
     level = math.min(level, (now - lost - debt) * rate)
+    over = level >= burst
   end
+  overflowed[i] = over
   if st[6] and tonumber(st[6]) > void_before then
     void_before = tonumber(st[6])
   end
@@ -990,6 +999,15 @@ elseif early then
 elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, share.horizon) or max_wait)
     and full == 0 then
   granted = 1
+  if queue then -- its slowest bucket overflowed: the queue's hints ran past it ("Deferral queue")
+    local slowest, step = 0, 0
+    for i = 1, n do
+      if costs[i] / rates[i] > step then
+        slowest, step = i, costs[i] / rates[i]
+      end
+    end
+    restart = slowest > 0 and overflowed[slowest]
+  end
   take(1, n)
   write_levels()
   take_leases(now + wait)
@@ -1078,6 +1096,9 @@ if share and sh.dirty then -- the schedule's hash, in `flush` with the other wri
 end
 
 flush()
+if restart then -- (after the writes: a script's first write lets the rest past a full Redis' OOM)
+  redis.call('DEL', queue)
+end
 
 local ttl = 0
 if state then

@@ -327,6 +327,8 @@ class MemoryStore:
             hint, _ = standby(kept, now, now + early, reserve, reserve.claim, interval(charge, rates))
             return refused(early, hint, reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
+            if queue is not None and queue in self._queues:
+                self._restart_if_overflowed(queue, buckets, charge, now)
             take(0, len(buckets))
             write()
             take_leases(now + wait)
@@ -399,6 +401,8 @@ class MemoryStore:
             self._leases.forget_empty()
             hint = self._slot(queue, now, wait, (cost if costs is None else costs[binding]) / buckets[binding].rate)
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
+        if queue is not None and queue in self._queues:
+            self._restart_if_overflowed(queue, buckets, costs or (cost,) * len(buckets), now)
         latest = now
         for i, b in enumerate(buckets):  # (_store's expiry and `above`)
             level, st = levels[i] - (cost if costs is None else costs[i]), state.get(b.ident)
@@ -441,6 +445,17 @@ class MemoryStore:
 
     async def inflight(self, sets: tuple[LeaseSet, ...]) -> tuple[int, ...]:
         return self._leases.inflight(sets, self._clock.monotonic())
+
+    def _restart_if_overflowed(
+        self, queue: str, buckets: tuple[BucketSpec, ...], charge: tuple[float, ...], now: float
+    ) -> None:
+        """A grant that finds the slowest of its buckets overflowed (full while the callers
+        told a slot slept) starts ``queue`` again (acquire.lua, "Deferral queue")."""
+        limits = [self._limits(b, now) for b in buckets]
+        i = max(range(len(buckets)), key=lambda k: charge[k] / limits[k][0])
+        (rate, burst), st = limits[i], self._state.get(buckets[i].ident)
+        if charge[i] > 0 and (st is None or st[2] <= now or st[0] + (now - st[1]) * rate > burst):
+            del self._queues[queue]
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
         """The refused caller's retry hint: its slot in the queue, never before ``wait`` (acquire.lua)."""
