@@ -207,13 +207,12 @@ class Limiter:
     @staticmethod
     def keeps_slots(b: Buckets) -> bool:
         """Whether a deferred call of ``b`` keeps its slot. A metered one keeps none, though
-        the store can keep one (acquire.lua, "Kept slots"): its owner claims it a few ms
-        late, a move (acquire.lua, "Late slots") into a vendor window that may already hold
-        a call as costly at its start, which the burst has room for beside a request's cost
-        of 1 but not beside an estimate near it (bench/meters.py part a: 95 % used, then a
-        vendor 429 that voided every slot, bench/README.md); and SDKs retry on another
-        pooled connection without an Idempotency-Key (an OpenAI pool of 8 finished 5 of 30
-        calls). Its deferral queue is what paces it ("Deferral queue")."""
+        the store can keep one (acquire.lua, "Kept slots"): kept slots run seconds ahead, so
+        what a settlement gives back funds a slot that many seconds later, in a vendor
+        window that does not hold the call that gave it back (bench/meters.py part a: 95 %
+        used, then a vendor 429 that voided every slot, bench/README.md); and SDKs retry on
+        another pooled connection without an Idempotency-Key (an OpenAI pool of 8 finished
+        5 of 30 calls). Its deferral queue is what paces it ("Deferral queue")."""
         return not b.meters
 
     @staticmethod
