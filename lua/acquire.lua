@@ -855,12 +855,14 @@ end
 -- call and come back for their slot on a new one, and the refusal a standby may cost them
 -- (a retry of an SDK's few) is worth that much gained, not less.
 local STANDBY_GAIN = 1000
-local function schedule_interval() -- ms between two slots of the binding bucket
-  local interval = 0
+local function schedule_interval() -- ms between two slots of the binding bucket, and that bucket
+  local interval, slowest = 0, 0 -- (0: no bucket takes anything)
   for i = 1, n do
-    interval = math.max(interval, costs[i] / rates[i])
+    if costs[i] / rates[i] > interval then
+      interval, slowest = costs[i] / rates[i], i
+    end
   end
-  return interval
+  return interval, slowest
 end
 local function standby(own, member) -- ms: when the caller of slot `member` (maturing at `own`) asks again
   local interval = schedule_interval()
@@ -1000,12 +1002,7 @@ elseif gate_ok and wait <= (share and not credit_used and math.min(max_wait, sha
     and full == 0 then
   granted = 1
   if queue then -- its slowest bucket overflowed: the queue's hints ran past it ("Deferral queue")
-    local slowest, step = 0, 0
-    for i = 1, n do
-      if costs[i] / rates[i] > step then
-        slowest, step = i, costs[i] / rates[i]
-      end
-    end
+    local _, slowest = schedule_interval()
     restart = slowest > 0 and overflowed[slowest]
   end
   take(1, n)

@@ -178,7 +178,14 @@ def standby(
 
 def interval(costs: Sequence[float], rates: Sequence[float]) -> float:
     """The schedule's interval: seconds between two slots of the binding bucket (cost / rate)."""
-    return max(c / r for c, r in zip(costs, rates, strict=True))
+    i = slowest(costs, rates)
+    return costs[i] / rates[i]
+
+
+def slowest(costs: Sequence[float], rates: Sequence[float]) -> int:
+    """The schedule's binding bucket: the one whose cost takes the longest to refill (the
+    first of them, as acquire.lua's ``schedule_interval``)."""
+    return max(range(len(costs)), key=lambda i: costs[i] / rates[i])
 
 
 def left_behind(kept: dict[str, Slot], claims: tuple[str, ...]) -> int:

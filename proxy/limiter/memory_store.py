@@ -8,7 +8,7 @@ have refilled, as Redis keys do, so idle tenants leave nothing behind.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from proxy.clock import Clock
 from proxy.limiter.late_slots import (
@@ -22,6 +22,7 @@ from proxy.limiter.late_slots import (
     late_units,
     leave,
     left_behind,
+    slowest,
     standby,
 )
 from proxy.limiter.memory_leases import LeaseTable
@@ -328,7 +329,7 @@ class MemoryStore:
             return refused(early, hint, reserve.claim)
         if mine and wait <= (max_wait if turn is None else turn.horizon(max_wait)) and full < 0:
             if queue is not None and queue in self._queues:
-                self._restart_if_overflowed(queue, buckets, charge, now)
+                self._restart_if_overflowed(queue, buckets, charge, rates, now)
             take(0, len(buckets))
             write()
             take_leases(now + wait)
@@ -402,7 +403,7 @@ class MemoryStore:
             hint = self._slot(queue, now, wait, (cost if costs is None else costs[binding]) / buckets[binding].rate)
             return AcquireResult(False, wait, binding, tuple(levels), hint, seq, False, -1, ())
         if queue is not None and queue in self._queues:
-            self._restart_if_overflowed(queue, buckets, costs or (cost,) * len(buckets), now)
+            self._restart_if_overflowed(queue, buckets, costs or (cost,) * len(buckets), [b.rate for b in buckets], now)
         latest = now
         for i, b in enumerate(buckets):  # (_store's expiry and `above`)
             level, st = levels[i] - (cost if costs is None else costs[i]), state.get(b.ident)
@@ -447,14 +448,13 @@ class MemoryStore:
         return self._leases.inflight(sets, self._clock.monotonic())
 
     def _restart_if_overflowed(
-        self, queue: str, buckets: tuple[BucketSpec, ...], charge: tuple[float, ...], now: float
+        self, queue: str, buckets: tuple[BucketSpec, ...], charge: Sequence[float], rates: Sequence[float], now: float
     ) -> None:
         """A grant that finds the slowest of its buckets overflowed (full while the callers
         told a slot slept) starts ``queue`` again (acquire.lua, "Deferral queue")."""
-        limits = [self._limits(b, now) for b in buckets]
-        i = max(range(len(buckets)), key=lambda k: charge[k] / limits[k][0])
-        (rate, burst), st = limits[i], self._state.get(buckets[i].ident)
-        if charge[i] > 0 and (st is None or st[2] <= now or st[0] + (now - st[1]) * rate > burst):
+        i = slowest(charge, rates)
+        burst, st = self._limits(buckets[i], now)[1], self._state.get(buckets[i].ident)
+        if charge[i] > 0 and (st is None or st[2] <= now or st[0] + (now - st[1]) * rates[i] > burst):
             del self._queues[queue]
 
     def _slot(self, queue: str | None, now: float, wait: float, step: float) -> float:
