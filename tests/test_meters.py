@@ -7,9 +7,11 @@ The vendor is the mock vendor's OpenAI shape (``proxy/devtools/mockvendor_openai
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
+import time
 from typing import Any
 
 import aiohttp
@@ -112,6 +114,65 @@ async def test_a_call_the_meter_cannot_cover_is_refused_on_it(
             assert "tokens 60/1m burst 1000" in (await r.text())
     assert vendor.mock.accepted == 1
     assert await tokens_left(proxy) == pytest.approx(BURST - estimate(chat(600)), abs=3)
+
+
+async def test_a_deferred_call_of_a_meter_that_does_not_settle_keeps_its_slot(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """SPEC §6 on a meter (§14): a meter whose estimate is its cost (no ``settle``) is counted
+    as requests are, and a deferred call keeps its slot: its estimate is taken at once (the
+    meter goes below empty, where a deferral queue's hint takes nothing), an early retry on
+    its connection is told the same slot, and its retry at the slot is served on it without
+    taking the estimate again. (A meter that settles keeps none: Limiter.keeps_slots.)"""
+    policy = metered(vendor.url, store_url, settle="none", on_limit="{action: defer}")
+    (v,) = policy.vendors
+    fast = dataclasses.replace(v.meters[0], limits=(Limit(rate=200, per=1, burst=BURST),))
+    proxy = await start_proxy(dataclasses.replace(policy, vendors=(dataclasses.replace(v, meters=(fast,)),)))
+    later = chat(394)  # 400 tokens: 2 s of the meter once it is empty
+
+    async def deferred(s: aiohttp.ClientSession) -> tuple[float, float]:
+        """When the slot the answer names matures, as a range: the answer came between sent and got."""
+        sent = time.monotonic()
+        async with s.post(proxy.url + CHAT, json=later) as r:
+            assert r.status == 429 and r.headers["X-Quota-Action"] == "defer", await r.text()
+            hint = int(r.headers["retry-after-ms"]) / 1000
+        return sent + hint, time.monotonic() + hint
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:  # one connection
+        async with s.post(proxy.url + CHAT, json=chat(994)) as r:  # 1000 tokens: the meter empty
+            assert r.status == 200, await r.text()
+        first = await deferred(s)
+        assert 1.5 < first[1] - time.monotonic() <= 2.1  # 400 tokens at 200/s
+        assert await tokens_left(proxy) < -200  # its 400 taken, 2 s of the meter ahead of now
+        again = await deferred(s)  # early: the same slot, not one after it
+        assert again[0] - 0.05 <= first[1] and first[0] - 0.05 <= again[1], (first, again)
+        await asyncio.sleep(max(first[1] - time.monotonic(), 0))
+        async with s.post(proxy.url + CHAT, json=later) as r:
+            assert r.status == 200, await r.text()
+        assert await tokens_left(proxy) > -100  # served on its slot: its tokens not taken twice
+    assert vendor.mock.accepted == 2
+
+
+async def test_a_deferred_call_of_a_meter_that_settles_keeps_no_slot(
+    vendor: Vendor, start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """A meter that settles (here from a header the vendor never sends: the estimate stands)
+    paces its deferred calls by the deferral queue, taking nothing until they come back
+    (Limiter.keeps_slots: what a settlement gives back would fund a slot kept seconds ahead)."""
+    policy = metered(vendor.url, store_url, on_limit="{action: defer}")
+    (v,) = policy.vendors
+    meter = dataclasses.replace(
+        v.meters[0], limits=(Limit(rate=200, per=1, burst=BURST),), settle=MeterSettle("header", header="x-cost")
+    )
+    proxy = await start_proxy(dataclasses.replace(policy, vendors=(dataclasses.replace(v, meters=(meter,)),)))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        async with s.post(proxy.url + CHAT, json=chat(994)) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(proxy.url + CHAT, json=chat(394)) as r:
+            assert r.status == 429 and r.headers["X-Quota-Action"] == "defer", await r.text()
+            assert 1500 < int(r.headers["retry-after-ms"]) <= 2000  # its place in the queue
+        assert await tokens_left(proxy) >= 0  # nothing taken for it
+    assert vendor.mock.accepted == 1
 
 
 async def test_an_estimate_beyond_what_the_meter_can_ever_hold_is_refused_at_once(

@@ -48,6 +48,8 @@ class Buckets:
     meters: tuple[int, ...] = ()
     """The meter (an index of ``vendor.meters``) of each of the last ``len(meters)`` buckets:
     its meters' buckets, after the request buckets (SPEC §14); () without meters."""
+    settles: bool = False
+    """Whether a meter of these buckets settles from the answer (its estimate is not its cost)."""
     vendor_side: tuple[BucketSpec, ...] = field(init=False, repr=False, compare=False)
     """The request buckets the vendor counts itself: the endpoint class's and the global ones
     (the pacer keeps a lag per bucket: pacing.py)."""
@@ -259,7 +261,8 @@ def buckets_for(
         index = share.class_of(tenant) if klass is None else klass
         ask = share_ask(share, state, tenant, index or 0, len(tenant_part) + len(endpoint_part))
     metered = meter_buckets(prefix, vendor, tenant, partition)
-    if ask is None and metered and any(m.settle.kind != "none" for m in vendor.meters):
+    settles = bool(metered) and any(vendor.meters[k].settle.kind != "none" for _, k in metered)
+    if ask is None and settles:
         # A settlement gives back what a call did not use; given to a hold reserved far ahead
         # (a queue of them), those tokens would move later calls into vendor windows that
         # do not hold the call that left them: so a metered hold reserves no further ahead
@@ -278,6 +281,7 @@ def buckets_for(
         None if endpoint is None else endpoint.name,
         ask,
         tuple(k for _, k in metered),
+        settles,
     )
 
 

@@ -190,8 +190,8 @@ class Limiter:
         given before, keeping none should it be refused. ``owner``: how long after a slot
         matured this caller may take it when its owner has not (kept_slots.Caller.owner).
         ``estimates``: one per meter of the vendor (SPEC §14), what the request is estimated
-        to cost in that meter's currency, taken from its buckets with the others (no slot is
-        kept for it: ``claim`` is not used).
+        to cost in that meter's currency, taken from its buckets with the others (a refusal
+        keeps its slot only when none of its meters settles: ``keeps_slots``).
         """
         b = self.buckets(vendor, tenant, endpoint, partition) if buckets is None else buckets
         if vendor.partition is not None:
@@ -206,14 +206,15 @@ class Limiter:
 
     @staticmethod
     def keeps_slots(b: Buckets) -> bool:
-        """Whether a deferred call of ``b`` keeps its slot. A metered one keeps none, though
-        the store can keep one (acquire.lua, "Kept slots"): kept slots run seconds ahead, so
-        what a settlement gives back funds a slot that many seconds later, in a vendor
-        window that does not hold the call that gave it back (bench/meters.py part a: 95 %
-        used, then a vendor 429 that voided every slot, bench/README.md); and SDKs retry on
-        another pooled connection without an Idempotency-Key (an OpenAI pool of 8 finished
-        5 of 30 calls). Its deferral queue is what paces it ("Deferral queue")."""
-        return not b.meters
+        """Whether a deferred call of ``b`` keeps its slot (SPEC §6). One of a meter that
+        settles keeps none: kept slots run seconds ahead, so what a settlement gives back
+        funds a slot that many seconds later, in a vendor window that does not hold the call
+        that gave it back (bench/meters.py part a: 95 % used, then a vendor 429 that voided
+        every slot); given back as units only callers asking now may take, or not at all, it
+        is mostly lost (74-81 %, bench/README.md). Its deferral queue is what paces it
+        ("Deferral queue": 94-95 %). A meter whose estimate is its cost is counted as
+        requests are, and keeps its slot as they do."""
+        return not b.settles
 
     @staticmethod
     def reserve(vendor: Vendor, b: Buckets, claim: str = "", keeps: bool = True, owner: float = 0.0) -> Reserve:
