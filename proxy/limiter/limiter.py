@@ -210,10 +210,11 @@ class Limiter:
         settles keeps none: kept slots run seconds ahead, so what a settlement gives back
         funds a slot that many seconds later, in a vendor window that does not hold the call
         that gave it back (bench/meters.py part a: 95 % used, then a vendor 429 that voided
-        every slot); given back as units only callers asking now may take, or not at all, it
-        is mostly lost (74-81 %, bench/README.md). Its deferral queue is what paces it
-        ("Deferral queue": 94-95 %). A meter whose estimate is its cost is counted as
-        requests are, and keeps its slot as they do."""
+        every slot; kept at most 0.42-1 s ahead, smaller overruns, still 429s); given back as
+        units only callers asking now may take, or not at all, it is mostly lost (74-81 %,
+        bench/README.md). Its deferral queue is what paces it ("Deferral queue": 94-95 %). A
+        meter whose estimate is its cost is counted as requests are, and keeps its slot as
+        they do."""
         return not b.settles
 
     @staticmethod
